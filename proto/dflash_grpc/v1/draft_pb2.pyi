@@ -1,0 +1,70 @@
+from dflash_grpc.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DrafterInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrafterInfo(_message.Message):
+    __slots__ = ("model", "target_fingerprint", "target_layer_ids", "mask_token_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TARGET_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    MASK_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    model: _common_pb2.ModelInfo
+    target_fingerprint: str
+    target_layer_ids: _containers.RepeatedScalarFieldContainer[int]
+    mask_token_id: int
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., target_fingerprint: _Optional[str] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., mask_token_id: _Optional[int] = ...) -> None: ...
+
+class TreeParams(_message.Message):
+    __slots__ = ("budget", "top_k", "max_depth")
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    budget: int
+    top_k: int
+    max_depth: int
+    def __init__(self, budget: _Optional[int] = ..., top_k: _Optional[int] = ..., max_depth: _Optional[int] = ...) -> None: ...
+
+class ProposeItem(_message.Message):
+    __slots__ = ("session_id", "features", "root_token", "committed_length", "tree")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    ROOT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    features: _common_pb2.Tensor
+    root_token: int
+    committed_length: int
+    tree: TreeParams
+    def __init__(self, session_id: _Optional[str] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., root_token: _Optional[int] = ..., committed_length: _Optional[int] = ..., tree: _Optional[_Union[TreeParams, _Mapping]] = ...) -> None: ...
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ProposeItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ...) -> None: ...
+
+class ProposeResult(_message.Message):
+    __slots__ = ("session_id", "status", "tree")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    status: _common_pb2.ItemStatus
+    tree: _common_pb2.TokenTree
+    def __init__(self, session_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.ItemStatus, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ...) -> None: ...
+
+class ProposeResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[ProposeResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[ProposeResult, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,199 @@
+"""GGUF reading (and writing, for tests and drafters) through the ``gguf`` package.
+
+A GGUF tensor of GGUF shape ``[ne0, ne1]`` (``ne0`` fastest) is returned as a PyTorch tensor of
+shape ``[ne1, ne0]``: for a linear layer that is ``[out_features, in_features]``, the layout of
+``torch.nn.functional.linear``. Quantized tensors (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, ...)
+are dequantized with ``gguf.quants.dequantize`` (the reference Python port of ggml's
+dequantization), then cast to the requested dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+import gguf
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+
+#: Tensor types the loader is tested on (tests/test_gguf_loader.py).
+SUPPORTED_TYPES = (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)
+
+
+class GGUFError(ValueError):
+    """A GGUF file is missing a key or tensor, or holds one of an unsupported type."""
+
+
+def _field_value(field: Any) -> Any:
+    """Python value of a ``gguf.ReaderField``: str, int, float, bool, or a list of them."""
+    main = field.types[0] if field.types else None
+    if main == GGUFValueType.ARRAY:
+        return field.contents()
+    value = field.contents()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+@dataclasses.dataclass
+class TensorInfo:
+    """Name, GGML type name and PyTorch-order shape of one tensor of a GGUF file."""
+
+    name: str
+    type_name: str
+    shape: tuple[int, ...]
+
+
+class GGUFFile:
+    """A memory-mapped GGUF file: its metadata and lazily dequantized tensors.
+
+    Args:
+        path: the ``.gguf`` file.
+
+    Attributes:
+        path: the file path.
+        metadata: every key/value field except the ``GGUF.*`` header fields, as Python values.
+        architecture: ``general.architecture`` (e.g. ``"llama"``, ``"qwen35"``).
+
+    Raises:
+        GGUFError: the file has no ``general.architecture``.
+        FileNotFoundError: the path does not exist.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = os.fspath(path)
+        if not os.path.exists(self.path):
+            raise FileNotFoundError(self.path)
+        self._reader = GGUFReader(self.path, "r")
+        self.metadata: dict[str, Any] = {
+            k: _field_value(f) for k, f in self._reader.fields.items() if not k.startswith("GGUF.")
+        }
+        if "general.architecture" not in self.metadata:
+            raise GGUFError(f"{self.path}: no general.architecture")
+        self.architecture: str = self.metadata["general.architecture"]
+        self._tensors = {t.name: t for t in self._reader.tensors}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Metadata value of ``key``; ``{arch}`` in ``key`` is replaced by the architecture."""
+        return self.metadata.get(key.replace("{arch}", self.architecture), default)
+
+    def require(self, key: str) -> Any:
+        """Like :meth:`get`, but raises :class:`GGUFError` when the key is absent."""
+        full = key.replace("{arch}", self.architecture)
+        if full not in self.metadata:
+            raise GGUFError(f"{self.path}: missing metadata key {full!r}")
+        return self.metadata[full]
+
+    def tensor_names(self) -> list[str]:
+        """Names of all tensors, in file order."""
+        return list(self._tensors)
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self._tensors
+
+    def tensor_info(self, name: str) -> TensorInfo:
+        """Type and PyTorch-order shape of tensor ``name`` (raises :class:`GGUFError` if absent)."""
+        t = self._tensor(name)
+        return TensorInfo(name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())))
+
+    def _tensor(self, name: str):
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise GGUFError(f"{self.path}: missing tensor {name!r}") from None
+
+    def load_tensor(self, name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> torch.Tensor:
+        """Dequantize tensor ``name`` into a new tensor.
+
+        Returns:
+            ``dtype`` tensor of shape ``tensor_info(name).shape`` (GGUF dims reversed) on ``device``.
+
+        Raises:
+            GGUFError: the tensor is absent or of a type ``gguf.quants`` cannot dequantize.
+        """
+        t = self._tensor(name)
+        qtype = GGMLQuantizationType(t.tensor_type)
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if qtype == GGMLQuantizationType.F32:
+            arr = np.asarray(t.data, dtype=np.float32)
+        elif qtype == GGMLQuantizationType.F16:
+            arr = np.asarray(t.data, dtype=np.float16)
+        elif qtype == GGMLQuantizationType.BF16:
+            raw = np.asarray(t.data).view(np.uint16).astype(np.int32) << 16
+            arr = raw.view(np.float32)
+        else:
+            try:
+                arr = gguf.quants.dequantize(np.asarray(t.data), qtype)
+            except NotImplementedError as e:  # pragma: no cover - depends on gguf version
+                raise GGUFError(f"{name}: cannot dequantize {qtype.name}: {e}") from e
+        out = torch.from_numpy(np.ascontiguousarray(arr).reshape(shape))
+        return out.to(device=device, dtype=dtype)
+
+
+def write_gguf(
+    path: str | os.PathLike[str],
+    arch: str,
+    metadata: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor | np.ndarray],
+    tensor_types: Mapping[str, GGMLQuantizationType] | None = None,
+    default_type: GGMLQuantizationType = GGMLQuantizationType.F32,
+) -> None:
+    """Write a GGUF file.
+
+    Args:
+        path: output file.
+        arch: ``general.architecture``.
+        metadata: key -> value; ``{arch}`` in a key is replaced by ``arch``. Values: str, bool,
+            int (written as int32 if it fits, else uint64/int64), float (float32), or lists of
+            one of those (lists of str -> string arrays). Use ``gguf.GGUFValueType`` pairs
+            ``(value, GGUFValueType.X)`` to force a type.
+        tensors: name -> tensor in PyTorch order (``[out, in]`` for a linear weight).
+        tensor_types: per-name storage type; others use ``default_type``. Quantized types are
+            made with ``gguf.quants.quantize``; 1-D tensors are always stored F32.
+    """
+    tensor_types = dict(tensor_types or {})
+    writer = gguf.GGUFWriter(os.fspath(path), arch)
+    for key, value in metadata.items():
+        key = key.replace("{arch}", arch)
+        if key == "general.architecture":
+            continue
+        if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], GGUFValueType):
+            writer.add_key_value(key, value[0], value[1])
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            if -(2**31) <= value < 2**31:
+                writer.add_int32(key, value)
+            elif value >= 0:
+                writer.add_uint64(key, value)
+            else:
+                writer.add_int64(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, (list, tuple)):
+            writer.add_array(key, list(value))
+        else:
+            raise TypeError(f"metadata {key!r}: unsupported value type {type(value).__name__}")
+    for name, value in tensors.items():
+        arr = value.detach().to(torch.float32).cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value, np.float32)
+        qtype = tensor_types.get(name, default_type)
+        if arr.ndim == 1:
+            qtype = GGMLQuantizationType.F32
+        if qtype == GGMLQuantizationType.F32:
+            writer.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
+        elif qtype == GGMLQuantizationType.F16:
+            writer.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float16))
+        else:
+            q = gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), qtype)
+            writer.add_tensor(name, q, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
