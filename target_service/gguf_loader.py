@@ -131,7 +131,7 @@ class GGUFFile:
                 arr = gguf.quants.dequantize(np.asarray(t.data), qtype)
             except NotImplementedError as e:  # pragma: no cover - depends on gguf version
                 raise GGUFError(f"{name}: cannot dequantize {qtype.name}: {e}") from e
-        out = torch.from_numpy(np.ascontiguousarray(arr).reshape(shape))
+        out = torch.from_numpy(np.array(arr, copy=True).reshape(shape))
         return out.to(device=device, dtype=dtype)
 
 

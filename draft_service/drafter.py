@@ -1,0 +1,748 @@
+"""The DFlash block-diffusion drafter in plain PyTorch (CPU or CUDA, any float dtype).
+
+Source of the formulas: "DFlash: Block Diffusion for Flash Speculative Decoding" and its reference
+code (z-lab/dflash, ``Qwen3DFlashAttention`` / ``Qwen3DFlashDecoderLayer`` / ``DFlashDraftModel``).
+
+Model (``L`` decoder layers, Qwen3 style, hidden size ``H`` = the target's)::
+
+    ctx   = hidden_norm(fc(features))                   features [n, N*H]: outputs of N target layers
+    x     = target_embedding([root, MASK, ..., MASK])   [B, H]   positions P..P+B-1
+    for each layer:
+        h      = attn_norm(x)
+        q      = rope(q_norm(heads(h @ Wq^T)))          [nh, B, D]    (block rows only)
+        K, V   = [rope(k_norm(heads(ctx @ Wk^T))) ; rope(k_norm(heads(h @ Wk^T)))]   context then block
+                 [heads(ctx @ Wv^T) ; heads(h @ Wv^T)]                [nkv, n+B, D]
+        a      = softmax(q K^T / sqrt(D)) V             no causal mask: every block row sees every
+                                                        context row and every block row
+        x      = x + a @ Wo^T
+        x      = x + down(silu(gate(ffn_norm(x))) * up(ffn_norm(x)))
+    logits = output_norm(x) @ target_lm_head^T          [B, V]; row d (d >= 1) predicts position P+d
+
+* RMSNorm: ``x / sqrt(mean(x^2) + eps) * w`` (computed in float32, weight applied in the model dtype,
+  as ``Qwen3RMSNorm``); ``q_norm`` / ``k_norm`` are per head over ``head_dim``.
+* RoPE: NeoX style (``rotate_half``) over the whole ``head_dim``, ``inv_freq = theta^(-2i/D)``, at the
+  absolute position of each row (context row ``j`` is position ``j``; the block starts at ``P`` =
+  number of context rows, the target's committed length).
+* GQA: query head ``h`` uses kv head ``h // (nh / nkv)`` (``repeat_kv``).
+* The context K/V of a row depend on that row only (fc, hidden_norm, k/v projections, k_norm, RoPE
+  are per row), so they are computed once per session and cached (:class:`DrafterContext`): the
+  cached path (:meth:`DFlashDrafter.append_context` + :meth:`DFlashDrafter.block_logits`) and the
+  uncached one (:meth:`DFlashDrafter.forward_block`) run the same functions
+  (``_context_kv``, ``_layer``, ``_attention``).
+* The drafter has no embedding or LM head of its own: it borrows the target's ``token_embd.weight``
+  and ``output.weight`` (``token_embd.weight`` when tied), read from the target GGUF. Both are
+  buffers (frozen), not parameters.
+* Attention scores, softmax and the weighted sum run in float32 whatever the model dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import re
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+#: Default number of draft layers, block size and number of target layers tapped.
+DEFAULT_NUM_LAYERS = 2
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_NUM_TARGET_LAYERS = 5
+
+# GGUF tokenizer token types (llama.cpp ``llama_token_type``).
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_UNUSED = 5
+
+
+class DrafterError(ValueError):
+    """A drafter file or config is inconsistent, or does not belong to the given target."""
+
+
+# --------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class DrafterConfig:
+    """Shape and metadata of a DFlash drafter.
+
+    Attributes:
+        hidden_size: ``H``, equal to the target's embedding length.
+        num_layers: draft decoder layers.
+        num_heads, num_kv_heads, head_dim: attention shape (``num_heads % num_kv_heads == 0``,
+            ``head_dim`` even).
+        intermediate_size: SwiGLU width.
+        rms_eps: RMSNorm epsilon.
+        rope_theta: RoPE base frequency.
+        block_size: ``B``: the block is ``[root, MASK x (B-1)]``; ``B-1`` draft positions.
+        target_layer_ids: the ``N`` target layers whose outputs (residual stream after the layer,
+            0-based) form the context features, in feature order.
+        mask_token_id: target token id used as MASK.
+        vocab_size: target vocabulary size (rows of its embedding / LM head).
+        target_fingerprint: :func:`target_service.fingerprint.model_fingerprint` of the target.
+        target_architecture: the target's ``general.architecture``.
+    """
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_eps: float
+    rope_theta: float
+    block_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    vocab_size: int
+    target_fingerprint: str = ""
+    target_architecture: str = ""
+
+    @property
+    def num_target_layers(self) -> int:
+        """``N``, the number of target layers tapped."""
+        return len(self.target_layer_ids)
+
+    @property
+    def feature_size(self) -> int:
+        """Width of one context feature row: ``N * H``."""
+        return len(self.target_layer_ids) * self.hidden_size
+
+    def validate(self) -> "DrafterConfig":
+        """Check the fields are consistent; returns ``self``.
+
+        Raises:
+            DrafterError: a field is out of range.
+        """
+        checks = [
+            (self.hidden_size > 0, "hidden_size > 0"),
+            (self.num_layers >= 1, "num_layers >= 1"),
+            (self.num_heads >= 1 and self.num_kv_heads >= 1, "heads >= 1"),
+            (self.num_heads % self.num_kv_heads == 0, "num_heads % num_kv_heads == 0"),
+            (self.head_dim > 0 and self.head_dim % 2 == 0, "head_dim even and > 0"),
+            (self.intermediate_size > 0, "intermediate_size > 0"),
+            (self.rms_eps > 0, "rms_eps > 0"),
+            (self.rope_theta > 0, "rope_theta > 0"),
+            (self.block_size >= 2, "block_size >= 2"),
+            (len(self.target_layer_ids) >= 1, "at least one target layer"),
+            (all(i >= 0 for i in self.target_layer_ids), "target_layer_ids >= 0"),
+            (self.vocab_size > 0, "vocab_size > 0"),
+            (0 <= self.mask_token_id < self.vocab_size, "0 <= mask_token_id < vocab_size"),
+        ]
+        bad = [what for ok, what in checks if not ok]
+        if bad:
+            raise DrafterError(f"invalid drafter config ({', '.join(bad)}): {self}")
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        return self
+
+    @classmethod
+    def for_target(
+        cls,
+        target: Any,
+        *,
+        num_layers: int = DEFAULT_NUM_LAYERS,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        num_target_layers: int = DEFAULT_NUM_TARGET_LAYERS,
+        target_layer_ids: Sequence[int] | None = None,
+        mask_token_id: int | None = None,
+    ) -> "DrafterConfig":
+        """Default drafter config for a target GGUF.
+
+        Hidden size, heads, kv heads, head_dim (``{arch}.attention.key_length``, else
+        ``hidden / heads``), ffn width, RoPE theta and RMS eps are copied from the target;
+        ``target_layer_ids`` defaults to :func:`default_target_layer_ids` with
+        ``min(num_target_layers, target layers)`` taps; ``mask_token_id`` to
+        :func:`choose_mask_token`.
+
+        Args:
+            target: a :class:`target_service.gguf_loader.GGUFFile` or a path to one.
+
+        Raises:
+            DrafterError: the target lacks a needed key, or the options are out of range.
+        """
+        from target_service.fingerprint import model_fingerprint
+        from target_service.gguf_loader import GGUFFile
+
+        g = target if isinstance(target, GGUFFile) else GGUFFile(target)
+
+        def num(key: str, default: Any = None) -> Any:
+            v = g.get(key, default)
+            if isinstance(v, list):  # per-layer arrays (hybrid models): the attention layers' value
+                v = max((x for x in v if x), default=default)
+            if v is None:
+                raise DrafterError(f"{g.path}: missing {key.replace('{arch}', g.architecture)}")
+            return v
+
+        hidden = int(num("{arch}.embedding_length"))
+        n_layers_target = int(num("{arch}.block_count"))
+        heads = int(num("{arch}.attention.head_count"))
+        kv_heads = int(num("{arch}.attention.head_count_kv", heads))
+        head_dim = int(num("{arch}.attention.key_length", hidden // heads))
+        ffn = int(num("{arch}.feed_forward_length"))
+        theta = float(num("{arch}.rope.freq_base", 10000.0))
+        eps = float(num("{arch}.attention.layer_norm_rms_epsilon", 1e-6))
+        vocab = target_vocab_size(g)
+        if target_layer_ids is None:
+            if num_target_layers < 1:
+                raise DrafterError("num_target_layers must be >= 1")
+            target_layer_ids = default_target_layer_ids(n_layers_target, min(num_target_layers, n_layers_target))
+        target_layer_ids = [int(i) for i in target_layer_ids]
+        if len(target_layer_ids) > n_layers_target or any(not 0 <= i < n_layers_target for i in target_layer_ids):
+            raise DrafterError(f"target_layer_ids {target_layer_ids} do not fit a {n_layers_target}-layer target")
+        if mask_token_id is None:
+            mask_token_id = choose_mask_token(
+                g.get("tokenizer.ggml.tokens") or [],
+                g.get("tokenizer.ggml.token_type") or [],
+                {k: g.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "eot", "eom", "unknown", "padding", "sep", "cls")},
+                g.get("tokenizer.chat_template"),
+                vocab_size=vocab,
+            )
+        return cls(
+            hidden_size=hidden,
+            num_layers=int(num_layers),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=ffn,
+            rms_eps=eps,
+            rope_theta=theta,
+            block_size=int(block_size),
+            target_layer_ids=target_layer_ids,
+            mask_token_id=int(mask_token_id),
+            vocab_size=vocab,
+            target_fingerprint=model_fingerprint(g),
+            target_architecture=g.architecture,
+        ).validate()
+
+
+def target_vocab_size(g: Any) -> int:
+    """Rows of the target's ``token_embd.weight`` (the vocabulary the drafter speaks)."""
+    return int(g.tensor_info("token_embd.weight").shape[0])
+
+
+def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
+    """``n`` target layers evenly spaced from layer 1 to layer ``num_target_layers - 3``.
+
+    The reference formula (z-lab/dflash ``build_target_layer_ids``):
+    ``round(1 + i * (L - 4) / (n - 1))`` for ``i < n`` (Python rounding), and ``[L // 2]`` for
+    ``n == 1``. E.g. ``L = 30, n = 5 -> [1, 8, 14, 20, 27]``. When ``[1, L-3]`` holds fewer than
+    ``n`` layers (very shallow targets) the ids are spread over ``[0, L-1]`` instead so they stay
+    distinct.
+
+    Raises:
+        DrafterError: ``n < 1`` or ``n > num_target_layers``.
+    """
+    L = int(num_target_layers)
+    if not 1 <= n <= L:
+        raise DrafterError(f"cannot tap {n} layers of a {L}-layer target")
+    if n == 1:
+        return [L // 2]
+    start, end = 1, L - 3
+    if end - start + 1 < n:
+        start, end = 0, L - 1
+    span = end - start
+    return [int(round(start + i * span / (n - 1))) for i in range(n)]
+
+
+_MASK_NAMES = re.compile(r"^(<\|?mask\|?>|\[mask\])$", re.IGNORECASE)
+_RESERVED_NAMES = re.compile(r"reserved|unused|pad", re.IGNORECASE)
+
+
+def choose_mask_token(
+    tokens: Sequence[str],
+    token_types: Sequence[int],
+    special_ids: Mapping[str, int | None],
+    chat_template: str | None = None,
+    vocab_size: int | None = None,
+) -> int:
+    """Pick a target token id to serve as the drafter's MASK token. First match wins:
+
+    1. a token named like a mask (``<|MASK|>``, ``<mask>``, ``[MASK]``, any case);
+    2. the padding token, when it is not bos / eos / eot / eom;
+    3. the first UNUSED-type token (token_type 5: e.g. llama.cpp's ``[PAD123]`` rows that pad the
+       vocabulary to the embedding size; the DFlash Qwen3 drafters use such a row);
+    4. a CONTROL token (token_type 3) that is not one of the special ids and does not appear in the
+       chat template: the last one whose name says reserved / unused / pad, else the last one;
+    5. the unknown token if it is not bos/eos; else the last id of the vocabulary.
+
+    For SmolLM2 (padding = eos = ``<|im_end|>``, control tokens 0..16) this gives 16,
+    ``<empty_output>``.
+
+    Args:
+        tokens, token_types: ``tokenizer.ggml.tokens`` / ``.token_type`` (may be empty).
+        special_ids: ``{"bos": id, "eos": id, "eot": ..., "eom": ..., "unknown": ..., "padding": ...}``
+            (missing or None entries are ignored).
+        chat_template: ``tokenizer.chat_template`` (tokens it names are never chosen in step 4).
+        vocab_size: embedding rows (ids must be below it); default ``len(tokens)``.
+    """
+    vocab = int(vocab_size if vocab_size is not None else len(tokens))
+    ids = {k: int(v) for k, v in special_ids.items() if v is not None and 0 <= int(v) < vocab}
+    ends = {ids[k] for k in ("bos", "eos", "eot", "eom") if k in ids}
+    tokens = list(tokens)[:vocab]
+    types = list(token_types)[:vocab]
+    for i, tok in enumerate(tokens):
+        if _MASK_NAMES.match(tok):
+            return i
+    pad = ids.get("padding")
+    if pad is not None and pad not in ends:
+        return pad
+    for i, ty in enumerate(types):
+        if ty == _TOKEN_TYPE_UNUSED:
+            return i
+    taken = set(ids.values())
+    template = chat_template or ""
+    candidates = [
+        i for i, ty in enumerate(types)
+        if ty == _TOKEN_TYPE_CONTROL and i not in taken and i < len(tokens) and tokens[i] not in template
+    ]
+    reserved = [i for i in candidates if _RESERVED_NAMES.search(tokens[i])]
+    if reserved:
+        return reserved[-1]
+    if candidates:
+        return candidates[-1]
+    unk = ids.get("unknown")
+    if unk is not None and unk not in ends:
+        return unk
+    return vocab - 1
+
+
+# --------------------------------------------------------------------------------------------
+# Math (shared by the cached and the uncached path)
+# --------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2, -1) + eps) * weight`` over the last dim; statistics in float32, result
+    in ``x``'s dtype (``Qwen3RMSNorm``)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``cos, sin`` of shape ``[*positions.shape, head_dim]`` (NeoX layout: the
+    ``head_dim/2`` frequencies ``theta^(-2i/D)`` repeated twice)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim))
+    angles = positions.to(torch.float64)[..., None] * inv_freq
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos().float(), emb.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` in float32, returned in ``x``'s dtype.
+
+    ``x``: ``[..., heads, rows, D]``; ``cos``/``sin``: ``[..., rows, D]`` (broadcast over heads)."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rot = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos.unsqueeze(-3) + rot * sin.unsqueeze(-3)).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with a weight (ones at init); see :func:`rms_norm`."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class DFlashLayer(nn.Module):
+    """One draft decoder layer. Attribute names follow the GGUF tensor names
+    (``blk.{i}.<name>.weight``); all linears are bias-free, weights ``[out, in]``."""
+
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        H, D, F_ = c.hidden_size, c.head_dim, c.intermediate_size
+        self.attn_norm = RMSNorm(H, c.rms_eps)
+        self.attn_q = nn.Linear(H, c.num_heads * D, bias=False)
+        self.attn_k = nn.Linear(H, c.num_kv_heads * D, bias=False)
+        self.attn_v = nn.Linear(H, c.num_kv_heads * D, bias=False)
+        self.attn_output = nn.Linear(c.num_heads * D, H, bias=False)
+        self.attn_q_norm = RMSNorm(D, c.rms_eps)
+        self.attn_k_norm = RMSNorm(D, c.rms_eps)
+        self.ffn_norm = RMSNorm(H, c.rms_eps)
+        self.ffn_gate = nn.Linear(H, F_, bias=False)
+        self.ffn_up = nn.Linear(H, F_, bias=False)
+        self.ffn_down = nn.Linear(F_, H, bias=False)
+
+
+@dataclasses.dataclass
+class DrafterContext:
+    """Per-session context cache: for every draft layer, the keys and values of the context rows
+    (RoPE applied at their absolute positions ``0..length-1``).
+
+    Buffers ``keys[i]`` / ``values[i]`` are ``[num_kv_heads, capacity, head_dim]`` in the model's
+    dtype and device; rows ``[0, length)`` are valid. They grow by doubling when appended to.
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[1] if self.keys else 0
+
+    def k(self, layer: int) -> torch.Tensor:
+        """Valid keys of ``layer``: ``[num_kv_heads, length, head_dim]`` (a view)."""
+        return self.keys[layer][:, : self.length]
+
+    def v(self, layer: int) -> torch.Tensor:
+        """Valid values of ``layer``: ``[num_kv_heads, length, head_dim]`` (a view)."""
+        return self.values[layer][:, : self.length]
+
+    def truncate(self, length: int) -> None:
+        """Forget rows ``[length, self.length)`` (no copy)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a context of {self.length} rows to {length}")
+        self.length = length
+
+    def nbytes(self) -> int:
+        """Bytes held by the buffers (capacity, not length)."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+
+class DFlashDrafter(nn.Module):
+    """The DFlash drafter (see the module docstring for the math).
+
+    Args:
+        config: the drafter shape.
+        embed_weight: the target's token embedding ``[vocab, H]``.
+        lm_head_weight: the target's LM head ``[vocab, H]``; ``None`` = tied (``embed_weight``).
+
+    The module's parameters are initialised like ``nn.Linear`` defaults; use
+    :meth:`reset_parameters` for the HF-style init, :meth:`from_gguf` to load a drafter file.
+    Move it with ``.to(device, dtype)``: the target embedding / head are buffers and follow.
+    """
+
+    def __init__(self, config: DrafterConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None = None):
+        super().__init__()
+        config.validate()
+        self.config = config
+        c = config
+        if tuple(embed_weight.shape) != (c.vocab_size, c.hidden_size):
+            raise DrafterError(f"target embedding has shape {tuple(embed_weight.shape)}, expected {(c.vocab_size, c.hidden_size)}")
+        if lm_head_weight is not None and tuple(lm_head_weight.shape) != (c.vocab_size, c.hidden_size):
+            raise DrafterError(f"target LM head has shape {tuple(lm_head_weight.shape)}, expected {(c.vocab_size, c.hidden_size)}")
+        self.fc = nn.Linear(c.feature_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_eps)
+        self.layers = nn.ModuleList(DFlashLayer(c) for _ in range(c.num_layers))
+        self.output_norm = RMSNorm(c.hidden_size, c.rms_eps)
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        self.tied = lm_head_weight is None
+        self.register_buffer("lm_head_weight", None if self.tied else lm_head_weight.detach(), persistent=False)
+
+    # ---- construction ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02, generator: torch.Generator | None = None) -> "DFlashDrafter":
+        """HF-style init: every linear ``N(0, std)``, every norm weight 1. Drawn in float32 on the
+        CPU from ``generator`` (reproducible across devices), then copied in."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32) * std)
+        return self
+
+    @classmethod
+    def from_gguf(
+        cls,
+        drafter_path: str | os.PathLike[str],
+        target_path: str | os.PathLike[str],
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        check_target: bool = True,
+    ) -> "DFlashDrafter":
+        """Load a drafter GGUF (:mod:`draft_service.gguf_io`) and borrow the target's embedding and
+        LM head from the target GGUF.
+
+        Args:
+            drafter_path: the drafter ``.gguf``.
+            target_path: the target ``.gguf`` it was built for.
+            device, dtype: where and in which float dtype the module lives.
+            check_target: refuse a target whose model fingerprint differs from the drafter's
+                ``dflash.target_fingerprint`` (empty stored fingerprints are not checked).
+
+        Raises:
+            DrafterError: the drafter does not belong to that target (fingerprint, hidden size or
+                vocabulary differ) or the file is malformed.
+        """
+        from draft_service.gguf_io import read_drafter
+        from target_service.fingerprint import model_fingerprint
+        from target_service.gguf_loader import GGUFFile
+
+        config, state = read_drafter(drafter_path, dtype=dtype, device=device)
+        target = GGUFFile(target_path)
+        if check_target and config.target_fingerprint:
+            fp = model_fingerprint(target)
+            if fp != config.target_fingerprint:
+                raise DrafterError(
+                    f"drafter {drafter_path} was built for target {config.target_fingerprint[:16]}..., "
+                    f"not for {target_path} ({fp[:16]}...)"
+                )
+        embed = target.load_tensor("token_embd.weight", dtype=dtype, device=device)
+        head = target.load_tensor("output.weight", dtype=dtype, device=device) if target.has_tensor("output.weight") else None
+        if embed.shape[1] != config.hidden_size or embed.shape[0] != config.vocab_size:
+            raise DrafterError(
+                f"target embedding {tuple(embed.shape)} does not match the drafter (vocab {config.vocab_size}, hidden {config.hidden_size})"
+            )
+        with torch.device("meta"):
+            model = cls(config, torch.empty(config.vocab_size, config.hidden_size))
+        model.load_state_dict(state, strict=True, assign=True)
+        model.embed_weight = embed
+        model.tied = head is None
+        model.lm_head_weight = head
+        logger.info("loaded drafter", extra={"drafter": os.fspath(drafter_path), "layers": config.num_layers, "device": str(device)})
+        return model.eval()
+
+    # ---- properties --------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The target LM head ``[vocab, H]`` (the embedding when tied)."""
+        return self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
+
+    # ---- shared math ---------------------------------------------------------------------------
+
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """``hidden_norm(fc(features))``: ``[n, N*H]`` (any float dtype) -> ``[n, H]`` model dtype."""
+        c = self.config
+        if features.dim() != 2 or features.shape[1] != c.feature_size:
+            raise ValueError(f"features must be [rows, {c.feature_size}], got {tuple(features.shape)}")
+        if not features.is_floating_point():
+            raise ValueError(f"features must be floating point, got {features.dtype}")
+        x = features.to(device=self.device, dtype=self.dtype)
+        return self.hidden_norm(self.fc(x))
+
+    def _kv(self, layer: DFlashLayer, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (k_norm + RoPE) and values of rows ``h`` ``[..., rows, H]`` at ``positions``
+        ``[..., rows]`` -> ``[..., nkv, rows, D]`` each."""
+        c = self.config
+        shape = h.shape[:-1]
+        k = layer.attn_k(h).view(*shape, c.num_kv_heads, c.head_dim)
+        v = layer.attn_v(h).view(*shape, c.num_kv_heads, c.head_dim)
+        k = layer.attn_k_norm(k).transpose(-2, -3)  # [..., nkv, rows, D]
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
+        return apply_rope(k, cos, sin), v.transpose(-2, -3)
+
+    def _context_kv(self, layer: DFlashLayer, ctx: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context keys/values of one layer: ``ctx`` ``[n, H]`` (projected features) at
+        ``positions`` ``[n]`` -> ``[nkv, n, D]`` each. Uses the layer's own k/v projections and
+        k_norm on ``ctx`` directly (no ``attn_norm``: the reference feeds ``target_hidden`` as is)."""
+        return self._kv(layer, ctx, positions)
+
+    def _attention(
+        self,
+        q: torch.Tensor,
+        k_ctx: torch.Tensor,
+        v_ctx: torch.Tensor,
+        k_blk: torch.Tensor,
+        v_blk: torch.Tensor,
+        ctx_visible: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Block queries over ``[context ; block]`` keys, no causal mask, in float32.
+
+        Args:
+            q: ``[nb, nh, B, D]`` (RoPE applied).
+            k_ctx, v_ctx: ``[nkv, n, D]``, shared by the ``nb`` blocks.
+            k_blk, v_blk: ``[nb, nkv, B, D]``.
+            ctx_visible: ``[nb, n]`` bool (which context rows each block may see) or None (all).
+
+        Returns:
+            ``[nb, B, nh * D]`` in ``q``'s dtype.
+        """
+        c = self.config
+        nb, nh, B, D = q.shape
+        g = nh // c.num_kv_heads
+        qf = q.float().reshape(nb, c.num_kv_heads, g, B, D)
+        scale = 1.0 / math.sqrt(D)
+        s_ctx = torch.einsum("bkgqd,knd->bkgqn", qf, k_ctx.float()) * scale
+        s_blk = torch.einsum("bkgqd,bknd->bkgqn", qf, k_blk.float()) * scale
+        if ctx_visible is not None:
+            s_ctx = s_ctx.masked_fill(~ctx_visible[:, None, None, None, :], float("-inf"))
+        n = s_ctx.shape[-1]
+        p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1), dim=-1)
+        out = torch.einsum("bkgqn,knd->bkgqd", p[..., :n], v_ctx.float())
+        out = out + torch.einsum("bkgqn,bknd->bkgqd", p[..., n:], v_blk.float())
+        return out.reshape(nb, nh, B, D).transpose(1, 2).reshape(nb, B, nh * D).to(q.dtype)
+
+    def _layer(
+        self,
+        layer: DFlashLayer,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        k_ctx: torch.Tensor,
+        v_ctx: torch.Tensor,
+        ctx_visible: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One decoder layer over blocks ``x`` ``[nb, B, H]`` at ``positions`` ``[nb, B]``."""
+        c = self.config
+        nb, B, _ = x.shape
+        h = layer.attn_norm(x)
+        q = layer.attn_q_norm(layer.attn_q(h).view(nb, B, c.num_heads, c.head_dim)).transpose(1, 2)
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
+        q = apply_rope(q, cos, sin)
+        k_blk, v_blk = self._kv(layer, h, positions)
+        x = x + layer.attn_output(self._attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_visible))
+        h = layer.ffn_norm(x)
+        return x + layer.ffn_down(F.silu(layer.ffn_gate(h)) * layer.ffn_up(h))
+
+    def _blocks_hidden(
+        self,
+        ctx_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        block_tokens: torch.Tensor,
+        positions: torch.Tensor,
+        ctx_visible: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Embed ``block_tokens`` ``[nb, B]``, run every layer, apply ``output_norm`` -> ``[nb, B, H]``."""
+        x = F.embedding(block_tokens.to(self.device), self.embed_weight).to(self.dtype)
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            x = self._layer(layer, x, positions, k, v, ctx_visible)
+        return self.output_norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` ``[..., H]`` -> float32 logits ``[..., vocab]`` with the target's LM head."""
+        return F.linear(hidden, self.head_weight.to(hidden.dtype)).float()
+
+    # ---- uncached path (tests, training) -------------------------------------------------------
+
+    def forward_block_hidden(
+        self,
+        features: torch.Tensor,
+        block_tokens: torch.Tensor,
+        start_pos: int | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Non-cached forward of one or several blocks over one sequence's context features.
+
+        Args:
+            features: ``[n, N*H]`` (any float dtype): context rows at positions ``0..n-1``.
+            block_tokens: ``[B]`` or ``[nb, B]`` token ids (any ``B >= 1``; usually
+                ``[root, MASK x (B-1)]``).
+            start_pos: position of each block's first token: an int or ``[nb]`` tensor, each
+                ``<= n``; ``None`` = ``n``. Block ``j`` sees context rows ``< start_pos[j]`` (the
+                target rows before its root) and all of its own rows.
+
+        Returns:
+            ``[B, H]`` or ``[nb, B, H]`` (model dtype) after ``output_norm``.
+        """
+        single = block_tokens.dim() == 1
+        tokens = block_tokens.view(1, -1) if single else block_tokens
+        nb, B = tokens.shape
+        n = features.shape[0]
+        ctx = self.project_context(features)
+        ctx_pos = torch.arange(n, device=self.device)
+        ctx_kv = [self._context_kv(layer, ctx, ctx_pos) for layer in self.layers]
+        if start_pos is None:
+            start = torch.full((nb,), n, device=self.device, dtype=torch.long)
+        else:
+            start = torch.as_tensor(start_pos, device=self.device, dtype=torch.long).reshape(-1).expand(nb)
+        if bool((start > n).any()) or bool((start < 0).any()):
+            raise ValueError(f"start_pos must be in [0, {n}]")
+        positions = start[:, None] + torch.arange(B, device=self.device)
+        visible = None if start_pos is None else ctx_pos[None, :] < start[:, None]
+        out = self._blocks_hidden(ctx_kv, tokens, positions, visible)
+        return out[0] if single else out
+
+    def forward_block(
+        self,
+        features: torch.Tensor,
+        block_tokens: torch.Tensor,
+        start_pos: int | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`forward_block_hidden` followed by the target LM head.
+
+        Returns:
+            float32 logits ``[B, V]`` or ``[nb, B, V]`` for **every** block row (row 0, the root,
+            included; the draft distributions are rows ``1..B-1``).
+        """
+        return self.logits(self.forward_block_hidden(features, block_tokens, start_pos))
+
+    forward = forward_block
+
+    # ---- cached path (serving) -------------------------------------------------------------------
+
+    def new_context(self, capacity: int = 0) -> DrafterContext:
+        """An empty per-session context cache (buffers of ``capacity`` rows, grown on demand)."""
+        c = self.config
+        mk = lambda: torch.zeros(c.num_kv_heads, capacity, c.head_dim, device=self.device, dtype=self.dtype)  # noqa: E731
+        return DrafterContext([mk() for _ in self.layers], [mk() for _ in self.layers], 0)
+
+    def _reserve(self, ctx: DrafterContext, rows: int) -> None:
+        if rows <= ctx.capacity:
+            return
+        cap = max(rows, 2 * ctx.capacity, 64)
+        for bufs in (ctx.keys, ctx.values):
+            for i, old in enumerate(bufs):
+                new = torch.zeros(old.shape[0], cap, old.shape[2], device=old.device, dtype=old.dtype)
+                new[:, : ctx.length] = old[:, : ctx.length]
+                bufs[i] = new
+
+    @torch.no_grad()
+    def append_context(self, ctx: DrafterContext, features: torch.Tensor) -> None:
+        """Append context rows to ``ctx``.
+
+        Args:
+            ctx: the session's cache; rows get positions ``ctx.length .. ctx.length + n - 1``.
+            features: ``[n, N*H]``, any float dtype (``n`` may be 0).
+
+        Raises:
+            ValueError: wrong shape or dtype (``ctx`` is left unchanged).
+        """
+        ctx_h = self.project_context(features)
+        n = ctx_h.shape[0]
+        if n == 0:
+            return
+        positions = torch.arange(ctx.length, ctx.length + n, device=self.device)
+        kvs = [self._context_kv(layer, ctx_h, positions) for layer in self.layers]
+        self._reserve(ctx, ctx.length + n)
+        for i, (k, v) in enumerate(kvs):
+            ctx.keys[i][:, ctx.length : ctx.length + n] = k
+            ctx.values[i][:, ctx.length : ctx.length + n] = v
+        ctx.length += n
+
+    @torch.no_grad()
+    def block_hidden(self, ctx: DrafterContext, root_token: int, block_size: int | None = None) -> torch.Tensor:
+        """Hidden states ``[B, H]`` (after ``output_norm``) of the block ``[root, MASK x (B-1)]``
+        at positions ``ctx.length .. ctx.length + B - 1`` over every cached context row.
+        ``block_size`` defaults to the config's. Does not modify ``ctx``."""
+        B = self.config.block_size if block_size is None else int(block_size)
+        if not 0 <= root_token < self.config.vocab_size:
+            raise ValueError(f"root token {root_token} outside the vocabulary [0, {self.config.vocab_size})")
+        tokens = torch.full((1, B), self.config.mask_token_id, dtype=torch.long, device=self.device)
+        tokens[0, 0] = int(root_token)
+        positions = (ctx.length + torch.arange(B, device=self.device))[None, :]
+        ctx_kv = [(ctx.k(i), ctx.v(i)) for i in range(len(self.layers))]
+        return self._blocks_hidden(ctx_kv, tokens, positions, None)[0]
+
+    @torch.no_grad()
+    def block_logits(self, ctx: DrafterContext, root_token: int, block_size: int | None = None) -> torch.Tensor:
+        """The ``B-1`` draft distributions for the block rooted at ``root_token``.
+
+        Returns:
+            float32 logits ``[B-1, V]``: row ``d-1`` is the distribution of the token at position
+            ``ctx.length + d`` (depth ``d`` of the tree). ``ctx`` is not modified.
+
+        Raises:
+            ValueError: ``root_token`` outside the vocabulary.
+        """
+        return self.logits(self.block_hidden(ctx, root_token, block_size)[1:])

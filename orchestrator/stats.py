@@ -1,0 +1,91 @@
+"""Acceptance statistics: per request and global (DESIGN.md, step 4: tau = k + 1 per verify)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+from dflash_grpc.v1 import generation_pb2
+
+
+@dataclasses.dataclass
+class AcceptanceStats:
+    """Counters of a request (or, merged, of the whole server). Field meanings: ``AcceptanceStats``
+    in ``generation.proto``."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    drafted_per_position: list[int] = dataclasses.field(default_factory=list)
+    acceptance_length_histogram: list[int] = dataclasses.field(default_factory=list)
+    target_forwards: int = 0
+    wall_time_s: float = 0.0
+    decode_time_s: float = 0.0
+    draft_fallbacks: int = 0
+    autoregressive_steps: int = 0
+
+    @staticmethod
+    def _bump(hist: list[int], index: int, by: int = 1) -> None:
+        if len(hist) <= index:
+            hist.extend([0] * (index + 1 - len(hist)))
+        hist[index] += by
+
+    def record_step(self, tree_depth: int, draft_nodes: int, accepted: int) -> None:
+        """Count one verify forward: a tree of ``draft_nodes`` non-root nodes, deepest at
+        ``tree_depth``, of which a path of ``accepted`` draft tokens was accepted."""
+        self.target_forwards += 1
+        if draft_nodes == 0:
+            self.autoregressive_steps += 1
+        else:
+            self.drafts += 1
+            self.draft_tokens += draft_nodes
+            self.accepted_tokens += accepted
+            for d in range(tree_depth):
+                self._bump(self.drafted_per_position, d)
+            for d in range(accepted):
+                self._bump(self.accepted_per_position, d)
+        self._bump(self.acceptance_length_histogram, accepted + 1)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """tau: tokens emitted per verify forward, ``mean(k + 1)`` (0 before any forward)."""
+        n = sum(self.acceptance_length_histogram)
+        return sum(t * c for t, c in enumerate(self.acceptance_length_histogram)) / n if n else 0.0
+
+    def merge(self, other: "AcceptanceStats") -> None:
+        """Add ``other``'s counters into this one."""
+        for f in dataclasses.fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(a, list):
+                for i, v in enumerate(b):
+                    self._bump(a, i, v)
+            else:
+                setattr(self, f.name, a + b)
+
+    def to_proto(self) -> generation_pb2.AcceptanceStats:
+        d = dataclasses.asdict(self)
+        return generation_pb2.AcceptanceStats(
+            **d,
+            mean_acceptance_length=self.mean_acceptance_length,
+            tokens_per_second=self.generated_tokens / self.decode_time_s if self.decode_time_s > 0 else 0.0,
+        )
+
+
+class GlobalStats:
+    """Thread-safe server-wide accumulation of finished requests' statistics."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = AcceptanceStats()
+
+    def add(self, s: AcceptanceStats) -> None:
+        with self._lock:
+            self._stats.merge(s)
+
+    def snapshot(self) -> generation_pb2.AcceptanceStats:
+        with self._lock:
+            return self._stats.to_proto()

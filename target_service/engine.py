@@ -1,0 +1,279 @@
+"""Target engine: session slots, prefill, tree verify, acceptance, commit and rollback.
+
+A session owns a KV cache (its slot), the root token (the last emitted token, not yet in the
+cache), its sampling settings and the target layers whose outputs the drafter wants. All state
+changes of a session go through :meth:`TargetEngine.prefill` and :meth:`TargetEngine.verify`,
+which validate their input completely before touching anything: a rejected request leaves the
+session exactly as it was (DESIGN.md, Errors).
+
+One verify step (DESIGN.md, "One speculative step", steps 2-4):
+
+1. forward every tree node over the committed cache with the ancestor mask (nothing written);
+2. the target's choice at every node (argmax, or Gumbel-max sample keyed by position);
+3. the acceptance walk on device tensors (``kernels.sampling.accept_path``), one host read;
+4. commit: the path's K/V rows are copied to cache rows ``[L, L + k + 1)``; the rest is dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import threading
+import time
+
+import grpc
+import torch
+
+from kernels.sampling import accept_path, select_tokens
+from target_service.models.llama import LlamaModel
+from target_service.tree import TreeError, chain, tree_tensors, validate_tree
+
+log = logging.getLogger(__name__)
+
+#: Prompt rows per prefill forward (bounds the attention score matrix).
+PREFILL_CHUNK = 256
+
+
+class EngineError(Exception):
+    """A request the engine refuses; ``code`` is the gRPC status to answer with."""
+
+    code = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class InvalidArgument(EngineError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class SessionNotFound(EngineError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class ResourceExhausted(EngineError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class FailedPrecondition(EngineError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+@dataclasses.dataclass
+class Sampling:
+    """Validated sampling settings of a session (``temperature == 0``: greedy)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 0.0
+    seed: int = 0
+
+    @classmethod
+    def checked(cls, temperature: float, top_k: int, top_p: float, seed: int | None) -> "Sampling":
+        """Validate and build; unset ``seed`` draws a random one.
+
+        Raises:
+            InvalidArgument: temperature < 0 or not finite, top_k < 0, top_p outside [0, 1].
+        """
+        if not (temperature >= 0.0 and temperature < float("inf")):
+            raise InvalidArgument(f"temperature must be a finite number >= 0, got {temperature}")
+        if top_k < 0:
+            raise InvalidArgument(f"top_k must be >= 0, got {top_k}")
+        if not 0.0 <= top_p <= 1.0:
+            raise InvalidArgument(f"top_p must be in [0, 1], got {top_p}")
+        return cls(float(temperature), int(top_k), float(top_p), int(seed if seed is not None else random.getrandbits(63)))
+
+
+@dataclasses.dataclass
+class Session:
+    """State of one generation on the target."""
+
+    session_id: str
+    cache: object
+    sampling: Sampling
+    feature_layers: list[int]
+    root: int = -1
+    last_used: float = dataclasses.field(default_factory=time.monotonic)
+
+    @property
+    def length(self) -> int:
+        """``L``: tokens committed in the cache."""
+        return self.cache.length
+
+
+@dataclasses.dataclass
+class PrefillOutcome:
+    """First token (the next root), committed length, and prompt-row features ``[L, N*H]`` or ``None``."""
+
+    first_token: int
+    committed_length: int
+    features: torch.Tensor | None
+
+
+@dataclasses.dataclass
+class VerifyOutcome:
+    """Result of one verify step.
+
+    Attributes:
+        accepted_nodes: path node indices, root first (``k + 1``).
+        accepted_tokens: the ``k`` accepted draft tokens.
+        bonus_token: the target's token after the path (the next root).
+        committed_length: ``L`` after the commit.
+        features: ``[k + 1, N*H]`` features of the committed rows, or ``None``.
+    """
+
+    accepted_nodes: list[int]
+    accepted_tokens: list[int]
+    bonus_token: int
+    committed_length: int
+    features: torch.Tensor | None
+
+
+class TargetEngine:
+    """Owns the target model and every session's state.
+
+    Args:
+        model: a loaded model (``LlamaModel``; the hybrid comes later).
+        max_sessions: concurrent session slots.
+        max_context: tokens per session (prompt + generated).
+        max_tree_width: most nodes a verify may carry.
+
+    Thread safety: one lock serialises model compute and session-table changes.
+    """
+
+    def __init__(self, model: LlamaModel, max_sessions: int = 8, max_context: int = 4096, max_tree_width: int = 64):
+        self.model = model
+        self.cfg = model.cfg
+        self.max_sessions = max_sessions
+        self.max_context = min(max_context, model.cfg.context_length)
+        self.max_tree_width = max_tree_width
+        self.sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+        self.forwards = 0
+
+    # ------------------------------------------------------------------ helpers
+    def _check_tokens(self, tokens: list[int], what: str) -> None:
+        v = self.cfg.vocab_size
+        for i, t in enumerate(tokens):
+            if not 0 <= t < v:
+                raise InvalidArgument(f"{what}[{i}] = {t} is outside the vocabulary [0, {v})")
+
+    def _check_layers(self, layers: list[int]) -> None:
+        for i in layers:
+            if not 0 <= i < self.cfg.num_layers:
+                raise InvalidArgument(f"feature layer {i} outside [0, {self.cfg.num_layers})")
+
+    def _select(self, session: Session, logits: torch.Tensor, next_positions: list[int]) -> torch.Tensor:
+        s = session.sampling
+        return select_tokens(logits, next_positions, s.temperature, s.top_k, s.top_p, s.seed)
+
+    def session(self, session_id: str) -> Session:
+        """The live session ``session_id`` (raises :class:`SessionNotFound`)."""
+        try:
+            return self.sessions[session_id]
+        except KeyError:
+            raise SessionNotFound(f"unknown session {session_id!r}") from None
+
+    # ------------------------------------------------------------------ API
+    def prefill(self, session_id: str, prompt: list[int], sampling: Sampling, feature_layers: list[int]) -> PrefillOutcome:
+        """Open ``session_id``: commit the prompt to a fresh cache and choose the first token.
+
+        Raises:
+            InvalidArgument: empty id or prompt, token outside the vocabulary, bad feature layer,
+                session id already live.
+            ResourceExhausted: no free slot, or prompt longer than ``max_context - 1``.
+        """
+        if not session_id:
+            raise InvalidArgument("session_id is empty")
+        if not prompt:
+            raise InvalidArgument("prompt is empty")
+        self._check_tokens(prompt, "prompt")
+        self._check_layers(feature_layers)
+        if len(prompt) >= self.max_context:
+            raise ResourceExhausted(f"prompt of {len(prompt)} tokens leaves no room in a context of {self.max_context}")
+        with self._lock:
+            if session_id in self.sessions:
+                raise InvalidArgument(f"session {session_id!r} already exists")
+            if len(self.sessions) >= self.max_sessions:
+                raise ResourceExhausted(f"all {self.max_sessions} session slots are in use")
+            cache = self.model.new_cache(self.max_context)
+            session = Session(session_id, cache, sampling, list(feature_layers))
+            self.sessions[session_id] = session
+            try:
+                feats = []
+                toks = torch.tensor(prompt, dtype=torch.long, device=self.model.device)
+                for start in range(0, len(prompt), PREFILL_CHUNK):
+                    part = toks[start : start + PREFILL_CHUNK]
+                    n = part.shape[0]
+                    tr = chain(part.tolist(), self.model.device)
+                    positions = torch.arange(start, start + n, device=self.model.device)
+                    last = start + n == len(prompt)
+                    out = self.model.forward(
+                        part, positions, tr.ancestors, cache, session.feature_layers,
+                        logits_rows=torch.tensor([n - 1], device=self.model.device) if last else torch.empty(0, dtype=torch.long, device=self.model.device),
+                    )
+                    self.model.commit(cache, out, torch.arange(n, device=self.model.device))
+                    if out.features is not None:
+                        feats.append(out.features)
+                    self.forwards += 1
+                first = int(self._select(session, out.logits, [len(prompt)])[0])
+            except BaseException:
+                del self.sessions[session_id]
+                raise
+            session.root = first
+            features = torch.cat(feats) if feats else None
+            return PrefillOutcome(first, cache.length, features)
+
+    def verify(self, session_id: str, tokens: list[int], parents: list[int]) -> VerifyOutcome:
+        """Verify a token tree of ``session_id``, commit the accepted path, drop the rest.
+
+        ``tokens[0]`` must be the session's root (the token emitted last).
+
+        Raises:
+            SessionNotFound: unknown session.
+            InvalidArgument: malformed tree (:func:`target_service.tree.validate_tree`) or a root
+                other than the session's.
+            ResourceExhausted: the tree's deepest position would pass ``max_context``.
+        """
+        with self._lock:
+            session = self.session(session_id)
+            L = session.length
+            try:
+                validate_tree(tokens, parents, self.cfg.vocab_size, self.max_tree_width)
+            except TreeError as e:
+                raise InvalidArgument(f"invalid tree: {e}") from None
+            if tokens[0] != session.root:
+                raise InvalidArgument(f"tree root {tokens[0]} is not the session's last token {session.root}")
+            tree = tree_tensors(tokens, parents, self.model.device)
+            if L + tree.max_depth + 1 > self.max_context:
+                raise ResourceExhausted(
+                    f"context full: {L} committed + depth {tree.max_depth + 1} exceeds {self.max_context}"
+                )
+            positions = L + tree.depth
+            out = self.model.forward(tree.tokens, positions, tree.ancestors, session.cache, session.feature_layers)
+            self.forwards += 1
+            choice = self._select(session, out.logits, (positions + 1).tolist())
+            path_mask = accept_path(tree.tokens, tree.parents, tree.ancestors, tree.depth, choice)
+            path = torch.nonzero(path_mask).flatten()  # ancestors precede descendants: path order
+            end = path[-1]
+            bonus = choice[end]
+            self.model.commit(session.cache, out, path)
+            # The one host read of the step: path node ids and the bonus token.
+            host = torch.cat([path, bonus.reshape(1)]).tolist()
+            nodes, bonus_token = host[:-1], host[-1]
+            session.root = bonus_token
+            session.last_used = time.monotonic()
+            features = out.features.index_select(0, path) if out.features is not None else None
+            return VerifyOutcome(nodes, [tokens[i] for i in nodes[1:]], bonus_token, session.length, features)
+
+    def release(self, session_ids: list[str]) -> int:
+        """Drop sessions and free their slots; unknown ids are ignored. Returns how many were live."""
+        with self._lock:
+            n = 0
+            for sid in session_ids:
+                if self.sessions.pop(sid, None) is not None:
+                    n += 1
+            return n

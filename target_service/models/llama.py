@@ -1,0 +1,315 @@
+"""The ``llama`` architecture (attention-only decoder: SmolLM2, Llama 2/3 and the like), plain PyTorch.
+
+One forward serves prefill and tree verify: ``T`` new tokens at given positions attend to the
+committed KV cache ``[0, L)`` and, among themselves, to what ``mask`` allows (causal for a prefill
+chunk, ancestors for a token tree). The forward never writes the cache: it returns the new
+tokens' K/V, and :meth:`LlamaModel.commit` copies the accepted rows into place. So the committed
+state is untouched until the accepted path is known (DESIGN.md, "State and rollback"), and
+rollback of a llama model is simply not copying the rejected rows.
+
+GGUF facts (llama.cpp ``convert_hf_to_gguf.py``, ``LlamaModel.permute``): the rows of
+``attn_q`` / ``attn_k`` are permuted for ggml's interleaved (GPT-J style) rotary. We undo that
+permutation on load (as transformers' GGUF loader does, ``reverse_permute``) and apply rotary in
+the HF "rotate_half" (NeoX) form, so the weights and activations match
+``transformers.LlamaForCausalLM`` loaded from the same file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention import tree_attention
+from target_service.gguf_loader import GGUFError, GGUFFile
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class LlamaConfig:
+    """Shapes and constants of a llama model, from GGUF ``llama.*`` metadata."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_eps: float
+    rope_theta: float
+    rope_dim: int
+    context_length: int
+    tied_embeddings: bool
+
+    @classmethod
+    def from_gguf(cls, g: GGUFFile) -> "LlamaConfig":
+        """Read ``llama.*`` keys (``block_count``, ``embedding_length``, ``attention.head_count``,
+        ``attention.head_count_kv``, ``feed_forward_length``, ``attention.layer_norm_rms_epsilon``,
+        ``rope.freq_base``, ``rope.dimension_count``, ``context_length``).
+
+        Raises:
+            GGUFError: a required key is missing or the architecture is not ``llama``.
+        """
+        if g.architecture != "llama":
+            raise GGUFError(f"expected architecture llama, got {g.architecture}")
+        hidden = int(g.require("{arch}.embedding_length"))
+        heads = int(g.require("{arch}.attention.head_count"))
+        head_dim = int(g.get("{arch}.attention.key_length", hidden // heads))
+        vocab = g.get("{arch}.vocab_size") or len(g.get("tokenizer.ggml.tokens") or [])
+        if not vocab:
+            vocab = g.tensor_info("token_embd.weight").shape[0]
+        if g.get("{arch}.rope.scaling.type") not in (None, "none"):
+            log.warning("rope scaling %s is not supported; ignoring it", g.get("{arch}.rope.scaling.type"))
+        return cls(
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            num_layers=int(g.require("{arch}.block_count")),
+            num_heads=heads,
+            num_kv_heads=int(g.get("{arch}.attention.head_count_kv", heads)),
+            head_dim=head_dim,
+            intermediate_size=int(g.require("{arch}.feed_forward_length")),
+            rms_eps=float(g.get("{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(g.get("{arch}.rope.freq_base", 10000.0)),
+            rope_dim=int(g.get("{arch}.rope.dimension_count", head_dim)),
+            context_length=int(g.get("{arch}.context_length", 4096)),
+            tied_embeddings=not g.has_tensor("output.weight"),
+        )
+
+
+def unpermute_rotary_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's ``permute`` of ``attn_q``/``attn_k`` rows (``[n_heads*D, in]``).
+
+    llama.cpp: ``w.reshape(n_head, 2, D//2, in).swapaxes(1, 2).reshape(...)``; the inverse is
+    ``w.reshape(n_head, D//2, 2, in).swapaxes(1, 2).reshape(...)`` (transformers ``reverse_permute``).
+    """
+    rows, cols = w.shape
+    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim, computed in float32."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def rotary_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``/``sin`` of shape ``[T, rope_dim]`` for HF rotate-half rotary at integer ``positions`` ``[T]``."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, device=positions.device, dtype=torch.float32) / rope_dim))
+    ang = positions.float().unsqueeze(-1) * inv_freq
+    emb = torch.cat([ang, ang], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos.shape[-1]`` dims of ``x`` (``[H, T, D]``) in NeoX halves (HF ``rotate_half``)."""
+    r = cos.shape[-1]
+    xr, xp = x[..., :r], x[..., r:]
+    x1, x2 = xr[..., : r // 2], xr[..., r // 2 :]
+    rot = torch.cat([-x2, x1], dim=-1)
+    out = xr * cos + rot * sin
+    return torch.cat([out, xp], dim=-1) if xp.shape[-1] else out
+
+
+class KVCache:
+    """Committed K/V of one session: per layer ``[Hkv, capacity, D]``, rows ``[0, length)`` valid.
+
+    Capacity grows in steps of ``stride`` rows up to ``max_length``; new rows are zeroed so no
+    uninitialised memory is ever read (DESIGN.md, lessons).
+    """
+
+    def __init__(self, cfg: LlamaConfig, max_length: int, device: torch.device, dtype: torch.dtype, stride: int = 256):
+        self.cfg, self.max_length, self.device, self.dtype, self.stride = cfg, max_length, device, dtype, stride
+        self.length = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self._alloc(0)
+
+    def _alloc(self, capacity: int) -> None:
+        c = self.cfg
+        shape = (c.num_kv_heads, capacity, c.head_dim)
+        new_k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(c.num_layers)]
+        new_v = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(c.num_layers)]
+        for i in range(len(self.k)):
+            new_k[i][:, : self.length] = self.k[i][:, : self.length]
+            new_v[i][:, : self.length] = self.v[i][:, : self.length]
+        self.k, self.v = new_k, new_v
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[1] if self.k else 0
+
+    def ensure(self, length: int) -> None:
+        """Make room for ``length`` rows (raises ``ValueError`` beyond ``max_length``)."""
+        if length > self.max_length:
+            raise ValueError(f"context of {length} tokens exceeds {self.max_length}")
+        if length > self.capacity:
+            cap = min(self.max_length, -(-length // self.stride) * self.stride)
+            self._alloc(cap)
+
+    def reset(self) -> None:
+        """Forget all rows and zero the storage (a slot handed to a new session)."""
+        self.length = 0
+        for t in (*self.k, *self.v):
+            t.zero_()
+
+
+@dataclasses.dataclass
+class ForwardOutput:
+    """Result of :meth:`LlamaModel.forward` for ``T`` new tokens.
+
+    Attributes:
+        logits: ``[R, V]`` float32 for the requested rows (``R = T`` unless ``logits_rows`` is given).
+        new_k, new_v: per layer ``[Hkv, T, D]``: K/V of the new tokens (not yet committed).
+        features: ``[T, N*H]`` outputs of the requested layers, concatenated, or ``None``.
+    """
+
+    logits: torch.Tensor
+    new_k: list[torch.Tensor]
+    new_v: list[torch.Tensor]
+    features: torch.Tensor | None
+
+
+class LlamaModel:
+    """Weights and forward of a llama model; stateless apart from the caches it is given.
+
+    Args:
+        cfg: the config.
+        weights: name -> tensor in GGUF tensor names (``token_embd.weight``, ``blk.{i}.attn_q.weight``,
+            ...), PyTorch order, rotary rows of q/k already un-permuted.
+        device, dtype: where and in which float type to compute (float32 on CPU is the reference).
+    """
+
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.dtype = dtype
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(device=self.device, dtype=dtype).contiguous()
+
+        self.embed = w("token_embd.weight")
+        self.lm_head = self.embed if cfg.tied_embeddings else w("output.weight")
+        self.norm = w("output_norm.weight")
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"blk.{i}."
+            self.layers.append(
+                {
+                    "attn_norm": w(p + "attn_norm.weight"),
+                    "qkv": torch.cat([w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")]).contiguous(),
+                    "o": w(p + "attn_output.weight"),
+                    "ffn_norm": w(p + "ffn_norm.weight"),
+                    "gate_up": torch.cat([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")]).contiguous(),
+                    "down": w(p + "ffn_down.weight"),
+                }
+            )
+
+    @classmethod
+    def from_gguf(cls, g: GGUFFile | str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, progress: bool = False) -> "LlamaModel":
+        """Load and dequantize a llama GGUF (un-permuting q/k rotary rows).
+
+        Raises:
+            GGUFError: wrong architecture, missing key or tensor.
+        """
+        if isinstance(g, str):
+            g = GGUFFile(g)
+        cfg = LlamaConfig.from_gguf(g)
+        names = ["token_embd.weight", "output_norm.weight"] + ([] if cfg.tied_embeddings else ["output.weight"])
+        for i in range(cfg.num_layers):
+            names += [f"blk.{i}.{n}.weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")]
+        weights = {}
+        it = names
+        if progress:
+            from tqdm import tqdm
+
+            it = tqdm(names, desc="loading target", unit="tensor", leave=False)
+        for name in it:
+            t = g.load_tensor(name, dtype=torch.float32)
+            if name.endswith("attn_q.weight"):
+                t = unpermute_rotary_rows(t, cfg.num_heads)
+            elif name.endswith("attn_k.weight"):
+                t = unpermute_rotary_rows(t, cfg.num_kv_heads)
+            weights[name] = t.to(dtype)
+        return cls(cfg, weights, device, dtype)
+
+    def new_cache(self, max_length: int) -> KVCache:
+        """An empty :class:`KVCache` for one session."""
+        return KVCache(self.cfg, max_length, self.device, self.dtype)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        cache: KVCache,
+        feature_layers: list[int] | tuple[int, ...] = (),
+        logits_rows: torch.Tensor | None = None,
+    ) -> ForwardOutput:
+        """Run ``T`` new tokens over the committed cache.
+
+        Args:
+            tokens: ``[T]`` int64 token ids.
+            positions: ``[T]`` int64 absolute positions (``L + depth`` for a tree).
+            mask: ``[T, T]`` bool attention mask among the new tokens (see ``tree_attention``).
+            cache: the session's committed K/V; rows ``[0, cache.length)`` are attended, nothing is written.
+            feature_layers: layer indices whose outputs (residual stream after the layer) to return.
+            logits_rows: ``[R]`` int64 rows to compute logits for (default: all ``T``).
+
+        Returns:
+            :class:`ForwardOutput`.
+        """
+        c = self.cfg
+        L = cache.length
+        t = tokens.shape[0]
+        x = self.embed[tokens]
+        cos, sin = rotary_cos_sin(positions, c.rope_dim, c.rope_theta, self.dtype)
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        scale = 1.0 / math.sqrt(c.head_dim)
+        new_k, new_v, feats = [], [], []
+        want = set(feature_layers)
+        for i, lw in enumerate(self.layers):
+            h = rms_norm(x, lw["attn_norm"], c.rms_eps)
+            qkv = F.linear(h, lw["qkv"])
+            q = qkv[:, :q_size].reshape(t, c.num_heads, c.head_dim).transpose(0, 1)
+            k = qkv[:, q_size : q_size + kv_size].reshape(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
+            v = qkv[:, q_size + kv_size :].reshape(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
+            attn = tree_attention(q, cache.k[i][:, :L], cache.v[i][:, :L], k, v, mask, scale)
+            x = x + F.linear(attn.transpose(0, 1).reshape(t, q_size), lw["o"])
+            h = rms_norm(x, lw["ffn_norm"], c.rms_eps)
+            gu = F.linear(h, lw["gate_up"])
+            gate, up = gu[:, : c.intermediate_size], gu[:, c.intermediate_size :]
+            x = x + F.linear(F.silu(gate) * up, lw["down"])
+            new_k.append(k)
+            new_v.append(v)
+            if i in want:
+                feats.append(x)
+        features = torch.cat([feats[sorted(want).index(i)] for i in feature_layers], dim=-1) if feature_layers else None
+        xs = x if logits_rows is None else x[logits_rows]
+        logits = F.linear(rms_norm(xs, self.norm, c.rms_eps), self.lm_head).float()
+        return ForwardOutput(logits, new_k, new_v, features)
+
+    def commit(self, cache: KVCache, out: ForwardOutput, rows: torch.Tensor) -> None:
+        """Append the K/V of new-token ``rows`` (``[n]`` int64, in path order) to the cache.
+
+        The rows land at cache positions ``[L, L + n)`` through ``index_copy_`` with an index
+        tensor (no view whose offset moves per step), then ``cache.length`` advances by ``n``.
+
+        Raises:
+            ValueError: the cache would exceed its maximum length.
+        """
+        n = rows.shape[0]
+        L = cache.length
+        cache.ensure(L + n)
+        dst = torch.arange(L, L + n, device=self.device)
+        for i in range(self.cfg.num_layers):
+            cache.k[i].index_copy_(1, dst, out.new_k[i].index_select(1, rows))
+            cache.v[i].index_copy_(1, dst, out.new_v[i].index_select(1, rows))
+        cache.length = L + n

@@ -1,0 +1,90 @@
+"""Token trees as they arrive over gRPC: validation and the tensors verify needs.
+
+A tree is two parallel lists: ``tokens[i]`` and ``parents[i]``; node 0 is the root (parent -1),
+every other node's parent is an earlier node (topological order). The depth of a node is the
+number of edges to the root; its position is ``L + depth``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+class TreeError(ValueError):
+    """A malformed token tree (mapped to INVALID_ARGUMENT)."""
+
+
+@dataclasses.dataclass
+class TreeTensors:
+    """Tensors of one validated tree on a device.
+
+    Attributes:
+        tokens: ``[T]`` int64.
+        parents: ``[T]`` int64 (root: -1).
+        depth: ``[T]`` int64.
+        ancestors: ``[T, T]`` bool, ``ancestors[i, j]`` = ``j`` is ``i`` or one of its ancestors
+            (the attention mask of the tree part, DESIGN.md step 2).
+        max_depth: deepest node's depth (host int, known before the forward).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    ancestors: torch.Tensor
+    max_depth: int
+
+
+def validate_tree(tokens: list[int], parents: list[int], vocab_size: int, max_width: int, max_depth: int | None = None) -> None:
+    """Check a tree's structure; raise :class:`TreeError` with the first problem found.
+
+    Rules: at least the root; ``len(tokens) == len(parents)``; ``parents[0] == -1``;
+    ``0 <= parents[i] < i`` for ``i >= 1``; every token in ``[0, vocab_size)``; at most
+    ``max_width`` nodes; depth at most ``max_depth`` (when given).
+    """
+    n = len(tokens)
+    if n == 0:
+        raise TreeError("empty tree: node 0 (the root) is required")
+    if len(parents) != n:
+        raise TreeError(f"tokens ({n}) and parents ({len(parents)}) differ in length")
+    if n > max_width:
+        raise TreeError(f"tree of {n} nodes exceeds the maximum width {max_width}")
+    if parents[0] != -1:
+        raise TreeError(f"root's parent must be -1, got {parents[0]}")
+    depth = [0] * n
+    for i in range(1, n):
+        p = parents[i]
+        if not 0 <= p < i:
+            raise TreeError(f"node {i}: parent {p} is not an earlier node")
+        depth[i] = depth[p] + 1
+        if max_depth is not None and depth[i] > max_depth:
+            raise TreeError(f"node {i}: depth {depth[i]} exceeds {max_depth}")
+    for i, tok in enumerate(tokens):
+        if not 0 <= tok < vocab_size:
+            raise TreeError(f"node {i}: token {tok} outside the vocabulary [0, {vocab_size})")
+
+
+def tree_tensors(tokens: list[int], parents: list[int], device: torch.device | str = "cpu") -> TreeTensors:
+    """Depths and ancestor mask of a validated tree (host loop over ``T`` nodes, then one copy)."""
+    n = len(tokens)
+    depth = [0] * n
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    anc[0, 0] = True
+    for i in range(1, n):
+        p = parents[i]
+        depth[i] = depth[p] + 1
+        anc[i] = anc[p]
+        anc[i, i] = True
+    return TreeTensors(
+        tokens=torch.tensor(tokens, dtype=torch.long, device=device),
+        parents=torch.tensor(parents, dtype=torch.long, device=device),
+        depth=torch.tensor(depth, dtype=torch.long, device=device),
+        ancestors=anc.to(device),
+        max_depth=max(depth),
+    )
+
+
+def chain(tokens: list[int], device: torch.device | str = "cpu") -> TreeTensors:
+    """Tree tensors of a chain (each node the parent of the next): a causal mask."""
+    return tree_tensors(tokens, [i - 1 for i in range(len(tokens))], device)

@@ -1,0 +1,491 @@
+"""SDK (sync + asyncio), CLI and ServiceGroup against an in-process fake GenerationService."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import sys
+import textwrap
+import threading
+import time
+
+import grpc
+import pytest
+
+import client
+from client import (
+    AcceptanceStats,
+    AsyncClient,
+    CancelledError,
+    Client,
+    DFlashError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
+from client.cli import main
+from client.launcher import Service, ServiceExited, ServiceGroup, dflash_services, free_ports
+from dflash_grpc.serving import make_server
+from dflash_grpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+PIECES = [("Hel", [10, 11]), ("lo", [12]), (" world", [13, 14])]
+TEXT = "Hello world"
+IDS = [10, 11, 12, 13, 14]
+
+REQ_STATS = generation_pb2.AcceptanceStats(
+    requests=1,
+    prompt_tokens=3,
+    generated_tokens=5,
+    drafts=2,
+    draft_tokens=8,
+    accepted_tokens=3,
+    accepted_per_position=[2, 1, 0],
+    drafted_per_position=[2, 2, 1],
+    mean_acceptance_length=2.5,
+    acceptance_length_histogram=[0, 0, 1, 1],
+    target_forwards=2,
+    wall_time_s=0.5,
+    decode_time_s=0.25,
+    tokens_per_second=20.0,
+    draft_fallbacks=1,
+    autoregressive_steps=0,
+)
+GLOBAL_STATS = generation_pb2.AcceptanceStats(requests=7, generated_tokens=700, mean_acceptance_length=3.25,
+                                              tokens_per_second=123.5, drafted_per_position=[4], accepted_per_position=[3])  # fmt: skip
+
+EXPECTED_CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.CANCELLED: CancelledError,
+    grpc.StatusCode.INTERNAL: InternalError,
+    grpc.StatusCode.UNKNOWN: InternalError,
+    grpc.StatusCode.DATA_LOSS: InternalError,
+}
+ALL_ERROR_CODES = [c for c in grpc.StatusCode if c != grpc.StatusCode.OK]
+
+
+class FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
+    """Streams PIECES for any prompt; special prompts: ``error:<CODE>`` aborts with that code,
+    ``error-mid`` aborts after one chunk, ``slow`` sleeps 3 s, ``noend`` ends without a final message."""
+
+    def __init__(self) -> None:
+        self.requests: list[generation_pb2.GenerateRequest] = []
+
+    def Generate(self, request, context):
+        self.requests.append(request)
+        prompt = request.prompt
+        if prompt.startswith("error:"):
+            code = grpc.StatusCode[prompt.split(":", 1)[1]]
+            context.abort(code, f"boom {code.name}")
+        if prompt == "slow":
+            end = time.monotonic() + 3
+            while time.monotonic() < end and context.is_active():
+                time.sleep(0.02)
+            return
+        for i, (text, ids) in enumerate(PIECES):
+            yield generation_pb2.GenerateResponse(text=text, token_ids=ids, prompt_tokens=3 if i == 0 else 0)
+            if prompt == "error-mid":
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "context full")
+        if prompt == "noend":
+            return
+        yield generation_pb2.GenerateResponse(finished=True, finish_reason=generation_pb2.FINISH_REASON_LENGTH, stats=REQ_STATS)
+
+    def GetStats(self, request, context):
+        return GLOBAL_STATS
+
+    def Info(self, request, context):
+        return generation_pb2.ServiceInfo(
+            target=common_pb2.ModelInfo(model_name="smol", architecture="llama", vocab_size=49152, features=["tree-verify"]),
+            drafter=generation_pb2.DrafterStatus(available=True, compatible=True, address="127.0.0.1:1", detail="ok"),
+            version="9.9",
+        )
+
+
+@pytest.fixture(scope="module")
+def fake():
+    servicer = FakeGeneration()
+
+    def add(server):
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+        return ["dflash_grpc.v1.GenerationService"]
+
+    server, _, port = make_server(add, "127.0.0.1:0")
+    servicer.address = f"127.0.0.1:{port}"
+    yield servicer
+    server.stop(0)
+
+
+# --------------------------------------------------------------------------------------------
+# Types
+
+
+def test_stats_fields_match_proto():
+    names = [f.name for f in generation_pb2.AcceptanceStats.DESCRIPTOR.fields]
+    assert [f.name for f in dataclasses.fields(AcceptanceStats)] == names
+    names = [f.name for f in common_pb2.ModelInfo.DESCRIPTOR.fields]
+    assert [f.name for f in dataclasses.fields(client.ModelInfo)] == names
+
+
+def test_stats_from_proto_and_format():
+    s = AcceptanceStats.from_proto(REQ_STATS)
+    assert s.accepted_per_position == [2, 1, 0] and isinstance(s.accepted_per_position, list)
+    assert s.tau == 2.5 and s.draft_fallbacks == 1
+    assert s.per_position_acceptance == [1.0, 0.5, 0.0]
+    assert s.acceptance_rate == pytest.approx(3 / 8)
+    text = s.format()
+    for needle in ["2.500", "20.0", "target forwards:              2", "fallbacks 1", "d=1", "1.000  (2/2)",
+                   "0.500  (1/2)", "3:       1"]:  # fmt: skip
+        assert needle in text, (needle, text)
+    assert AcceptanceStats().format()  # empty stats format too
+    json.dumps(s.to_dict())
+
+
+def test_request_building():
+    req = client.build_request(tokens=[1, 2], seed=7, stop="x", speculative=False, tree_budget=5, top_k_draft=2, max_depth=3)
+    assert list(req.prompt_tokens.ids) == [1, 2] and req.sampling.seed == 7 and list(req.stop) == ["x"]
+    assert req.speculative.enabled is False and req.speculative.HasField("enabled")
+    assert (req.speculative.tree_budget, req.speculative.top_k, req.speculative.max_depth) == (5, 2, 3)
+    req = client.build_request("p")
+    assert req.WhichOneof("input") == "prompt"
+    assert not req.sampling.HasField("seed") and not req.HasField("speculative")
+    req = client.build_request(messages=[{"role": "system", "content": "s"}, ("user", "u")])
+    assert [(m.role, m.content) for m in req.chat.messages] == [("system", "s"), ("user", "u")]
+    assert req.chat.add_generation_prompt
+    for bad in [{}, {"prompt": "a", "tokens": [1]}, {"tokens": ["x"]}, {"prompt": "a", "seed": -1}]:
+        with pytest.raises(InvalidArgumentError):
+            client.build_request(**bad)
+
+
+# --------------------------------------------------------------------------------------------
+# Sync client
+
+
+def test_generate(fake):
+    with Client(fake.address) as c:
+        r = c.generate("hi", max_tokens=5, temperature=0.5, top_k=3, top_p=0.9, seed=1, stop=["\n"], ignore_eos=True)
+    assert r.text == TEXT and r.token_ids == IDS
+    assert r.finish_reason == "length" and r.prompt_tokens == 3
+    assert r.stats == AcceptanceStats.from_proto(REQ_STATS)
+    req = fake.requests[-1]
+    assert req.prompt == "hi" and req.max_tokens == 5 and req.ignore_eos and list(req.stop) == ["\n"]
+    assert req.sampling.top_k == 3 and req.sampling.seed == 1
+    assert req.sampling.temperature == pytest.approx(0.5) and req.sampling.top_p == pytest.approx(0.9)
+
+
+def test_stream(fake):
+    with Client(fake.address) as c:
+        stream = c.stream(messages=[{"role": "user", "content": "hi"}], speculative=True)
+        chunks = list(stream)
+    assert fake.requests[-1].chat.messages[0].content == "hi" and fake.requests[-1].speculative.enabled
+    assert [ch.text for ch in chunks] == [p for p, _ in PIECES] + [""]
+    assert [i for ch in chunks for i in ch.token_ids] == IDS
+    assert not any(ch.finished for ch in chunks[:-1]) and chunks[-1].finished
+    assert chunks[-1].finish_reason == "length" and chunks[-1].stats.tau == 2.5
+    assert chunks[0].prompt_tokens == 3
+    assert stream.result.text == TEXT and stream.result.stats.generated_tokens == 5
+
+
+def test_stream_errors_midway_and_unterminated(fake):
+    with Client(fake.address) as c:
+        stream = c.stream("error-mid")
+        assert next(stream).text == "Hel"
+        with pytest.raises(ResourceExhaustedError, match="context full"):
+            next(stream)
+        with pytest.raises(InternalError, match="without a final message"):
+            c.generate("noend")
+
+
+def test_stats_and_info(fake):
+    with Client(fake.address) as c:
+        s = c.stats()
+        info = c.info()
+    assert s.requests == 7 and s.tau == 3.25 and s.per_position_acceptance == [0.75]
+    assert info.version == "9.9" and info.target.model_name == "smol" and info.target.features == ["tree-verify"]
+    assert info.drafter.available and info.drafter.model is None
+    assert "smol (llama)" in info.format()
+
+
+@pytest.mark.parametrize("code", ALL_ERROR_CODES, ids=lambda c: c.name)
+def test_status_codes_map_to_exceptions(fake, code):
+    with Client(fake.address) as c:
+        with pytest.raises(DFlashError) as ei:
+            c.generate(f"error:{code.name}")
+    err = ei.value
+    assert type(err) is EXPECTED_CODES.get(code, DFlashError)
+    assert err.code == code and err.message == f"boom {code.name}"
+    assert str(err) == f"{code.name}: boom {code.name}"
+
+
+def test_timeout(fake):
+    with Client(fake.address) as c:
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceededError):
+            c.generate("slow", timeout=0.3)
+        assert time.monotonic() - t0 < 2.5
+    with Client(fake.address, timeout=0.3) as c:  # client-wide default
+        with pytest.raises(DeadlineExceededError):
+            c.generate("slow")
+        assert c.generate("hi", timeout=10).text == TEXT
+
+
+def test_unreachable_server():
+    (port,) = free_ports(1)
+    with Client(f"127.0.0.1:{port}") as c:
+        with pytest.raises(UnavailableError):
+            c.stats(timeout=5)
+
+
+# --------------------------------------------------------------------------------------------
+# Async client
+
+
+def test_async_client(fake):
+    async def run():
+        async with AsyncClient(fake.address) as c:
+            r = await c.generate(tokens=[1, 2, 3])
+            stream = c.stream("hi")
+            chunks = [ch async for ch in stream]
+            s = await c.stats()
+            info = await c.info()
+            codes = {}
+            for code in ALL_ERROR_CODES:
+                try:
+                    await c.generate(f"error:{code.name}")
+                except DFlashError as e:
+                    codes[code] = (type(e), e.code, e.message)
+            with pytest.raises(DeadlineExceededError):
+                await c.generate("slow", timeout=0.3)
+            mid = c.stream("error-mid")
+            first = await mid.__anext__()
+            with pytest.raises(ResourceExhaustedError):
+                await mid.__anext__()
+        return r, chunks, stream.result, s, info, codes, first
+
+    r, chunks, result, s, info, codes, first = asyncio.run(run())
+    assert r.text == TEXT and r.token_ids == IDS and r.finish_reason == "length"
+    assert r.stats == AcceptanceStats.from_proto(REQ_STATS)
+    assert "".join(ch.text for ch in chunks) == TEXT and chunks[-1].finished
+    assert result.text == TEXT and result.stats.tau == 2.5
+    assert s.requests == 7 and info.version == "9.9"
+    assert first.text == "Hel"
+    for code in ALL_ERROR_CODES:
+        assert codes[code] == (EXPECTED_CODES.get(code, DFlashError), code, f"boom {code.name}")
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+
+
+def test_cli_generate(fake, capsys):
+    assert main(["generate", "--address", fake.address, "--max-tokens", "9", "--stop", "a", "--stop", "b",
+                 "--no-speculative", "--draft-top-k", "4", "hi there"]) == 0  # fmt: skip
+    out, err = capsys.readouterr()
+    assert out == TEXT + "\n"
+    assert "finish reason: length" in err and "tau (mean acceptance length): 2.500" in err
+    req = fake.requests[-1]
+    assert req.prompt == "hi there" and req.max_tokens == 9 and list(req.stop) == ["a", "b"]
+    assert req.speculative.HasField("enabled") and not req.speculative.enabled and req.speculative.top_k == 4
+
+
+def test_cli_generate_chat_json(fake, capsys):
+    assert main(["generate", "--address", fake.address, "--chat", "--json", "hi"]) == 0
+    out, _ = capsys.readouterr()
+    obj = json.loads(out)
+    assert obj["text"] == TEXT and obj["tokens"] == IDS and obj["stats"]["mean_acceptance_length"] == 2.5
+    assert fake.requests[-1].chat.messages[0].role == "user"
+
+
+def test_cli_generate_prompt_file_and_stdin(fake, capsys, tmp_path, monkeypatch):
+    path = tmp_path / "p.txt"
+    path.write_text("from file")
+    assert main(["generate", "--address", fake.address, "--prompt-file", str(path)]) == 0
+    assert fake.requests[-1].prompt == "from file"
+    monkeypatch.setattr(sys, "stdin", __import__("io").StringIO("from stdin"))
+    assert main(["generate", "--address", fake.address, "-"]) == 0
+    assert fake.requests[-1].prompt == "from stdin"
+    capsys.readouterr()
+    assert main(["generate", "--address", fake.address]) == 1  # no prompt at all
+    assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_cli_stats_and_info(fake, capsys):
+    assert main(["stats", "--address", fake.address]) == 0
+    out, _ = capsys.readouterr()
+    assert "3.250" in out and "123.5" in out
+    assert main(["stats", "--address", fake.address, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["requests"] == 7
+    assert main(["info", "--address", fake.address]) == 0
+    assert "9.9" in capsys.readouterr().out
+
+
+def test_cli_errors(fake, capsys):
+    assert main(["generate", "--address", fake.address, "error:INVALID_ARGUMENT"]) == 2
+    out, err = capsys.readouterr()
+    assert err == "error: INVALID_ARGUMENT: boom INVALID_ARGUMENT\n"
+    assert main(["generate", "--address", fake.address, "--timeout", "0.3", "slow"]) == 2
+    assert capsys.readouterr().err.startswith("error: DEADLINE_EXCEEDED: ")
+    (port,) = free_ports(1)
+    assert main(["stats", "--address", f"127.0.0.1:{port}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: UNAVAILABLE: ") and err.count("\n") == 1
+    with pytest.raises(SystemExit):
+        main(["generate", "--address", fake.address, "--bogus", "x"])
+
+
+def test_cli_demo_humaneval_prompt():
+    from client.cli import _humaneval_prompt
+
+    task, prompt = _humaneval_prompt("0")
+    assert task == "HumanEval/0" and "def has_close_elements" in prompt
+
+
+# --------------------------------------------------------------------------------------------
+# ServiceGroup
+
+DUMMY = textwrap.dedent(
+    """
+    import sys
+    from dflash_grpc.serving import make_server, serve_forever
+    server, health, port = make_server(lambda s: [], "127.0.0.1:" + sys.argv[1], max_workers=2)
+    print("hello from dummy", flush=True)
+    serve_forever(server, health, "dummy", port)
+    """
+)
+STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+
+
+def _dummies(n: int) -> list[Service]:
+    return [Service(f"svc{i}", [sys.executable, "-c", DUMMY, str(p)], f"127.0.0.1:{p}") for i, p in enumerate(free_ports(n))]
+
+
+def test_service_group_healthy_kill_stop(capsys):
+    group = ServiceGroup(_dummies(3), grace=5)
+    ready = []
+    with group:
+        group.wait_healthy(timeout=30, on_ready=lambda s: ready.append(s.name))
+        assert ready == ["svc0", "svc1", "svc2"] and group.poll() is None
+        os.kill(group.procs["svc1"].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while group.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert group.poll() == "svc1" and group.returncode("svc1") == -signal.SIGKILL
+        codes = group.stop()
+    assert all(p.poll() is not None for p in group.procs.values())
+    assert codes["svc0"] == 0 and codes["svc2"] == 0  # SIGTERM -> graceful exit
+    err = capsys.readouterr().err
+    assert "hello from dummy" in err and "READY" not in err  # stdout forwarded, READY lines dropped
+
+
+def test_service_group_child_exits_during_startup():
+    services = _dummies(1) + [Service("broken", [sys.executable, "-c", "import sys; sys.exit(3)"], "127.0.0.1:1")]
+    with ServiceGroup(services) as group:
+        with pytest.raises(ServiceExited, match="'broken' exited with code 3") as ei:
+            group.wait_healthy(timeout=30)
+        assert ei.value.name == "broken" and ei.value.returncode == 3
+    assert all(p.poll() is not None for p in group.procs.values())
+
+
+def test_service_group_kills_after_grace():
+    group = ServiceGroup([Service("stubborn", [sys.executable, "-c", STUBBORN], "127.0.0.1:1")], grace=0.5)
+    group.start()
+    time.sleep(0.5)  # let it install its handler
+    t0 = time.monotonic()
+    codes = group.stop()
+    assert codes["stubborn"] == -signal.SIGKILL and time.monotonic() - t0 < 5
+
+
+def test_service_group_startup_timeout():
+    (port,) = free_ports(1)
+    with ServiceGroup([Service("sleepy", [sys.executable, "-c", "import time; time.sleep(60)"], f"127.0.0.1:{port}")], grace=2) as g:
+        with pytest.raises(TimeoutError, match="sleepy"):
+            g.wait_healthy(timeout=1.5)
+
+
+def test_dflash_services_command_lines():
+    svcs = dflash_services("m.gguf", "d.gguf", ports=(1, 2, 3), device="cpu", log_level="info", extra=["--x"],
+                           orchestrator_args=["--y"])  # fmt: skip
+    assert [s.name for s in svcs] == ["target", "draft", "orchestrator"]
+    t, d, o = (s.argv[1:] for s in svcs)
+    assert t == ["-m", "target_service", "--model", "m.gguf", "--port", "1", "--device", "cpu", "--x"]
+    assert d == ["-m", "draft_service", "--drafter", "d.gguf", "--target", "m.gguf", "--port", "2", "--device", "cpu", "--x"]
+    assert o == ["-m", "orchestrator", "--target", "127.0.0.1:1", "--draft", "127.0.0.1:2", "--model", "m.gguf",
+                 "--port", "3", "--x", "--y"]  # fmt: skip
+    assert svcs[2].address == "127.0.0.1:3" and svcs[0].env == {"DFLASH_LOG_LEVEL": "INFO"}
+    svcs = dflash_services("m.gguf", None, ports=(1, 2, 3))
+    assert [s.name for s in svcs] == ["target", "orchestrator"] and "--draft" not in svcs[1].argv
+    assert svcs[0].env == {}
+
+
+# --------------------------------------------------------------------------------------------
+# serve / demo with stand-in services
+
+FAKE_ORCHESTRATOR = textwrap.dedent(
+    """
+    import sys
+    from dflash_grpc.serving import make_server, serve_forever
+    from dflash_grpc.v1 import generation_pb2, generation_pb2_grpc
+
+    class Fake(generation_pb2_grpc.GenerationServiceServicer):
+        def Generate(self, request, context):
+            spec = not request.speculative.HasField("enabled") or request.speculative.enabled
+            yield generation_pb2.GenerateResponse(text="    return True", token_ids=[1, 2], prompt_tokens=5)
+            stats = generation_pb2.AcceptanceStats(generated_tokens=2, mean_acceptance_length=2.0 if spec else 1.0,
+                                                   tokens_per_second=50.0 if spec else 20.0)
+            yield generation_pb2.GenerateResponse(finished=True, finish_reason=2, stats=stats)
+
+    def add(server):
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server(Fake(), server)
+        return ["dflash_grpc.v1.GenerationService"]
+
+    server, health, port = make_server(add, "127.0.0.1:" + sys.argv[1], max_workers=2)
+    serve_forever(server, health, "orchestrator", port)
+    """
+)
+
+
+def _stand_ins(monkeypatch, services):
+    import client.cli as cli
+
+    monkeypatch.setattr(cli, "_model_paths", lambda args: ("m.gguf", None if args.no_draft else "d.gguf"))
+    monkeypatch.setattr(cli, "dflash_services", lambda model, drafter, **kw: services)
+
+
+def test_cli_demo(monkeypatch, capsys):
+    (port,) = free_ports(1)
+    orch = Service("orchestrator", [sys.executable, "-c", FAKE_ORCHESTRATOR, str(port)], f"127.0.0.1:{port}")
+    _stand_ins(monkeypatch, _dummies(1) + [orch])
+    assert main(["demo", "--problem", "HumanEval/0", "--compare-ar", "--max-tokens", "16"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("from typing import List") and out.endswith("    return True\n")
+    assert "tau (mean acceptance length): 2.000" in err
+    assert "speedup:        2.50x" in err and "token ids identical: yes" in err
+
+
+def test_cli_serve_stops_when_a_service_dies(monkeypatch, capsys):
+    services = _dummies(2)
+    _stand_ins(monkeypatch, services)
+    groups = []
+    real_wait = ServiceGroup.wait_healthy
+
+    def wait_then_kill(self, *a, **kw):  # once all are healthy, kill one behind serve's back
+        real_wait(self, *a, **kw)
+        groups.append(self)
+        threading.Timer(0.5, os.kill, (self.procs["svc1"].pid, signal.SIGKILL)).start()
+
+    monkeypatch.setattr(ServiceGroup, "wait_healthy", wait_then_kill)
+    assert main(["serve", "--grace", "5"]) == 1
+    out, err = capsys.readouterr()
+    assert "svc0" in out and "svc1" in out and "ready:" in out
+    assert "error: service 'svc1' was killed by signal 9" in err
+    assert all(p.poll() is not None for p in groups[0].procs.values())
