@@ -1,0 +1,77 @@
+"""Shared fixtures: the default model (SmolLM2-135M-Instruct Q4_1 GGUF), loaded once per run."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip tests marked ``gpu`` when no CUDA device is present (CI runs on CPU)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> str:
+    from target_service import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm_model(smollm_path):
+    from target_service.models.llama import LlamaModel
+
+    return LlamaModel.from_gguf(smollm_path)
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer(smollm_path):
+    from target_service.tokenizer import GGUFTokenizer
+
+    return GGUFTokenizer.from_gguf(smollm_path)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm_path):
+    """transformers' LlamaForCausalLM loaded from the same GGUF (the numerical oracle)."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.LlamaForCausalLM.from_pretrained(
+        os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path), dtype=torch.float32
+    )
+    model.eval()
+    return model
+
+
+#: Prompts used by the lossless tests (token ids come from the GGUF tokenizer).
+PROMPTS = [
+    "def fibonacci(n):",
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "import numpy as np\n\ndef softmax(x):",
+    "Q: What is 12 times 7?\nA:",
+    "The three primary colors are",
+    "Write a haiku about the sea.",
+    "class Stack:\n    def __init__(self):",
+    "The quick brown fox",
+    "In machine learning, overfitting means",
+    "def is_prime(n: int) -> bool:\n    \"\"\"Return True if n is prime.\"\"\"",
+    "Translate to French: Good morning, how are you?",
+    "The speed of light is",
+    "List three fruits:\n1.",
+    "SELECT name FROM users WHERE",
+    "My favourite book is",
+    "for i in range(10):",
+    "Photosynthesis is the process by which",
+    "The year 2024 was",
+    "<|im_start|>user\nWhat is the tallest mountain?<|im_end|>\n<|im_start|>assistant\n",
+    "Dear Sir or Madam,",
+    "x = [1, 2, 3]\ny = [a * 2 for a in x]\nprint(",
+]
