@@ -30,12 +30,12 @@ This module imports neither torch nor the services: it needs only ``grpcio`` and
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import grpc
 import grpc.aio
-
 from dflash_grpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "AsyncGenerationStream",
     "CancelledError",
     "Client",
+    "DEFAULT_ADDRESS",
     "DFlashError",
     "DeadlineExceededError",
     "DrafterStatus",
@@ -58,6 +59,7 @@ __all__ = [
     "ResourceExhaustedError",
     "ServiceInfo",
     "UnavailableError",
+    "build_request",
     "from_rpc_error",
 ]
 
@@ -221,7 +223,7 @@ class AcceptanceStats:
     autoregressive_steps: int = 0
 
     @classmethod
-    def from_proto(cls, msg: generation_pb2.AcceptanceStats) -> "AcceptanceStats":
+    def from_proto(cls, msg: generation_pb2.AcceptanceStats) -> AcceptanceStats:
         """Build from a ``dflash_grpc.v1.AcceptanceStats`` message."""
         return cls(**_fields_from_proto(cls, msg))
 
@@ -292,7 +294,7 @@ class GenerationChunk:
     prompt_tokens: int | None = None
 
     @classmethod
-    def from_proto(cls, msg: generation_pb2.GenerateResponse) -> "GenerationChunk":
+    def from_proto(cls, msg: generation_pb2.GenerateResponse) -> GenerationChunk:
         """Build from a ``GenerateResponse`` message."""
         return cls(
             text=msg.text,
@@ -339,7 +341,7 @@ class ModelInfo:
     device: str = ""
 
     @classmethod
-    def from_proto(cls, msg: common_pb2.ModelInfo) -> "ModelInfo":
+    def from_proto(cls, msg: common_pb2.ModelInfo) -> ModelInfo:
         """Build from a ``dflash_grpc.v1.ModelInfo`` message."""
         return cls(**_fields_from_proto(cls, msg))
 
@@ -372,7 +374,7 @@ class DrafterStatus:
     detail: str = ""
 
     @classmethod
-    def from_proto(cls, msg: generation_pb2.DrafterStatus) -> "DrafterStatus":
+    def from_proto(cls, msg: generation_pb2.DrafterStatus) -> DrafterStatus:
         """Build from a ``DrafterStatus`` message (``model`` is None when unset)."""
         return cls(
             available=msg.available,
@@ -392,7 +394,7 @@ class ServiceInfo:
     version: str = ""
 
     @classmethod
-    def from_proto(cls, msg: generation_pb2.ServiceInfo) -> "ServiceInfo":
+    def from_proto(cls, msg: generation_pb2.ServiceInfo) -> ServiceInfo:
         """Build from a ``ServiceInfo`` message."""
         return cls(
             target=ModelInfo.from_proto(msg.target),
@@ -537,7 +539,7 @@ class GenerationStream(Iterator[GenerationChunk]):
         """The whole result once the final chunk has been read, else None."""
         return self._collector.result
 
-    def __iter__(self) -> "GenerationStream":
+    def __iter__(self) -> GenerationStream:
         return self
 
     def __next__(self) -> GenerationChunk:
@@ -562,7 +564,7 @@ class GenerationStream(Iterator[GenerationChunk]):
         """Cancel the call (no effect once it has finished)."""
         self._call.cancel()
 
-    def __enter__(self) -> "GenerationStream":
+    def __enter__(self) -> GenerationStream:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -584,7 +586,7 @@ class AsyncGenerationStream(AsyncIterator[GenerationChunk]):
         """The whole result once the final chunk has been read, else None."""
         return self._collector.result
 
-    def __aiter__(self) -> "AsyncGenerationStream":
+    def __aiter__(self) -> AsyncGenerationStream:
         return self
 
     async def __anext__(self) -> GenerationChunk:
@@ -609,7 +611,7 @@ class AsyncGenerationStream(AsyncIterator[GenerationChunk]):
         """Cancel the call (no effect once it has finished)."""
         self._call.cancel()
 
-    async def __aenter__(self) -> "AsyncGenerationStream":
+    async def __aenter__(self) -> AsyncGenerationStream:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -742,7 +744,7 @@ class Client:
         """Close the channel; calls in flight are cancelled."""
         self._channel.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -854,7 +856,7 @@ class AsyncClient:
             await self._channel.close()
             self._channel = self._stub_ = None
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -23,7 +23,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from client import DEFAULT_ADDRESS, Client, DFlashError, GenerationResult, GenerationStream
 from client.launcher import Service, ServiceExited, ServiceGroup, dflash_services, free_ports

@@ -22,8 +22,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 __all__ = ["Service", "ServiceExited", "ServiceGroup", "dflash_services", "free_ports"]
 
@@ -82,7 +82,7 @@ def dflash_services(
         drafter: drafter GGUF path; None leaves the draft service out (the orchestrator then
             decodes autoregressively).
         ports: ``(target, draft, orchestrator)`` ports.
-        host: interface the services listen on; passed as ``--host`` only when not loopback.
+        host: interface the services listen on (``--host`` of each).
         device: ``--device`` of the target and draft services (None: their default).
         log_level: ``DFLASH_LOG_LEVEL`` of every child (None: inherited, WARNING by default).
         extra: flags given to every service.
@@ -90,7 +90,7 @@ def dflash_services(
     """
     target_port, draft_port, orch_port = ports
     py = sys.executable
-    common = [*(["--host", host] if host != "127.0.0.1" else []), *extra]
+    common = ["--host", host, *extra]
     dev = ["--device", device] if device else []
     env = {"DFLASH_LOG_LEVEL": log_level.upper()} if log_level else {}
     target_addr, draft_addr = f"{host}:{target_port}", f"{host}:{draft_port}"
@@ -233,8 +233,12 @@ class ServiceGroup:
             t.join(timeout=2.0)
         return {name: proc.returncode for name, proc in self.procs.items()}
 
-    def __enter__(self) -> "ServiceGroup":
-        self.start()
+    def __enter__(self) -> ServiceGroup:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()  # those started before the failure
+            raise
         return self
 
     def __exit__(self, *exc) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import io
 import json
 import os
 import signal
@@ -14,6 +15,8 @@ import time
 
 import grpc
 import pytest
+from dflash_grpc.serving import make_server
+from dflash_grpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 import client
 from client import (
@@ -21,8 +24,8 @@ from client import (
     AsyncClient,
     CancelledError,
     Client,
-    DFlashError,
     DeadlineExceededError,
+    DFlashError,
     FailedPreconditionError,
     InternalError,
     InvalidArgumentError,
@@ -32,8 +35,6 @@ from client import (
 )
 from client.cli import main
 from client.launcher import Service, ServiceExited, ServiceGroup, dflash_services, free_ports
-from dflash_grpc.serving import make_server
-from dflash_grpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 PIECES = [("Hel", [10, 11]), ("lo", [12]), (" world", [13, 14])]
 TEXT = "Hello world"
@@ -311,7 +312,7 @@ def test_cli_generate_prompt_file_and_stdin(fake, capsys, tmp_path, monkeypatch)
     path.write_text("from file")
     assert main(["generate", "--address", fake.address, "--prompt-file", str(path)]) == 0
     assert fake.requests[-1].prompt == "from file"
-    monkeypatch.setattr(sys, "stdin", __import__("io").StringIO("from stdin"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("from stdin"))
     assert main(["generate", "--address", fake.address, "-"]) == 0
     assert fake.requests[-1].prompt == "from stdin"
     capsys.readouterr()
@@ -353,15 +354,32 @@ def test_cli_demo_humaneval_prompt():
 # --------------------------------------------------------------------------------------------
 # ServiceGroup
 
-DUMMY = textwrap.dedent(
+# Child processes stand in for the services. They serve the standard health service like
+# dflash_grpc.serving.make_server / serve_forever, without importing torch (which those do, via
+# dflash_grpc.wire), so that they start in a fraction of a second.
+MINI_SERVER = textwrap.dedent(
     """
-    import sys
-    from dflash_grpc.serving import make_server, serve_forever
-    server, health, port = make_server(lambda s: [], "127.0.0.1:" + sys.argv[1], max_workers=2)
-    print("hello from dummy", flush=True)
-    serve_forever(server, health, "dummy", port)
+    import signal, sys, threading
+    from concurrent import futures
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    def serve(name, port, add=lambda server: None):
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        add(server)
+        hs = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        server.start()
+        hs.set("", health_pb2.HealthCheckResponse.SERVING)
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        print(f"READY {name} port={port}", flush=True)
+        stop.wait()
+        server.stop(grace=1).wait()
     """
 )
+DUMMY = MINI_SERVER + 'print("hello from dummy", flush=True)\nserve("dummy", sys.argv[1])\n'
 STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
 
 
@@ -417,10 +435,12 @@ def test_dflash_services_command_lines():
                            orchestrator_args=["--y"])  # fmt: skip
     assert [s.name for s in svcs] == ["target", "draft", "orchestrator"]
     t, d, o = (s.argv[1:] for s in svcs)
-    assert t == ["-m", "target_service", "--model", "m.gguf", "--port", "1", "--device", "cpu", "--x"]
-    assert d == ["-m", "draft_service", "--drafter", "d.gguf", "--target", "m.gguf", "--port", "2", "--device", "cpu", "--x"]
+    host = ["--host", "127.0.0.1"]
+    assert t == ["-m", "target_service", "--model", "m.gguf", "--port", "1", "--device", "cpu", *host, "--x"]
+    assert d == ["-m", "draft_service", "--drafter", "d.gguf", "--target", "m.gguf", "--port", "2", "--device", "cpu",
+                 *host, "--x"]  # fmt: skip
     assert o == ["-m", "orchestrator", "--target", "127.0.0.1:1", "--draft", "127.0.0.1:2", "--model", "m.gguf",
-                 "--port", "3", "--x", "--y"]  # fmt: skip
+                 "--port", "3", *host, "--x", "--y"]  # fmt: skip
     assert svcs[2].address == "127.0.0.1:3" and svcs[0].env == {"DFLASH_LOG_LEVEL": "INFO"}
     svcs = dflash_services("m.gguf", None, ports=(1, 2, 3))
     assert [s.name for s in svcs] == ["target", "orchestrator"] and "--draft" not in svcs[1].argv
@@ -430,10 +450,8 @@ def test_dflash_services_command_lines():
 # --------------------------------------------------------------------------------------------
 # serve / demo with stand-in services
 
-FAKE_ORCHESTRATOR = textwrap.dedent(
+FAKE_ORCHESTRATOR = MINI_SERVER + textwrap.dedent(
     """
-    import sys
-    from dflash_grpc.serving import make_server, serve_forever
     from dflash_grpc.v1 import generation_pb2, generation_pb2_grpc
 
     class Fake(generation_pb2_grpc.GenerationServiceServicer):
@@ -444,12 +462,7 @@ FAKE_ORCHESTRATOR = textwrap.dedent(
                                                    tokens_per_second=50.0 if spec else 20.0)
             yield generation_pb2.GenerateResponse(finished=True, finish_reason=2, stats=stats)
 
-    def add(server):
-        generation_pb2_grpc.add_GenerationServiceServicer_to_server(Fake(), server)
-        return ["dflash_grpc.v1.GenerationService"]
-
-    server, health, port = make_server(add, "127.0.0.1:" + sys.argv[1], max_workers=2)
-    serve_forever(server, health, "orchestrator", port)
+    serve("orchestrator", sys.argv[1], lambda s: generation_pb2_grpc.add_GenerationServiceServicer_to_server(Fake(), s))
     """
 )
 
