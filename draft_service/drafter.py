@@ -32,7 +32,8 @@ Model (``L`` decoder layers, Qwen3 style, hidden size ``H`` = the target's)::
 * The drafter has no embedding or LM head of its own: it borrows the target's ``token_embd.weight``
   and ``output.weight`` (``token_embd.weight`` when tied), read from the target GGUF. Both are
   buffers (frozen), not parameters.
-* Attention scores, softmax and the weighted sum run in float32 whatever the model dtype.
+* Attention scores, softmax and the weighted sum, RMSNorm statistics and RoPE run in float32
+  whatever the model dtype (float64 for a float64 model, used as a test oracle).
 """
 
 from __future__ import annotations
@@ -321,28 +322,31 @@ def choose_mask_token(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x^2, -1) + eps) * weight`` over the last dim; statistics in float32, result
     in ``x``'s dtype (``Qwen3RMSNorm``)."""
-    xf = x.float()
+    xf = x.double() if x.dtype == torch.float64 else x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * y.to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``cos, sin`` of shape ``[*positions.shape, head_dim]`` (NeoX layout: the
-    ``head_dim/2`` frequencies ``theta^(-2i/D)`` repeated twice)."""
+    """float64 ``cos, sin`` of shape ``[*positions.shape, head_dim]`` (NeoX layout: the
+    ``head_dim/2`` frequencies ``theta^(-2i/D)`` repeated twice); angles computed in float64 so
+    large positions keep their precision."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim))
     angles = positions.to(torch.float64)[..., None] * inv_freq
     emb = torch.cat([angles, angles], dim=-1)
-    return emb.cos().float(), emb.sin().float()
+    return emb.cos(), emb.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` in float32, returned in ``x``'s dtype.
+    """``x * cos + rotate_half(x) * sin`` in float32 (float64 for float64 ``x``), returned in
+    ``x``'s dtype.
 
     ``x``: ``[..., heads, rows, D]``; ``cos``/``sin``: ``[..., rows, D]`` (broadcast over heads)."""
-    xf = x.float()
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(acc)
     half = xf.shape[-1] // 2
     rot = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos.unsqueeze(-3) + rot * sin.unsqueeze(-3)).to(x.dtype)
+    return (xf * cos.to(acc).unsqueeze(-3) + rot * sin.to(acc).unsqueeze(-3)).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -460,7 +464,7 @@ class DFlashDrafter(nn.Module):
     def from_gguf(
         cls,
         drafter_path: str | os.PathLike[str],
-        target_path: str | os.PathLike[str],
+        target_path: "str | os.PathLike[str] | Any",
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         check_target: bool = True,
@@ -470,7 +474,8 @@ class DFlashDrafter(nn.Module):
 
         Args:
             drafter_path: the drafter ``.gguf``.
-            target_path: the target ``.gguf`` it was built for.
+            target_path: the target ``.gguf`` it was built for (a path or an open
+                :class:`target_service.gguf_loader.GGUFFile`, to avoid parsing it twice).
             device, dtype: where and in which float dtype the module lives.
             check_target: refuse a target whose model fingerprint differs from the drafter's
                 ``dflash.target_fingerprint`` (empty stored fingerprints are not checked).
@@ -484,7 +489,8 @@ class DFlashDrafter(nn.Module):
         from target_service.gguf_loader import GGUFFile
 
         config, state = read_drafter(drafter_path, dtype=dtype, device=device)
-        target = GGUFFile(target_path)
+        target = target_path if isinstance(target_path, GGUFFile) else GGUFFile(target_path)
+        target_path = target.path
         if check_target and config.target_fingerprint:
             fp = model_fingerprint(target)
             if fp != config.target_fingerprint:
@@ -560,7 +566,8 @@ class DFlashDrafter(nn.Module):
         v_blk: torch.Tensor,
         ctx_visible: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Block queries over ``[context ; block]`` keys, no causal mask, in float32.
+        """Block queries over ``[context ; block]`` keys, no causal mask, in float32 (float64 for a
+        float64 model).
 
         Args:
             q: ``[nb, nh, B, D]`` (RoPE applied).
@@ -574,16 +581,17 @@ class DFlashDrafter(nn.Module):
         c = self.config
         nb, nh, B, D = q.shape
         g = nh // c.num_kv_heads
-        qf = q.float().reshape(nb, c.num_kv_heads, g, B, D)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        qf = q.to(acc).reshape(nb, c.num_kv_heads, g, B, D)
         scale = 1.0 / math.sqrt(D)
-        s_ctx = torch.einsum("bkgqd,knd->bkgqn", qf, k_ctx.float()) * scale
-        s_blk = torch.einsum("bkgqd,bknd->bkgqn", qf, k_blk.float()) * scale
+        s_ctx = torch.einsum("bkgqd,knd->bkgqn", qf, k_ctx.to(acc)) * scale
+        s_blk = torch.einsum("bkgqd,bknd->bkgqn", qf, k_blk.to(acc)) * scale
         if ctx_visible is not None:
             s_ctx = s_ctx.masked_fill(~ctx_visible[:, None, None, None, :], float("-inf"))
         n = s_ctx.shape[-1]
         p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1), dim=-1)
-        out = torch.einsum("bkgqn,knd->bkgqd", p[..., :n], v_ctx.float())
-        out = out + torch.einsum("bkgqn,bknd->bkgqd", p[..., n:], v_blk.float())
+        out = torch.einsum("bkgqn,knd->bkgqd", p[..., :n], v_ctx.to(acc))
+        out = out + torch.einsum("bkgqn,bknd->bkgqd", p[..., n:], v_blk.to(acc))
         return out.reshape(nb, nh, B, D).transpose(1, 2).reshape(nb, B, nh * D).to(q.dtype)
 
     def _layer(
@@ -621,8 +629,10 @@ class DFlashDrafter(nn.Module):
         return self.output_norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden`` ``[..., H]`` -> float32 logits ``[..., vocab]`` with the target's LM head."""
-        return F.linear(hidden, self.head_weight.to(hidden.dtype)).float()
+        """``hidden`` ``[..., H]`` -> float32 logits ``[..., vocab]`` with the target's LM head
+        (float64 for a float64 model)."""
+        out = F.linear(hidden, self.head_weight.to(hidden.dtype))
+        return out if out.dtype == torch.float64 else out.float()
 
     # ---- uncached path (tests, training) -------------------------------------------------------
 

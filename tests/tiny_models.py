@@ -227,7 +227,8 @@ def write_tiny_llama(
     Args:
         path: output ``.gguf`` file.
         vocab: total vocabulary size = ``len(special_tokens) + 256 + merges``; at least
-            ``len(special_tokens) + 256`` and at most a few hundred merges more (:data:`CORPUS`).
+            ``len(special_tokens) + 256``, at most 367 merges more (what :data:`CORPUS` gives;
+            626 with the default special tokens).
         hidden, layers, heads, kv_heads, ffn: model shape; ``head_dim = hidden // heads`` (even).
         rope_theta, rms_eps, context_length: the matching metadata values.
         tied: omit ``output.weight`` (LM head = ``token_embd.weight``).

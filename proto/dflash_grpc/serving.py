@@ -92,7 +92,7 @@ def serve_forever(server: grpc.Server, health_servicer: health.HealthServicer, n
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    logging.getLogger(name).warning("serving", extra={"port": port})
+    logging.getLogger(name).info("serving", extra={"port": port})
     # The parent (`dflash-grpc serve`) reads this line to learn the bound port.
     print(f"READY {name} port={port}", flush=True)
     while not stop.wait(0.5):

@@ -1,0 +1,253 @@
+"""Drafter GGUF files (llama.cpp-style DFlash drafter layout).
+
+``general.architecture = "qwen3"``. Tensors (PyTorch order ``[out, in]``; llama.cpp's Qwen3 uses
+NeoX RoPE, so unlike ``llama`` the q/k rows are **not** permuted)::
+
+    dflash.fc.weight            [H, N*H]       context projection
+    dflash.hidden_norm.weight   [H]            RMSNorm after fc
+    output_norm.weight          [H]
+    blk.{i}.attn_norm.weight    [H]
+    blk.{i}.attn_q.weight       [nh*D, H]
+    blk.{i}.attn_k.weight       [nkv*D, H]
+    blk.{i}.attn_v.weight       [nkv*D, H]
+    blk.{i}.attn_output.weight  [H, nh*D]
+    blk.{i}.attn_q_norm.weight  [D]
+    blk.{i}.attn_k_norm.weight  [D]
+    blk.{i}.ffn_norm.weight     [H]
+    blk.{i}.ffn_gate.weight     [F, H]
+    blk.{i}.ffn_up.weight       [F, H]
+    blk.{i}.ffn_down.weight     [H, F]
+
+Metadata: ``qwen3.block_count``, ``qwen3.embedding_length``, ``qwen3.feed_forward_length``,
+``qwen3.attention.head_count``, ``qwen3.attention.head_count_kv``, ``qwen3.attention.key_length``,
+``qwen3.attention.value_length``, ``qwen3.attention.layer_norm_rms_epsilon``,
+``qwen3.rope.freq_base``, ``qwen3.vocab_size``, ``qwen3.dflash.block_size``,
+``qwen3.dflash.target_layer_ids`` (int32 array), ``qwen3.dflash.mask_token_id``,
+``dflash.target_fingerprint``, ``dflash.target_architecture``, ``dflash.trained`` (bool; False for
+a random init), ``general.name``.
+
+There is no embedding or LM head: the drafter borrows the target's.
+
+Storage: matrices F16 by default (``"bf16"`` or ``"f32"`` on request); 1-D norms always F32.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import torch
+from gguf import GGMLQuantizationType
+
+from draft_service.drafter import DFlashDrafter, DrafterConfig, DrafterError
+from target_service.gguf_loader import GGUFError, GGUFFile, write_gguf
+
+ARCH = "qwen3"
+
+#: Storage dtype names accepted by :func:`write_drafter`.
+STORAGE_TYPES = {
+    "f16": GGMLQuantizationType.F16,
+    "bf16": GGMLQuantizationType.BF16,
+    "f32": GGMLQuantizationType.F32,
+}
+
+_LAYER_TENSORS = (
+    "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
+    "ffn_norm", "ffn_gate", "ffn_up", "ffn_down",
+)
+
+#: Hugging Face DFlash checkpoint names (z-lab ``DFlashDraftModel``) -> GGUF names, for converters.
+HF_TO_GGUF = {
+    "fc.weight": "dflash.fc.weight",
+    "hidden_norm.weight": "dflash.hidden_norm.weight",
+    "norm.weight": "output_norm.weight",
+    "layers.{i}.input_layernorm.weight": "blk.{i}.attn_norm.weight",
+    "layers.{i}.self_attn.q_proj.weight": "blk.{i}.attn_q.weight",
+    "layers.{i}.self_attn.k_proj.weight": "blk.{i}.attn_k.weight",
+    "layers.{i}.self_attn.v_proj.weight": "blk.{i}.attn_v.weight",
+    "layers.{i}.self_attn.o_proj.weight": "blk.{i}.attn_output.weight",
+    "layers.{i}.self_attn.q_norm.weight": "blk.{i}.attn_q_norm.weight",
+    "layers.{i}.self_attn.k_norm.weight": "blk.{i}.attn_k_norm.weight",
+    "layers.{i}.post_attention_layernorm.weight": "blk.{i}.ffn_norm.weight",
+    "layers.{i}.mlp.gate_proj.weight": "blk.{i}.ffn_gate.weight",
+    "layers.{i}.mlp.up_proj.weight": "blk.{i}.ffn_up.weight",
+    "layers.{i}.mlp.down_proj.weight": "blk.{i}.ffn_down.weight",
+}
+
+
+def module_to_gguf_name(name: str) -> str:
+    """:class:`DFlashDrafter` parameter name -> GGUF tensor name
+    (``layers.3.attn_q.weight`` -> ``blk.3.attn_q.weight``, ``fc.weight`` -> ``dflash.fc.weight``)."""
+    if name.startswith("layers."):
+        return "blk." + name[len("layers."):]
+    if name in ("fc.weight", "hidden_norm.weight"):
+        return "dflash." + name
+    return name
+
+
+def gguf_to_module_name(name: str) -> str:
+    """Inverse of :func:`module_to_gguf_name`."""
+    if name.startswith("blk."):
+        return "layers." + name[len("blk."):]
+    if name.startswith("dflash."):
+        return name[len("dflash."):]
+    return name
+
+
+def expected_tensor_names(config: DrafterConfig) -> list[str]:
+    """Every GGUF tensor name a drafter of ``config`` has."""
+    names = ["dflash.fc.weight", "dflash.hidden_norm.weight"]
+    for i in range(config.num_layers):
+        names += [f"blk.{i}.{t}.weight" for t in _LAYER_TENSORS]
+    return names + ["output_norm.weight"]
+
+
+def config_metadata(config: DrafterConfig, name: str = "dflash-drafter", trained: bool = True) -> dict[str, Any]:
+    """GGUF metadata (keys with ``{arch}``) for ``config``."""
+    c = config
+    return {
+        "general.name": name,
+        "general.type": "model",
+        "{arch}.block_count": c.num_layers,
+        "{arch}.embedding_length": c.hidden_size,
+        "{arch}.feed_forward_length": c.intermediate_size,
+        "{arch}.attention.head_count": c.num_heads,
+        "{arch}.attention.head_count_kv": c.num_kv_heads,
+        "{arch}.attention.key_length": c.head_dim,
+        "{arch}.attention.value_length": c.head_dim,
+        "{arch}.attention.layer_norm_rms_epsilon": float(c.rms_eps),
+        "{arch}.rope.freq_base": float(c.rope_theta),
+        "{arch}.vocab_size": c.vocab_size,
+        "{arch}.dflash.block_size": c.block_size,
+        "{arch}.dflash.target_layer_ids": [int(i) for i in c.target_layer_ids],
+        "{arch}.dflash.mask_token_id": c.mask_token_id,
+        "dflash.target_fingerprint": c.target_fingerprint,
+        "dflash.target_architecture": c.target_architecture,
+        "dflash.trained": bool(trained),
+    }
+
+
+def write_drafter(
+    path: str | os.PathLike[str],
+    config: DrafterConfig,
+    state: Mapping[str, torch.Tensor] | DFlashDrafter,
+    *,
+    dtype: str = "f16",
+    name: str = "dflash-drafter",
+    trained: bool = True,
+) -> None:
+    """Write a drafter GGUF.
+
+    Args:
+        path: output file (written in place; see :func:`draft_service.init_random` for an
+            atomic variant).
+        config: the drafter config.
+        state: a :class:`DFlashDrafter` or its ``state_dict()`` (module names, see
+            :func:`module_to_gguf_name`); GGUF names are accepted too.
+        dtype: storage of the matrices, ``"f16"`` (default), ``"bf16"`` or ``"f32"``; norms F32.
+        name: ``general.name``.
+        trained: value of ``dflash.trained``.
+
+    Raises:
+        DrafterError: a tensor is missing or has the wrong shape; unknown ``dtype``.
+    """
+    config.validate()
+    if dtype not in STORAGE_TYPES:
+        raise DrafterError(f"unknown storage dtype {dtype!r}; use one of {sorted(STORAGE_TYPES)}")
+    if isinstance(state, DFlashDrafter):
+        state = state.state_dict()
+    tensors = {}
+    for k, v in state.items():
+        gname = k if k.startswith(("blk.", "dflash.", "output_norm")) else module_to_gguf_name(k)
+        tensors[gname] = v.detach().to(device="cpu", dtype=torch.float32)
+    shapes = _expected_shapes(config)
+    missing = [n for n in shapes if n not in tensors]
+    extra = [n for n in tensors if n not in shapes]
+    if missing or extra:
+        raise DrafterError(f"drafter tensors: missing {missing}, unexpected {extra}")
+    for n, shape in shapes.items():
+        if tuple(tensors[n].shape) != shape:
+            raise DrafterError(f"{n}: shape {tuple(tensors[n].shape)}, expected {shape}")
+    ordered = {n: tensors[n] for n in shapes}
+    write_gguf(path, ARCH, config_metadata(config, name, trained), ordered, default_type=STORAGE_TYPES[dtype])
+
+
+def _expected_shapes(c: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    H, D, F_ = c.hidden_size, c.head_dim, c.intermediate_size
+    per_layer = {
+        "attn_norm": (H,), "attn_q": (c.num_heads * D, H), "attn_k": (c.num_kv_heads * D, H),
+        "attn_v": (c.num_kv_heads * D, H), "attn_output": (H, c.num_heads * D), "attn_q_norm": (D,),
+        "attn_k_norm": (D,), "ffn_norm": (H,), "ffn_gate": (F_, H), "ffn_up": (F_, H), "ffn_down": (H, F_),
+    }
+    shapes: dict[str, tuple[int, ...]] = {"dflash.fc.weight": (H, c.feature_size), "dflash.hidden_norm.weight": (H,)}
+    for i in range(c.num_layers):
+        for t in _LAYER_TENSORS:
+            shapes[f"blk.{i}.{t}.weight"] = per_layer[t]
+    shapes["output_norm.weight"] = (H,)
+    return shapes
+
+
+def read_drafter_config(g: GGUFFile | str | os.PathLike[str]) -> DrafterConfig:
+    """The :class:`DrafterConfig` stored in a drafter GGUF's metadata.
+
+    Raises:
+        DrafterError: not a DFlash drafter file (architecture or keys missing) or inconsistent.
+    """
+    if not isinstance(g, GGUFFile):
+        g = GGUFFile(g)
+    try:
+        if g.architecture != ARCH or g.get("{arch}.dflash.block_size") is None:
+            raise DrafterError(f"{g.path}: not a DFlash drafter (architecture {g.architecture!r}, no {ARCH}.dflash.block_size)")
+        ids = g.require("{arch}.dflash.target_layer_ids")
+        config = DrafterConfig(
+            hidden_size=int(g.require("{arch}.embedding_length")),
+            num_layers=int(g.require("{arch}.block_count")),
+            num_heads=int(g.require("{arch}.attention.head_count")),
+            num_kv_heads=int(g.require("{arch}.attention.head_count_kv")),
+            head_dim=int(g.require("{arch}.attention.key_length")),
+            intermediate_size=int(g.require("{arch}.feed_forward_length")),
+            rms_eps=float(g.require("{arch}.attention.layer_norm_rms_epsilon")),
+            rope_theta=float(g.require("{arch}.rope.freq_base")),
+            block_size=int(g.require("{arch}.dflash.block_size")),
+            target_layer_ids=[int(i) for i in (ids if isinstance(ids, list) else [ids])],
+            mask_token_id=int(g.require("{arch}.dflash.mask_token_id")),
+            vocab_size=int(g.require("{arch}.vocab_size")),
+            target_fingerprint=str(g.get("dflash.target_fingerprint", "")),
+            target_architecture=str(g.get("dflash.target_architecture", "")),
+        )
+    except GGUFError as e:
+        raise DrafterError(str(e)) from e
+    return config.validate()
+
+
+def read_drafter(
+    path: str | os.PathLike[str],
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
+    """Read a drafter GGUF.
+
+    Returns:
+        ``(config, state)``: ``state`` maps :class:`DFlashDrafter` parameter names to ``dtype``
+        tensors on ``device`` (``model.load_state_dict(state)`` accepts it).
+
+    Raises:
+        DrafterError: not a drafter, or a tensor is missing / of the wrong shape.
+    """
+    g = GGUFFile(path)
+    config = read_drafter_config(g)
+    state = {}
+    for name, shape in _expected_shapes(config).items():
+        if not g.has_tensor(name):
+            raise DrafterError(f"{path}: missing tensor {name}")
+        got = g.tensor_info(name).shape
+        if tuple(got) != shape:
+            raise DrafterError(f"{path}: {name} has shape {tuple(got)}, expected {shape}")
+        state[gguf_to_module_name(name)] = g.load_tensor(name, dtype=dtype, device=device)
+    return config, state
+
+
+def is_trained(path: str | os.PathLike[str]) -> bool:
+    """``dflash.trained`` of a drafter file (True when the key is absent)."""
+    return bool(GGUFFile(path).get("dflash.trained", True))
+
