@@ -25,11 +25,11 @@ def cache_dir() -> str:
 def shipped_drafter(target_fingerprint: str) -> str | None:
     """Path of a drafter in :data:`DATA_DIR` whose ``dflash.target_fingerprint`` is
     ``target_fingerprint`` (the first in name order), or None."""
-    from target_service.gguf_loader import GGUFFile
+    from target_service.gguf_loader import GGUFFile, open_gguf
 
     for path in sorted(glob.glob(os.path.join(DATA_DIR, "*.gguf"))):
         try:
-            if GGUFFile(path).get("dflash.target_fingerprint") == target_fingerprint:
+            if open_gguf(path).get("dflash.target_fingerprint") == target_fingerprint:
                 return path
         except Exception:  # noqa: BLE001 - a broken file in data/ must not hide the others
             logger.warning("unreadable drafter in data dir", extra={"path": path}, exc_info=True)
@@ -50,10 +50,10 @@ def default_drafter_path(target_path: str | None = None) -> str:
     """
     from target_service import default_model_path
     from target_service.fingerprint import model_fingerprint
-    from target_service.gguf_loader import GGUFFile
+    from target_service.gguf_loader import GGUFFile, open_gguf
 
     target_path = target_path or default_model_path()
-    target = GGUFFile(target_path)
+    target = open_gguf(target_path)
     fp = model_fingerprint(target)
     shipped = shipped_drafter(fp)
     if shipped:

@@ -40,7 +40,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from draft_service.drafter import DFlashDrafter, DrafterConfig, DrafterError
-from target_service.gguf_loader import GGUFError, GGUFFile, write_gguf
+from target_service.gguf_loader import GGUFError, GGUFFile, open_gguf, write_gguf
 
 ARCH = "qwen3"
 
@@ -194,7 +194,7 @@ def read_drafter_config(g: GGUFFile | str | os.PathLike[str]) -> DrafterConfig:
         DrafterError: not a DFlash drafter file (architecture or keys missing) or inconsistent.
     """
     if not isinstance(g, GGUFFile):
-        g = GGUFFile(g)
+        g = open_gguf(g)
     try:
         if g.architecture != ARCH or g.get("{arch}.dflash.block_size") is None:
             raise DrafterError(f"{g.path}: not a DFlash drafter (architecture {g.architecture!r}, no {ARCH}.dflash.block_size)")
@@ -234,7 +234,7 @@ def read_drafter(
     Raises:
         DrafterError: not a drafter, or a tensor is missing / of the wrong shape.
     """
-    g = GGUFFile(path)
+    g = open_gguf(path)
     config = read_drafter_config(g)
     state = {}
     for name, shape in _expected_shapes(config).items():
@@ -249,5 +249,5 @@ def read_drafter(
 
 def is_trained(path: str | os.PathLike[str]) -> bool:
     """``dflash.trained`` of a drafter file (True when the key is absent)."""
-    return bool(GGUFFile(path).get("dflash.trained", True))
+    return bool(open_gguf(path).get("dflash.trained", True))
 

@@ -123,17 +123,17 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         """
         from draft_service.gguf_io import is_trained
         from target_service.fingerprint import tokenizer_fingerprint
-        from target_service.gguf_loader import GGUFFile
+        from target_service.gguf_loader import GGUFFile, open_gguf
 
         if dtype is None:
             dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-        target = GGUFFile(target_path)
+        target = open_gguf(target_path)
         drafter = DFlashDrafter.from_gguf(drafter_path, target, device=device, dtype=dtype)
         if max_context is None:
             max_context = int(target.get("{arch}.context_length", 0) or 0)
         if not is_trained(drafter_path):
             logger.warning("the drafter is untrained (random init): expect acceptance near zero", extra={"drafter": drafter_path})
-        name = GGUFFile(drafter_path).get("general.name", "") or os.path.basename(drafter_path)
+        name = open_gguf(drafter_path).get("general.name", "") or os.path.basename(drafter_path)
         return cls(
             drafter,
             max_sessions=max_sessions,

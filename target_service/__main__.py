@@ -14,7 +14,7 @@ from dflash_grpc.v1 import common_pb2, target_pb2_grpc
 from target_service import default_model_path
 from target_service.engine import TargetEngine
 from target_service.fingerprint import model_fingerprint, tokenizer_fingerprint
-from target_service.gguf_loader import GGUFFile
+from target_service.gguf_loader import GGUFFile, open_gguf
 from target_service.models.llama import LlamaModel
 from target_service.servicer import FEATURES, TargetServicer
 
@@ -30,7 +30,7 @@ def build_engine(model_path: str, device: str = "cpu", dtype: str = "float32", m
     Raises:
         GGUFError: unsupported architecture or malformed file.
     """
-    g = GGUFFile(model_path)
+    g = open_gguf(model_path)
     if g.architecture != "llama":
         from target_service.gguf_loader import GGUFError
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import struct
 from typing import Any, Mapping
 
 import numpy as np
@@ -61,7 +62,7 @@ class GGUFFile:
         architecture: ``general.architecture`` (e.g. ``"llama"``, ``"qwen35"``).
 
     Raises:
-        GGUFError: the file has no ``general.architecture``.
+        GGUFError: not a GGUF file, or it has no ``general.architecture``.
         FileNotFoundError: the path does not exist.
     """
 
@@ -69,7 +70,10 @@ class GGUFFile:
         self.path = os.fspath(path)
         if not os.path.exists(self.path):
             raise FileNotFoundError(self.path)
-        self._reader = GGUFReader(self.path, "r")
+        try:
+            self._reader = GGUFReader(self.path, "r")
+        except (ValueError, IndexError, struct.error) as e:  # bad magic, truncated header
+            raise GGUFError(f"{self.path}: not a readable GGUF file: {e}") from e
         self.metadata: dict[str, Any] = {
             k: _field_value(f) for k, f in self._reader.fields.items() if not k.startswith("GGUF.")
         }
@@ -197,3 +201,23 @@ def write_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+_OPEN: dict[tuple[str, int, int], GGUFFile] = {}
+
+
+def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
+    """Open ``path`` as a :class:`GGUFFile`, reusing an earlier one in this process.
+
+    ``gguf.GGUFReader`` takes seconds to index a file with a large vocabulary (one numpy view
+    per token string), and a process (or a test run) needs the same file several times: for
+    the tokenizer, the fingerprint, the weights. The cache key includes the file's size and
+    modification time, so a rewritten file is read again.
+    """
+    path = os.fspath(path)
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    g = _OPEN.get(key)
+    if g is None:
+        g = _OPEN[key] = GGUFFile(path)
+    return g

@@ -30,17 +30,15 @@ We follow llama.cpp. See ``tests/test_tokenizer.py`` for the inputs on which thi
 from __future__ import annotations
 
 import dataclasses
-import mmap
 import os
-import struct
 from datetime import datetime
 from typing import Any, Iterable, Mapping, Sequence
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from target_service.gguf_loader import GGUFError, GGUFFile
+from target_service.gguf_loader import GGUFError, GGUFFile, open_gguf
 
-__all__ = ["GGUFTokenizer", "UnsupportedTokenizerError", "PRE_TOKENIZER_TYPES", "read_gguf_metadata"]
+__all__ = ["GGUFTokenizer", "UnsupportedTokenizerError", "PRE_TOKENIZER_TYPES"]
 
 # llama.cpp token types (gguf.TokenType / llama_token_type)
 TOKEN_TYPE_NORMAL = 1
@@ -166,95 +164,6 @@ _PRE_SPECS = _table()
 PRE_TOKENIZER_TYPES: frozenset[str] = frozenset(_PRE_SPECS)
 
 
-# ---------------------------------------------------------------------------------------------
-# Fast metadata reader. ``gguf.GGUFReader`` builds one numpy view per array element, which takes
-# seconds for a 49k-token vocabulary (it also maps every tensor); this reads only the key/value
-# section, in about 0.1-0.2 s for SmolLM2.
-# ---------------------------------------------------------------------------------------------
-
-_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_NP_DTYPE = {0: "u1", 1: "i1", 2: "u2", 3: "i2", 4: "u4", 5: "i4", 6: "f4", 7: "?", 10: "u8", 11: "i8", 12: "f8"}
-_STRING, _ARRAY = 8, 9
-
-
-def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Key/value metadata of a GGUF file (v2 or v3, either byte order), without its tensors.
-
-    Values are Python objects like :attr:`GGUFFile.metadata`: str, int, float, bool, or lists.
-
-    Raises:
-        GGUFError: not a GGUF file, or a truncated / malformed header.
-        FileNotFoundError: the path does not exist.
-    """
-    import numpy as np
-
-    path = os.fspath(path)
-    with open(path, "rb") as f:
-        try:
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except ValueError as e:  # empty file
-            raise GGUFError(f"{path}: not a GGUF file") from e
-    try:
-        if buf[:4] != b"GGUF":
-            raise GGUFError(f"{path}: not a GGUF file (magic {bytes(buf[:4])!r})")
-        (version,) = struct.unpack_from("<I", buf, 4)
-        e = "<"
-        if version & 0xFFFF == 0:  # written big-endian
-            e = ">"
-            (version,) = struct.unpack_from(">I", buf, 4)
-        if version not in (2, 3):
-            raise GGUFError(f"{path}: unsupported GGUF version {version}")
-        _n_tensors, n_kv = struct.unpack_from(e + "QQ", buf, 8)
-        off = 24
-        u64 = struct.Struct(e + "Q")
-        u32 = struct.Struct(e + "I")
-
-        def read_str(off: int) -> tuple[str, int]:
-            (n,) = u64.unpack_from(buf, off)
-            off += 8
-            return buf[off:off + n].decode("utf-8"), off + n
-
-        out: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key, off = read_str(off)
-            (vtype,) = u32.unpack_from(buf, off)
-            off += 4
-            if vtype == _STRING:
-                value, off = read_str(off)
-            elif vtype == _ARRAY:
-                (etype,) = u32.unpack_from(buf, off)
-                (count,) = u64.unpack_from(buf, off + 4)
-                off += 12
-                if etype == _STRING:
-                    value = []
-                    append = value.append
-                    for _ in range(count):
-                        (n,) = u64.unpack_from(buf, off)
-                        off += 8
-                        append(buf[off:off + n].decode("utf-8"))
-                        off += n
-                elif etype in _NP_DTYPE:
-                    dt = np.dtype(e + _NP_DTYPE[etype])
-                    value = np.frombuffer(buf, dtype=dt, count=count, offset=off).tolist()
-                    off += dt.itemsize * count
-                else:
-                    raise GGUFError(f"{path}: key {key!r}: unsupported array element type {etype}")
-            elif vtype in _SCALAR:
-                fmt = e + _SCALAR[vtype]
-                (value,) = struct.unpack_from(fmt, buf, off)
-                off += struct.calcsize(fmt)
-            else:
-                raise GGUFError(f"{path}: key {key!r}: unknown value type {vtype}")
-            out[key] = value
-        return out
-    except (struct.error, UnicodeDecodeError, ValueError) as err:
-        if isinstance(err, GGUFError):
-            raise
-        raise GGUFError(f"{path}: malformed GGUF metadata: {err}") from err
-    finally:
-        buf.close()
-
-
 class _MetadataView:
     """The ``get`` interface of :class:`GGUFFile` over a plain metadata dict."""
 
@@ -320,10 +229,22 @@ def _opt_int(value: Any) -> int | None:
 
 
 class GGUFTokenizer:
-    """Byte-level BPE tokenizer of a GGUF model, equivalent to llama.cpp's (``llama-vocab.cpp``).
+    r"""Byte-level BPE tokenizer of a GGUF model, equivalent to llama.cpp's (``llama-vocab.cpp``).
 
-    Build it with :meth:`from_gguf`. Text is always parsed for special tokens: ``"<|im_start|>"``
-    in the input encodes as the single control token, as llama.cpp does with ``parse_special``.
+    Build it with :meth:`from_gguf`. Rules, all from llama.cpp ``src/llama-vocab.cpp``:
+
+    * pre-tokenizer: the regex list of ``tokenizer.ggml.pre`` (``llm_tokenizer_bpe``), each regex
+      splitting the pieces of the previous one, matches and gaps kept. E.g. ``"smollm"`` and
+      ``"starcoder"``: ``\p{N}`` then the GPT-2 regex; ``"llama-bpe"``/``"llama3"``: the Llama 3
+      regex (digits in groups of 3) with ``ignore_merges``; ``"qwen2"``: single digits, letters
+      with an optional leading non-letter; ``"qwen35"``: like qwen2, combining marks kept in
+      words; ``"gpt-2"``: the GPT-2 regex; ``"default"`` (or no key): punctuation runs, GPT-2
+      regex, ``\p{N}+``, 3-digit groups. See :data:`PRE_TOKENIZER_TYPES`.
+    * merges: ``tokenizer.ggml.merges`` in rank order, split at the first space after position 0.
+    * special tokens: control (3) and unknown (2) types are special, user-defined (4) are not;
+      all are matched whole in the input before pre-tokenization, as llama.cpp does with
+      ``parse_special=true``: ``"<|im_start|>"`` in the text becomes that one token.
+    * a byte without a token in the vocabulary is dropped (llama.cpp's BPE does the same).
 
     Attributes:
         model_type: ``tokenizer.ggml.model`` (always ``"gpt2"`` here).
@@ -335,7 +256,7 @@ class GGUFTokenizer:
         """Build from a GGUF metadata mapping (``tokenizer.ggml.*`` keys); prefer :meth:`from_gguf`.
 
         Args:
-            metadata: key -> value, as :attr:`GGUFFile.metadata` or :func:`read_gguf_metadata`.
+            metadata: key -> value, as :attr:`GGUFFile.metadata`.
             source: name used in error messages.
 
         Raises:
@@ -460,8 +381,7 @@ class GGUFTokenizer:
         """Build the tokenizer of a GGUF model.
 
         Args:
-            gguf: an open :class:`GGUFFile` (its parsed metadata is used), or a path, in which
-                case only the key/value header is read (:func:`read_gguf_metadata`, fast).
+            gguf: an open :class:`GGUFFile`, or a path (opened with :func:`open_gguf`, cached).
 
         Returns:
             The tokenizer.
@@ -476,7 +396,7 @@ class GGUFTokenizer:
         path = os.fspath(gguf)
         if not os.path.exists(path):
             raise FileNotFoundError(path)
-        return cls(read_gguf_metadata(path), source=path)
+        return cls(open_gguf(path).metadata, source=path)
 
     # -- encode / decode ----------------------------------------------------------------------
 
@@ -519,7 +439,8 @@ class GGUFTokenizer:
                 User-defined tokens are always kept, as in llama.cpp.
 
         Returns:
-            The text. ``decode(encode(x)) == x`` for any text ``x``.
+            The text, without clean-up of tokenization spaces (llama.cpp's ``clean_spaces``), so
+            ``decode(encode(x)) == x`` for any ``x`` whose bytes all have tokens.
 
         Raises:
             ValueError: an id is outside ``[0, vocab_size)``.

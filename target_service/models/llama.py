@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import tree_attention
-from target_service.gguf_loader import GGUFError, GGUFFile
+from target_service.gguf_loader import GGUFError, GGUFFile, open_gguf
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ class LlamaModel:
             GGUFError: wrong architecture, missing key or tensor.
         """
         if isinstance(g, str):
-            g = GGUFFile(g)
+            g = open_gguf(g)
         cfg = LlamaConfig.from_gguf(g)
         names = ["token_embd.weight", "output_norm.weight"] + ([] if cfg.tied_embeddings else ["output.weight"])
         for i in range(cfg.num_layers):

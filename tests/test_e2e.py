@@ -1,0 +1,258 @@
+"""End to end: the three services as real processes on loopback, talked to over gRPC.
+
+Covers the lossless checks of the end-to-end issue (speculative output == target-only output ==
+transformers greedy decoding of the same GGUF), seeded sampling, the statuses of DESIGN.md
+"Errors" that the public API can produce (each followed by a correct request), a drafter built
+for another target (FAILED_PRECONDITION), and the draft service dying mid-request (fallback).
+The module's tests run in file order; the last ones stop services on purpose.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import grpc
+import pytest
+import torch
+
+import client as sdk
+from client.launcher import ServiceGroup, dflash_services, free_ports
+from dflash_grpc import serving
+from dflash_grpc.v1 import common_pb2, target_pb2, target_pb2_grpc
+from tests.conftest import PROMPTS
+
+pytestmark = pytest.mark.slow
+
+N_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def drafter_path(smollm_path, tmp_path_factory):
+    from draft_service.init_random import write_random_drafter
+
+    path = str(tmp_path_factory.mktemp("drafter") / "smollm-random-drafter.gguf")
+    write_random_drafter(smollm_path, path, layers=1, seed=0)
+    return path
+
+
+@pytest.fixture(scope="module")
+def services(smollm_path, drafter_path):
+    ports = free_ports(3)
+    group = ServiceGroup(
+        dflash_services(smollm_path, drafter_path, ports=ports, target_args=["--max-sessions", "3", "--max-context", "1024"]),
+        grace=5.0,
+    )
+    with group:
+        group.wait_healthy(timeout=300)
+        yield group, {"target": f"127.0.0.1:{ports[0]}", "draft": f"127.0.0.1:{ports[1]}", "orchestrator": f"127.0.0.1:{ports[2]}"}
+
+
+@pytest.fixture(scope="module")
+def api(services):
+    with sdk.Client(services[1]["orchestrator"], timeout=300) as c:
+        yield c
+
+
+def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    """Greedy decoding with transformers' own KV cache, ignoring EOS (the oracle)."""
+    out = []
+    with torch.no_grad():
+        res = hf(torch.tensor([ids]), use_cache=True)
+        for _ in range(n):
+            tok = int(res.logits[0, -1].argmax())
+            out.append(tok)
+            res = hf(torch.tensor([[tok]]), past_key_values=res.past_key_values, use_cache=True)
+    return out
+
+
+def test_info_reports_both_services(api):
+    info = api.info()
+    assert info.target.architecture == "llama"
+    assert info.target.vocab_size == 49152
+    assert info.drafter.available and info.drafter.compatible
+    assert info.drafter.model.block_size == 16
+
+
+def test_lossless_greedy_against_target_only_and_transformers(api, smollm_tokenizer, hf_smollm):
+    prompts = PROMPTS[:20]
+    mismatches = []
+    drafted = 0
+    for text in prompts:
+        ids = smollm_tokenizer.encode(text)
+        spec = api.generate(tokens=ids, max_tokens=N_TOKENS, ignore_eos=True)
+        ar = api.generate(tokens=ids, max_tokens=N_TOKENS, ignore_eos=True, speculative=False)
+        hf = _hf_greedy(hf_smollm, ids, N_TOKENS)
+        assert len(spec.token_ids) == N_TOKENS and spec.finish_reason == "length"
+        assert spec.token_ids == ar.token_ids, f"speculative != target-only for {text!r}"
+        assert ar.stats.drafts == 0 and ar.stats.autoregressive_steps == N_TOKENS - 1
+        drafted += spec.stats.drafts
+        if ar.token_ids != hf:
+            mismatches.append(text)
+        assert spec.text == smollm_tokenizer.decode(spec.token_ids)
+    assert not mismatches, f"differs from transformers greedy: {mismatches}"
+    assert drafted > 0, "the drafter was never used"
+
+
+def test_seeded_sampling_reproduces_and_matches_target_only(api):
+    kw = dict(prompt="Once upon a time", max_tokens=24, temperature=0.9, top_k=40, top_p=0.95, ignore_eos=True)
+    a = api.generate(seed=1234, **kw)
+    b = api.generate(seed=1234, **kw)
+    c = api.generate(seed=1234, speculative=False, **kw)
+    d = api.generate(seed=99, **kw)
+    assert a.token_ids == b.token_ids == c.token_ids
+    assert d.token_ids != a.token_ids
+
+
+def test_stop_strings_and_eos(api):
+    res = api.generate(prompt="def add(a, b):\n", max_tokens=40, stop=["\n"], ignore_eos=True)
+    assert res.finish_reason in ("stop", "length")
+    assert "\n" not in res.text
+    chat = api.generate(messages=[{"role": "user", "content": "Say hi."}], max_tokens=200)
+    assert chat.finish_reason in ("eos", "length")
+    assert 2 not in chat.token_ids  # <|im_end|> is EOS and never emitted
+
+
+def test_statistics(api):
+    before = api.stats()
+    res = api.generate(prompt="for i in range(10):", max_tokens=20, ignore_eos=True)
+    s = res.stats
+    assert s.generated_tokens == 20 and s.requests == 1
+    assert s.target_forwards == sum(s.acceptance_length_histogram)
+    assert s.accepted_tokens == sum(s.accepted_per_position)
+    assert s.draft_tokens >= s.accepted_tokens
+    assert abs(s.mean_acceptance_length - sum(t * c for t, c in enumerate(s.acceptance_length_histogram)) / s.target_forwards) < 1e-9
+    after = api.stats()
+    assert after.requests == before.requests + 1
+    assert after.generated_tokens == before.generated_tokens + 20
+
+
+@pytest.mark.parametrize(
+    "kwargs,error",
+    [
+        (dict(prompt=""), sdk.InvalidArgumentError),
+        (dict(tokens=[1, 2, 49152]), sdk.InvalidArgumentError),
+        (dict(tokens=[-1]), sdk.InvalidArgumentError),
+        (dict(prompt="hi", temperature=-1.0), sdk.InvalidArgumentError),
+        (dict(prompt="hi", top_p=2.0), sdk.InvalidArgumentError),
+        (dict(prompt="hi", max_tokens=-5), sdk.InvalidArgumentError),
+        (dict(tokens=[1] * 1100), sdk.ResourceExhaustedError),
+    ],
+)
+def test_bad_requests_get_clear_status_and_service_goes_on(api, kwargs, error):
+    with pytest.raises(error):
+        api.generate(**kwargs)
+    ok = api.generate(prompt="The capital of France is", max_tokens=6, ignore_eos=True)
+    assert len(ok.token_ids) == 6
+
+
+def test_target_statuses_directly(services):
+    """NOT_FOUND for an unknown session, INVALID_ARGUMENT for a malformed tree (per item)."""
+    with serving.channel(services[1]["target"]) as ch:
+        stub = target_pb2_grpc.TargetServiceStub(ch)
+        reqs = [
+            target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(session_id="nope", tree=common_pb2.TokenTree(tokens=[1], parents=[-1]))]),
+        ]
+        (resp,) = list(stub.Verify(iter(reqs), timeout=30))
+        assert resp.results[0].status.code == grpc.StatusCode.NOT_FOUND.value[0]
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Prefill(target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(session_id="s", prompt_tokens=[])]), timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        first = stub.Prefill(target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(session_id="s", prompt_tokens=[1, 2, 3])]), timeout=30).results[0]
+        bad = target_pb2.VerifyItem(session_id="s", tree=common_pb2.TokenTree(tokens=[first.first_token, 7], parents=[-1, 5]))
+        good = target_pb2.VerifyItem(session_id="s", tree=common_pb2.TokenTree(tokens=[first.first_token], parents=[-1]))
+        r_bad, r_good = list(stub.Verify(iter([target_pb2.VerifyRequest(items=[bad]), target_pb2.VerifyRequest(items=[good])]), timeout=30))
+        assert r_bad.results[0].status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert r_good.results[0].status.code == 0 and r_good.results[0].committed_length == 4
+        stub.Release(common_pb2.ReleaseRequest(session_ids=["s"]), timeout=30)
+
+
+def test_deadline_and_cancel_free_the_slot(api, services):
+    """The target has 3 slots: more cancelled/expired requests than that must not leak any."""
+    for _ in range(4):
+        with pytest.raises(sdk.DeadlineExceededError):
+            api.generate(prompt="Write a long story about dragons.", max_tokens=400, ignore_eos=True, timeout=0.8)
+    for _ in range(4):
+        stream = api.stream(prompt="Count to one hundred:", max_tokens=400, ignore_eos=True)
+        next(iter(stream))
+        stream.cancel()
+    time.sleep(1.0)
+    res = api.generate(prompt="The capital of France is", max_tokens=5, ignore_eos=True)
+    assert len(res.token_ids) == 5
+
+
+def test_no_free_slot_is_resource_exhausted(services, smollm_path):
+    with serving.channel(services[1]["target"]) as ch:
+        stub = target_pb2_grpc.TargetServiceStub(ch)
+        ids = [f"hog{i}" for i in range(3)]
+        for sid in ids:
+            stub.Prefill(target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(session_id=sid, prompt_tokens=[1, 2])]), timeout=30)
+        try:
+            with sdk.Client(services[1]["orchestrator"], timeout=60) as c:
+                with pytest.raises(sdk.ResourceExhaustedError):
+                    c.generate(prompt="hello", max_tokens=3)
+        finally:
+            stub.Release(common_pb2.ReleaseRequest(session_ids=ids), timeout=30)
+    with sdk.Client(services[1]["orchestrator"], timeout=60) as c:
+        assert len(c.generate(prompt="hello", max_tokens=3, ignore_eos=True).token_ids) == 3
+
+
+def test_mismatched_drafter_is_failed_precondition(services, smollm_path, tmp_path):
+    """A drafter built for another target: the orchestrator refuses speculative requests."""
+    from draft_service.init_random import write_random_drafter
+    from tests.tiny_models import write_tiny_llama
+
+    tiny = str(tmp_path / "tiny.gguf")
+    write_tiny_llama(tiny)
+    other = str(tmp_path / "other-drafter.gguf")
+    write_random_drafter(tiny, other, layers=1)
+    dport, oport = free_ports(2)
+    import sys
+
+    group = ServiceGroup(
+        [
+            sdk_service("draft", [sys.executable, "-m", "draft_service", "--drafter", other, "--target", tiny, "--port", str(dport)], dport),
+            sdk_service("orchestrator", [sys.executable, "-m", "orchestrator", "--target", services[1]["target"], "--draft", f"127.0.0.1:{dport}",
+                                         "--model", smollm_path, "--port", str(oport)], oport),
+        ],
+        grace=5.0,
+    )
+    with group:
+        group.wait_healthy(timeout=180)
+        with sdk.Client(f"127.0.0.1:{oport}", timeout=60) as c:
+            assert not c.info().drafter.compatible
+            with pytest.raises(sdk.FailedPreconditionError):
+                c.generate(prompt="hello", max_tokens=4)
+            assert len(c.generate(prompt="hello", max_tokens=4, ignore_eos=True, speculative=False).token_ids) == 4
+
+
+def sdk_service(name, argv, port):
+    from client.launcher import Service
+
+    return Service(name, argv, f"127.0.0.1:{port}", {})
+
+
+def test_draft_service_dies_mid_request(api, services, smollm_tokenizer):
+    """Kill the draft service during a request: no error, no token lost, same output as target-only."""
+    group, _ = services
+    ids = smollm_tokenizer.encode("def quicksort(arr):")
+    ref = api.generate(tokens=ids, max_tokens=48, ignore_eos=True, speculative=False).token_ids
+    stream = api.stream(tokens=ids, max_tokens=48, ignore_eos=True)
+    chunks = iter(stream)
+    got = list(next(chunks).token_ids)
+    os.killpg(group.procs["draft"].pid, 9)
+    for chunk in chunks:
+        got += chunk.token_ids
+    assert got == ref
+    assert stream.result.stats.draft_fallbacks == 1
+    after = api.generate(tokens=ids, max_tokens=8, ignore_eos=True)  # drafter gone: plain AR
+    assert after.token_ids == ref[:8]
+    assert after.stats.drafts == 0
+
+
+def test_target_down_is_unavailable(api, services):
+    group, _ = services
+    os.killpg(group.procs["target"].pid, 9)
+    group.procs["target"].wait()
+    with pytest.raises(sdk.UnavailableError):
+        api.generate(prompt="hello", max_tokens=3)
