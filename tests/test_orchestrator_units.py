@@ -1,0 +1,71 @@
+"""Orchestrator pieces without processes: text streaming with stop strings, statistics, tree trim."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.detok import TextStream
+from orchestrator.loop import trim_tree
+from orchestrator.stats import AcceptanceStats
+
+
+def test_text_stream_deltas_concatenate_to_decode(smollm_tokenizer):
+    text = "Grüße, 世界! 😀 def f(x):\n    return x ** 2  # done"
+    ids = smollm_tokenizer.encode(text)
+    stream = TextStream(smollm_tokenizer.decode)
+    out = "".join(stream.push([i]) for i in ids) + stream.finish()
+    assert out == text
+    assert "\ufffd" not in "".join(TextStream(smollm_tokenizer.decode).push([i]) for i in ids)
+
+
+@pytest.mark.parametrize("stop", [["\n"], ["return"], ["zz", " x **"], ["2  #"]])
+def test_text_stream_stops_before_the_stop_string(smollm_tokenizer, stop):
+    text = "def f(x):\n    return x ** 2  # done"
+    ids = smollm_tokenizer.encode(text)
+    stream = TextStream(smollm_tokenizer.decode, stop)
+    out = ""
+    for i in ids:
+        out += stream.push([i])
+        if stream.stopped:
+            break
+    out += stream.finish()
+    cut = min(text.find(s) for s in stop if s in text)
+    assert stream.stopped and out == text[:cut]
+
+
+def test_text_stream_holds_back_a_possible_stop_prefix():
+    pieces = {1: "ab", 2: "c<", 3: "/s", 4: "x"}
+    stream = TextStream(lambda ids: "".join(pieces[i] for i in ids), ["</s>"])
+    assert stream.push([1]) == "ab"
+    assert stream.push([2]) == "c"      # "<" might start "</s>"
+    assert stream.push([3]) == ""       # "</s" too
+    assert stream.push([4]) == "</sx"   # not a stop after all
+    assert not stream.stopped
+
+
+def test_stats_accounting_and_merge():
+    s = AcceptanceStats()
+    s.record_step(tree_depth=3, draft_nodes=3, accepted=2)
+    s.record_step(tree_depth=3, draft_nodes=5, accepted=0)
+    s.record_step(tree_depth=0, draft_nodes=0, accepted=0)
+    assert (s.drafts, s.draft_tokens, s.accepted_tokens, s.target_forwards, s.autoregressive_steps) == (2, 8, 2, 3, 1)
+    assert s.accepted_per_position == [1, 1]
+    assert s.drafted_per_position == [2, 2, 2]
+    assert s.acceptance_length_histogram == [0, 2, 0, 1]
+    assert s.mean_acceptance_length == pytest.approx(5 / 3)
+    t = AcceptanceStats()
+    t.record_step(tree_depth=4, draft_nodes=4, accepted=4)
+    s.merge(t)
+    assert s.accepted_per_position == [2, 2, 1, 1]
+    assert s.acceptance_length_histogram == [0, 2, 0, 1, 0, 1]
+    p = s.to_proto()
+    assert p.mean_acceptance_length == pytest.approx(10 / 4)
+    assert list(p.accepted_per_position) == [2, 2, 1, 1]
+
+
+def test_trim_tree_drops_deep_nodes_and_reindexes():
+    tokens = [10, 11, 12, 13, 14, 15]
+    parents = [-1, 0, 1, 0, 3, 4]   # depths 0 1 2 1 2 3
+    assert trim_tree(tokens, parents, 1) == ([10, 11, 13], [-1, 0, 0])
+    assert trim_tree(tokens, parents, 2) == ([10, 11, 12, 13, 14], [-1, 0, 1, 0, 3])
+    assert trim_tree(tokens, parents, 0) == ([10], [-1])
