@@ -49,6 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from target_service.models.layers import apply_rope, rms_norm, rope_cos_sin
+
 logger = logging.getLogger(__name__)
 
 #: Default number of draft layers, block size and number of target layers tapped.
@@ -317,36 +319,6 @@ def choose_mask_token(
 # --------------------------------------------------------------------------------------------
 # Math (shared by the cached and the uncached path)
 # --------------------------------------------------------------------------------------------
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / sqrt(mean(x^2, -1) + eps) * weight`` over the last dim; statistics in float32, result
-    in ``x``'s dtype (``Qwen3RMSNorm``)."""
-    xf = x.double() if x.dtype == torch.float64 else x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * y.to(x.dtype)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 ``cos, sin`` of shape ``[*positions.shape, head_dim]`` (NeoX layout: the
-    ``head_dim/2`` frequencies ``theta^(-2i/D)`` repeated twice); angles computed in float64 so
-    large positions keep their precision."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim))
-    angles = positions.to(torch.float64)[..., None] * inv_freq
-    emb = torch.cat([angles, angles], dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` in float32 (float64 for float64 ``x``), returned in
-    ``x``'s dtype.
-
-    ``x``: ``[..., heads, rows, D]``; ``cos``/``sin``: ``[..., rows, D]`` (broadcast over heads)."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xf = x.to(acc)
-    half = xf.shape[-1] // 2
-    rot = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos.to(acc).unsqueeze(-3) + rot * sin.to(acc).unsqueeze(-3)).to(x.dtype)
 
 
 class RMSNorm(nn.Module):

@@ -72,4 +72,6 @@ def test_tree_node_logits_equal_path_alone(smollm_model, seed, n, prefix):
         path = torch.nonzero(tree.ancestors[i]).flatten().tolist()
         alone = chain([tokens[j] for j in path])
         ref = smollm_model.forward(alone.tokens, prefix + torch.arange(len(path)), alone.ancestors, cache).logits[-1]
-        torch.testing.assert_close(out.logits[i], ref, atol=1e-3, rtol=0)
+        # fp32 through 30 layers; the two forwards differ only in matmul shapes (summation
+        # order): observed differences reach ~4e-3 on logits of magnitude ~20-40.
+        torch.testing.assert_close(out.logits[i], ref, atol=1e-2, rtol=0)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import tree_attention
+from target_service.models.layers import apply_rope, rms_norm, rope_cos_sin
 from target_service.gguf_loader import GGUFError, GGUFFile, open_gguf
 
 log = logging.getLogger(__name__)
@@ -89,30 +90,6 @@ def unpermute_rotary_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """
     rows, cols = w.shape
     return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim, computed in float32."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
-
-
-def rotary_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos``/``sin`` of shape ``[T, rope_dim]`` for HF rotate-half rotary at integer ``positions`` ``[T]``."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, device=positions.device, dtype=torch.float32) / rope_dim))
-    ang = positions.float().unsqueeze(-1) * inv_freq
-    emb = torch.cat([ang, ang], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``cos.shape[-1]`` dims of ``x`` (``[H, T, D]``) in NeoX halves (HF ``rotate_half``)."""
-    r = cos.shape[-1]
-    xr, xp = x[..., :r], x[..., r:]
-    x1, x2 = xr[..., : r // 2], xr[..., r // 2 :]
-    rot = torch.cat([-x2, x1], dim=-1)
-    out = xr * cos + rot * sin
-    return torch.cat([out, xp], dim=-1) if xp.shape[-1] else out
 
 
 class KVCache:
@@ -268,7 +245,7 @@ class LlamaModel:
         L = cache.length
         t = tokens.shape[0]
         x = self.embed[tokens]
-        cos, sin = rotary_cos_sin(positions, c.rope_dim, c.rope_theta, self.dtype)
+        cos, sin = rope_cos_sin(positions, c.rope_dim, c.rope_theta)
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         scale = 1.0 / math.sqrt(c.head_dim)
         new_k, new_v, feats = [], [], []
@@ -279,8 +256,8 @@ class LlamaModel:
             q = qkv[:, :q_size].reshape(t, c.num_heads, c.head_dim).transpose(0, 1)
             k = qkv[:, q_size : q_size + kv_size].reshape(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
             v = qkv[:, q_size + kv_size :].reshape(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
-            q = apply_rotary(q, cos, sin)
-            k = apply_rotary(k, cos, sin)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
             attn = tree_attention(q, cache.k[i][:, :L], cache.v[i][:, :L], k, v, mask, scale)
             x = x + F.linear(attn.transpose(0, 1).reshape(t, q_size), lw["o"])
             h = rms_norm(x, lw["ffn_norm"], c.rms_eps)

@@ -1,0 +1,55 @@
+"""Building blocks shared by the target models and the DFlash drafter (plain PyTorch references).
+
+* :func:`rms_norm` — ``x / sqrt(mean(x^2) + eps) * w`` (HF ``LlamaRMSNorm`` / ``Qwen3RMSNorm``).
+* :func:`rope_cos_sin`, :func:`apply_rope` — rotary position embedding in the NeoX / HF
+  "rotate_half" layout, optionally on the first ``rope_dim`` dims of a head only (partial rotary,
+  as Qwen3.5's gated attention uses). Angles in float64 so large positions keep their precision.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm over the last dim; statistics in float32 (float64 for float64 ``x``), result in
+    ``x``'s dtype times ``weight``.
+
+    Args:
+        x: ``[..., N]``.
+        weight: ``[N]``, multiplied as stored (a GGUF ``1 + w`` norm is already folded in).
+    """
+    xf = x.to(_acc(x.dtype))
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``cos, sin`` of shape ``[*positions.shape, rope_dim]``: the ``rope_dim / 2``
+    frequencies ``theta^(-2i / rope_dim)`` repeated twice (NeoX layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, device=positions.device, dtype=torch.float64) / rope_dim))
+    angles = positions.to(torch.float64)[..., None] * inv_freq
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` on the first ``r = cos.shape[-1]`` dims of each head;
+    the remaining ``D - r`` dims pass through. Computed in float32 (float64 for float64 ``x``),
+    returned in ``x``'s dtype.
+
+    Args:
+        x: ``[..., heads, rows, D]``.
+        cos, sin: ``[..., rows, r]`` from :func:`rope_cos_sin` (broadcast over heads), ``r <= D`` even.
+    """
+    acc = _acc(x.dtype)
+    r = cos.shape[-1]
+    xf = x[..., :r].to(acc)
+    half = r // 2
+    rot = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    out = (xf * cos.to(acc).unsqueeze(-3) + rot * sin.to(acc).unsqueeze(-3)).to(x.dtype)
+    return torch.cat([out, x[..., r:]], dim=-1) if r < x.shape[-1] else out
