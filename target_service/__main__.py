@@ -14,8 +14,8 @@ from dflash_grpc.v1 import common_pb2, target_pb2_grpc
 from target_service import default_model_path
 from target_service.engine import TargetEngine
 from target_service.fingerprint import model_fingerprint, tokenizer_fingerprint
-from target_service.gguf_loader import GGUFFile, open_gguf
-from target_service.models.llama import LlamaModel
+from target_service.gguf_loader import open_gguf
+from target_service.models import load_model
 from target_service.servicer import FEATURES, TargetServicer
 
 log = logging.getLogger("target_service")
@@ -31,11 +31,7 @@ def build_engine(model_path: str, device: str = "cpu", dtype: str = "float32", m
         GGUFError: unsupported architecture or malformed file.
     """
     g = open_gguf(model_path)
-    if g.architecture != "llama":
-        from target_service.gguf_loader import GGUFError
-
-        raise GGUFError(f"architecture {g.architecture!r} is not supported yet (supported: llama)")
-    model = LlamaModel.from_gguf(g, device=device, dtype=_DTYPES[dtype], progress=progress)
+    model = load_model(g, device=device, dtype=_DTYPES[dtype], progress=progress)
     engine = TargetEngine(model, max_sessions=max_sessions, max_context=max_context, max_tree_width=max_tree_width)
     info = common_pb2.ModelInfo(
         model_name=str(g.get("general.name") or os.path.basename(model_path)),

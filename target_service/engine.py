@@ -26,7 +26,6 @@ import grpc
 import torch
 
 from kernels.sampling import accept_path, select_tokens
-from target_service.models.llama import LlamaModel
 from target_service.tree import TreeError, chain, tree_tensors, validate_tree
 
 log = logging.getLogger(__name__)
@@ -136,7 +135,7 @@ class TargetEngine:
     """Owns the target model and every session's state.
 
     Args:
-        model: a loaded model (``LlamaModel``; the hybrid comes later).
+        model: a loaded model (``target_service.models``: ``LlamaModel`` or ``Qwen35Model``).
         max_sessions: concurrent session slots.
         max_context: tokens per session (prompt + generated).
         max_tree_width: most nodes a verify may carry.
@@ -144,7 +143,7 @@ class TargetEngine:
     Thread safety: one lock serialises model compute and session-table changes.
     """
 
-    def __init__(self, model: LlamaModel, max_sessions: int = 8, max_context: int = 4096, max_tree_width: int = 64):
+    def __init__(self, model, max_sessions: int = 8, max_context: int = 4096, max_tree_width: int = 64):
         self.model = model
         self.cfg = model.cfg
         self.max_sessions = max_sessions
@@ -253,7 +252,7 @@ class TargetEngine:
                     f"context full: {L} committed + depth {tree.max_depth + 1} exceeds {self.max_context}"
                 )
             positions = L + tree.depth
-            out = self.model.forward(tree.tokens, positions, tree.ancestors, session.cache, session.feature_layers)
+            out = self.model.forward(tree.tokens, positions, tree.ancestors, session.cache, session.feature_layers, parents=parents)
             self.forwards += 1
             choice = self._select(session, out.logits, (positions + 1).tolist())
             path_mask = accept_path(tree.tokens, tree.parents, tree.ancestors, tree.depth, choice)

@@ -1,1 +1,35 @@
-"""target_service/models."""
+"""Target model definitions, one module per GGUF architecture, and the loader that picks one.
+
+Every model has the same interface: ``cfg`` (with ``vocab_size``, ``hidden_size``,
+``num_layers``, ``context_length``), ``device``, ``new_cache(max_length)`` (an object with
+``length`` and ``reset()``), ``forward(tokens, positions, mask, cache, feature_layers,
+logits_rows, parents)`` that writes nothing, and ``commit(cache, out, rows)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from target_service.gguf_loader import GGUFError, GGUFFile, open_gguf
+
+#: GGUF ``general.architecture`` values the target service runs.
+ARCHITECTURES = ("llama", "qwen35")
+
+
+def load_model(g: GGUFFile | str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, progress: bool = False):
+    """Load the model of a GGUF file (``LlamaModel`` or ``Qwen35Model``).
+
+    Raises:
+        GGUFError: an architecture not in :data:`ARCHITECTURES`, or a malformed file.
+    """
+    if not isinstance(g, GGUFFile):
+        g = open_gguf(g)
+    if g.architecture == "llama":
+        from target_service.models.llama import LlamaModel
+
+        return LlamaModel.from_gguf(g, device=device, dtype=dtype, progress=progress)
+    if g.architecture == "qwen35":
+        from target_service.models.qwen35 import Qwen35Model
+
+        return Qwen35Model.from_gguf(g, device=device, dtype=dtype, progress=progress)
+    raise GGUFError(f"architecture {g.architecture!r} is not supported (supported: {', '.join(ARCHITECTURES)})")

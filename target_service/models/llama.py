@@ -227,6 +227,7 @@ class LlamaModel:
         cache: KVCache,
         feature_layers: list[int] | tuple[int, ...] = (),
         logits_rows: torch.Tensor | None = None,
+        parents: list[int] | None = None,
     ) -> ForwardOutput:
         """Run ``T`` new tokens over the committed cache.
 
@@ -237,6 +238,7 @@ class LlamaModel:
             cache: the session's committed K/V; rows ``[0, cache.length)`` are attended, nothing is written.
             feature_layers: layer indices whose outputs (residual stream after the layer) to return.
             logits_rows: ``[R]`` int64 rows to compute logits for (default: all ``T``).
+            parents: tree parents; unused (``mask`` carries the tree for attention-only models).
 
         Returns:
             :class:`ForwardOutput`.
