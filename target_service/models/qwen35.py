@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import tree_attention
+from kernels.gated_delta import fla as fla_kernels
 from kernels.gated_delta import causal_conv_tree, conv_state_after, gdn_update, l2norm, recurrent_gated_delta_rule, tree_gated_delta_rule
 from target_service.gguf_loader import GGUFError, GGUFFile, open_gguf
 from target_service.models.layers import apply_rope, rms_norm, rope_cos_sin
@@ -357,7 +358,9 @@ class Qwen35Model:
         state = cache.recurrent[i]
         scratch = GDNScratch(conv_in=conv_in)
         if parents is None:
-            o, scratch.final_state = recurrent_gated_delta_rule(q, k, v, g, beta, state)
+            # prefill: chunked fla kernel on CUDA when installed, the reference recurrence otherwise
+            chunked = fla_kernels.chunk_gated_delta_rule if fla_kernels.available(q.device) else recurrent_gated_delta_rule
+            o, scratch.final_state = chunked(q, k, v, g, beta, state)
         else:
             o, node_states = tree_gated_delta_rule(q, k, v, g, beta, state, parents)
             if self.rollback == "gather":
