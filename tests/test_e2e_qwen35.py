@@ -1,0 +1,48 @@
+"""End to end through the three services with a synthetic qwen35 (hybrid) target and a drafter
+for it: speculative output equals target-only output."""
+
+from __future__ import annotations
+
+import pytest
+
+import client as sdk
+from client.launcher import ServiceGroup, dflash_services, free_ports
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def qwen35_services(tmp_path_factory):
+    from draft_service.init_random import write_random_drafter
+    from target_service.synth import PRESETS, write_qwen35
+
+    d = tmp_path_factory.mktemp("q35e2e")
+    target = str(d / "qwen35-tiny.gguf")
+    drafter = str(d / "qwen35-tiny-drafter.gguf")
+    write_qwen35(target, PRESETS["tiny"], seed=1)
+    write_random_drafter(target, drafter, layers=1, seed=1)
+    ports = free_ports(3)
+    with ServiceGroup(dflash_services(target, drafter, ports=ports), grace=5.0) as group:
+        group.wait_healthy(timeout=300)
+        with sdk.Client(f"127.0.0.1:{ports[2]}", timeout=300) as c:
+            yield c
+
+
+def test_info_is_qwen35(qwen35_services):
+    info = qwen35_services.info()
+    assert info.target.architecture == "qwen35"
+    assert info.drafter.available and info.drafter.compatible
+
+
+@pytest.mark.parametrize("prompt", ["def fibonacci(n):", "The capital of France is", "Once upon a time", "1, 2, 3, 4,"])
+def test_speculative_equals_target_only(qwen35_services, prompt):
+    spec = qwen35_services.generate(prompt, max_tokens=24, ignore_eos=True)
+    ar = qwen35_services.generate(prompt, max_tokens=24, ignore_eos=True, speculative=False)
+    assert len(spec.token_ids) == 24
+    assert spec.token_ids == ar.token_ids
+    assert spec.stats.drafts > 0 and ar.stats.drafts == 0
+
+
+def test_seeded_sampling_equals_target_only(qwen35_services):
+    kw = dict(max_tokens=16, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+    assert qwen35_services.generate("Hello", **kw).token_ids == qwen35_services.generate("Hello", speculative=False, **kw).token_ids
