@@ -47,6 +47,417 @@ Choice: **gather**. In this reference the tree recurrence materialises every nod
 compute the node outputs anyway, so gather's commit is one state copy while recompute re-runs
 ``n`` updates: gather is faster in 23 of the 26 measured (T, n, device) cases, by up to 2.2x
 (T = n = 16, H200); recompute wins T = n = 1 and T = n = 8 on the CPU (within that machine's
-noise) and T = 16, n = 1 on the H200 (2.12 vs 2.72 ms). Recompute moves ``(T + 2) / 2`` times fewer state bytes; that pays off
-only once a fused tree kernel stops writing per-node states, so it stays implemented, tested
-for exactness (tests/test_qwen35.py) and selectable (``Qwen35Model(..., rollback="recompute")``).
+noise) and T = 16, n = 1 on the H200 (2.12 vs 2.72 ms). Recompute moves ``(T + 2) / 2`` times
+fewer state bytes; that pays off only once a fused tree kernel stops writing per-node states, so
+it stays implemented, tested for exactness (tests/test_qwen35.py) and selectable
+(``Qwen35Model(..., rollback="recompute")``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention import tree_attention
+from kernels.gated_delta import fla as fla_kernels
+from kernels.gated_delta import causal_conv_tree, conv_state_after, gdn_update, l2norm, recurrent_gated_delta_rule, tree_gated_delta_rule
+from target_service.gguf_loader import GGUFError, GGUFFile, open_gguf
+from target_service.models.layers import apply_rope, rms_norm, rope_cos_sin
+
+log = logging.getLogger(__name__)
+
+#: Rollback strategy used unless a model is built with another: chosen by measurement, see the
+#: module docstring (faster in 23 of 26 measured cases on CPU and H200 in this reference).
+DEFAULT_ROLLBACK = "gather"
+ROLLBACK_STRATEGIES = ("gather", "recompute")
+
+
+@dataclasses.dataclass
+class Qwen35Config:
+    """Shapes and constants of a qwen35 model, from GGUF ``qwen35.*`` metadata."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_dim: int
+    rope_theta: float
+    intermediate_size: int
+    rms_eps: float
+    full_attention_interval: int
+    conv_kernel: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    context_length: int
+    tied_embeddings: bool
+    mtp_layers: int = 0
+
+    @classmethod
+    def from_gguf(cls, g: GGUFFile) -> "Qwen35Config":
+        """Read the ``qwen35.*`` keys (see the module docstring).
+
+        Raises:
+            GGUFError: a required key is missing or the architecture is not ``qwen35``.
+        """
+        if g.architecture != "qwen35":
+            raise GGUFError(f"expected architecture qwen35, got {g.architecture}")
+        mtp = int(g.get("{arch}.nextn_predict_layers", 0) or 0)
+        head_dim = int(g.require("{arch}.attention.key_length"))
+        hv = int(g.require("{arch}.ssm.time_step_rank"))
+        vocab = g.get("{arch}.vocab_size") or len(g.get("tokenizer.ggml.tokens") or []) or g.tensor_info("token_embd.weight").shape[0]
+        return cls(
+            vocab_size=int(vocab),
+            hidden_size=int(g.require("{arch}.embedding_length")),
+            num_layers=int(g.require("{arch}.block_count")) - mtp,
+            num_heads=int(g.require("{arch}.attention.head_count")),
+            num_kv_heads=int(g.require("{arch}.attention.head_count_kv")),
+            head_dim=head_dim,
+            rope_dim=int(g.get("{arch}.rope.dimension_count", head_dim)),
+            rope_theta=float(g.get("{arch}.rope.freq_base", 10000.0)),
+            intermediate_size=int(g.require("{arch}.feed_forward_length")),
+            rms_eps=float(g.get("{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+            full_attention_interval=int(g.get("{arch}.full_attention_interval", 4)),
+            conv_kernel=int(g.require("{arch}.ssm.conv_kernel")),
+            linear_key_head_dim=int(g.require("{arch}.ssm.state_size")),
+            linear_value_head_dim=int(g.require("{arch}.ssm.inner_size")) // hv,
+            linear_num_key_heads=int(g.require("{arch}.ssm.group_count")),
+            linear_num_value_heads=hv,
+            context_length=int(g.get("{arch}.context_length", 4096)),
+            tied_embeddings=not g.has_tensor("output.weight"),
+            mtp_layers=mtp,
+        )
+
+    def is_attention(self, layer: int) -> bool:
+        """Whether ``layer`` is a gated full-attention layer (else Gated DeltaNet)."""
+        return (layer + 1) % self.full_attention_interval == 0
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels of the GDN conv: ``2 * Hk * Dk + HV * Dv`` (``[q | k | v]``)."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
+
+
+class HybridCache:
+    """Committed state of one session.
+
+    * per attention layer: K/V ``[Hkv, capacity, D]`` (rows ``[0, length)`` valid), grown by
+      ``stride`` rows, zeroed at creation;
+    * per GDN layer: recurrent state ``[HV, Dk, Dv]`` float32 and conv state ``[K-1, C]`` (the
+      last ``K-1`` pre-conv inputs, oldest first), zero at creation (an empty prefix).
+    """
+
+    def __init__(self, cfg: Qwen35Config, max_length: int, device: torch.device, dtype: torch.dtype, stride: int = 256):
+        self.cfg, self.max_length, self.device, self.dtype, self.stride = cfg, max_length, device, dtype, stride
+        self.length = 0
+        self.attn_layers = [i for i in range(cfg.num_layers) if cfg.is_attention(i)]
+        self.gdn_layers = [i for i in range(cfg.num_layers) if not cfg.is_attention(i)]
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        self.recurrent = {
+            i: torch.zeros(cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, device=device, dtype=torch.float32)
+            for i in self.gdn_layers
+        }
+        self.conv = {i: torch.zeros(cfg.conv_kernel - 1, cfg.conv_channels, device=device, dtype=dtype) for i in self.gdn_layers}
+        self._alloc(0)
+
+    def _alloc(self, capacity: int) -> None:
+        c = self.cfg
+        for i in self.attn_layers:
+            for store in (self.k, self.v):
+                new = torch.zeros(c.num_kv_heads, capacity, c.head_dim, device=self.device, dtype=self.dtype)
+                if i in store:
+                    new[:, : self.length] = store[i][:, : self.length]
+                store[i] = new
+
+    @property
+    def capacity(self) -> int:
+        return next(iter(self.k.values())).shape[1] if self.k else self.max_length
+
+    def ensure(self, length: int) -> None:
+        """Make room for ``length`` rows (raises ``ValueError`` beyond ``max_length``)."""
+        if length > self.max_length:
+            raise ValueError(f"context of {length} tokens exceeds {self.max_length}")
+        if length > self.capacity:
+            self._alloc(min(self.max_length, -(-length // self.stride) * self.stride))
+
+    def reset(self) -> None:
+        """Forget every row and zero all state (a slot handed to a new session)."""
+        self.length = 0
+        for t in (*self.k.values(), *self.v.values(), *self.recurrent.values(), *self.conv.values()):
+            t.zero_()
+
+
+@dataclasses.dataclass
+class GDNScratch:
+    """Per-GDN-layer values a forward keeps for :meth:`Qwen35Model.commit`.
+
+    Attributes:
+        conv_in: ``[T, C]`` pre-conv inputs of the new rows.
+        final_state: prefill only: the recurrent state after the last row.
+        node_states: verify + "gather": ``[T, HV, Dk, Dv]``.
+        kvgb: verify + "recompute": ``(k, v, g, beta)`` per node (``[T, HV, Dk]``, ``[T, HV, Dv]``, ``[T, HV]`` x2).
+    """
+
+    conv_in: torch.Tensor
+    final_state: torch.Tensor | None = None
+    node_states: torch.Tensor | None = None
+    kvgb: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclasses.dataclass
+class HybridForwardOutput:
+    """Result of :meth:`Qwen35Model.forward` for ``T`` new tokens.
+
+    Attributes:
+        logits: ``[R, V]`` float32.
+        new_k, new_v: attention layer -> ``[Hkv, T, D]``.
+        gdn: GDN layer -> :class:`GDNScratch`.
+        features: ``[T, N*H]`` or ``None``.
+        prefill: whether this was a chain forward (``parents is None``).
+    """
+
+    logits: torch.Tensor
+    new_k: dict[int, torch.Tensor]
+    new_v: dict[int, torch.Tensor]
+    gdn: dict[int, GDNScratch]
+    features: torch.Tensor | None
+    prefill: bool
+
+
+class Qwen35Model:
+    """Weights and forward of a qwen35 model (stateless but for the caches it is given).
+
+    Args:
+        cfg: the config.
+        weights: GGUF tensor name -> tensor (PyTorch order, GGUF values: ``1+w`` norms, tiled heads).
+        device, dtype: where and in which float type to compute (float32 on CPU is the reference).
+        rollback: ``"gather"`` or ``"recompute"`` (module docstring).
+    """
+
+    def __init__(self, cfg: Qwen35Config, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, rollback: str = DEFAULT_ROLLBACK):
+        if rollback not in ROLLBACK_STRATEGIES:
+            raise ValueError(f"rollback must be one of {ROLLBACK_STRATEGIES}")
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.rollback = rollback
+
+        def w(name: str, dt: torch.dtype | None = None) -> torch.Tensor:
+            return weights[name].to(device=self.device, dtype=dt or dtype).contiguous()
+
+        self.embed = w("token_embd.weight")
+        self.lm_head = self.embed if cfg.tied_embeddings else w("output.weight")
+        self.norm = w("output_norm.weight")
+        self.layers: list[dict[str, torch.Tensor]] = []
+        for i in range(cfg.num_layers):
+            p = f"blk.{i}."
+            lw = {
+                "attn_norm": w(p + "attn_norm.weight"),
+                "post_norm": w(p + "post_attention_norm.weight"),
+                "gate_up": torch.cat([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")]).contiguous(),
+                "down": w(p + "ffn_down.weight"),
+            }
+            if cfg.is_attention(i):
+                lw.update(
+                    q=w(p + "attn_q.weight"), kv=torch.cat([w(p + "attn_k.weight"), w(p + "attn_v.weight")]).contiguous(),
+                    o=w(p + "attn_output.weight"), q_norm=w(p + "attn_q_norm.weight"), k_norm=w(p + "attn_k_norm.weight"),
+                )
+            else:
+                lw.update(
+                    in_proj=torch.cat([w(p + "attn_qkv.weight"), w(p + "attn_gate.weight"), w(p + "ssm_beta.weight"), w(p + "ssm_alpha.weight")]).contiguous(),
+                    conv=w(p + "ssm_conv1d.weight"),
+                    a=w(p + "ssm_a", torch.float32).reshape(-1),
+                    dt_bias=w(p + "ssm_dt.bias", torch.float32).reshape(-1),
+                    ssm_norm=w(p + "ssm_norm.weight"),
+                    out=w(p + "ssm_out.weight"),
+                )
+            self.layers.append(lw)
+
+    @staticmethod
+    def tensor_names(cfg: Qwen35Config) -> list[str]:
+        """GGUF tensors the model reads (MTP blocks ``blk.{num_layers}..`` are not among them)."""
+        names = ["token_embd.weight", "output_norm.weight"] + ([] if cfg.tied_embeddings else ["output.weight"])
+        for i in range(cfg.num_layers):
+            p = f"blk.{i}."
+            names += [p + n for n in ("attn_norm.weight", "post_attention_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")]
+            if cfg.is_attention(i):
+                names += [p + n for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "attn_q_norm.weight", "attn_k_norm.weight")]
+            else:
+                names += [p + n for n in ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight", "ssm_conv1d.weight",
+                                          "ssm_a", "ssm_dt.bias", "ssm_norm.weight", "ssm_out.weight")]
+        return names
+
+    @classmethod
+    def from_gguf(cls, g: GGUFFile | str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                  progress: bool = False, rollback: str = DEFAULT_ROLLBACK) -> "Qwen35Model":
+        """Load and dequantize a qwen35 GGUF (MTP blocks skipped).
+
+        Raises:
+            GGUFError: wrong architecture, missing key or tensor.
+        """
+        if not isinstance(g, GGUFFile):
+            g = open_gguf(g)
+        cfg = Qwen35Config.from_gguf(g)
+        names = cls.tensor_names(cfg)
+        it = names
+        if progress:
+            from tqdm import tqdm
+
+            it = tqdm(names, desc="loading target", unit="tensor", leave=False)
+        weights = {name: g.load_tensor(name, dtype=torch.float32).to(dtype) for name in it}
+        return cls(cfg, weights, device, dtype, rollback)
+
+    def new_cache(self, max_length: int) -> HybridCache:
+        """An empty :class:`HybridCache` for one session."""
+        return HybridCache(self.cfg, max_length, self.device, self.dtype)
+
+    # ------------------------------------------------------------------ layers
+    def _attention(self, i: int, lw, h, positions, mask, cache: HybridCache, out: HybridForwardOutput) -> torch.Tensor:
+        c = self.cfg
+        t = h.shape[0]
+        qg = F.linear(h, lw["q"]).reshape(t, c.num_heads, 2 * c.head_dim)
+        q, gate = qg[..., : c.head_dim], qg[..., c.head_dim :].reshape(t, c.num_heads * c.head_dim)
+        kv = F.linear(h, lw["kv"])
+        k = kv[:, : c.num_kv_heads * c.head_dim].reshape(t, c.num_kv_heads, c.head_dim)
+        v = kv[:, c.num_kv_heads * c.head_dim :].reshape(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
+        q = rms_norm(q, lw["q_norm"], c.rms_eps).transpose(0, 1)
+        k = rms_norm(k, lw["k_norm"], c.rms_eps).transpose(0, 1)
+        cos, sin = rope_cos_sin(positions, c.rope_dim, c.rope_theta)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        L = cache.length
+        attn = tree_attention(q, cache.k[i][:, :L], cache.v[i][:, :L], k, v, mask, 1.0 / math.sqrt(c.head_dim))
+        out.new_k[i], out.new_v[i] = k, v
+        o = attn.transpose(0, 1).reshape(t, c.num_heads * c.head_dim) * torch.sigmoid(gate)
+        return F.linear(o, lw["o"])
+
+    def _gdn_inputs(self, lw, h):
+        """Projections of a GDN layer: pre-conv ``[q|k|v]``, ``z``, ``beta``, ``g``."""
+        c = self.cfg
+        hv = c.linear_num_value_heads
+        proj = F.linear(h, lw["in_proj"])
+        cc, vd = c.conv_channels, hv * c.linear_value_head_dim
+        conv_in, z = proj[:, :cc], proj[:, cc : cc + vd]
+        b, a = proj[:, cc + vd : cc + vd + hv], proj[:, cc + vd + hv :]
+        beta = torch.sigmoid(b.float())
+        g = lw["a"] * F.softplus(a.float() + lw["dt_bias"])
+        return conv_in, z, beta, g
+
+    def _gdn_qkv(self, conv_out: torch.Tensor):
+        """Split the activated conv output into per-value-head float32 ``q`` (scaled), ``k``, ``v``."""
+        c = self.cfg
+        t = conv_out.shape[0]
+        hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        x = conv_out.float()
+        q = x[:, : hk * dk].reshape(t, hk, dk)
+        k = x[:, hk * dk : 2 * hk * dk].reshape(t, hk, dk)
+        v = x[:, 2 * hk * dk :].reshape(t, hv, dv)
+        q = l2norm(q) / math.sqrt(dk)
+        k = l2norm(k)
+        # tiled value heads: value head j reads key head j mod Hk
+        reps = hv // hk
+        return q.repeat(1, reps, 1), k.repeat(1, reps, 1), v
+
+    def _gdn(self, i: int, lw, h, parents, cache: HybridCache, out: HybridForwardOutput) -> torch.Tensor:
+        c = self.cfg
+        t = h.shape[0]
+        conv_in, z, beta, g = self._gdn_inputs(lw, h)
+        conv_out = F.silu(causal_conv_tree(conv_in, cache.conv[i], lw["conv"], parents))
+        q, k, v = self._gdn_qkv(conv_out)
+        state = cache.recurrent[i]
+        scratch = GDNScratch(conv_in=conv_in)
+        if parents is None:
+            # prefill: chunked fla kernel on CUDA when installed, the reference recurrence otherwise
+            chunked = fla_kernels.chunk_gated_delta_rule if fla_kernels.available(q.device) else recurrent_gated_delta_rule
+            o, scratch.final_state = chunked(q, k, v, g, beta, state)
+        else:
+            o, node_states = tree_gated_delta_rule(q, k, v, g, beta, state, parents)
+            if self.rollback == "gather":
+                scratch.node_states = node_states
+            else:
+                scratch.kvgb = (k, v, g, beta)
+        out.gdn[i] = scratch
+        o = rms_norm(o.to(h.dtype), lw["ssm_norm"], c.rms_eps) * F.silu(z.reshape(t, c.linear_num_value_heads, c.linear_value_head_dim))
+        return F.linear(o.reshape(t, -1), lw["out"])
+
+    # ------------------------------------------------------------------ API
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: HybridCache,
+                feature_layers: list[int] | tuple[int, ...] = (), logits_rows: torch.Tensor | None = None,
+                parents: list[int] | None = None) -> HybridForwardOutput:
+        """Run ``T`` new tokens over the committed state (nothing is written to ``cache``).
+
+        Args:
+            tokens: ``[T]`` int64; positions: ``[T]`` int64 absolute positions.
+            mask: ``[T, T]`` bool ancestor-or-self mask (causal for a chain).
+            cache: the session's committed state.
+            feature_layers: layers whose outputs to return, concatenated, as ``features``.
+            logits_rows: ``[R]`` rows to compute logits for (default all).
+            parents: tree parents (``parents[0] == -1``); ``None`` = a chain that will be committed
+                whole (prefill: the GDN layers return only the final state).
+
+        Returns:
+            :class:`HybridForwardOutput`.
+        """
+        c = self.cfg
+        x = self.embed[tokens]
+        out = HybridForwardOutput(logits=None, new_k={}, new_v={}, gdn={}, features=None, prefill=parents is None)
+        feats = {}
+        for i, lw in enumerate(self.layers):
+            h = rms_norm(x, lw["attn_norm"], c.rms_eps)
+            if c.is_attention(i):
+                x = x + self._attention(i, lw, h, positions, mask, cache, out)
+            else:
+                x = x + self._gdn(i, lw, h, parents, cache, out)
+            h = rms_norm(x, lw["post_norm"], c.rms_eps)
+            gu = F.linear(h, lw["gate_up"])
+            x = x + F.linear(F.silu(gu[:, : c.intermediate_size]) * gu[:, c.intermediate_size :], lw["down"])
+            if i in feature_layers:
+                feats[i] = x
+        if feature_layers:
+            out.features = torch.cat([feats[i] for i in feature_layers], dim=-1)
+        xs = x if logits_rows is None else x[logits_rows]
+        out.logits = F.linear(rms_norm(xs, self.norm, c.rms_eps), self.lm_head).float()
+        return out
+
+    def commit(self, cache: HybridCache, out: HybridForwardOutput, rows: torch.Tensor) -> None:
+        """Commit new rows ``rows`` (``[n]`` int64, root-to-leaf path order) to ``cache``.
+
+        KV rows of the path land at ``[L, L + n)``; each GDN layer's recurrent state becomes the
+        state after the last path node, its conv state the last ``K-1`` pre-conv inputs along the
+        path. A prefill output must be committed whole.
+
+        Raises:
+            ValueError: the cache would exceed its maximum length, or a prefill output is
+                committed partially.
+        """
+        n = rows.shape[0]
+        L = cache.length
+        cache.ensure(L + n)
+        dst = torch.arange(L, L + n, device=self.device)
+        for i, k in out.new_k.items():
+            cache.k[i].index_copy_(1, dst, k.index_select(1, rows))
+            cache.v[i].index_copy_(1, dst, out.new_v[i].index_select(1, rows))
+        for i, s in out.gdn.items():
+            if out.prefill:
+                if n != s.conv_in.shape[0]:
+                    raise ValueError("a prefill forward is committed whole")
+                cache.recurrent[i].copy_(s.final_state)
+            elif s.node_states is not None:
+                cache.recurrent[i].copy_(s.node_states[rows[-1]])
+            else:
+                k, v, g, beta = (x.index_select(0, rows) for x in s.kvgb)
+                state = cache.recurrent[i]
+                for t in range(n):  # the outputs came from the tree forward; only the state is needed
+                    state = gdn_update(state, k[t], v[t], g[t], beta[t])
+                cache.recurrent[i].copy_(state)
+            cache.conv[i].copy_(conv_state_after(cache.conv[i], s.conv_in.index_select(0, rows)))
+        cache.length = L + n
