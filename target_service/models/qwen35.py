@@ -50,7 +50,9 @@ compute the node outputs anyway, so gather's commit is one state copy while reco
 noise) and T = 16, n = 1 on the H200 (2.12 vs 2.72 ms). Recompute moves ``(T + 2) / 2`` times
 fewer state bytes; that pays off only once a fused tree kernel stops writing per-node states, so
 it stays implemented, tested for exactness (tests/test_qwen35.py) and selectable
-(``Qwen35Model(..., rollback="recompute")``).
+(``Qwen35Model(..., rollback="recompute")``). A second H200 run on another machine
+(``benchmarks/rollback-cuda-run2.txt``) had gather faster in all 13 cases (e.g. T = n = 16:
+1.48 vs 2.54 ms).
 """
 
 from __future__ import annotations
