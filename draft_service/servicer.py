@@ -5,9 +5,9 @@ Per ``ProposeItem`` (DESIGN.md "One speculative step", step 1):
 1. decode ``features`` (``[rows, N*H]``, bf16/f16/f32 raw bytes; unset = 0 rows);
 2. check ``committed_length == rows held + rows`` for the session (created on first sight);
 3. append the rows' context K/V, run the block ``[root, MASK x (B-1)]`` at positions
-   ``L..L+B-1``, build the greedy chain (``TreeParams``: depth ``max_depth`` or ``B-1`` when 0,
-   at most ``budget`` non-root nodes when ``budget > 1``; trees other than chains are not
-   implemented yet, so ``top_k`` does not change the shape).
+   ``L..L+B-1``, build the tree (``TreeParams``: depth ``max_depth`` or ``B-1`` when 0; DDTree
+   with ``top_k`` candidates per depth and at most ``budget`` non-root nodes when both are > 1,
+   else the greedy chain, cut to ``budget`` nodes when ``budget > 0``; ``draft_service.tree``).
 
 Per-item failures go into ``ProposeResult.status`` (``code`` = ``grpc.StatusCode`` number) and
 leave that session exactly as it was (a new session is not created) and every other item alone:
@@ -36,7 +36,7 @@ import torch
 from dflash_grpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from dflash_grpc.wire import WireError, tensor_from_proto, tree_to_proto
 from draft_service.drafter import DFlashDrafter, DrafterContext
-from draft_service.tree import build_chain
+from draft_service.tree import build_tree
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ _OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 #: Capabilities advertised in ``ModelInfo.features``.
-FEATURES = ("chain",)
+FEATURES = ("chain", "tree")
 
 
 class _ItemError(Exception):
@@ -210,7 +210,7 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
                 raise _ItemError(grpc.StatusCode.INVALID_ARGUMENT, f"root token {root} outside the vocabulary [0, {self.config.vocab_size})")
             depth = self._depth(item.tree)
             logits = self._advance(sid, features, root, int(item.committed_length))
-            tokens, parents = build_chain(root, logits[:depth])
+            tokens, parents = build_tree(root, logits[:depth], int(item.tree.budget), int(item.tree.top_k))
             return draft_pb2.ProposeResult(session_id=sid, status=_status(grpc.StatusCode.OK), tree=tree_to_proto(tokens, parents))
         except _ItemError as e:
             return draft_pb2.ProposeResult(session_id=sid, status=_status(e.code, e.message))
@@ -244,10 +244,7 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         if tree.budget < 0 or tree.top_k < 0 or tree.max_depth < 0:
             raise _ItemError(grpc.StatusCode.INVALID_ARGUMENT, f"negative tree params (budget={tree.budget}, top_k={tree.top_k}, max_depth={tree.max_depth})")
         full = self.config.block_size - 1
-        depth = full if tree.max_depth == 0 else min(tree.max_depth, full)
-        if tree.budget > 1:
-            depth = min(depth, tree.budget)
-        return depth
+        return full if tree.max_depth == 0 else min(tree.max_depth, full)
 
     def _advance(self, sid: str, features: torch.Tensor, root: int, committed_length: int) -> torch.Tensor:
         """Append ``features`` to the session and return the block logits ``[B-1, V]``; on any

@@ -69,7 +69,7 @@ def speculative_tokens(
     prompt: list[int],
     sampling: common_pb2.SamplingParams,
     max_tokens: int,
-    max_context: int,
+    target_info: common_pb2.ModelInfo,
     stats: AcceptanceStats,
     timeout: float | None = None,
 ) -> Iterator[list[int]]:
@@ -82,6 +82,9 @@ def speculative_tokens(
         grpc.RpcError: the target failed (the caller maps it to the client's status).
         ItemError: the target refused an item (e.g. context full), with its status code.
     """
+    max_context = target_info.max_context
+    width_cap = target_info.max_tree_width or 1
+    depth_cap = target_info.max_tree_depth or 10**9
     use_draft = plan.enabled
     layers = list(plan.info.target_layer_ids) if use_draft else []
     verify: StreamCall | None = None
@@ -102,7 +105,7 @@ def speculative_tokens(
             room = max_context - L - 1  # deepest allowed node: L + depth + 1 <= max_context
             if room < 0:
                 raise ItemError(grpc.StatusCode.RESOURCE_EXHAUSTED, "context full")
-            max_depth = min(block - 1, room, max_tokens - emitted - 1)
+            max_depth = min(block - 1, room, max_tokens - emitted - 1, depth_cap)
             tokens, parents = [root], [-1]
             if use_draft and max_depth > 0:
                 try:
@@ -117,6 +120,7 @@ def speculative_tokens(
                     check_item(item.status)
                     pending = None
                     tokens, parents = trim_tree(list(item.tree.tokens), list(item.tree.parents), max_depth)
+                    tokens, parents = tokens[:width_cap], parents[:width_cap]  # topological: a prefix is a tree
                     if not tokens or tokens[0] != root:
                         raise ItemError(grpc.StatusCode.INTERNAL, "drafter returned a tree with the wrong root")
                 except (grpc.RpcError, ItemError) as e:

@@ -149,7 +149,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         finish = generation_pb2.FINISH_REASON_LENGTH
         first = True
         gen = speculative_tokens(self.target, self.draft, plan, session_id, prompt, request.sampling, max_tokens,
-                                 self.target_info.max_context, stats, timeout=self.request_timeout)
+                                 self.target_info, stats, timeout=self.request_timeout)
         try:
             for step in gen:
                 if not context.is_active():

@@ -24,7 +24,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def build_engine(model_path: str, device: str = "cpu", dtype: str = "float32", max_sessions: int = 8,
-                 max_context: int = 4096, max_tree_width: int = 64, progress: bool = False) -> tuple[TargetEngine, common_pb2.ModelInfo]:
+                 max_context: int = 4096, max_tree_width: int = 64, max_tree_depth: int = 32, progress: bool = False) -> tuple[TargetEngine, common_pb2.ModelInfo]:
     """Load the target GGUF and build the engine plus its ``ModelInfo``.
 
     Raises:
@@ -32,7 +32,7 @@ def build_engine(model_path: str, device: str = "cpu", dtype: str = "float32", m
     """
     g = open_gguf(model_path)
     model = load_model(g, device=device, dtype=_DTYPES[dtype], progress=progress)
-    engine = TargetEngine(model, max_sessions=max_sessions, max_context=max_context, max_tree_width=max_tree_width)
+    engine = TargetEngine(model, max_sessions=max_sessions, max_context=max_context, max_tree_width=max_tree_width, max_tree_depth=max_tree_depth)
     info = common_pb2.ModelInfo(
         model_name=str(g.get("general.name") or os.path.basename(model_path)),
         architecture=g.architecture,
@@ -42,6 +42,7 @@ def build_engine(model_path: str, device: str = "cpu", dtype: str = "float32", m
         block_size=0,
         max_context=engine.max_context,
         max_tree_width=max_tree_width,
+        max_tree_depth=max_tree_depth,
         max_sessions=max_sessions,
         hidden_size=model.cfg.hidden_size,
         num_layers=model.cfg.num_layers,
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
     p.add_argument("--max-sessions", type=int, default=8)
     p.add_argument("--max-context", type=int, default=4096)
-    p.add_argument("--max-tree-width", type=int, default=64)
+    p.add_argument("--max-tree-width", type=int, default=64, help="most nodes per verified tree")
+    p.add_argument("--max-tree-depth", type=int, default=32, help="deepest node of a verified tree")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--log-level", default=None)
     args = p.parse_args(argv)
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     t0 = time.monotonic()
     engine, info = build_engine(args.model or default_model_path(), args.device, args.dtype, args.max_sessions,
-                                args.max_context, args.max_tree_width, progress=log.isEnabledFor(logging.INFO))
+                                args.max_context, args.max_tree_width, args.max_tree_depth, progress=log.isEnabledFor(logging.INFO))
     log.info("target loaded", extra={"model": info.model_name, "seconds": round(time.monotonic() - t0, 2)})
     servicer = TargetServicer(engine, info)
 

@@ -139,16 +139,18 @@ class TargetEngine:
         max_sessions: concurrent session slots.
         max_context: tokens per session (prompt + generated).
         max_tree_width: most nodes a verify may carry.
+        max_tree_depth: deepest node a verify may carry (the drafter's block size - 1 or more).
 
     Thread safety: one lock serialises model compute and session-table changes.
     """
 
-    def __init__(self, model, max_sessions: int = 8, max_context: int = 4096, max_tree_width: int = 64):
+    def __init__(self, model, max_sessions: int = 8, max_context: int = 4096, max_tree_width: int = 64, max_tree_depth: int = 32):
         self.model = model
         self.cfg = model.cfg
         self.max_sessions = max_sessions
         self.max_context = min(max_context, model.cfg.context_length)
         self.max_tree_width = max_tree_width
+        self.max_tree_depth = max_tree_depth
         self.sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self.forwards = 0
@@ -241,7 +243,7 @@ class TargetEngine:
             session = self.session(session_id)
             L = session.length
             try:
-                validate_tree(tokens, parents, self.cfg.vocab_size, self.max_tree_width)
+                validate_tree(tokens, parents, self.cfg.vocab_size, self.max_tree_width, self.max_tree_depth)
             except TreeError as e:
                 raise InvalidArgument(f"invalid tree: {e}") from None
             if tokens[0] != session.root:

@@ -20,7 +20,7 @@ from dflash_grpc.wire import GRPC_OPTIONS, tensor_from_proto, tensor_to_proto
 from draft_service.drafter import DFlashDrafter
 from draft_service.init_random import write_random_drafter
 from draft_service.servicer import SERVICE_NAME, DraftServiceServicer, file_sha256
-from draft_service.tree import build_chain
+from draft_service.tree import build_chain, build_tree
 from target_service.fingerprint import model_fingerprint, tokenizer_fingerprint
 from target_service.gguf_loader import GGUFFile
 
@@ -127,7 +127,7 @@ def test_info(served, files):
     m = info.model
     assert m.architecture == "qwen3" and m.block_size == 8 and m.vocab_size == tiny.vocab
     assert m.hidden_size == 64 and m.num_layers == 2 and m.max_sessions == MAX_SESSIONS
-    assert m.max_context == MAX_CONTEXT and m.device == "cpu" and list(m.features) == ["chain"]
+    assert m.max_context == MAX_CONTEXT and m.device == "cpu" and list(m.features) == ["chain", "tree"]
     assert m.model_name == "dflash-random-llama" and m.model_fingerprint == file_sha256(drafter)
     target = GGUFFile(tiny.path)
     assert m.tokenizer_fingerprint == tokenizer_fingerprint(target)
@@ -184,11 +184,20 @@ def test_tree_params(served, reference):
     stream = Stream(stub)
     full = stream(item("T", f, 5, 3))[0]
     assert len(full.tree.tokens) == 8
-    for tree, nodes in (({"max_depth": 3}, 4), ({"max_depth": 99}, 8), ({"budget": 4, "top_k": 4}, 5),
-                        ({"budget": 1, "top_k": 8}, 8), ({"top_k": 1}, 8)):  # fmt: skip
+    for tree, nodes in (({"max_depth": 3}, 4), ({"max_depth": 99}, 8), ({"budget": 4, "top_k": 1}, 5),
+                        ({"budget": 1, "top_k": 8}, 2), ({"top_k": 1}, 8), ({"budget": 0, "top_k": 8}, 8)):  # fmt: skip
         (r,) = stream(item("T", None, 5, 3, **tree))
         assert r.status.code == OK and list(r.tree.tokens) == list(full.tree.tokens)[:nodes], tree
         assert list(r.tree.parents) == [i - 1 for i in range(nodes)]
+    # budget > 1 and top_k > 1: the DDTree of the same block distributions
+    mirror = Mirror(reference)
+    mirror.drafter.append_context(mirror.ctx, tensor_from_proto(tensor_to_proto(f)))
+    logits = mirror.drafter.block_logits(mirror.ctx, 5)
+    for budget, top_k, depth in ((4, 4, 0), (12, 3, 0), (9, 2, 3)):
+        (r,) = stream(item("T", None, 5, 3, budget=budget, top_k=top_k, max_depth=depth))
+        assert r.status.code == OK
+        expected = build_tree(5, logits[: depth or None], budget, top_k)
+        assert tree_of(r) == expected and len(r.tree.tokens) == budget + 1
     stream.close()
 
 

@@ -94,6 +94,19 @@ def test_lossless_greedy_against_target_only_and_transformers(api, smollm_tokeni
     assert drafted > 0, "the drafter was never used"
 
 
+@pytest.mark.parametrize("budget,top_k", [(24, 4), (8, 2)])
+def test_lossless_with_trees(api, smollm_tokenizer, budget, top_k):
+    """DDTree proposals (not chains) through the three services equal target-only decoding."""
+    for text in PROMPTS[:4]:
+        ids = smollm_tokenizer.encode(text)
+        tree = api.generate(tokens=ids, max_tokens=24, ignore_eos=True, tree_budget=budget, top_k_draft=top_k)
+        ar = api.generate(tokens=ids, max_tokens=24, ignore_eos=True, speculative=False)
+        assert tree.token_ids == ar.token_ids
+        s = tree.stats
+        assert s.drafts > 0 and s.draft_tokens > s.drafts * 15 // 2  # trees wider than a chain of depth <= 15
+        assert len(s.drafted_per_position) <= 15
+
+
 def test_seeded_sampling_reproduces_and_matches_target_only(api):
     kw = dict(prompt="Once upon a time", max_tokens=24, temperature=0.9, top_k=40, top_p=0.95, ignore_eos=True)
     a = api.generate(seed=1234, **kw)

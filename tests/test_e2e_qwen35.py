@@ -43,6 +43,14 @@ def test_speculative_equals_target_only(qwen35_services, prompt):
     assert spec.stats.drafts > 0 and ar.stats.drafts == 0
 
 
+def test_trees_equal_target_only(qwen35_services):
+    for prompt in ["def fibonacci(n):", "1, 2, 3, 4,"]:
+        tree = qwen35_services.generate(prompt, max_tokens=24, ignore_eos=True, tree_budget=20, top_k_draft=3)
+        ar = qwen35_services.generate(prompt, max_tokens=24, ignore_eos=True, speculative=False)
+        assert tree.token_ids == ar.token_ids
+        assert tree.stats.draft_tokens > tree.stats.drafts * 15
+
+
 def test_seeded_sampling_equals_target_only(qwen35_services):
     kw = dict(max_tokens=16, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
     assert qwen35_services.generate("Hello", **kw).token_ids == qwen35_services.generate("Hello", speculative=False, **kw).token_ids

@@ -13,7 +13,7 @@ from target_service.engine import Sampling, TargetEngine
 
 @pytest.fixture(scope="module")
 def engine(smollm_model):
-    return TargetEngine(smollm_model, max_sessions=4, max_context=512, max_tree_width=32)
+    return TargetEngine(smollm_model, max_sessions=4, max_context=512, max_tree_width=32, max_tree_depth=8)
 
 
 PROMPT_TEXT = "def add(a, b):\n    "
@@ -79,6 +79,7 @@ BAD_TREES = {
     "token out of vocabulary": lambda root, v: ([root, v], [-1, 0]),
     "negative token": lambda root, v: ([root, -3], [-1, 0]),
     "too wide": lambda root, v: ([root] * 40, [-1] + [0] * 39),
+    "too deep": lambda root, v: ([root] + [5] * 9, list(range(-1, 9))),
     "empty": lambda root, v: ([], []),
     "length mismatch": lambda root, v: ([root, 5, 6], [-1, 0]),
 }
