@@ -256,15 +256,19 @@ class TargetEngine:
             positions = L + tree.depth
             out = self.model.forward(tree.tokens, positions, tree.ancestors, session.cache, session.feature_layers, parents=parents)
             self.forwards += 1
-            choice = self._select(session, out.logits, (positions + 1).tolist())
+            choice = self._select(session, out.logits, [L + d + 1 for d in tree.depth_host])
             path_mask = accept_path(tree.tokens, tree.parents, tree.ancestors, tree.depth, choice)
-            path = torch.nonzero(path_mask).flatten()  # ancestors precede descendants: path order
-            end = path[-1]
-            bonus = choice[end]
+            # Path nodes first, by depth (ancestors before descendants), without a host sync.
+            t = tree.tokens.shape[0]
+            order = torch.argsort(torch.where(path_mask, tree.depth, tree.depth + t + 1), stable=True)
+            n_path = path_mask.sum().reshape(1)
+            bonus = choice.gather(0, order.gather(0, n_path - 1))
+            # The one host read of the step: the path, its length and the bonus token.
+            host = torch.cat([order, n_path, bonus]).tolist()
+            n = host[t]
+            nodes, bonus_token = host[:n], host[t + 1]
+            path = order[:n]
             self.model.commit(session.cache, out, path)
-            # The one host read of the step: path node ids and the bonus token.
-            host = torch.cat([path, bonus.reshape(1)]).tolist()
-            nodes, bonus_token = host[:-1], host[-1]
             session.root = bonus_token
             session.last_used = time.monotonic()
             features = out.features.index_select(0, path) if out.features is not None else None

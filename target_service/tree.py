@@ -27,6 +27,7 @@ class TreeTensors:
         ancestors: ``[T, T]`` bool, ``ancestors[i, j]`` = ``j`` is ``i`` or one of its ancestors
             (the attention mask of the tree part, DESIGN.md step 2).
         max_depth: deepest node's depth (host int, known before the forward).
+        depth_host: the depths as host ints (positions for the sampler need no device read).
     """
 
     tokens: torch.Tensor
@@ -34,6 +35,7 @@ class TreeTensors:
     depth: torch.Tensor
     ancestors: torch.Tensor
     max_depth: int
+    depth_host: list[int]
 
 
 def validate_tree(tokens: list[int], parents: list[int], vocab_size: int, max_width: int, max_depth: int | None = None) -> None:
@@ -82,6 +84,7 @@ def tree_tensors(tokens: list[int], parents: list[int], device: torch.device | s
         depth=torch.tensor(depth, dtype=torch.long, device=device),
         ancestors=anc.to(device),
         max_depth=max(depth),
+        depth_host=depth,
     )
 
 
