@@ -166,16 +166,19 @@ def test_rollback_equals_autoregressive(rollback_model, seed, steps):
     torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
 
 
-def test_tree_node_logits_equal_path_alone(rollback_model):
-    """Every node of one tree forward has the logits of its root-to-node path run alone."""
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 14))
+def test_tree_node_logits_equal_path_alone(rollback_model, seed, n):
+    """Every node of one tree forward (random trees) has the logits of its root-to-node path run
+    alone: GDN state from the parent, conv window along the ancestors, attention over ancestors."""
     m = rollback_model
-    rng = random.Random(11)
+    rng = random.Random(seed)
     vocab = m.cfg.vocab_size
     prompt = [rng.randrange(vocab) for _ in range(9)]
     cache = m.new_cache(64)
     tr = chain(prompt)
     m.commit(cache, m.forward(tr.tokens, torch.arange(9), tr.ancestors, cache), torch.arange(9))
-    parents = [-1, 0, 0, 1, 1, 2, 3, 6, 0, 8, 9, 5]
+    parents = [-1] + [rng.randrange(i) for i in range(1, n)]
     tokens = [rng.randrange(vocab) for _ in parents]
     tree = tree_tensors(tokens, parents)
     out = m.forward(tree.tokens, 9 + tree.depth, tree.ancestors, cache, parents=parents)
