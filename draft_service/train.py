@@ -169,11 +169,12 @@ def blocks_hidden(
     """Hidden states (after ``output_norm``) of the blocks of one or several sequences in one
     drafter forward.
 
-    One sequence: :meth:`DFlashDrafter.forward_block_hidden` (``start_pos = anchors``: block ``j``
-    sees context rows ``< anchors[j]``). Several: their context rows are stacked (each row keeps its
-    own position ``0..n_i-1``) and block ``j`` of sequence ``i`` sees only the rows of sequence
-    ``i`` before its anchor; the same functions (``project_context``, ``_context_kv``,
-    ``_blocks_hidden``) as the single-sequence and the serving path, fewer kernel launches.
+    The context rows of the sequences are stacked (each row keeps its own position ``0..n_i-1``)
+    and block ``j`` of sequence ``i`` sees only the rows of sequence ``i`` before its anchor. For
+    one sequence that is exactly :meth:`DFlashDrafter.forward_block_hidden` with ``start_pos =
+    anchors``; the functions are the drafter's own (``project_context``, ``_context_kv``,
+    ``_blocks_hidden``: the serving path's), with no host synchronisation (on CUDA the CPU keeps
+    queueing work) and one forward for several sequences (fewer kernel launches).
 
     Args:
         features: per sequence ``[n_i, N*H]`` (``n_i >= max(anchors[i])``).
@@ -183,8 +184,6 @@ def blocks_hidden(
     Returns:
         ``[sum nb_i, B, H]``, blocks in sequence order.
     """
-    if len(features) == 1:
-        return drafter.forward_block_hidden(features[0], tokens[0], anchors[0])
     dev = drafter.device
     rows = [int(f.shape[0]) for f in features]
     ctx = drafter.project_context(torch.cat(list(features)))
@@ -206,7 +205,8 @@ def block_loss(
     anchors: torch.Tensor | Sequence[torch.Tensor],
     weights: torch.Tensor,
     normaliser: float | torch.Tensor | None = None,
-) -> tuple[torch.Tensor, BlockStats]:
+    stats_tensor: bool = False,
+) -> tuple[torch.Tensor, BlockStats | torch.Tensor]:
     """Weighted block cross-entropy of one sequence (tensors) or of several (lists, one drafter
     forward through :func:`blocks_hidden`).
 
@@ -218,6 +218,8 @@ def block_loss(
         weights: ``[B-1]`` (:func:`loss_weights`).
         normaliser: divide the weighted sum by this (the step's total weight); default: the total
             weight of these blocks' valid labels.
+        stats_tensor: return the stats as a float64 device tensor (``BlockStats(*t.tolist())``),
+            without synchronising with the host.
 
     Returns:
         ``(loss, stats)``: ``loss`` = ``sum w_k CE_k / normaliser`` (a 0-d tensor with grad).
@@ -226,32 +228,34 @@ def block_loss(
         features, ids, anchors = [features], [ids], [anchors]
     c = drafter.config
     dev = drafter.device
-    toks, labs, ctx = [], [], []
+    toks, labs, ctx, starts = [], [], [], []
     for f, s, a in zip(features, ids, anchors):
+        ctx.append(f[: int(a.max())])  # rows past the last anchor are never visible (a on the CPU: no sync)
         a = a.to(dev)
         t, lab = make_blocks(s.to(dev), a, c.block_size, c.mask_token_id)
         toks.append(t)
         labs.append(lab)
-        ctx.append(f[: int(a.max())])
-    hidden = blocks_hidden(drafter, ctx, toks, [a.to(dev) for a in anchors])  # [nb, B, H]
-    labels = torch.cat(labs)
+        starts.append(a)
+    hidden = blocks_hidden(drafter, ctx, toks, starts)  # [nb, B, H]
+    labels = torch.cat(labs)  # [nb, B-1]
     valid = labels != IGNORE
-    w = weights.to(dev).expand_as(labels)[valid]
-    logits = drafter.logits(hidden[:, 1:][valid])  # [M, V] float32
-    target = labels[valid]
-    ce = F.cross_entropy(logits, target, reduction="none")
+    w = weights.to(dev) * valid  # 0 where the label is past the end
+    # every position gets logits (no boolean indexing: that would synchronise with the host)
+    logits = drafter.logits(hidden[:, 1:])  # [nb, B-1, V] float32
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="none").view_as(labels)
     wsum = w.sum()
     norm = wsum if normaliser is None else normaliser
     loss = (ce * w).sum() / norm
     with torch.no_grad():
-        hit = torch.zeros_like(labels, dtype=torch.bool)
-        hit[valid] = logits.argmax(-1) == target
+        hit = (logits.argmax(-1) == labels) & valid
         streak = torch.cumprod(hit.long(), dim=1).sum()
         stats = torch.stack([
             (ce * w).sum(), wsum, hit.sum(), valid.sum(), hit[:, 0].sum(), valid[:, 0].sum(), streak,
             torch.tensor(float(labels.shape[0]), device=dev),
-        ]).double().cpu().tolist()
-    return loss, BlockStats(*stats)
+        ]).double()
+    if stats_tensor:
+        return loss, stats
+    return loss, BlockStats(*stats.cpu().tolist())
 
 
 # --------------------------------------------------------------------------------------------
@@ -571,6 +575,9 @@ def new_drafter(target_path: str, args: argparse.Namespace | None = None, config
     model = DFlashDrafter(config, embed, head)
     seed = 0 if args is None else int(args.seed)
     model.reset_parameters(std=0.02, generator=torch.Generator().manual_seed(seed))
+    scale = 1.0 if args is None else float(getattr(args, "output_norm_init", 1.0))
+    with torch.no_grad():
+        model.output_norm.weight.fill_(scale)
     return model.to(device)
 
 
@@ -661,7 +668,7 @@ class Trainer:
             from draft_service.data import build_sequences
 
             deadline = self.t_start + self.budget_s * a.gen_budget_frac if self.budget_s else None
-            batch = a.gen_batch_size or (384 if self.cuda else 8)
+            batch = a.gen_batch_size or (512 if self.cuda else 8)
             self.sequences = build_sequences(
                 a.target, num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens,
                 max_prompt_tokens=a.max_prompt_tokens, device=self.device, batch_size=batch,
@@ -804,21 +811,23 @@ class Trainer:
         ctx_len = [int(anc.max()) for anc in anchors]
         feats = self.features([s[:n] for s, n in zip(seqs, ctx_len)])
         self.opt.zero_grad(set_to_none=True)
-        stats = BlockStats()
         G = max(1, a.group_seqs)
+        acc = None
         for g in range(0, len(seqs), G):
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.cuda):
                 loss, st = block_loss(self.drafter, feats[g : g + G], seqs[g : g + G], anchors[g : g + G],
-                                      self.weights, normaliser=total)
+                                      self.weights, normaliser=total, stats_tensor=True)
             loss.backward()
-            stats.add(st)
+            acc = st if acc is None else acc + st
         gnorm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), a.grad_clip)
         lr = a.lr * self.sched.factor(self.step, self.train_s)
         for g in self.opt.param_groups:
             g["lr"] = lr
         self.opt.step()
         self.step += 1
-        self._last = {"lr": lr, "gnorm": float(gnorm), "blocks": int(stats.blocks),
+        host = torch.cat([acc, gnorm.detach().double().reshape(1)]).cpu().tolist()  # the step's one host read
+        stats = BlockStats(*host[:-1])
+        self._last = {"lr": lr, "gnorm": host[-1], "blocks": int(stats.blocks),
                       "target_tokens": int(sum(ctx_len))}
         return stats
 
@@ -846,8 +855,9 @@ class Trainer:
         stop_reason = "steps"
         while self.step < a.steps:
             if deadline is not None:
-                need = max(a.final_reserve_s, 1.3 * self.last_eval_s + 10.0) - a.final_reserve_s
-                if time.monotonic() > deadline - need:
+                # keep the reserve, or more when an eval here showed the final one needs more
+                extra = max(0.0, 1.3 * self.last_eval_s + 10.0 - a.final_reserve_s)
+                if time.monotonic() > deadline - extra:
                     stop_reason = "time budget"
                     break
             t_step = time.monotonic()
@@ -878,7 +888,8 @@ class Trainer:
         if n_steps:
             self.say(f"throughput: {n_steps} steps in {dt:.1f} s = {n_steps / max(dt, 1e-9):.2f} steps/s, "
                      f"{blocks / max(dt, 1e-9):.0f} blocks/s ({blocks * (c.block_size - 1) / max(dt, 1e-9):.0f} "
-                     f"draft positions/s), {tokens / max(dt, 1e-9):.0f} target tokens/s; stopped by {stop_reason}")
+                     f"draft positions/s), {tokens / max(dt, 1e-9):.0f} target tokens/s; stopped by {stop_reason}"
+                     + (f"; peak GPU memory {torch.cuda.max_memory_allocated(self.device) / 2**30:.1f} GiB" if self.cuda else ""))
         ckpt = self.save_checkpoint()
         size = export_gguf(self.drafter, a.output, a.export_dtype)
         self.say(f"wrote drafter {os.path.abspath(a.output)} ({size / 1e6:.2f} MB, {a.export_dtype}); checkpoint {ckpt}")
@@ -923,7 +934,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-prompts", type=int, default=3000, help="training prompts (ShareGPT first turns)")
     g.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer (chat-templated) prompts")
     g.add_argument("--max-new-tokens", type=int, default=256, help="target response length (greedy)")
-    g.add_argument("--gen-batch-size", type=int, default=0, help="prompts per HF generate call (0: 384 on CUDA, 8 on CPU)")
+    g.add_argument("--gen-batch-size", type=int, default=0, help="prompts per HF generate call (0: 512 on CUDA, 8 on CPU)")
     g.add_argument("--data-cache", default=None, help="token-sequence cache (default OUT_DIR/data.pt)")
     g.add_argument("--feature-backend", choices=["hf", "reference"], default="hf",
                    help="target features from transformers (batched) or the project's reference model")
@@ -931,6 +942,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--layers", type=int, default=DEFAULT_NUM_LAYERS, help="draft decoder layers")
     g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="block size B")
     g.add_argument("--num-target-layers", type=int, default=DEFAULT_NUM_TARGET_LAYERS, help="target layers tapped (evenly spaced)")
+    g.add_argument("--output-norm-init", type=float, default=1.0,
+                   help="initial output_norm weight (small: near-uniform first predictions instead of the MASK "
+                        "token's own embedding dominating the target's tied LM head)")
     g.add_argument("--target-layer-ids", default=None, help="explicit comma-separated target layer ids (overrides --num-target-layers)")
     g = ap.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=4000, help="optimiser steps (upper bound with --time-budget-min)")
@@ -949,7 +963,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = ap.add_argument_group("time, eval, checkpoints")
     g.add_argument("--time-budget-min", type=float, default=None, help="wall-clock budget of the whole run (minutes)")
     g.add_argument("--gen-budget-frac", type=float, default=0.4, help="generation starts no batch after this fraction of the budget")
-    g.add_argument("--final-reserve-s", type=float, default=45.0, help="seconds kept for the final checkpoint, GGUF and eval")
+    g.add_argument("--final-reserve-s", type=float, default=30.0, help="seconds kept for the final checkpoint, GGUF and eval")
     g.add_argument("--eval-every", type=int, default=0, help="steps between tau evals (0: final eval only)")
     g.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts for tau (0: no eval)")
     g.add_argument("--eval-max-new-tokens", type=int, default=128)

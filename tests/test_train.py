@@ -17,6 +17,7 @@ from draft_service.data import SequenceData, first_human_turns, generate_respons
 from draft_service.drafter import DFlashDrafter, DrafterConfig
 from draft_service.train import (
     IGNORE,
+    BlockStats,
     EpochSampler,
     WarmupCosine,
     block_loss,
@@ -213,11 +214,19 @@ def test_grouped_sequences_equal_one_at_a_time(tiny):
     for s, a in zip(seqs, anchors):
         _, labels = make_blocks(s, a, c.block_size, c.mask_token_id)
         total += float((w.expand_as(labels) * (labels != IGNORE)).sum())
+    # one sequence through the stacked path == the drafter's own forward_block_hidden
+    from draft_service.train import blocks_hidden
+
+    toks = make_blocks(seqs[1], anchors[1], c.block_size, c.mask_token_id)[0]
+    torch.testing.assert_close(blocks_hidden(drafter, [feats[1]], [toks], [anchors[1]]),
+                               drafter.forward_block_hidden(feats[1], toks, anchors[1]), atol=1e-6, rtol=1e-5)
     grouped, gst = block_loss(drafter, feats, seqs, anchors, w, normaliser=total)
     alone = [block_loss(drafter, f, s, a, w, normaliser=total) for f, s, a in zip(feats, seqs, anchors)]
     assert grouped.item() == pytest.approx(sum(l.item() for l, _ in alone), rel=1e-5)
     assert gst.weight == pytest.approx(total, rel=1e-6)
     assert gst.blocks == 7 and gst.streak == sum(st.streak for _, st in alone)
+    _, t = block_loss(drafter, feats, seqs, anchors, w, normaliser=total, stats_tensor=True)
+    assert BlockStats(*t.tolist()) == gst
     # gradients agree too
     grouped.backward()
     g1 = {n: p.grad.clone() for n, p in drafter.named_parameters()}
