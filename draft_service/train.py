@@ -674,6 +674,7 @@ class Trainer:
                 max_prompt_tokens=a.max_prompt_tokens, device=self.device, batch_size=batch,
                 cache_path=a.data_cache, prompts_file=a.prompts_file,
                 hf_model=self._hf_model() if a.feature_backend == "hf" else None, deadline=deadline,
+                progress=a.progress,
             )
         self.data = self.sequences.trainable()
         st = self.data.stats()
@@ -943,8 +944,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="block size B")
     g.add_argument("--num-target-layers", type=int, default=DEFAULT_NUM_TARGET_LAYERS, help="target layers tapped (evenly spaced)")
     g.add_argument("--output-norm-init", type=float, default=1.0,
-                   help="initial output_norm weight (small: near-uniform first predictions instead of the MASK "
-                        "token's own embedding dominating the target's tied LM head)")
+                   help="initial output_norm weight (1 = HF init; smaller starts nearer uniform predictions "
+                        "but learned slower in a CPU comparison on SmolLM2)")
     g.add_argument("--target-layer-ids", default=None, help="explicit comma-separated target layer ids (overrides --num-target-layers)")
     g = ap.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=4000, help="optimiser steps (upper bound with --time-budget-min)")

@@ -6,7 +6,6 @@ run on a tiny target (loss falls, GGUF round trip, resume)."""
 from __future__ import annotations
 
 import math
-import os
 import time
 
 import pytest
