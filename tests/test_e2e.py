@@ -28,11 +28,14 @@ N_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def drafter_path(smollm_path, tmp_path_factory):
-    from draft_service.init_random import write_random_drafter
+def drafter_path(smollm_path):
+    """The shipped, trained drafter of the default model (draft_service/data/)."""
+    from draft_service import default_drafter_path, shipped_drafter
+    from target_service.fingerprint import model_fingerprint
+    from target_service.gguf_loader import open_gguf
 
-    path = str(tmp_path_factory.mktemp("drafter") / "smollm-random-drafter.gguf")
-    write_random_drafter(smollm_path, path, layers=1, seed=0)
+    path = default_drafter_path(smollm_path)
+    assert path == shipped_drafter(model_fingerprint(open_gguf(smollm_path))), "no trained drafter shipped"
     return path
 
 
@@ -77,7 +80,7 @@ def test_info_reports_both_services(api):
 def test_lossless_greedy_against_target_only_and_transformers(api, smollm_tokenizer, hf_smollm):
     prompts = PROMPTS[:20]
     mismatches = []
-    drafted = 0
+    drafted = accepted = 0
     for text in prompts:
         ids = smollm_tokenizer.encode(text)
         spec = api.generate(tokens=ids, max_tokens=N_TOKENS, ignore_eos=True)
@@ -87,11 +90,13 @@ def test_lossless_greedy_against_target_only_and_transformers(api, smollm_tokeni
         assert spec.token_ids == ar.token_ids, f"speculative != target-only for {text!r}"
         assert ar.stats.drafts == 0 and ar.stats.autoregressive_steps == N_TOKENS - 1
         drafted += spec.stats.drafts
+        accepted += spec.stats.accepted_tokens
         if ar.token_ids != hf:
             mismatches.append(text)
         assert spec.text == smollm_tokenizer.decode(spec.token_ids)
     assert not mismatches, f"differs from transformers greedy: {mismatches}"
     assert drafted > 0, "the drafter was never used"
+    assert accepted > 0, "the trained drafter should have tokens accepted (commit paths exercised)"
 
 
 @pytest.mark.parametrize("budget,top_k", [(24, 4), (8, 2)])
