@@ -339,6 +339,7 @@ class ModelInfo:
     num_layers: int = 0
     features: list[str] = field(default_factory=list)
     device: str = ""
+    max_tree_depth: int = 0
 
     @classmethod
     def from_proto(cls, msg: common_pb2.ModelInfo) -> ModelInfo:
@@ -354,6 +355,7 @@ class ModelInfo:
             ("block", self.block_size),
             ("context", self.max_context),
             ("tree width", self.max_tree_width),
+            ("tree depth", self.max_tree_depth),
             ("sessions", self.max_sessions),
         ]:
             if value:

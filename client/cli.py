@@ -8,6 +8,9 @@
     dflash-grpc stats                          # the server's global acceptance statistics
     dflash-grpc info
     dflash-grpc demo --problem HumanEval/0 --compare-ar
+    dflash-grpc bench --prompts 8                # tau of ar / chain / tree drafting
+    dflash-grpc train --help                     # = python -m draft_service.train
+    dflash-grpc evaluate --help                  # = python -m draft_service.evaluate
 
 A failed gRPC call prints ``error: <CODE>: <details>`` on stderr and exits with status 2; a
 service that dies or does not come up exits with status 1.
@@ -36,6 +39,12 @@ class CommandError(Exception):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``dflash-grpc`` command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["train"], ["evaluate"]):
+        # Pass-through to the drafter trainer / evaluator, which own their options.
+        from importlib import import_module
+
+        return int(import_module(f"draft_service.{argv[0]}").main(argv[1:]) or 0)
     parser = _build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "pass_through", False):
