@@ -213,7 +213,7 @@ _PIECES = st.sampled_from(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, derandomize=True)
 @given(st.one_of(_SAFE_TEXT, st.lists(_PIECES, max_size=8).map("".join)))
 def test_property_round_trip_and_original_pipeline(tok, original_smollm2, text):
     ids = tok.encode(text)

@@ -29,7 +29,7 @@ def test_chain_cases():
     assert build_tree(7, logits[:0], budget=5, top_k=3) == ([7], [-1])
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**31 - 1), depth=st.integers(1, 4), k=st.integers(2, 3), budget=st.integers(1, 20))
 def test_best_first_takes_the_most_likely_nodes(seed, depth, k, budget):
     """The tree's nodes are the ``budget`` highest-scoring nodes (path log-prob sums) of the full
