@@ -227,7 +227,9 @@ class DrafterConfig:
 
 def target_vocab_size(g: Any) -> int:
     """Rows of the target's ``token_embd.weight`` (the vocabulary the drafter speaks)."""
-    return int(g.tensor_info("token_embd.weight").shape[0])
+    from target_service.gguf_loader import vocab_size
+
+    return vocab_size(g)
 
 
 def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:

@@ -203,6 +203,12 @@ def write_gguf(
     writer.close()
 
 
+def vocab_size(g: GGUFFile) -> int:
+    """The model's vocabulary: rows of ``token_embd.weight`` (the logits' width; a tokenizer's
+    token list may be padded to it or shorter)."""
+    return g.tensor_info("token_embd.weight").shape[0]
+
+
 _OPEN: dict[tuple[str, int, int], GGUFFile] = {}
 
 

@@ -28,9 +28,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from target_service.gguf_loader import GGUFError, GGUFFile, write_gguf
-from target_service.gguf_loader import open_gguf
+from target_service.gguf_loader import GGUFError, GGUFFile, open_gguf, write_gguf
 from target_service.tokenizer import PRE_TOKENIZER_TYPES, GGUFTokenizer, UnsupportedTokenizerError
+from tests.tiny_models import bytes_to_unicode
 
 # --------------------------------------------------------------------------------------------
 # corpus
@@ -310,19 +310,6 @@ def test_chat_template_default_system_prompt(tok):
 # --------------------------------------------------------------------------------------------
 # Synthetic GGUF tokenizers (tiny byte-level BPE vocabularies)
 # --------------------------------------------------------------------------------------------
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
 
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|eot|>"]

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from kernels.attention import tree_attention
 from target_service.models.layers import apply_rope, rms_norm, rope_cos_sin
-from target_service.gguf_loader import GGUFError, GGUFFile, open_gguf
+from target_service.gguf_loader import GGUFError, GGUFFile, open_gguf, vocab_size
+from target_service.models.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +62,10 @@ class LlamaConfig:
         hidden = int(g.require("{arch}.embedding_length"))
         heads = int(g.require("{arch}.attention.head_count"))
         head_dim = int(g.get("{arch}.attention.key_length", hidden // heads))
-        vocab = g.get("{arch}.vocab_size") or len(g.get("tokenizer.ggml.tokens") or [])
-        if not vocab:
-            vocab = g.tensor_info("token_embd.weight").shape[0]
         if g.get("{arch}.rope.scaling.type") not in (None, "none"):
             log.warning("rope scaling %s is not supported; ignoring it", g.get("{arch}.rope.scaling.type"))
         return cls(
-            vocab_size=int(vocab),
+            vocab_size=vocab_size(g),
             hidden_size=hidden,
             num_layers=int(g.require("{arch}.block_count")),
             num_heads=heads,
@@ -92,62 +90,19 @@ def unpermute_rotary_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-class KVCache:
-    """Committed K/V of one session: per layer ``[Hkv, capacity, D]``, rows ``[0, length)`` valid.
-
-    Capacity grows in steps of ``stride`` rows up to ``max_length``; new rows are zeroed so no
-    uninitialised memory is ever read (DESIGN.md, lessons).
-    """
-
-    def __init__(self, cfg: LlamaConfig, max_length: int, device: torch.device, dtype: torch.dtype, stride: int = 256):
-        self.cfg, self.max_length, self.device, self.dtype, self.stride = cfg, max_length, device, dtype, stride
-        self.length = 0
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
-        self._alloc(0)
-
-    def _alloc(self, capacity: int) -> None:
-        c = self.cfg
-        shape = (c.num_kv_heads, capacity, c.head_dim)
-        new_k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(c.num_layers)]
-        new_v = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(c.num_layers)]
-        for i in range(len(self.k)):
-            new_k[i][:, : self.length] = self.k[i][:, : self.length]
-            new_v[i][:, : self.length] = self.v[i][:, : self.length]
-        self.k, self.v = new_k, new_v
-
-    @property
-    def capacity(self) -> int:
-        return self.k[0].shape[1] if self.k else 0
-
-    def ensure(self, length: int) -> None:
-        """Make room for ``length`` rows (raises ``ValueError`` beyond ``max_length``)."""
-        if length > self.max_length:
-            raise ValueError(f"context of {length} tokens exceeds {self.max_length}")
-        if length > self.capacity:
-            cap = min(self.max_length, -(-length // self.stride) * self.stride)
-            self._alloc(cap)
-
-    def reset(self) -> None:
-        """Forget all rows and zero the storage (a slot handed to a new session)."""
-        self.length = 0
-        for t in (*self.k, *self.v):
-            t.zero_()
-
-
 @dataclasses.dataclass
 class ForwardOutput:
     """Result of :meth:`LlamaModel.forward` for ``T`` new tokens.
 
     Attributes:
         logits: ``[R, V]`` float32 for the requested rows (``R = T`` unless ``logits_rows`` is given).
-        new_k, new_v: per layer ``[Hkv, T, D]``: K/V of the new tokens (not yet committed).
+        new_k, new_v: layer -> ``[Hkv, T, D]``: K/V of the new tokens (not yet committed).
         features: ``[T, N*H]`` outputs of the requested layers, concatenated, or ``None``.
     """
 
     logits: torch.Tensor
-    new_k: list[torch.Tensor]
-    new_v: list[torch.Tensor]
+    new_k: dict[int, torch.Tensor]
+    new_v: dict[int, torch.Tensor]
     features: torch.Tensor | None
 
 
@@ -216,7 +171,8 @@ class LlamaModel:
 
     def new_cache(self, max_length: int) -> KVCache:
         """An empty :class:`KVCache` for one session."""
-        return KVCache(self.cfg, max_length, self.device, self.dtype)
+        c = self.cfg
+        return KVCache(range(c.num_layers), c.num_kv_heads, c.head_dim, max_length, self.device, self.dtype)
 
     @torch.no_grad()
     def forward(
@@ -250,7 +206,7 @@ class LlamaModel:
         cos, sin = rope_cos_sin(positions, c.rope_dim, c.rope_theta)
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         scale = 1.0 / math.sqrt(c.head_dim)
-        new_k, new_v, feats = [], [], []
+        new_k, new_v, feats = {}, {}, []
         want = set(feature_layers)
         for i, lw in enumerate(self.layers):
             h = rms_norm(x, lw["attn_norm"], c.rms_eps)
@@ -266,8 +222,7 @@ class LlamaModel:
             gu = F.linear(h, lw["gate_up"])
             gate, up = gu[:, : c.intermediate_size], gu[:, c.intermediate_size :]
             x = x + F.linear(F.silu(gate) * up, lw["down"])
-            new_k.append(k)
-            new_v.append(v)
+            new_k[i], new_v[i] = k, v
             if i in want:
                 feats.append(x)
         features = torch.cat([feats[sorted(want).index(i)] for i in feature_layers], dim=-1) if feature_layers else None
@@ -284,11 +239,4 @@ class LlamaModel:
         Raises:
             ValueError: the cache would exceed its maximum length.
         """
-        n = rows.shape[0]
-        L = cache.length
-        cache.ensure(L + n)
-        dst = torch.arange(L, L + n, device=self.device)
-        for i in range(self.cfg.num_layers):
-            cache.k[i].index_copy_(1, dst, out.new_k[i].index_select(1, rows))
-            cache.v[i].index_copy_(1, dst, out.new_v[i].index_select(1, rows))
-        cache.length = L + n
+        cache.append(out.new_k, out.new_v, rows)

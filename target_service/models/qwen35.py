@@ -67,7 +67,8 @@ import torch.nn.functional as F
 from kernels.attention import tree_attention
 from kernels.gated_delta import fla as fla_kernels
 from kernels.gated_delta import causal_conv_tree, conv_state_after, gdn_update, l2norm, recurrent_gated_delta_rule, tree_gated_delta_rule
-from target_service.gguf_loader import GGUFError, GGUFFile, open_gguf
+from target_service.gguf_loader import GGUFError, GGUFFile, open_gguf, vocab_size
+from target_service.models.kv_cache import KVCache
 from target_service.models.layers import apply_rope, rms_norm, rope_cos_sin
 
 log = logging.getLogger(__name__)
@@ -114,9 +115,8 @@ class Qwen35Config:
         mtp = int(g.get("{arch}.nextn_predict_layers", 0) or 0)
         head_dim = int(g.require("{arch}.attention.key_length"))
         hv = int(g.require("{arch}.ssm.time_step_rank"))
-        vocab = g.get("{arch}.vocab_size") or len(g.get("tokenizer.ggml.tokens") or []) or g.tensor_info("token_embd.weight").shape[0]
         return cls(
-            vocab_size=int(vocab),
+            vocab_size=vocab_size(g),
             hidden_size=int(g.require("{arch}.embedding_length")),
             num_layers=int(g.require("{arch}.block_count")) - mtp,
             num_heads=int(g.require("{arch}.attention.head_count")),
@@ -147,53 +147,29 @@ class Qwen35Config:
         return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
 
 
-class HybridCache:
+class HybridCache(KVCache):
     """Committed state of one session.
 
-    * per attention layer: K/V ``[Hkv, capacity, D]`` (rows ``[0, length)`` valid), grown by
-      ``stride`` rows, zeroed at creation;
+    * per attention layer: K/V rows (:class:`~target_service.models.kv_cache.KVCache`);
     * per GDN layer: recurrent state ``[HV, Dk, Dv]`` float32 and conv state ``[K-1, C]`` (the
       last ``K-1`` pre-conv inputs, oldest first), zero at creation (an empty prefix).
     """
 
     def __init__(self, cfg: Qwen35Config, max_length: int, device: torch.device, dtype: torch.dtype, stride: int = 256):
-        self.cfg, self.max_length, self.device, self.dtype, self.stride = cfg, max_length, device, dtype, stride
-        self.length = 0
-        self.attn_layers = [i for i in range(cfg.num_layers) if cfg.is_attention(i)]
+        super().__init__([i for i in range(cfg.num_layers) if cfg.is_attention(i)], cfg.num_kv_heads, cfg.head_dim,
+                         max_length, device, dtype, stride)
+        self.cfg = cfg
         self.gdn_layers = [i for i in range(cfg.num_layers) if not cfg.is_attention(i)]
-        self.k: dict[int, torch.Tensor] = {}
-        self.v: dict[int, torch.Tensor] = {}
         self.recurrent = {
             i: torch.zeros(cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, device=device, dtype=torch.float32)
             for i in self.gdn_layers
         }
         self.conv = {i: torch.zeros(cfg.conv_kernel - 1, cfg.conv_channels, device=device, dtype=dtype) for i in self.gdn_layers}
-        self._alloc(0)
-
-    def _alloc(self, capacity: int) -> None:
-        c = self.cfg
-        for i in self.attn_layers:
-            for store in (self.k, self.v):
-                new = torch.zeros(c.num_kv_heads, capacity, c.head_dim, device=self.device, dtype=self.dtype)
-                if i in store:
-                    new[:, : self.length] = store[i][:, : self.length]
-                store[i] = new
-
-    @property
-    def capacity(self) -> int:
-        return next(iter(self.k.values())).shape[1] if self.k else self.max_length
-
-    def ensure(self, length: int) -> None:
-        """Make room for ``length`` rows (raises ``ValueError`` beyond ``max_length``)."""
-        if length > self.max_length:
-            raise ValueError(f"context of {length} tokens exceeds {self.max_length}")
-        if length > self.capacity:
-            self._alloc(min(self.max_length, -(-length // self.stride) * self.stride))
 
     def reset(self) -> None:
         """Forget every row and zero all state (a slot handed to a new session)."""
-        self.length = 0
-        for t in (*self.k.values(), *self.v.values(), *self.recurrent.values(), *self.conv.values()):
+        super().reset()
+        for t in (*self.recurrent.values(), *self.conv.values()):
             t.zero_()
 
 
@@ -442,12 +418,7 @@ class Qwen35Model:
                 committed partially.
         """
         n = rows.shape[0]
-        L = cache.length
-        cache.ensure(L + n)
-        dst = torch.arange(L, L + n, device=self.device)
-        for i, k in out.new_k.items():
-            cache.k[i].index_copy_(1, dst, k.index_select(1, rows))
-            cache.v[i].index_copy_(1, dst, out.new_v[i].index_select(1, rows))
+        cache.ensure(cache.length + n)  # before any state changes: a refusal leaves the cache as it was
         for i, s in out.gdn.items():
             if out.prefill:
                 if n != s.conv_in.shape[0]:
@@ -462,4 +433,4 @@ class Qwen35Model:
                     state = gdn_update(state, k[t], v[t], g[t], beta[t])
                 cache.recurrent[i].copy_(state)
             cache.conv[i].copy_(conv_state_after(cache.conv[i], s.conv_in.index_select(0, rows)))
-        cache.length = L + n
+        cache.append(out.new_k, out.new_v, rows)
