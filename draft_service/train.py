@@ -378,8 +378,8 @@ def measure_tau(
         block_size: drafter block size (default the config's).
 
     Returns:
-        ``{"tau", "steps", "tokens", "prompts", "per_prompt_tau", "accept_hist", "seconds",
-        "tokens_per_s", "mean_nodes", "outputs"}``; ``accept_hist[j]`` = steps that emitted ``j + 1``
+        ``{"tau", "steps", "tokens", "prompts", "per_prompt_tau", "per_prompt_steps", "accept_hist",
+        "seconds", "tokens_per_s", "mean_nodes", "outputs"}``; ``accept_hist[j]`` = steps that emitted ``j + 1``
         tokens; ``outputs[i]`` = the tokens generated for prompt ``i`` (first token of the prefill
         included), identical to the target's greedy decoding.
     """
@@ -394,6 +394,7 @@ def measure_tau(
     steps = emitted = nodes = 0
     hist = [0] * (B + 1)
     per_prompt = []
+    per_prompt_steps = []
     outputs = []
     t0 = time.monotonic()
     try:
@@ -426,6 +427,7 @@ def measure_tau(
                 steps += p_steps
                 emitted += p_emit
                 per_prompt.append(p_emit / p_steps if p_steps else float("nan"))
+                per_prompt_steps.append(p_steps)
                 outputs.append(out)
             finally:
                 target_engine.release([sid])
@@ -440,6 +442,7 @@ def measure_tau(
         "tokens": emitted,
         "prompts": len(prompts),
         "per_prompt_tau": per_prompt,
+        "per_prompt_steps": per_prompt_steps,
         "accept_hist": hist,
         "seconds": dt,
         "tokens_per_s": emitted / dt if dt > 0 else float("nan"),
@@ -551,6 +554,57 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+@dataclasses.dataclass
+class Dist:
+    """Where this process stands in a data-parallel run (``torchrun``: ``WORLD_SIZE``, ``RANK``,
+    ``LOCAL_RANK``); ``world == 1`` outside one."""
+
+    world: int = 1
+    rank: int = 0
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: the process that logs, checkpoints, writes the GGUF and evaluates."""
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls) -> "Dist":
+        return cls(int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")),
+                   int(os.environ.get("LOCAL_RANK", "0")))
+
+    def init(self, device: torch.device) -> torch.device:
+        """Join the process group (NCCL on CUDA, gloo on CPU; 30 min timeout, rank 0 may evaluate
+        while the others wait) and return this process's device (``cuda:LOCAL_RANK`` on CUDA)."""
+        if self.world <= 1:
+            return device
+        import datetime
+
+        import torch.distributed as dist
+
+        if device.type == "cuda":
+            device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                    timeout=datetime.timedelta(minutes=30))
+        return device
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """In-place sum over the ranks (a no-op alone)."""
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     decay = [p for _, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for _, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
@@ -607,11 +661,13 @@ class Trainer:
         self.args = args
         self.t_start = time.monotonic() if t_start is None else t_start
         self.budget_s = args.time_budget_min * 60.0 if args.time_budget_min else None
-        self.device = resolve_device(args.device)
+        self.dist = Dist.from_env()
+        self.device = self.dist.init(resolve_device(args.device))
         self.cuda = self.device.type == "cuda"
         self.sequences = sequences
         self.eval_prompt_ids = None if eval_prompts is None else [list(p) for p in eval_prompts]
         self.hf = None
+        self.hf_eval = None
         self.ref_model = None
         self.engine = None
         self.history: list[dict[str, Any]] = []
@@ -625,6 +681,8 @@ class Trainer:
         return time.monotonic() - self.t_start
 
     def say(self, msg: str) -> None:
+        if not self.dist.main:
+            return
         from tqdm import tqdm
 
         tqdm.write(msg)
@@ -669,13 +727,21 @@ class Trainer:
 
             deadline = self.t_start + self.budget_s * a.gen_budget_frac if self.budget_s else None
             batch = a.gen_batch_size or (512 if self.cuda else 8)
-            self.sequences = build_sequences(
+            W, R = self.dist.world, self.dist.rank
+            shard_path = lambda r: a.data_cache if W == 1 else f"{a.data_cache}.shard{r}-of-{W}"  # noqa: E731
+            part = build_sequences(
                 a.target, num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens,
                 max_prompt_tokens=a.max_prompt_tokens, device=self.device, batch_size=batch,
-                cache_path=a.data_cache, prompts_file=a.prompts_file,
+                cache_path=shard_path(R), prompts_file=a.prompts_file,
                 hf_model=self._hf_model() if a.feature_backend == "hf" else None, deadline=deadline,
-                progress=a.progress,
+                progress=a.progress and self.dist.main, num_code_prompts=a.num_code_prompts,
+                batch_tokens=a.gen_batch_tokens or None, shard=(R, W) if W > 1 else None,
             )
+            if W > 1:  # every rank generated one shard; every rank trains on all of them
+                self.dist.barrier()
+                self.sequences = SequenceData.concat([part if r == R else SequenceData.load(shard_path(r)) for r in range(W)])
+            else:
+                self.sequences = part
         self.data = self.sequences.trainable()
         st = self.data.stats()
         self.say(f"data: {st['sequences']} sequences, {st['tokens']} tokens "
@@ -778,14 +844,24 @@ class Trainer:
         if not self.eval_prompt_ids:
             return None
         t = time.monotonic()
-        if self.engine is None:
-            longest = max(len(p) for p in self.eval_prompt_ids)
-            self.engine = build_target_engine(
-                self.args.target, self.device, torch.float32,
-                max_context=longest + self.args.eval_max_new_tokens + self.drafter.config.block_size + 8,
-            )
-        r = measure_tau(self.engine, self.drafter, self.eval_prompt_ids, self.args.eval_max_new_tokens,
-                        stop_tokens=self.stop_tokens)
+        if self.args.eval_method == "replay":
+            from draft_service.replay import replay_prompts
+
+            if self.hf_eval is None:  # float32 target: the engine's numerics (training's is bf16 on CUDA)
+                from draft_service.data import load_hf_target
+
+                self.hf_eval = self.hf if not self.cuda and self.hf is not None else load_hf_target(self.args.target, self.device, torch.float32)
+            r = replay_prompts(self.drafter, self.hf_eval, self.eval_prompt_ids, self.args.eval_max_new_tokens,
+                               {"chain": None}, stop_tokens=self.stop_tokens, pad_token_id=self.pad_id)["chain"]
+        else:
+            if self.engine is None:
+                longest = max(len(p) for p in self.eval_prompt_ids)
+                self.engine = build_target_engine(
+                    self.args.target, self.device, torch.float32,
+                    max_context=longest + self.args.eval_max_new_tokens + self.drafter.config.block_size + 8,
+                )
+            r = measure_tau(self.engine, self.drafter, self.eval_prompt_ids, self.args.eval_max_new_tokens,
+                            stop_tokens=self.stop_tokens)
         r["step"] = self.step
         self.last_eval_s = time.monotonic() - t
         self.evals.append({k: r[k] for k in ("step", "tau", "steps", "tokens", "seconds", "accept_hist")})
@@ -793,44 +869,71 @@ class Trainer:
                  f"{r['prompts']} held-out prompts, {self.last_eval_s:.1f} s) accept_hist {r['accept_hist']}")
         return r
 
-    def train_step(self) -> BlockStats:
+    def train_step(self, want_stop: bool = False) -> tuple[BlockStats, bool]:
+        """One optimiser step; returns the step's stats (summed over the ranks) and whether any rank
+        asked to stop (``want_stop``: its time is up).
+
+        Every rank draws the same ``seq_per_step * world`` sequences and anchors (one shared
+        generator: the sampler and RNG states stay identical, so any rank's checkpoint resumes
+        the run) and trains on its share (``k % world == rank``). The loss is normalised by the
+        weight of the whole step's labels, so the summed gradients are exactly those of one
+        process taking the whole step.
+        """
         a = self.args
         c = self.drafter.config
-        idx = self.sampler.take(a.seq_per_step)
+        W, R = self.dist.world, self.dist.rank
+        idx = self.sampler.take(a.seq_per_step * W)
         seqs, anchors = [], []
-        for i in idx:
+        total = 0.0  # total weight of the step's valid labels (exact normalisation across sequences and ranks)
+        for k, i in enumerate(idx):
             s = self.data.sequences[i]
             anc = sample_anchors(self.data.prompt_lens[i], s.numel(), a.batch_anchors, self.gen)
-            if anc.numel():
-                seqs.append(s)
-                anchors.append(anc)
-        # total weight of the step's valid labels (exact normalisation across sequences)
-        total = 0.0
-        for s, anc in zip(seqs, anchors):
+            if not anc.numel():
+                continue
             room = (s.numel() - 1 - anc).clamp(max=c.block_size - 1)  # valid labels per block
             total += float(self.wcum[room - 1].sum())
+            if k % W == R:
+                seqs.append(s)
+                anchors.append(anc)
         ctx_len = [int(anc.max()) for anc in anchors]
-        feats = self.features([s[:n] for s, n in zip(seqs, ctx_len)])
-        self.opt.zero_grad(set_to_none=True)
-        G = max(1, a.group_seqs)
-        acc = None
-        for g in range(0, len(seqs), G):
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.cuda):
-                loss, st = block_loss(self.drafter, feats[g : g + G], seqs[g : g + G], anchors[g : g + G],
-                                      self.weights, normaliser=total, stats_tensor=True)
-            loss.backward()
-            acc = st if acc is None else acc + st
-        gnorm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), a.grad_clip)
+        self.opt.zero_grad(set_to_none=False)
+        acc = torch.zeros(8, dtype=torch.float64, device=self.device)
+        if seqs:
+            feats = self.features([s[:n] for s, n in zip(seqs, ctx_len)])
+            G = max(1, a.group_seqs)
+            for g in range(0, len(seqs), G):
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.cuda):
+                    loss, st = block_loss(self.drafter, feats[g : g + G], seqs[g : g + G], anchors[g : g + G],
+                                          self.weights, normaliser=total, stats_tensor=True)
+                loss.backward()
+                acc = acc + st
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        if W > 1:  # one sum of the gradients, and one of the stats with the stop votes
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            self.dist.all_sum(flat)
+            off = 0
+            for p in params:
+                p.grad.copy_(flat[off : off + p.numel()].view_as(p))
+                off += p.numel()
+            acc = torch.cat([acc, torch.tensor([float(want_stop)], dtype=torch.float64, device=self.device)])
+            self.dist.all_sum(acc)
+            stop_votes, acc = acc[-1:], acc[:-1]
+        else:
+            stop_votes = torch.tensor([float(want_stop)], dtype=torch.float64, device=self.device)
+        gnorm = torch.nn.utils.clip_grad_norm_(params, a.grad_clip)
         lr = a.lr * self.sched.factor(self.step, self.train_s)
         for g in self.opt.param_groups:
             g["lr"] = lr
         self.opt.step()
         self.step += 1
-        host = torch.cat([acc, gnorm.detach().double().reshape(1)]).cpu().tolist()  # the step's one host read
-        stats = BlockStats(*host[:-1])
-        self._last = {"lr": lr, "gnorm": host[-1], "blocks": int(stats.blocks),
-                      "target_tokens": int(sum(ctx_len))}
-        return stats
+        host = torch.cat([acc, gnorm.detach().double().reshape(1), stop_votes]).cpu().tolist()  # the step's one host read
+        stats = BlockStats(*host[:8])
+        self._last = {"lr": lr, "gnorm": host[8], "blocks": int(stats.blocks),
+                      "target_tokens": int(sum(ctx_len)) * W}
+        return stats, host[9] > 0
 
     def run(self) -> dict[str, Any]:
         from tqdm import tqdm
@@ -847,23 +950,30 @@ class Trainer:
             if remaining <= 0:
                 self.say("time budget spent before training; writing the drafter as is")
             self.sched.budget_s = self.train_s + max(remaining, 1.0)
+        if a.schedule_train_min:  # the cosine spans several runs (resumed), not only this one
+            self.sched.budget_s = a.schedule_train_min * 60.0
         bar = tqdm(total=a.steps, initial=self.step, desc="training", unit="step", dynamic_ncols=True,
-                   disable=not a.progress)
+                   disable=not (a.progress and self.dist.main))
         t_loop = time.monotonic()
         steps0 = self.step
         blocks = tokens = 0
         window: list[BlockStats] = []
         stop_reason = "steps"
+        last_step_s = 0.0
         while self.step < a.steps:
+            want_stop = False
             if deadline is not None:
                 # keep the reserve, or more when an eval here showed the final one needs more
                 extra = max(0.0, 1.3 * self.last_eval_s + 10.0 - a.final_reserve_s)
-                if time.monotonic() > deadline - extra:
+                if self.dist.world == 1 and time.monotonic() > deadline - extra:
                     stop_reason = "time budget"
                     break
+                # several ranks vote with the step and stop together after it
+                want_stop = time.monotonic() + last_step_s > deadline - extra
             t_step = time.monotonic()
-            st = self.train_step()
-            self.train_s += time.monotonic() - t_step
+            st, stop_now = self.train_step(want_stop)
+            last_step_s = time.monotonic() - t_step
+            self.train_s += last_step_s
             blocks += self._last["blocks"]
             tokens += self._last["target_tokens"]
             rec = {"step": self.step, "loss": st.loss, "acc": st.acc, "acc1": st.acc1, "tau_est": st.tau_est,
@@ -879,9 +989,12 @@ class Trainer:
             if a.log_every and self.step % a.log_every == 0 and not a.progress:
                 self.say(f"step {self.step}: loss {st.loss:.4f} acc1 {agg.acc1:.3f} tau_est {agg.tau_est:.2f} "
                          f"lr {self._last['lr']:.2e}")
-            if a.checkpoint_every and self.step % a.checkpoint_every == 0 and self.step < a.steps:
+            if stop_now:
+                stop_reason = "time budget"
+                break
+            if a.checkpoint_every and self.step % a.checkpoint_every == 0 and self.step < a.steps and self.dist.main:
                 self.save_checkpoint()
-            if a.eval_every and self.step % a.eval_every == 0 and self.step < a.steps:
+            if a.eval_every and self.step % a.eval_every == 0 and self.step < a.steps and self.dist.main:
                 self.evaluate()
         bar.close()
         dt = time.monotonic() - t_loop
@@ -891,6 +1004,9 @@ class Trainer:
                      f"{blocks / max(dt, 1e-9):.0f} blocks/s ({blocks * (c.block_size - 1) / max(dt, 1e-9):.0f} "
                      f"draft positions/s), {tokens / max(dt, 1e-9):.0f} target tokens/s; stopped by {stop_reason}"
                      + (f"; peak GPU memory {torch.cuda.max_memory_allocated(self.device) / 2**30:.1f} GiB" if self.cuda else ""))
+        if not self.dist.main:  # rank 0 writes and evaluates; the others are done
+            self.dist.barrier()
+            return {"steps": self.step, "rank": self.dist.rank}
         ckpt = self.save_checkpoint()
         size = export_gguf(self.drafter, a.output, a.export_dtype)
         self.say(f"wrote drafter {os.path.abspath(a.output)} ({size / 1e6:.2f} MB, {a.export_dtype}); checkpoint {ckpt}")
@@ -918,6 +1034,7 @@ class Trainer:
             json.dump(summary, f, indent=1, default=str)
         self.say(f"done: {self.step} steps, loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}"
                  + (f", tau {final['tau']:.3f}" if final else "") + f", {self.elapsed():.0f} s wall")
+        self.dist.barrier()
         return summary
 
 
@@ -935,7 +1052,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-prompts", type=int, default=3000, help="training prompts (ShareGPT first turns)")
     g.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer (chat-templated) prompts")
     g.add_argument("--max-new-tokens", type=int, default=256, help="target response length (greedy)")
+    g.add_argument("--num-code-prompts", type=int, default=0,
+                   help="code-completion prompts (stdlib function stubs, draft_service.data.code_prompts) after the ShareGPT ones")
     g.add_argument("--gen-batch-size", type=int, default=0, help="prompts per HF generate call (0: 512 on CUDA, 8 on CPU)")
+    g.add_argument("--gen-batch-tokens", type=int, default=0,
+                   help="token budget of one generate call: rows x (prompt width + max new tokens) (0: no limit)")
     g.add_argument("--data-cache", default=None, help="token-sequence cache (default OUT_DIR/data.pt)")
     g.add_argument("--feature-backend", choices=["hf", "reference"], default="hf",
                    help="target features from transformers (batched) or the project's reference model")
@@ -963,11 +1084,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g = ap.add_argument_group("time, eval, checkpoints")
     g.add_argument("--time-budget-min", type=float, default=None, help="wall-clock budget of the whole run (minutes)")
+    g.add_argument("--schedule-train-min", type=float, default=None,
+                   help="training minutes the cosine decay spans, over resumed runs too (default: this run's budget)")
     g.add_argument("--gen-budget-frac", type=float, default=0.4, help="generation starts no batch after this fraction of the budget")
     g.add_argument("--final-reserve-s", type=float, default=30.0, help="seconds kept for the final checkpoint, GGUF and eval")
     g.add_argument("--eval-every", type=int, default=0, help="steps between tau evals (0: final eval only)")
     g.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts for tau (0: no eval)")
     g.add_argument("--eval-max-new-tokens", type=int, default=128)
+    g.add_argument("--eval-method", choices=["replay", "engine"], default="replay",
+                   help="tau by replay over transformers' greedy continuations (batched, draft_service.replay) or "
+                        "through the target engine one verify at a time")
     g.add_argument("--checkpoint-every", type=int, default=500)
     g.add_argument("--keep-checkpoints", type=int, default=2)
     g.add_argument("--resume", nargs="?", const="latest", default=None, help="resume from a checkpoint (default: the latest in OUT_DIR)")

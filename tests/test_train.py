@@ -405,9 +405,134 @@ def test_evaluate_cli_writes_results(tiny, tiny_sequences, tmp_path, capsys):
                                    "humaneval": ["def add(a, b):"]}))
     out = tmp_path / "res.json"
     assert evaluate_main(["--drafter", str(path), "--target", tiny.path, "--prompts-file", str(prompts),
-                          "--modes", "chain", "--num-prompts", "2", "--max-new-tokens", "8", "--device", "cpu",
-                          "--out", str(out)]) == 0
+                          "--modes", "chain,tree", "--num-prompts", "2", "--max-new-tokens", "8", "--device", "cpu",
+                          "--method", "both", "--engine-prompts", "1", "--tree-budget", "6", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert [(r["dataset"], r["mode"], r["prompts"]) for r in res["runs"]] == [("sharegpt", "chain", 2), ("humaneval", "chain", 1)]
+    got = [(r["dataset"], r["mode"], r["method"], r["prompts"]) for r in res["runs"]]
+    assert got == [("sharegpt", "chain", "replay", 2), ("sharegpt", "tree", "replay", 2),
+                   ("humaneval", "chain", "replay", 1), ("humaneval", "tree", "replay", 1),
+                   ("sharegpt", "chain", "engine", 1), ("sharegpt", "tree", "engine", 1),
+                   ("humaneval", "chain", "engine", 1), ("humaneval", "tree", "engine", 1)]
     assert all(r["tau"] >= 1.0 for r in res["runs"])
+    for r in res["runs"]:
+        if r["method"] == "engine":  # the replay of the same prompt took the same steps
+            same = r["replay_same_prompts"]
+            assert same["identical_outputs"] == 1 and (same["steps"], same["tokens"]) == (r["steps"], r["tokens"])
     assert "sharegpt" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------------
+# τ by replay (draft_service/replay.py) against the engine
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained_tiny(tiny, tiny_sequences, tmp_path_factory):
+    """A tiny drafter trained for 80 steps (accepts several tokens per step on the tiny target)."""
+    out = tmp_path_factory.mktemp("trained-tiny")
+    args = smoke_args(tiny, out, "--steps", "80", "--eval-prompts", "0", "--checkpoint-every", "0")
+    train(args, sequences=tiny_sequences)
+    return DFlashDrafter.from_gguf(args.output, tiny.path)
+
+
+def test_hf_greedy_tokens_equal_reference_greedy(tiny, tiny_hf, tiny_ref):
+    from draft_service.replay import hf_greedy_tokens
+
+    prompts = [[1, 50, 60, 70, 80, 90], [1, 80, 81], [1, 7]]  # left padding in one batch
+    got = hf_greedy_tokens(tiny_hf, prompts, 12, pad_token_id=tiny.pad_id, batch_size=3)
+    for p, g in zip(prompts, got):
+        seq = list(p)
+        for _ in range(12):  # greedy, one token at a time, no cache, EOS not special
+            lg = tiny_ref.forward(torch.tensor(seq), torch.arange(len(seq)), chain(seq).ancestors, tiny_ref.new_cache(64)).logits
+            seq.append(int(lg[-1].argmax()))
+        assert g == seq[len(p):]
+    assert hf_greedy_tokens(tiny_hf, prompts, 12, pad_token_id=tiny.pad_id, batch_size=1) == got
+    with pytest.raises(ValueError):
+        hf_greedy_tokens(tiny_hf, [[]], 3)
+
+
+def test_accepted_length_walks_the_matching_path():
+    from draft_service.replay import accepted_length
+
+    #        0:r
+    #      /     \
+    #    1:5     2:6
+    #   /   \      \
+    # 3:7   4:8    5:9
+    tokens, parents = [0, 5, 6, 7, 8, 9], [-1, 0, 0, 1, 1, 2]
+    assert accepted_length(tokens, parents, [5, 8, 1]) == 2
+    assert accepted_length(tokens, parents, [6, 9]) == 2
+    assert accepted_length(tokens, parents, [6, 7]) == 1
+    assert accepted_length(tokens, parents, [4]) == 0
+    assert accepted_length([3, 4, 5], [-1, 0, 1], [4, 5, 6]) == 2
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_replay_tau_equals_engine_tau(tiny, tiny_hf, trained_tiny, mode):
+    """Replay over HF greedy continuations gives the engine's steps exactly: the same emitted
+    tokens, τ, per-prompt τ and acceptance histogram (a drafter that accepts several tokens)."""
+    from draft_service.replay import replay_prompts
+    from draft_service.tree import build_tree
+
+    tree = None if mode == "chain" else (lambda root, logits: build_tree(root, logits, 12, 3))
+    gen = torch.Generator().manual_seed(11)
+    prompts = [[1] + torch.randint(3, tiny.vocab, (int(n),), generator=gen).tolist() for n in (3, 9, 5, 14, 6)]
+    stop = [tiny.eos_id]
+    engine = build_target_engine(tiny.path, "cpu", max_context=256)
+    ref = measure_tau(engine, trained_tiny, prompts, 30, tree, stop_tokens=stop)
+    got = replay_prompts(trained_tiny, tiny_hf, prompts, 30, {mode: tree}, stop_tokens=stop,
+                         pad_token_id=tiny.pad_id, batch_size=2, group=2)[mode]
+    assert got["outputs"] == ref["outputs"]
+    assert (got["steps"], got["tokens"], got["accept_hist"]) == (ref["steps"], ref["tokens"], ref["accept_hist"])
+    assert got["tau"] == pytest.approx(ref["tau"]) and got["mean_nodes"] == pytest.approx(ref["mean_nodes"])
+    assert got["per_prompt_tau"] == pytest.approx(ref["per_prompt_tau"], nan_ok=True)
+    assert sum(ref["accept_hist"][2:]) > 0, "the drafter should accept 2+ tokens in some steps"
+
+
+# ------------------------------------------------------------------------------------------------
+# data-parallel training (torchrun-style environment, gloo on CPU)
+# ------------------------------------------------------------------------------------------------
+
+
+def _ddp_worker(rank: int, world: int, port: int, argv: list[str], seq_path: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        train(parse_args(argv), sequences=SequenceData.load(seq_path))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_two_ranks_train_like_one_process_with_the_whole_batch(tiny, tiny_sequences, tmp_path):
+    """2 ranks x 2 sequences per step == 1 process x 4 sequences per step: the same sequences and
+    anchors (shared sampler), the loss normalised over the whole step, gradients summed."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    seq_path = str(tmp_path / "seqs.pt")
+    tiny_sequences.save(seq_path)
+    common = ["--steps", "6", "--eval-prompts", "0", "--checkpoint-every", "0"]
+    one = smoke_args(tiny, tmp_path / "one", *common, "--seq-per-step", "4", "--group-seqs", "4")
+    train(one, sequences=tiny_sequences)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    argv = ["--target", tiny.path, "--out-dir", str(tmp_path / "two"), "--device", "cpu", "--no-progress",
+            "--layers", "1", "--block-size", "8", "--num-target-layers", "2", "--batch-anchors", "8", "--lr", "3e-3",
+            "--warmup-steps", "4", "--log-every", "0", "--export-dtype", "f32", *common, "--seq-per-step", "2",
+            "--group-seqs", "2"]
+    mp.spawn(_ddp_worker, args=(2, port, argv, seq_path), nprocs=2, join=True)
+    a = torch.load(list_checkpoints(one.out_dir)[-1][1], weights_only=False)
+    b = torch.load(list_checkpoints(str(tmp_path / "two"))[-1][1], weights_only=False)
+    assert a["step"] == b["step"] == 6
+    assert [h["loss"] for h in b["history"]] == pytest.approx([h["loss"] for h in a["history"]], rel=1e-4)
+    for k in a["drafter"]:
+        torch.testing.assert_close(b["drafter"][k], a["drafter"][k], atol=1e-5, rtol=1e-4)
+    assert len(list_checkpoints(str(tmp_path / "two"))) == 1  # rank 0 alone writes
