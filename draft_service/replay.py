@@ -229,6 +229,34 @@ def replay_tau(
     }
 
 
+def prepare_replay(
+    hf_model: Any,
+    prompts: Sequence[Sequence[int]],
+    num_tokens: int,
+    layer_ids: Sequence[int],
+    *,
+    pad_token_id: int = 0,
+    batch_size: int = 64,
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """The target's side of a replay, computed once per prompt set: ``num_tokens`` greedy tokens
+    after each prompt (:func:`hf_greedy_tokens`) and the features of every row of prompt +
+    continuation (:func:`draft_service.train.hf_features`).
+
+    Returns:
+        ``(sequences, features)``: token ids per prompt, and ``[len, N*H]`` feature rows (the HF
+        model's dtype and device) per prompt.
+    """
+    from draft_service.train import hf_features
+
+    cont = hf_greedy_tokens(hf_model, prompts, num_tokens, pad_token_id=pad_token_id, batch_size=batch_size)
+    seqs = [list(p) + c for p, c in zip(prompts, cont)]
+    feats: list[torch.Tensor] = []
+    for s in range(0, len(seqs), max(1, batch_size)):
+        chunk = [torch.tensor(x) for x in seqs[s : s + batch_size]]
+        feats += hf_features(hf_model, chunk, layer_ids, pad_token_id)
+    return seqs, feats
+
+
 def replay_prompts(
     drafter: DFlashDrafter,
     hf_model: Any,
@@ -240,25 +268,23 @@ def replay_prompts(
     pad_token_id: int = 0,
     batch_size: int = 64,
     group: int = 16,
+    prepared: tuple[list[list[int]], list[torch.Tensor]] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Greedy continuations and features of ``prompts`` from ``hf_model`` (once), then
-    :func:`replay_tau` for each entry of ``trees`` (name -> tree builder, None = chain).
+    """:func:`prepare_replay` (unless ``prepared`` is given: its result for these prompts, with at
+    least ``max_new_tokens + B`` tokens), then :func:`replay_tau` for each entry of ``trees``
+    (name -> tree builder, None = chain).
 
     Returns:
         name -> the :func:`replay_tau` dict, plus ``"target_s"``: seconds spent in the target
-        (generation and features), in each dict.
+        (generation and features; 0 with ``prepared``), in each dict.
     """
-    from draft_service.train import hf_features
-
     B = drafter.config.block_size
     t0 = time.monotonic()
-    cont = hf_greedy_tokens(hf_model, prompts, max_new_tokens + B, pad_token_id=pad_token_id, batch_size=batch_size)
-    seqs = [list(p) + c for p, c in zip(prompts, cont)]
-    feats: list[torch.Tensor] = []
-    for s in range(0, len(seqs), max(1, batch_size)):
-        chunk = [torch.tensor(x) for x in seqs[s : s + batch_size]]
-        feats += [f.to(drafter.device, drafter.dtype) for f in
-                  hf_features(hf_model, chunk, drafter.config.target_layer_ids, pad_token_id)]
+    if prepared is None:
+        prepared = prepare_replay(hf_model, prompts, max_new_tokens + B, drafter.config.target_layer_ids,
+                                  pad_token_id=pad_token_id, batch_size=batch_size)
+    seqs, feats = prepared
+    feats = [f.to(drafter.device, drafter.dtype) for f in feats]
     target_s = time.monotonic() - t0
     out = {}
     for name, tree in trees.items():

@@ -668,6 +668,8 @@ class Trainer:
         self.eval_prompt_ids = None if eval_prompts is None else [list(p) for p in eval_prompts]
         self.hf = None
         self.hf_eval = None
+        self.eval_prepared = None
+        self.best: dict[str, Any] = {}
         self.ref_model = None
         self.engine = None
         self.history: list[dict[str, Any]] = []
@@ -746,11 +748,33 @@ class Trainer:
         st = self.data.stats()
         self.say(f"data: {st['sequences']} sequences, {st['tokens']} tokens "
                  f"(prompt {st['mean_prompt']:.0f} + response {st['mean_response']:.0f} mean)")
-        if self.eval_prompt_ids is None and a.eval_prompts > 0:
-            from draft_service.data import encode_prompts, heldout_prompts, load_prompts_file
+        if self.eval_prompt_ids is None and a.eval_prompts > 0 and self.dist.main:
+            self.eval_prompt_ids = self._eval_prompts(tok)
 
-            texts = load_prompts_file(a.prompts_file)["heldout"] if a.prompts_file else heldout_prompts()
-            self.eval_prompt_ids, _ = encode_prompts(tok, texts, a.eval_prompts, a.max_prompt_tokens)
+    def _eval_prompts(self, tok: Any) -> list[list[int]]:
+        """Prompts for the τ evals during training. ``--eval-source unused``: the training prompts
+        past those trained on (ShareGPT, then code, half each when both have some), so that
+        choosing the best step (``--keep-best``) never looks at the held-out ShareGPT or HumanEval
+        sets of the final evaluation; ``heldout`` (or nothing unused): held-out ShareGPT."""
+        from draft_service.data import code_prompts, encode_prompts, heldout_prompts, load_prompts_file, train_prompts
+
+        a = self.args
+        n = a.eval_prompts
+        pfile = load_prompts_file(a.prompts_file) if a.prompts_file else None
+        if a.eval_source == "unused":
+            pools = []
+            for texts, used in ((pfile["train"] if pfile else train_prompts(), a.num_prompts),
+                                (pfile["code"] if pfile else code_prompts(), a.num_code_prompts)):
+                ids, _ = encode_prompts(tok, texts, used + n, a.max_prompt_tokens)
+                pools.append(ids[used:])
+            pools = [p for p in pools if p]
+            if pools:
+                take = [n // len(pools) + (1 if k < n % len(pools) else 0) for k in range(len(pools))]
+                out = [q for p, t in zip(pools, take) for q in p[:t]]
+                self.say(f"eval prompts: {len(out)} unused training prompts")
+                return out
+        texts = pfile["heldout"] if pfile else heldout_prompts()
+        return encode_prompts(tok, texts, n, a.max_prompt_tokens)[0]
 
     # ---- checkpoints -------------------------------------------------------------------------
 
@@ -774,6 +798,7 @@ class Trainer:
             "args": vars(self.args),
             "history": self.history,
             "evals": self.evals,
+            "best": self.best,
         }
         tmp = f"{path}.tmp{os.getpid()}"
         torch.save(obj, tmp)
@@ -835,6 +860,8 @@ class Trainer:
             self.sampler.load_state_dict(ckpt["sampler"])
             self.history = list(ckpt.get("history", []))
             self.evals = list(ckpt.get("evals", []))
+            best = dict(ckpt.get("best") or {})
+            self.best = best if best and os.path.exists(best.get("path", "")) else {}
             self.say(f"resumed from {ckpt_path} at step {self.step}")
         n_params = sum(p.numel() for p in self.drafter.parameters())
         self.say(f"drafter: {c.num_layers} layers, block {c.block_size}, target layers {c.target_layer_ids}, "
@@ -851,8 +878,15 @@ class Trainer:
                 from draft_service.data import load_hf_target
 
                 self.hf_eval = self.hf if not self.cuda and self.hf is not None else load_hf_target(self.args.target, self.device, torch.float32)
+            if self.eval_prepared is None:  # the target's side once; each eval replays the drafter only
+                from draft_service.replay import prepare_replay
+
+                self.eval_prepared = prepare_replay(
+                    self.hf_eval, self.eval_prompt_ids, self.args.eval_max_new_tokens + self.drafter.config.block_size,
+                    self.drafter.config.target_layer_ids, pad_token_id=self.pad_id)
             r = replay_prompts(self.drafter, self.hf_eval, self.eval_prompt_ids, self.args.eval_max_new_tokens,
-                               {"chain": None}, stop_tokens=self.stop_tokens, pad_token_id=self.pad_id)["chain"]
+                               {"chain": None}, stop_tokens=self.stop_tokens, pad_token_id=self.pad_id,
+                               prepared=self.eval_prepared)["chain"]
         else:
             if self.engine is None:
                 longest = max(len(p) for p in self.eval_prompt_ids)
@@ -866,7 +900,11 @@ class Trainer:
         self.last_eval_s = time.monotonic() - t
         self.evals.append({k: r[k] for k in ("step", "tau", "steps", "tokens", "seconds", "accept_hist")})
         self.say(f"eval @ step {self.step}: tau {r['tau']:.3f} ({r['tokens']} tokens, {r['steps']} verifies, "
-                 f"{r['prompts']} held-out prompts, {self.last_eval_s:.1f} s) accept_hist {r['accept_hist']}")
+                 f"{r['prompts']} prompts, {self.last_eval_s:.1f} s) accept_hist {r['accept_hist']}")
+        if self.args.keep_best and r["tau"] >= self.best.get("tau", float("-inf")):  # ties: the later step
+            path = os.path.join(self.args.out_dir, "best.gguf")
+            export_gguf(self.drafter, path, self.args.export_dtype)
+            self.best = {"tau": r["tau"], "step": self.step, "path": path}
         return r
 
     def train_step(self, want_stop: bool = False) -> tuple[BlockStats, bool]:
@@ -1011,6 +1049,12 @@ class Trainer:
         size = export_gguf(self.drafter, a.output, a.export_dtype)
         self.say(f"wrote drafter {os.path.abspath(a.output)} ({size / 1e6:.2f} MB, {a.export_dtype}); checkpoint {ckpt}")
         final = self.evaluate() if a.eval_prompts > 0 else None
+        if a.keep_best and self.best and final is not None and self.best["step"] != self.step:
+            import shutil
+
+            shutil.copyfile(self.best["path"], a.output)
+            self.say(f"kept the best eval's drafter: step {self.best['step']}, tau {self.best['tau']:.3f} "
+                     f"(last step {self.step}: {final['tau']:.3f}) -> {os.path.abspath(a.output)}")
         first = self.history[: min(20, len(self.history))]
         last = self.history[-min(20, len(self.history)) :]
         summary = {
@@ -1024,6 +1068,7 @@ class Trainer:
             "loss_last": sum(r["loss"] for r in last) / max(len(last), 1),
             "tau_est_last": sum(r["tau_est"] for r in last) / max(len(last), 1),
             "final_eval": final,
+            "best": self.best or None,
             "evals": self.evals,
             "data": self.data.stats(),
             "data_meta": self.data.meta,
@@ -1091,6 +1136,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-every", type=int, default=0, help="steps between tau evals (0: final eval only)")
     g.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts for tau (0: no eval)")
     g.add_argument("--eval-max-new-tokens", type=int, default=128)
+    g.add_argument("--eval-source", choices=["heldout", "unused"], default="heldout",
+                   help="eval prompts: held-out ShareGPT, or training prompts past those trained on (ShareGPT and code)")
+    g.add_argument("--keep-best", action="store_true",
+                   help="write the drafter of the best eval (tau) as the output, not the last step's")
     g.add_argument("--eval-method", choices=["replay", "engine"], default="replay",
                    help="tau by replay over transformers' greedy continuations (batched, draft_service.replay) or "
                         "through the target engine one verify at a time")

@@ -29,6 +29,7 @@ from draft_service.train import (
     parse_args,
     reference_features,
     sample_anchors,
+    Trainer,
     train,
 )
 from target_service.models.llama import LlamaModel
@@ -536,3 +537,31 @@ def test_two_ranks_train_like_one_process_with_the_whole_batch(tiny, tiny_sequen
     for k in a["drafter"]:
         torch.testing.assert_close(b["drafter"][k], a["drafter"][k], atol=1e-5, rtol=1e-4)
     assert len(list_checkpoints(str(tmp_path / "two"))) == 1  # rank 0 alone writes
+
+
+def test_keep_best_and_unused_eval_prompts(tiny, tiny_sequences, tmp_path):
+    """``--eval-source unused`` evaluates on training prompts past those trained on; ``--keep-best``
+    writes the best eval's drafter as the output."""
+    import json
+
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"train": [f"prompt number {i}" for i in range(6)], "heldout": ["held out"],
+                                   "code": ["def f(x):\n    '''Return x.'''\n"] * 3}))
+    args = smoke_args(tiny, tmp_path / "run", "--steps", "12", "--eval-every", "4", "--eval-prompts", "3",
+                      "--eval-source", "unused", "--prompts-file", str(prompts), "--num-prompts", "4",
+                      "--num-code-prompts", "2", "--keep-best", "--checkpoint-every", "0")
+    trainer = Trainer(args, sequences=tiny_sequences)
+    summary = trainer.run()
+    from target_service.tokenizer import GGUFTokenizer
+    from draft_service.data import chat_prompt_ids
+
+    tok = GGUFTokenizer.from_gguf(tiny.path)
+    # ShareGPT prompts 4, 5 and code prompt 2 (the ones not trained on)
+    assert trainer.eval_prompt_ids == [chat_prompt_ids(tok, t) for t in ("prompt number 4", "prompt number 5",
+                                                                          "def f(x):\n    '''Return x.'''\n")]
+    taus = {e["step"]: e["tau"] for e in summary["evals"]}
+    assert sorted(taus) == [4, 8, 12]
+    best = max(taus, key=lambda k: (taus[k], k))
+    assert summary["best"]["step"] == best and summary["best"]["tau"] == taus[best]
+    with open(args.output, "rb") as f, open(summary["best"]["path"], "rb") as g:
+        assert f.read() == g.read()
