@@ -211,6 +211,27 @@ def replay_tau(
     finally:
         drafter.train(was_training)
     dt = time.monotonic() - t0
+    return tau_summary(emitted, steps, hist, nodes, dt, outputs)
+
+
+def tau_summary(
+    emitted: Sequence[int],
+    steps: Sequence[int],
+    hist: Sequence[int],
+    nodes: int,
+    seconds: float,
+    outputs: list[list[int]],
+) -> dict[str, Any]:
+    """The result dict of a τ measurement (:func:`replay_tau`, :func:`draft_service.train.measure_tau`).
+
+    Args:
+        emitted, steps: per prompt, tokens emitted by the verifies and number of verifies.
+        hist: ``hist[j]`` = verifies that emitted ``j + 1`` tokens (trailing zeros are dropped).
+        nodes: draft-tree nodes verified, in all.
+        seconds: wall time.
+        outputs: per prompt, the emitted tokens (first token included).
+    """
+    hist = list(hist)
     while len(hist) > 1 and hist[-1] == 0:
         hist.pop()
     total_steps, total_emit = sum(steps), sum(emitted)
@@ -218,12 +239,12 @@ def replay_tau(
         "tau": total_emit / total_steps if total_steps else float("nan"),
         "steps": total_steps,
         "tokens": total_emit,
-        "prompts": n,
+        "prompts": len(outputs),
         "per_prompt_tau": [e / s if s else float("nan") for e, s in zip(emitted, steps)],
-        "per_prompt_steps": steps,
+        "per_prompt_steps": list(steps),
         "accept_hist": hist,
-        "seconds": dt,
-        "tokens_per_s": total_emit / dt if dt > 0 else float("nan"),
+        "seconds": seconds,
+        "tokens_per_s": total_emit / seconds if seconds > 0 else float("nan"),
         "mean_nodes": nodes / total_steps if total_steps else float("nan"),
         "outputs": outputs,
     }

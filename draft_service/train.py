@@ -25,13 +25,23 @@ Pipeline
        ``exp(-(k-1)/gamma)``, normalised by the sum of the weights of the valid labels of the whole
        step. Each sequence's share is back-propagated at once (gradient accumulation; exact).
     5. **Optimiser**: AdamW (decay on matrices only), linear warmup then cosine decay (over steps,
-       or over the time budget, whichever runs out first), grad-norm clipping, bf16 autocast on
+       or over the time budget, whichever runs out first; ``--schedule-train-min`` spans resumed runs), grad-norm clipping, bf16 autocast on
        CUDA with float32 master weights. The drafter's embedding and LM head are the target's
        (frozen buffers).
-    6. **Eval** (:func:`measure_tau`): mean acceptance length τ of a greedy chain (temperature 0)
-       on held-out prompts, through the real :class:`target_service.engine.TargetEngine`.
-    7. **Checkpoints** in ``--out-dir`` (drafter, optimiser, schedule, step, RNG, sampler), resume
-       with ``--resume``; the drafter GGUF (``trained=True``) at the end.
+    6. **Eval** (``--eval-every``, and at the end): mean acceptance length τ of a greedy chain
+       (temperature 0) on ``--eval-prompts`` prompts: held-out ShareGPT, or (``--eval-source
+       unused``) training prompts past those trained on; by replay over a float32 target
+       (:mod:`draft_service.replay`, the target's side computed once) or through the real
+       :class:`target_service.engine.TargetEngine` (:func:`measure_tau`, ``--eval-method
+       engine``). ``--keep-best`` writes the best eval's drafter as the output.
+    7. **Checkpoints** in ``--out-dir`` (drafter, optimiser, schedule, step, RNG, sampler, best
+       eval), resume with ``--resume``; the drafter GGUF (``trained=True``) at the end.
+    8. **Data parallel** under ``torchrun`` (:class:`Dist`): rank ``r`` of ``W`` generates prompts
+       ``r, r+W, ...`` (its shard cached as ``DATA_CACHE.shard{r}-of-{W}``), every rank loads all
+       shards; each step draws ``seq_per_step * W`` sequences with a generator shared by all ranks
+       and rank ``r`` trains on every ``W``-th; gradients are summed (one all-reduce), so a step
+       equals one process taking the whole batch (tested on CPU with gloo). Rank 0 logs,
+       checkpoints, exports and evaluates.
 
 ``--time-budget-min`` bounds the whole run: generation stops starting batches after
 ``--gen-budget-frac`` of it, training stops when what is left is needed for the final checkpoint,
@@ -64,6 +74,7 @@ from draft_service.drafter import (
     DrafterConfig,
 )
 from draft_service.data import SequenceData
+from draft_service.replay import tau_summary
 
 log = logging.getLogger(__name__)
 
@@ -391,10 +402,10 @@ def measure_tau(
     stop = {int(t) for t in stop_tokens}
     B = drafter.config.block_size if block_size is None else int(block_size)
     layers = list(drafter.config.target_layer_ids)
-    steps = emitted = nodes = 0
+    nodes = 0
     hist = [0] * (B + 1)
-    per_prompt = []
-    per_prompt_steps = []
+    per_prompt_emitted: list[int] = []
+    per_prompt_steps: list[int] = []
     outputs = []
     t0 = time.monotonic()
     try:
@@ -424,31 +435,14 @@ def measure_tau(
                     room = target_engine.max_context - v.committed_length - 1
                     if any(t in stop for t in new[:-1]):
                         break
-                steps += p_steps
-                emitted += p_emit
-                per_prompt.append(p_emit / p_steps if p_steps else float("nan"))
+                per_prompt_emitted.append(p_emit)
                 per_prompt_steps.append(p_steps)
                 outputs.append(out)
             finally:
                 target_engine.release([sid])
     finally:
         drafter.train(was_training)
-    dt = time.monotonic() - t0
-    while len(hist) > 1 and hist[-1] == 0:
-        hist.pop()
-    return {
-        "tau": emitted / steps if steps else float("nan"),
-        "steps": steps,
-        "tokens": emitted,
-        "prompts": len(prompts),
-        "per_prompt_tau": per_prompt,
-        "per_prompt_steps": per_prompt_steps,
-        "accept_hist": hist,
-        "seconds": dt,
-        "tokens_per_s": emitted / dt if dt > 0 else float("nan"),
-        "mean_nodes": nodes / steps if steps else float("nan"),
-        "outputs": outputs,
-    }
+    return tau_summary(per_prompt_emitted, per_prompt_steps, hist, nodes, time.monotonic() - t0, outputs)
 
 
 def build_target_engine(target_path: str, device: torch.device | str, dtype: torch.dtype = torch.float32, max_context: int = 4096):
@@ -587,8 +581,17 @@ class Dist:
             torch.cuda.set_device(device)
         if not dist.is_initialized():
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                    timeout=datetime.timedelta(minutes=30))
+                                    timeout=datetime.timedelta(minutes=30),
+                                    device_id=device if device.type == "cuda" else None)
         return device
+
+    def close(self) -> None:
+        """Leave the process group (end of a distributed run)."""
+        if self.world > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
     def barrier(self) -> None:
         if self.world > 1:
@@ -1175,7 +1178,11 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("httpx", "urllib3", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args = parse_args(argv)
-    Trainer(args, t_start=t0).run()
+    trainer = Trainer(args, t_start=t0)
+    try:
+        trainer.run()
+    finally:
+        trainer.dist.close()
     return 0
 
 

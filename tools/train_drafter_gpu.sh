@@ -25,7 +25,7 @@ if [ ! -f "$MODEL" ]; then
     mkdir -p /tmp/model && cat "$STAGE"/smol.part0* > "$MODEL" && (cd /tmp/model && sha256sum -c "$STAGE"/sha256.txt) || exit 1
 fi
 NGPU=$(nvidia-smi -L | wc -l)
-nvidia-smi -L | tee "$OUT/device.txt"
+if [ "$1" = train ]; then nvidia-smi -L | tee "$OUT/device.txt"; else nvidia-smi -L; fi  # at most 8 files come back
 COMMON=(--target "$MODEL" --prompts-file runs/prompts.json --out-dir "$RUN"
         --num-prompts 8735 --num-code-prompts 8876 --max-new-tokens 256 --gen-batch-size 1536 --gen-batch-tokens 600000 --steps 100000
         --layers 3 --seq-per-step 16 --batch-anchors 64 --group-seqs 8 --lr 1e-3 --schedule-train-min "$SCHEDULE_MIN"
@@ -42,10 +42,10 @@ else
     cp "$RUN/summary.json" "$OUT/train2-summary.json"
     EVAL=(python3 -m draft_service.evaluate --drafter "$RUN/drafter.gguf" --target "$MODEL" --prompts-file runs/prompts.json
           --num-prompts 0 --max-new-tokens 256 --modes chain,tree --tree-budget 31 --tree-top-k 4 --method both --engine-prompts 6)
-    CUDA_VISIBLE_DEVICES=0 "${EVAL[@]}" --datasets humaneval --out "$OUT/eval-humaneval.json" > "$OUT/eval-humaneval.txt" 2>&1 &
-    CUDA_VISIBLE_DEVICES=$((NGPU > 1 ? 1 : 0)) "${EVAL[@]}" --datasets sharegpt --out "$OUT/eval-sharegpt.json" > "$OUT/eval-sharegpt.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=0 "${EVAL[@]}" --datasets humaneval --out "$OUT/eval-humaneval.json" > /tmp/eval-humaneval.txt 2>&1 &
+    CUDA_VISIBLE_DEVICES=$((NGPU > 1 ? 1 : 0)) "${EVAL[@]}" --datasets sharegpt --out "$OUT/eval-sharegpt.json" > /tmp/eval-sharegpt.txt 2>&1 &
     wait
-    grep -v "Convert\|Loading" "$OUT"/eval-*.txt
+    grep -hv "Convert\|Loading" /tmp/eval-humaneval.txt /tmp/eval-sharegpt.txt | tee "$OUT/eval.txt"
 fi
 split -b 15000000 -d "$RUN/drafter.gguf" "$OUT/drafter.gguf.part"
 sha256sum "$RUN/drafter.gguf" | tee "$OUT/drafter.sha256"
