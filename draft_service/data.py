@@ -406,9 +406,11 @@ def generate_responses(
     progress: bool = True,
     on_batch: Callable[[list[int], list[list[int]]], None] | None = None,
     batch_tokens: int | None = None,
+    temperature: float = 0.0,
 ) -> list[list[int] | None]:
     """Greedy continuations of ``prompts`` by a Hugging Face causal LM (batched ``generate``, left
-    padding, ``do_sample=False``).
+    padding, ``do_sample=False``), or samples at ``temperature > 0`` (the model's full distribution
+    divided by the temperature: ``top_k=0``, ``top_p=1``; seed with ``torch.manual_seed``).
 
     Prompts run in batches of similar length (sorted by length, longest first, so the first batch
     shows the peak memory). Each response stops after the first EOS (included) or at
@@ -472,7 +474,8 @@ def generate_responses(
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
             max_new_tokens=int(max_new_tokens),
-            do_sample=False,
+            **({"do_sample": True, "temperature": float(temperature), "top_k": 0, "top_p": 1.0}
+               if temperature > 0 else {"do_sample": False}),
             eos_token_id=eos,
             pad_token_id=int(pad_token_id),
         )
@@ -607,6 +610,9 @@ def build_sequences(
     num_code_prompts: int = 0,
     batch_tokens: int | None = None,
     shard: tuple[int, int] | None = None,
+    sampled_responses: int = 0,
+    sample_temperature: float = 0.8,
+    seed: int = 0,
 ) -> SequenceData:
     """Training sequences for ``target_path``: the cache at ``cache_path`` when it was made for the
     same request, else the prompts (chat template), greedy responses by the target
@@ -626,6 +632,9 @@ def build_sequences(
         batch_tokens: token budget of a generation batch (:func:`generate_responses`).
         shard: ``(rank, world)``: only prompts ``rank, rank + world, ...`` of the list (one data
             shard per process of a distributed run; :meth:`SequenceData.concat` joins them).
+        sampled_responses: after the greedy response of every prompt, this many more sampled at
+            ``sample_temperature`` (more sequences in the target's distribution from the same
+            prompts; seeded from ``seed`` and the shard), appended after the greedy ones.
     """
     from target_service.fingerprint import model_fingerprint
     from target_service.gguf_loader import open_gguf
@@ -645,6 +654,8 @@ def build_sequences(
             request["code_prompts"] = f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}"
     if shard is not None:
         request["shard"] = f"{int(shard[0])}/{int(shard[1])}"
+    if sampled_responses:
+        request.update(sampled_responses=int(sampled_responses), sample_temperature=float(sample_temperature))
     if cache_path and os.path.exists(cache_path):
         data = SequenceData.load(cache_path)
         if data.matches(request):
@@ -675,6 +686,16 @@ def build_sequences(
         hf_model, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
         eos_token_ids=eos, pad_token_id=pad, deadline=deadline, progress=progress, batch_tokens=batch_tokens,
     )
+    greedy_prompts = list(prompts)
+    for k in range(int(sampled_responses)):
+        torch.manual_seed(int(seed) * 1_000_003 + (shard[0] if shard else 0) * 1009 + k)
+        more = generate_responses(
+            hf_model, greedy_prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
+            eos_token_ids=eos, pad_token_id=pad, deadline=deadline, progress=progress, batch_tokens=batch_tokens,
+            temperature=sample_temperature,
+        )
+        prompts = list(prompts) + greedy_prompts
+        responses = list(responses) + more
     dt = time.monotonic() - t0
     done = sum(r is not None for r in responses)
     new = sum(len(r) for r in responses if r is not None)

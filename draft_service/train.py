@@ -741,6 +741,7 @@ class Trainer:
                 hf_model=self._hf_model() if a.feature_backend == "hf" else None, deadline=deadline,
                 progress=a.progress and self.dist.main, num_code_prompts=a.num_code_prompts,
                 batch_tokens=a.gen_batch_tokens or None, shard=(R, W) if W > 1 else None,
+                sampled_responses=a.sampled_responses, sample_temperature=a.sample_temperature, seed=a.seed,
             )
             if W > 1:  # every rank generated one shard; every rank trains on all of them
                 self.dist.barrier()
@@ -835,7 +836,15 @@ class Trainer:
         if ckpt is not None and ckpt.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{ckpt_path}: not a training checkpoint")
         config = DrafterConfig(**ckpt["drafter_config"]) if ckpt else None
+        init = None
+        if ckpt is None and a.init_from:
+            init = DFlashDrafter.from_gguf(a.init_from, a.target, device="cpu", dtype=torch.float32)
+            config = init.config
         self.drafter = new_drafter(a.target, a, config, self.device)
+        if init is not None:
+            self.drafter.load_state_dict(init.state_dict())
+            self.say(f"initialised from {a.init_from}")
+        self.fine_tune = init is not None
         self.drafter.train()
         c = self.drafter.config
         self.load_data()
@@ -995,6 +1004,8 @@ class Trainer:
             self.sched.budget_s = a.schedule_train_min * 60.0
         bar = tqdm(total=a.steps, initial=self.step, desc="training", unit="step", dynamic_ncols=True,
                    disable=not (a.progress and self.dist.main))
+        if self.fine_tune and a.eval_prompts > 0 and self.dist.main:
+            self.evaluate()  # the starting point: --keep-best keeps it unless training beats it
         t_loop = time.monotonic()
         steps0 = self.step
         blocks = tokens = 0
@@ -1102,6 +1113,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=256, help="target response length (greedy)")
     g.add_argument("--num-code-prompts", type=int, default=0,
                    help="code-completion prompts (stdlib function stubs, draft_service.data.code_prompts) after the ShareGPT ones")
+    g.add_argument("--sampled-responses", type=int, default=0,
+                   help="responses sampled per prompt besides the greedy one (more data from the same prompts)")
+    g.add_argument("--sample-temperature", type=float, default=0.8, help="temperature of the sampled responses")
     g.add_argument("--gen-batch-size", type=int, default=0, help="prompts per HF generate call (0: 512 on CUDA, 8 on CPU)")
     g.add_argument("--gen-batch-tokens", type=int, default=0,
                    help="token budget of one generate call: rows x (prompt width + max new tokens) (0: no limit)")
@@ -1115,6 +1129,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output-norm-init", type=float, default=1.0,
                    help="initial output_norm weight (1 = HF init; smaller starts nearer uniform predictions "
                         "but learned slower in a CPU comparison on SmolLM2)")
+    g.add_argument("--init-from", default=None,
+                   help="start from this drafter GGUF's weights and config (fine-tuning; evaluated before the first step)")
     g.add_argument("--target-layer-ids", default=None, help="explicit comma-separated target layer ids (overrides --num-target-layers)")
     g = ap.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=4000, help="optimiser steps (upper bound with --time-budget-min)")

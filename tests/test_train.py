@@ -565,3 +565,36 @@ def test_keep_best_and_unused_eval_prompts(tiny, tiny_sequences, tmp_path):
     assert summary["best"]["step"] == best and summary["best"]["tau"] == taus[best]
     with open(args.output, "rb") as f, open(summary["best"]["path"], "rb") as g:
         assert f.read() == g.read()
+
+
+def test_init_from_starts_at_the_given_drafter(tiny, tiny_sequences, trained_tiny, tmp_path):
+    """``--init-from`` loads the GGUF's weights (its eval at step 0 equals the drafter's own τ) and
+    training continues from there (a first loss far below a fresh start's)."""
+    from draft_service.train import export_gguf
+
+    init = tmp_path / "init.gguf"
+    export_gguf(trained_tiny, str(init), "f32")
+    eval_prompts = [[1, 40, 41, 42], [1, 90, 91]]
+    args = smoke_args(tiny, tmp_path / "ft", "--steps", "4", "--init-from", str(init), "--keep-best",
+                      "--checkpoint-every", "0")
+    summary = train(args, sequences=tiny_sequences, eval_prompts=eval_prompts)
+    assert summary["evals"][0]["step"] == 0
+    engine = build_target_engine(tiny.path, "cpu", max_context=256)
+    own = measure_tau(engine, trained_tiny, eval_prompts, args.eval_max_new_tokens, stop_tokens=[tiny.eos_id])
+    assert summary["evals"][0]["tau"] == pytest.approx(own["tau"])
+    fresh = train(smoke_args(tiny, tmp_path / "fresh", "--steps", "4", "--eval-prompts", "0", "--checkpoint-every", "0"),
+                  sequences=tiny_sequences)
+    first = lambda d: torch.load(list_checkpoints(d)[-1][1], weights_only=False)["history"][0]["loss"]  # noqa: E731
+    assert first(args.out_dir) < 0.5 * first(str(tmp_path / "fresh")), fresh
+
+
+def test_sampled_responses_are_seeded_samples(tiny, tiny_hf):
+    """``temperature > 0``: samples (not the greedy response), the same for the same seed."""
+    prompts = [[1, 50, 60, 70], [1, 80, 81], [1, 7, 9]]
+    kw = dict(max_new_tokens=12, batch_size=3, eos_token_ids=[tiny.eos_id], pad_token_id=tiny.pad_id, progress=False)
+    greedy = generate_responses(tiny_hf, prompts, **kw)
+    torch.manual_seed(5)
+    a = generate_responses(tiny_hf, prompts, temperature=1.5, **kw)
+    torch.manual_seed(5)
+    b = generate_responses(tiny_hf, prompts, temperature=1.5, **kw)
+    assert a == b and a != greedy
