@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
     # default: a 16-node DDTree with 4 candidates per depth, the fastest configuration measured with
-    # the shipped drafter (benchmarks/tau-cpu.txt: 17.7 tokens/s vs 12.8 for the chain, 12.5 plain)
+    # the shipped drafter (benchmarks/tau-cpu.txt: 18.0 tokens/s vs 14.6 for the chain, 12.6 plain)
     p.add_argument("--tree-budget", type=int, default=16, help="default draft tree budget (0: chain)")
     p.add_argument("--draft-top-k", type=int, default=4, help="default candidates per depth (1: chain)")
     p.add_argument("--max-depth", type=int, default=0, help="default draft depth (0: block_size - 1)")
