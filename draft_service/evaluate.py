@@ -71,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--method", choices=["replay", "engine", "both"], default="replay")
     ap.add_argument("--num-prompts", type=int, default=0, help="prompts per dataset (0: all)")
     ap.add_argument("--engine-prompts", type=int, default=16, help="with --method both: prompts per dataset run through the engine too")
-    ap.add_argument("--max-prompt-tokens", type=int, default=1024)
+    ap.add_argument("--max-prompt-tokens", type=int, default=2048, help="skip longer (chat-templated) prompts")
+    ap.add_argument("--prompt-indices", default=None,
+                    help="comma-separated indices into each dataset's prompt list: evaluate only these (after --max-prompt-tokens)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--tree-budget", type=int, default=31, help="non-root tree nodes (tree mode)")
     ap.add_argument("--tree-top-k", type=int, default=4, help="candidates per depth (tree mode)")
@@ -117,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown mode {m!r} (chain, tree)")
     n = args.num_prompts or None
     prompts = {d: encode_prompts(tok, load_prompt_texts(d, args.prompts_file), n, args.max_prompt_tokens)[0] for d in datasets}
+    if args.prompt_indices:
+        pick = [int(i) for i in args.prompt_indices.split(",") if i.strip()]
+        prompts = {d: [ps[i] for i in pick if 0 <= i < len(ps)] for d, ps in prompts.items()}
     results: dict[str, Any] = {
         "drafter": os.path.abspath(args.drafter),
         "target": os.path.abspath(args.target),
@@ -124,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "method": args.method,
         "max_new_tokens": args.max_new_tokens,
+        "max_prompt_tokens": args.max_prompt_tokens,
         "block_size": drafter.config.block_size,
         "tree_budget": args.tree_budget,
         "tree_top_k": args.tree_top_k,
