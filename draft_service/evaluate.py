@@ -48,11 +48,9 @@ def load_prompt_texts(dataset: str, prompts_file: str | None) -> list[str]:
 
 
 def tree_builder(budget: int, top_k: int):
-    """``(root, logits) -> (tokens, parents)`` with DDTree, or None when not available."""
-    try:
-        from draft_service.tree import build_tree
-    except ImportError:
-        return None
+    """``(root, logits) -> (tokens, parents)`` with DDTree (:func:`draft_service.tree.build_tree`)."""
+    from draft_service.tree import build_tree
+
     return lambda root, logits: build_tree(root, logits, budget, top_k)
 
 
@@ -110,11 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         if m == "chain":
             trees[m] = None
         elif m == "tree":
-            fn = tree_builder(args.tree_budget, args.tree_top_k)
-            if fn is None:
-                print("tree mode skipped: draft_service.tree.build_tree is not available")
-                continue
-            trees[m] = fn
+            trees[m] = tree_builder(args.tree_budget, args.tree_top_k)
         else:
             raise SystemExit(f"unknown mode {m!r} (chain, tree)")
     n = args.num_prompts or None

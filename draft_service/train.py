@@ -61,7 +61,7 @@ import random
 import re
 import sys
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -74,7 +74,7 @@ from draft_service.drafter import (
     DrafterConfig,
 )
 from draft_service.data import SequenceData
-from draft_service.replay import tau_summary
+from draft_service.replay import TreeFn, tau_summary
 
 log = logging.getLogger(__name__)
 
@@ -356,7 +356,6 @@ def reference_features(model: Any, sequences: Sequence[torch.Tensor], layer_ids:
 # --------------------------------------------------------------------------------------------
 
 
-TreeFn = Callable[[int, torch.Tensor], "tuple[list[int], list[int]]"]
 
 
 @torch.no_grad()
