@@ -22,43 +22,16 @@ import random
 import threading
 import time
 
-import grpc
 import torch
 
 from kernels.sampling import accept_path, select_tokens
+from target_service.errors import EngineError, FailedPrecondition, InvalidArgument, ResourceExhausted, SessionNotFound  # noqa: F401 (re-exported)
 from target_service.tree import TreeError, chain, tree_tensors, validate_tree
 
 log = logging.getLogger(__name__)
 
 #: Prompt rows per prefill forward (bounds the attention score matrix).
 PREFILL_CHUNK = 256
-
-
-class EngineError(Exception):
-    """A request the engine refuses; ``code`` is the gRPC status to answer with."""
-
-    code = grpc.StatusCode.INTERNAL
-
-    def __init__(self, message: str, code: grpc.StatusCode | None = None):
-        super().__init__(message)
-        if code is not None:
-            self.code = code
-
-
-class InvalidArgument(EngineError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
-
-
-class SessionNotFound(EngineError):
-    code = grpc.StatusCode.NOT_FOUND
-
-
-class ResourceExhausted(EngineError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-
-
-class FailedPrecondition(EngineError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 @dataclasses.dataclass
@@ -113,6 +86,20 @@ class PrefillOutcome:
 
 
 @dataclasses.dataclass
+class PrefillJob:
+    """A prefill in progress: the request, how many prompt tokens are committed, and at the end its
+    :class:`PrefillOutcome` (``outcome``)."""
+
+    session_id: str
+    prompt: list[int]
+    sampling: "Sampling"
+    feature_layers: list[int]
+    done: int = 0
+    outcome: PrefillOutcome | None = None
+    state: object = None
+
+
+@dataclasses.dataclass
 class VerifyOutcome:
     """Result of one verify step.
 
@@ -141,7 +128,8 @@ class TargetEngine:
         max_tree_width: most nodes a verify may carry.
         max_tree_depth: deepest node a verify may carry (the drafter's block size - 1 or more).
 
-    Thread safety: one lock serialises model compute and session-table changes.
+    Thread safety: one lock serialises model compute and session-table changes (the services
+    call an engine from one step-loop thread, ``target_service.step_loop``).
     """
 
     def __init__(self, model, max_sessions: int = 8, max_context: int = 4096, max_tree_width: int = 64, max_tree_depth: int = 32):
@@ -273,6 +261,27 @@ class TargetEngine:
             session.last_used = time.monotonic()
             features = out.features.index_select(0, path) if out.features is not None else None
             return VerifyOutcome(nodes, [tokens[i] for i in nodes[1:]], bonus_token, session.length, features)
+
+    def verify_batch(self, items: list[tuple[str, list[int], list[int]]]) -> list["VerifyOutcome | EngineError"]:
+        """Verify several sessions' trees (``(session_id, tokens, parents)`` each), one forward
+        each; a refused item gets its error in its place and leaves the others alone."""
+        out: list[VerifyOutcome | EngineError] = []
+        for sid, tokens, parents in items:
+            try:
+                out.append(self.verify(sid, tokens, parents))
+            except EngineError as e:
+                out.append(e)
+        return out
+
+    def start_prefill(self, session_id: str, prompt: list[int], sampling: Sampling, feature_layers: list[int]) -> "PrefillJob":
+        """A prefill the step loop runs with :meth:`run_prefill` (this engine prefills whole, in
+        its own chunks, on the first call). Raises what :meth:`prefill` raises, at once."""
+        return PrefillJob(session_id, prompt, sampling, list(feature_layers))
+
+    def run_prefill(self, job: "PrefillJob", budget: int) -> int:
+        """Run ``job`` to the end (``budget`` is ignored); returns the prompt tokens processed."""
+        job.outcome = self.prefill(job.session_id, job.prompt, job.sampling, job.feature_layers)
+        return len(job.prompt)
 
     def release(self, session_ids: list[str]) -> int:
         """Drop sessions and free their slots; unknown ids are ignored. Returns how many were live."""

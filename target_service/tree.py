@@ -38,12 +38,21 @@ class TreeTensors:
     depth_host: list[int]
 
 
-def validate_tree(tokens: list[int], parents: list[int], vocab_size: int, max_width: int, max_depth: int | None = None) -> None:
-    """Check a tree's structure; raise :class:`TreeError` with the first problem found.
+def analyze_tree(tokens: list[int], parents: list[int], vocab_size: int, max_width: int,
+                 max_depth: int | None = None) -> tuple[list[int], list[int]]:
+    """Validate a tree and return each node's depth and ancestor bit mask in one pass.
 
     Rules: at least the root; ``len(tokens) == len(parents)``; ``parents[0] == -1``;
     ``0 <= parents[i] < i`` for ``i >= 1``; every token in ``[0, vocab_size)``; at most
     ``max_width`` nodes; depth at most ``max_depth`` (when given).
+
+    Returns:
+        ``(depth, bits)``: ``bits[i]`` has bit ``j`` set when node ``j`` is ``i`` or one of its
+        ancestors, as a signed 64-bit value (two's complement; only for trees of at most 64
+        nodes, else ``bits`` is empty).
+
+    Raises:
+        TreeError: the first rule broken.
     """
     n = len(tokens)
     if n == 0:
@@ -55,6 +64,7 @@ def validate_tree(tokens: list[int], parents: list[int], vocab_size: int, max_wi
     if parents[0] != -1:
         raise TreeError(f"root's parent must be -1, got {parents[0]}")
     depth = [0] * n
+    bits = [1] * n if n <= 64 else []
     for i in range(1, n):
         p = parents[i]
         if not 0 <= p < i:
@@ -62,9 +72,20 @@ def validate_tree(tokens: list[int], parents: list[int], vocab_size: int, max_wi
         depth[i] = depth[p] + 1
         if max_depth is not None and depth[i] > max_depth:
             raise TreeError(f"node {i}: depth {depth[i]} exceeds {max_depth}")
+        if bits:
+            bits[i] = bits[p] | (1 << i)
     for i, tok in enumerate(tokens):
         if not 0 <= tok < vocab_size:
             raise TreeError(f"node {i}: token {tok} outside the vocabulary [0, {vocab_size})")
+    if n == 64 and bits:
+        bits = [b - (1 << 64) if b >= 1 << 63 else b for b in bits]
+    return depth, bits
+
+
+def validate_tree(tokens: list[int], parents: list[int], vocab_size: int, max_width: int, max_depth: int | None = None) -> None:
+    """Check a tree's structure (the rules of :func:`analyze_tree`); raise :class:`TreeError`
+    with the first problem found."""
+    analyze_tree(tokens, parents, vocab_size, max_width, max_depth)
 
 
 def tree_tensors(tokens: list[int], parents: list[int], device: torch.device | str = "cpu") -> TreeTensors:

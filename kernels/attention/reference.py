@@ -51,3 +51,64 @@ def tree_attention(
     probs = torch.softmax(scores, dim=-1).reshape(hkv, group * t, -1)
     out = torch.matmul(probs, v)                                 # [Hkv, G*T, D]
     return out.reshape(hq, t, d).to(q.dtype)
+
+
+def pool_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    ancestors: torch.Tensor | None,
+    scale: float,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Attention of a batch of token trees (or prefill chunks) over a pooled KV cache.
+
+    Row ``b`` of the batch is one session: its committed K/V are rows ``[0, L_b)`` of pool slot
+    ``slots[b]``, and the K/V of its ``W`` new tokens are already written at rows ``L_b + j``
+    (``j < W``, the scratch rows past the committed length; docs/ARCHITECTURE.md, "The GPU
+    path"). New token ``i`` attends to every committed row and to the new rows its mask allows:
+    its ancestors and itself (bit ``j`` of ``ancestors[b, i]``) for a tree, rows ``j <= i`` for a
+    causal prefill chunk. Grouped-query attention: query head ``h`` reads kv head
+    ``h // (Hq // Hkv)`` (HF ``repeat_kv``).
+
+    Args:
+        q: ``[B, W, Hq, D]`` queries (rotary applied), any float dtype.
+        k_pool, v_pool: ``[S, R, Hkv, D]`` one layer of the pool (``R >= L_b + W``).
+        slots: ``[B]`` int64 pool slot of each row.
+        lengths: ``[B]`` int64 committed rows ``L_b``.
+        ancestors: ``[B, W]`` int64 bit masks (``W <= 64``; bit ``j`` set: node ``j`` is node
+            ``i`` or one of its ancestors; bit ``i`` must be set); ignored when ``causal``.
+        scale: softmax scale (``1 / sqrt(D)``).
+        causal: new token ``i`` sees new rows ``j <= i`` (``W`` unbounded).
+
+    Returns:
+        ``[B, W, Hq, D]`` in ``q``'s dtype; scores, softmax and the weighted sum in float32
+        (float64 for float64 inputs), masked entries ``-inf`` before the softmax.
+
+    This reference reads each ``L_b`` on the host: it runs eagerly (CPU engine, tests), never
+    inside a CUDA graph; ``kernels/attention/triton.py`` is the graph-safe version.
+    """
+    bsz, w, hq, d = q.shape
+    hkv = k_pool.shape[2]
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} not a multiple of kv heads {hkv}")
+    g = hq // hkv
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    j = torch.arange(w, device=q.device)
+    out = torch.empty_like(q)
+    for b in range(bsz):
+        n, s = int(lengths[b]), int(slots[b])
+        k = k_pool[s, : n + w].to(acc)                                   # [n+W, Hkv, D]
+        v = v_pool[s, : n + w].to(acc)
+        if causal:
+            new = j[None, :] <= j[:, None]
+        else:
+            new = ((ancestors[b][:, None] >> j[None, :]) & 1).bool()      # [W, W]
+        mask = torch.cat([torch.ones(w, n, dtype=torch.bool, device=q.device), new], dim=1)
+        qb = q[b].to(acc).reshape(w, hkv, g, d)
+        scores = torch.einsum("wkgd,nkd->kgwn", qb, k) * scale
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        out[b] = torch.einsum("kgwn,nkd->wkgd", probs, v).reshape(w, hq, d).to(q.dtype)
+    return out

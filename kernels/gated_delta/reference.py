@@ -139,3 +139,143 @@ def conv_state_after(conv_state: torch.Tensor, x_path: torch.Tensor) -> torch.Te
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x)
+
+
+# ------------------------------------------------------------------ pooled, batched (GPU engine)
+# The functions below act on a batch of sessions whose committed state lives in a pool
+# (``state_pool[slot]``, ``conv_pool[slot]``; docs/ARCHITECTURE.md, "The GPU path"). Every
+# per-step value is a tensor, so :func:`conv_window_index`, :func:`pool_conv_tree` and
+# :func:`pool_conv_commit` are graph-safe as they are; the two recurrences have Triton versions
+# in ``kernels/gated_delta/triton.py`` (these references loop on the host).
+
+
+def pool_gdn_tree(q, k, v, g, beta, state_pool: torch.Tensor, slots: torch.Tensor, parents: torch.Tensor,
+                  ancestors: torch.Tensor | None = None, commit: bool = False) -> torch.Tensor:
+    """Gated delta rule over a batch of token trees, from pooled committed states.
+
+    Node ``i`` of row ``b`` starts from node ``parents[b, i]``'s state (``-1``: the committed
+    state ``state_pool[slots[b]]``). With ``commit`` the nodes of each row form a chain
+    (``parents[b, i] = i - 1``: a prefill chunk or an autoregressive step) that is committed
+    whole, and the state after the last node is written to the pool; otherwise the pool is not
+    touched (the accepted path is committed later by :func:`pool_gdn_commit`).
+
+    Args:
+        q, k: ``[B, W, HK, Dk]`` float32 per key head (q L2-normalised and scaled, k
+            L2-normalised). Value head ``j`` reads key head ``j mod HK`` (GGUF tiled order).
+        v: ``[B, W, HV, Dv]`` float32; g (log-decay), beta: ``[B, W, HV]`` float32.
+        state_pool: ``[S, HV, Dk, Dv]`` float32, one layer of the pool.
+        slots: ``[B]`` int64; parents: ``[B, W]`` int64 (topological: ``parents[b, i] < i``).
+        ancestors: ``[B, W]`` int64 bit masks (unused here; the Triton version walks them).
+        commit: see above.
+
+    Returns:
+        ``[B, W, HV, Dv]`` float32 outputs ``S_i^T q_i``.
+    """
+    bsz, w, hk, _ = q.shape
+    hv = v.shape[2]
+    reps = hv // hk
+    out = torch.empty(bsz, w, hv, v.shape[3], device=v.device, dtype=torch.float32)
+    for b in range(bsz):
+        s = int(slots[b])
+        par = [int(p) for p in parents[b].tolist()]
+        o, states = tree_gated_delta_rule(q[b].repeat(1, reps, 1), k[b].repeat(1, reps, 1), v[b], g[b], beta[b],
+                                          state_pool[s], par)
+        out[b] = o
+        if commit:
+            state_pool[s] = states[-1]
+    return out
+
+
+def pool_gdn_commit(state_pool: torch.Tensor, slots: torch.Tensor, k, v, g, beta, path: torch.Tensor,
+                    n_accept: torch.Tensor) -> None:
+    """Commit the accepted path of each row: recompute the recurrence from the committed state
+    along ``path[b, :n_accept[b]]`` and write the result to ``state_pool[slots[b]]`` (one state
+    write per row; DESIGN of rollback: docs/ARCHITECTURE.md, "State and rollback").
+
+    Args:
+        state_pool: ``[S, HV, Dk, Dv]`` float32 (modified in place).
+        slots: ``[B]`` int64.
+        k: ``[B, W, HK, Dk]``; v: ``[B, W, HV, Dv]``; g, beta: ``[B, W, HV]``: the values the
+            tree forward used (float32).
+        path: ``[B, W]`` int64 node indices, root first; entries at ``>= n_accept[b]`` ignored.
+        n_accept: ``[B]`` int64 path lengths (``k + 1 >= 1``).
+    """
+    hk, hv = k.shape[2], v.shape[2]
+    reps = hv // hk
+    for b in range(slots.shape[0]):
+        s = int(slots[b])
+        state = state_pool[s]
+        for d in range(int(n_accept[b])):
+            j = int(path[b, d])
+            state = gdn_update(state, k[b, j].repeat(reps, 1), v[b, j], g[b, j], beta[b, j])
+        state_pool[s] = state
+
+
+def conv_window_index(parents: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Where each node's conv window lies in ``[committed conv state ; new rows]``.
+
+    Node ``i``'s window is its ``K - 1`` predecessors along its ancestry, oldest first, reaching
+    into the committed state (its last ``K - 1`` inputs, oldest first) past the root. In the
+    concatenated buffer ``buf = [conv_state (K-1 rows) ; x (W rows)]`` node ``j`` is row
+    ``K - 1 + j`` and the committed row ``r`` is row ``r``; walking up from a node, a pointer
+    ``p >= 0`` moves to ``parents[p]`` and a pointer ``p < 0`` (a committed row, ``-1`` the
+    newest) to ``p - 1``, and every pointer sits at buffer row ``K - 1 + p``.
+
+    Args:
+        parents: ``[B, W]`` int64 (``-1`` for the root and for padded nodes).
+        kernel: ``K``.
+
+    Returns:
+        ``[B, W, K - 1]`` int64 buffer rows (graph-safe: ``K - 1`` gathers, no host reads).
+    """
+    bsz, w = parents.shape
+    p = torch.arange(w, device=parents.device).expand(bsz, w)
+    cols = []
+    for _ in range(kernel - 1):
+        up = parents.gather(1, p.clamp(min=0))
+        p = torch.where(p >= 0, up, p - 1)
+        cols.append(kernel - 1 + p)
+    if not cols:
+        return torch.empty(bsz, w, 0, dtype=torch.long, device=parents.device)
+    return torch.stack(cols[::-1], dim=-1)
+
+
+def pool_conv_tree(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, window: torch.Tensor,
+                   weight: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv of a batch of trees along each node's ancestry (before the SiLU).
+
+    Args:
+        x: ``[B, W, C]`` new pre-conv inputs.
+        conv_pool: ``[S, K-1, C]`` one layer's committed conv states (oldest row first).
+        slots: ``[B]`` int64; window: ``[B, W, K-1]`` from :func:`conv_window_index`.
+        weight: ``[C, K]``.
+
+    Returns:
+        ``[B, W, C]`` in ``x``'s dtype (products summed in ``x``'s dtype, as
+        :func:`causal_conv_tree`).
+    """
+    bsz, w, c = x.shape
+    km1 = conv_pool.shape[1]
+    buf = torch.cat([conv_pool[slots].to(x.dtype), x], dim=1)                      # [B, K-1+W, C]
+    rows = torch.cat([window, (km1 + torch.arange(w, device=x.device)).expand(bsz, w)[..., None]], dim=-1)
+    windows = buf.gather(1, rows.reshape(bsz, -1, 1).expand(-1, -1, c)).reshape(bsz, w, km1 + 1, c)
+    return (windows * weight.t()).sum(2)
+
+
+def pool_conv_commit(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, window: torch.Tensor,
+                     last: torch.Tensor) -> None:
+    """Set each row's committed conv state to the last ``K - 1`` inputs of its accepted path.
+
+    Args:
+        x: ``[B, W, C]`` the step's pre-conv inputs; conv_pool, slots, window: as
+            :func:`pool_conv_tree`.
+        last: ``[B]`` int64 the accepted path's last node (``W - 1`` for a committed chain).
+    """
+    bsz, w, c = x.shape
+    km1 = conv_pool.shape[1]
+    if km1 == 0:
+        return
+    buf = torch.cat([conv_pool[slots].to(x.dtype), x], dim=1)
+    win = window.gather(1, last[:, None, None].expand(bsz, 1, km1))[:, 0]           # [B, K-1]
+    rows = torch.cat([win[:, 1:], (km1 + last)[:, None]], dim=1)
+    conv_pool[slots] = buf.gather(1, rows[..., None].expand(-1, -1, c)).to(conv_pool.dtype)

@@ -1,7 +1,8 @@
 """Building blocks shared by the target models and the DFlash drafter (plain PyTorch references).
 
 * :func:`rms_norm` — ``x / sqrt(mean(x^2) + eps) * w`` (HF ``LlamaRMSNorm`` / ``Qwen3RMSNorm``).
-* :func:`rope_cos_sin`, :func:`apply_rope` — rotary position embedding in the NeoX / HF
+* :func:`rope_cos_sin`, :func:`apply_rope` (and :func:`apply_rope_rows`, :func:`rope_table` for
+  the GPU engine's rows-first layout and per-position tables) — rotary position embedding in the NeoX / HF
   "rotate_half" layout, optionally on the first ``rope_dim`` dims of a head only (partial rotary,
   as Qwen3.5's gated attention uses). Angles in float64 so large positions keep their precision.
 """
@@ -53,3 +54,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     rot = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
     out = (xf * cos.to(acc).unsqueeze(-3) + rot * sin.to(acc).unsqueeze(-3)).to(x.dtype)
     return torch.cat([out, x[..., r:]], dim=-1) if r < x.shape[-1] else out
+
+
+def apply_rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rope` for rows-first tensors: ``x`` ``[N, heads, D]``, ``cos``/``sin``
+    ``[N, r]`` (one position per row) -> ``[N, heads, D]``."""
+    return apply_rope(x.transpose(0, 1), cos, sin).transpose(0, 1)
+
+
+def rope_table(max_positions: int, rope_dim: int, theta: float, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``cos, sin`` ``[max_positions, rope_dim]``: :func:`rope_cos_sin` of positions
+    ``0..max_positions-1`` computed in float64 and rounded once, so indexing the table by position
+    gives exactly what :func:`apply_rope` uses (it computes in float32)."""
+    cos, sin = rope_cos_sin(torch.arange(max_positions, device=device), rope_dim, theta)
+    return cos.float(), sin.float()

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import tree_attention
-from target_service.models.layers import apply_rope, rms_norm, rope_cos_sin
+from target_service.models.layers import apply_rope_rows, rms_norm, rope_cos_sin
 from target_service.gguf_loader import GGUFError, GGUFFile, open_gguf, vocab_size
 from target_service.models.kv_cache import KVCache
 
@@ -106,6 +106,25 @@ class ForwardOutput:
     features: torch.Tensor | None
 
 
+class SessionKV:
+    """Attention backend of the reference forward: one session's committed :class:`KVCache`
+    (read, never written) and the new tokens' mask; it keeps each layer's new K/V
+    (``[Hkv, T, D]``) in ``new_k`` / ``new_v`` for the commit."""
+
+    def __init__(self, cache: KVCache, mask: torch.Tensor):
+        self.cache, self.mask = cache, mask
+        self.new_k: dict[int, torch.Tensor] = {}
+        self.new_v: dict[int, torch.Tensor] = {}
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """``[T, Hq, D]`` queries over the cache rows ``[0, L)`` and the masked new rows -> ``[T, Hq * D]``."""
+        n = self.cache.length
+        kt, vt = k.transpose(0, 1), v.transpose(0, 1)
+        o = tree_attention(q.transpose(0, 1), self.cache.k[layer][:, :n], self.cache.v[layer][:, :n], kt, vt, self.mask, scale)
+        self.new_k[layer], self.new_v[layer] = kt, vt
+        return o.transpose(0, 1).reshape(q.shape[0], -1)
+
+
 class LlamaModel:
     """Weights and forward of a llama model; stateless apart from the caches it is given.
 
@@ -174,6 +193,46 @@ class LlamaModel:
         c = self.cfg
         return KVCache(range(c.num_layers), c.num_kv_heads, c.head_dim, max_length, self.device, self.dtype)
 
+    def layers_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend,
+                       taps: list[int] | tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The decoder layers over ``N`` token rows (one sequence or a flattened batch).
+
+        Args:
+            x: ``[N, H]`` embeddings.
+            cos, sin: ``[N, rope_dim]`` rotary tables of the rows' positions (float64 or float32
+                holding the float64 values rounded, :func:`~target_service.models.layers.rope_table`).
+            backend: where K/V live: ``backend.attend(layer, q [N, Hq, D], k [N, Hkv, D],
+                v [N, Hkv, D], scale) -> [N, Hq * D]`` (this module's :class:`SessionKV` for one
+                session's cache; ``target_service.pooled.PoolBackend`` for the GPU engine's pool).
+            taps: layers whose outputs (residual stream after the layer) to return.
+
+        Returns:
+            ``(x [N, H] after the last layer, {layer: [N, H]} for the taps)``.
+        """
+        c = self.cfg
+        n = x.shape[0]
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        scale = 1.0 / math.sqrt(c.head_dim)
+        want = set(taps)
+        feats = {}
+        for i, lw in enumerate(self.layers):
+            h = rms_norm(x, lw["attn_norm"], c.rms_eps)
+            qkv = F.linear(h, lw["qkv"])
+            q = apply_rope_rows(qkv[:, :q_size].reshape(n, c.num_heads, c.head_dim), cos, sin)
+            k = apply_rope_rows(qkv[:, q_size : q_size + kv_size].reshape(n, c.num_kv_heads, c.head_dim), cos, sin)
+            v = qkv[:, q_size + kv_size :].reshape(n, c.num_kv_heads, c.head_dim)
+            x = x + F.linear(backend.attend(i, q, k, v, scale), lw["o"])
+            h = rms_norm(x, lw["ffn_norm"], c.rms_eps)
+            gu = F.linear(h, lw["gate_up"])
+            x = x + F.linear(F.silu(gu[:, : c.intermediate_size]) * gu[:, c.intermediate_size :], lw["down"])
+            if i in want:
+                feats[i] = x
+        return x, feats
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[N, V]`` of final hidden rows ``x`` ``[N, H]`` (output norm + LM head)."""
+        return F.linear(rms_norm(x, self.norm, self.cfg.rms_eps), self.lm_head).float()
+
     @torch.no_grad()
     def forward(
         self,
@@ -200,35 +259,12 @@ class LlamaModel:
             :class:`ForwardOutput`.
         """
         c = self.cfg
-        L = cache.length
-        t = tokens.shape[0]
-        x = self.embed[tokens]
         cos, sin = rope_cos_sin(positions, c.rope_dim, c.rope_theta)
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        scale = 1.0 / math.sqrt(c.head_dim)
-        new_k, new_v, feats = {}, {}, []
-        want = set(feature_layers)
-        for i, lw in enumerate(self.layers):
-            h = rms_norm(x, lw["attn_norm"], c.rms_eps)
-            qkv = F.linear(h, lw["qkv"])
-            q = qkv[:, :q_size].reshape(t, c.num_heads, c.head_dim).transpose(0, 1)
-            k = qkv[:, q_size : q_size + kv_size].reshape(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
-            v = qkv[:, q_size + kv_size :].reshape(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
-            attn = tree_attention(q, cache.k[i][:, :L], cache.v[i][:, :L], k, v, mask, scale)
-            x = x + F.linear(attn.transpose(0, 1).reshape(t, q_size), lw["o"])
-            h = rms_norm(x, lw["ffn_norm"], c.rms_eps)
-            gu = F.linear(h, lw["gate_up"])
-            gate, up = gu[:, : c.intermediate_size], gu[:, c.intermediate_size :]
-            x = x + F.linear(F.silu(gate) * up, lw["down"])
-            new_k[i], new_v[i] = k, v
-            if i in want:
-                feats.append(x)
-        features = torch.cat([feats[sorted(want).index(i)] for i in feature_layers], dim=-1) if feature_layers else None
-        xs = x if logits_rows is None else x[logits_rows]
-        logits = F.linear(rms_norm(xs, self.norm, c.rms_eps), self.lm_head).float()
-        return ForwardOutput(logits, new_k, new_v, features)
+        backend = SessionKV(cache, mask)
+        x, feats = self.layers_forward(self.embed[tokens], cos, sin, backend, feature_layers)
+        features = torch.cat([feats[i] for i in feature_layers], dim=-1) if feature_layers else None
+        logits = self.logits(x if logits_rows is None else x[logits_rows])
+        return ForwardOutput(logits, backend.new_k, backend.new_v, features)
 
     def commit(self, cache: KVCache, out: ForwardOutput, rows: torch.Tensor) -> None:
         """Append the K/V of new-token ``rows`` (``[n]`` int64, in path order) to the cache.

@@ -69,7 +69,8 @@ from kernels.gated_delta import fla as fla_kernels
 from kernels.gated_delta import causal_conv_tree, conv_state_after, gdn_update, l2norm, recurrent_gated_delta_rule, tree_gated_delta_rule
 from target_service.gguf_loader import GGUFError, GGUFFile, open_gguf, vocab_size
 from target_service.models.kv_cache import KVCache
-from target_service.models.layers import apply_rope, rms_norm, rope_cos_sin
+from target_service.models.layers import apply_rope_rows, rms_norm, rope_cos_sin
+from target_service.models.llama import SessionKV
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +211,44 @@ class HybridForwardOutput:
     prefill: bool
 
 
+class SessionHybrid(SessionKV):
+    """Reference backend of one qwen35 session (see :meth:`Qwen35Model.layers_forward`): reads the
+    session's :class:`HybridCache`, writes nothing, and keeps what :meth:`Qwen35Model.commit`
+    needs: new K/V (``new_k``/``new_v``) and per GDN layer a :class:`GDNScratch` (``gdn``).
+
+    Args:
+        cache, mask: the session's state and the new tokens' ancestor mask.
+        parents: tree parents, or ``None`` for a prefill chain committed whole.
+        rollback: ``"gather"`` or ``"recompute"`` (module docstring).
+    """
+
+    def __init__(self, cache: HybridCache, mask: torch.Tensor, parents: list[int] | None, rollback: str):
+        super().__init__(cache, mask)
+        self.parents, self.rollback = parents, rollback
+        self.gdn: dict[int, GDNScratch] = {}
+
+    def conv(self, layer: int, conv_in: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        self.gdn[layer] = GDNScratch(conv_in=conv_in)
+        return causal_conv_tree(conv_in, self.cache.conv[layer], weight, self.parents)
+
+    def recurrence(self, layer: int, q, k, v, g, beta) -> torch.Tensor:
+        reps = v.shape[1] // q.shape[1]
+        q, k = q.repeat(1, reps, 1), k.repeat(1, reps, 1)  # tiled value heads: head j reads key head j mod Hk
+        state = self.cache.recurrent[layer]
+        scratch = self.gdn[layer]
+        if self.parents is None:
+            # prefill: chunked fla kernel on CUDA when installed, the reference recurrence otherwise
+            chunked = fla_kernels.chunk_gated_delta_rule if fla_kernels.available(q.device) else recurrent_gated_delta_rule
+            o, scratch.final_state = chunked(q, k, v, g, beta, state)
+        else:
+            o, node_states = tree_gated_delta_rule(q, k, v, g, beta, state, self.parents)
+            if self.rollback == "gather":
+                scratch.node_states = node_states
+            else:
+                scratch.kvgb = (k, v, g, beta)
+        return o
+
+
 class Qwen35Model:
     """Weights and forward of a qwen35 model (stateless but for the caches it is given).
 
@@ -299,22 +338,17 @@ class Qwen35Model:
         return HybridCache(self.cfg, max_length, self.device, self.dtype)
 
     # ------------------------------------------------------------------ layers
-    def _attention(self, i: int, lw, h, positions, mask, cache: HybridCache, out: HybridForwardOutput) -> torch.Tensor:
+    def _attention(self, i: int, lw, h, cos, sin, backend) -> torch.Tensor:
         c = self.cfg
         t = h.shape[0]
         qg = F.linear(h, lw["q"]).reshape(t, c.num_heads, 2 * c.head_dim)
         q, gate = qg[..., : c.head_dim], qg[..., c.head_dim :].reshape(t, c.num_heads * c.head_dim)
         kv = F.linear(h, lw["kv"])
         k = kv[:, : c.num_kv_heads * c.head_dim].reshape(t, c.num_kv_heads, c.head_dim)
-        v = kv[:, c.num_kv_heads * c.head_dim :].reshape(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
-        q = rms_norm(q, lw["q_norm"], c.rms_eps).transpose(0, 1)
-        k = rms_norm(k, lw["k_norm"], c.rms_eps).transpose(0, 1)
-        cos, sin = rope_cos_sin(positions, c.rope_dim, c.rope_theta)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        L = cache.length
-        attn = tree_attention(q, cache.k[i][:, :L], cache.v[i][:, :L], k, v, mask, 1.0 / math.sqrt(c.head_dim))
-        out.new_k[i], out.new_v[i] = k, v
-        o = attn.transpose(0, 1).reshape(t, c.num_heads * c.head_dim) * torch.sigmoid(gate)
+        v = kv[:, c.num_kv_heads * c.head_dim :].reshape(t, c.num_kv_heads, c.head_dim)
+        q = apply_rope_rows(rms_norm(q, lw["q_norm"], c.rms_eps), cos, sin)
+        k = apply_rope_rows(rms_norm(k, lw["k_norm"], c.rms_eps), cos, sin)
+        o = backend.attend(i, q, k, v, 1.0 / math.sqrt(c.head_dim)) * torch.sigmoid(gate)
         return F.linear(o, lw["o"])
 
     def _gdn_inputs(self, lw, h):
@@ -330,7 +364,8 @@ class Qwen35Model:
         return conv_in, z, beta, g
 
     def _gdn_qkv(self, conv_out: torch.Tensor):
-        """Split the activated conv output into per-value-head float32 ``q`` (scaled), ``k``, ``v``."""
+        """Split the activated conv output into float32 ``q`` (scaled), ``k`` per key head
+        (``[T, Hk, Dk]``) and ``v`` per value head (``[T, HV, Dv]``)."""
         c = self.cfg
         t = conv_out.shape[0]
         hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
@@ -338,33 +373,54 @@ class Qwen35Model:
         q = x[:, : hk * dk].reshape(t, hk, dk)
         k = x[:, hk * dk : 2 * hk * dk].reshape(t, hk, dk)
         v = x[:, 2 * hk * dk :].reshape(t, hv, dv)
-        q = l2norm(q) / math.sqrt(dk)
-        k = l2norm(k)
-        # tiled value heads: value head j reads key head j mod Hk
-        reps = hv // hk
-        return q.repeat(1, reps, 1), k.repeat(1, reps, 1), v
+        return l2norm(q) / math.sqrt(dk), l2norm(k), v
 
-    def _gdn(self, i: int, lw, h, parents, cache: HybridCache, out: HybridForwardOutput) -> torch.Tensor:
+    def _gdn(self, i: int, lw, h, backend) -> torch.Tensor:
         c = self.cfg
         t = h.shape[0]
         conv_in, z, beta, g = self._gdn_inputs(lw, h)
-        conv_out = F.silu(causal_conv_tree(conv_in, cache.conv[i], lw["conv"], parents))
+        conv_out = F.silu(backend.conv(i, conv_in, lw["conv"]))
         q, k, v = self._gdn_qkv(conv_out)
-        state = cache.recurrent[i]
-        scratch = GDNScratch(conv_in=conv_in)
-        if parents is None:
-            # prefill: chunked fla kernel on CUDA when installed, the reference recurrence otherwise
-            chunked = fla_kernels.chunk_gated_delta_rule if fla_kernels.available(q.device) else recurrent_gated_delta_rule
-            o, scratch.final_state = chunked(q, k, v, g, beta, state)
-        else:
-            o, node_states = tree_gated_delta_rule(q, k, v, g, beta, state, parents)
-            if self.rollback == "gather":
-                scratch.node_states = node_states
-            else:
-                scratch.kvgb = (k, v, g, beta)
-        out.gdn[i] = scratch
+        o = backend.recurrence(i, q, k, v, g, beta)
         o = rms_norm(o.to(h.dtype), lw["ssm_norm"], c.rms_eps) * F.silu(z.reshape(t, c.linear_num_value_heads, c.linear_value_head_dim))
         return F.linear(o.reshape(t, -1), lw["out"])
+
+    def layers_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend,
+                       taps: list[int] | tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The decoder layers over ``N`` token rows (one sequence or a flattened batch).
+
+        Args:
+            x: ``[N, H]`` embeddings; cos, sin: ``[N, rope_dim]`` rotary tables of the rows.
+            backend: where the state lives. Attention: ``attend(layer, q [N, Hq, D], k, v [N, Hkv, D],
+                scale) -> [N, Hq * D]``; GDN: ``conv(layer, conv_in [N, C], weight [C, K]) -> [N, C]``
+                (before the SiLU) and ``recurrence(layer, q [N, Hk, Dk], k [N, Hk, Dk], v [N, HV, Dv],
+                g [N, HV], beta [N, HV]) -> [N, HV, Dv]`` float32 (value head ``j`` reads key head
+                ``j mod Hk``). :class:`SessionHybrid` for one session's cache;
+                ``target_service.pooled.PoolBackend`` for the GPU engine's pool.
+            taps: layers whose outputs to return.
+
+        Returns:
+            ``(x [N, H], {layer: [N, H]})``.
+        """
+        c = self.cfg
+        want = set(taps)
+        feats = {}
+        for i, lw in enumerate(self.layers):
+            h = rms_norm(x, lw["attn_norm"], c.rms_eps)
+            if c.is_attention(i):
+                x = x + self._attention(i, lw, h, cos, sin, backend)
+            else:
+                x = x + self._gdn(i, lw, h, backend)
+            h = rms_norm(x, lw["post_norm"], c.rms_eps)
+            gu = F.linear(h, lw["gate_up"])
+            x = x + F.linear(F.silu(gu[:, : c.intermediate_size]) * gu[:, c.intermediate_size :], lw["down"])
+            if i in want:
+                feats[i] = x
+        return x, feats
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[N, V]`` of final hidden rows ``x`` ``[N, H]``."""
+        return F.linear(rms_norm(x, self.norm, self.cfg.rms_eps), self.lm_head).float()
 
     # ------------------------------------------------------------------ API
     @torch.no_grad()
@@ -386,24 +442,14 @@ class Qwen35Model:
             :class:`HybridForwardOutput`.
         """
         c = self.cfg
-        x = self.embed[tokens]
-        out = HybridForwardOutput(logits=None, new_k={}, new_v={}, gdn={}, features=None, prefill=parents is None)
-        feats = {}
-        for i, lw in enumerate(self.layers):
-            h = rms_norm(x, lw["attn_norm"], c.rms_eps)
-            if c.is_attention(i):
-                x = x + self._attention(i, lw, h, positions, mask, cache, out)
-            else:
-                x = x + self._gdn(i, lw, h, parents, cache, out)
-            h = rms_norm(x, lw["post_norm"], c.rms_eps)
-            gu = F.linear(h, lw["gate_up"])
-            x = x + F.linear(F.silu(gu[:, : c.intermediate_size]) * gu[:, c.intermediate_size :], lw["down"])
-            if i in feature_layers:
-                feats[i] = x
+        cos, sin = rope_cos_sin(positions, c.rope_dim, c.rope_theta)
+        backend = SessionHybrid(cache, mask, parents, self.rollback)
+        x, feats = self.layers_forward(self.embed[tokens], cos, sin, backend, feature_layers)
+        out = HybridForwardOutput(logits=None, new_k=backend.new_k, new_v=backend.new_v, gdn=backend.gdn,
+                                  features=None, prefill=parents is None)
         if feature_layers:
             out.features = torch.cat([feats[i] for i in feature_layers], dim=-1)
-        xs = x if logits_rows is None else x[logits_rows]
-        out.logits = F.linear(rms_norm(xs, self.norm, c.rms_eps), self.lm_head).float()
+        out.logits = self.logits(x if logits_rows is None else x[logits_rows])
         return out
 
     def commit(self, cache: HybridCache, out: HybridForwardOutput, rows: torch.Tensor) -> None:

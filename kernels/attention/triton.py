@@ -1,0 +1,192 @@
+"""Pooled tree attention in Triton: :func:`pool_attention`, same contract as
+``kernels.attention.reference.pool_attention``, safe inside CUDA graphs (every per-step value,
+lengths, slots, masks, is read from tensors in the kernel; no host synchronisation).
+
+Layout (flash-decoding, Dao et al. "Flash-Decoding for long-context inference", 2023; online
+softmax of Milakov & Gimelshein 2018): one program per (batch row, kv head, block of query rows,
+split of the key range). Query rows are the ``W x G`` pairs (node, query head of the kv head's
+group), node-major, so all query heads sharing a kv head read each K/V tile once. The key range
+``[0, L_b + W)`` is cut into ``splits`` equal chunks (rounded to the key block); with one split
+the program normalises and writes the output, otherwise each split writes its normalised partial
+output and log-sum-exp and :func:`_combine_kernel` merges them. ``splits`` is a launch parameter
+chosen by the caller from the batch shape (more splits when few programs would run), so long
+contexts at batch 1 still use many SMs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _pool_attention_kernel(
+    q_ptr, k_ptr, v_ptr, slots_ptr, lengths_ptr, anc_ptr, out_ptr, part_ptr, lse_ptr,
+    sm_scale,
+    W, G, HKV, SPLITS,
+    sqb, sqw, sqh,                 # q strides (last dim contiguous)
+    sks, skr, skh,                 # pool strides (same for k and v)
+    sob, sow, soh,                 # out strides
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    split = tl.program_id(2)
+    b = pid_bh // HKV
+    kvh = pid_bh % HKV
+    L = tl.load(lengths_ptr + b)
+    slot = tl.load(slots_ptr + b)
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < W * G
+    w = rows // G
+    head = kvh * G + rows % G
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b * sqb + w[:, None] * sqw + head[:, None] * sqh + d[None, :], mask=row_ok[:, None], other=0.0)
+    if CAUSAL:
+        w_last = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, W * G - 1) // G
+        total = L + w_last + 1                     # keys any row of this block can see
+    else:
+        anc = tl.load(anc_ptr + b * W + w, mask=row_ok, other=0)
+        total = L + W
+    chunk = tl.cdiv(tl.cdiv(L + W, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, total)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    base = slot.to(tl.int64) * sks + kvh * skh
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < hi
+        kt = tl.load(k_ptr + base + cols[None, :].to(tl.int64) * skr + d[:, None], mask=col_ok[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, kt, input_precision="ieee")
+        else:
+            s = tl.dot(q, kt)
+        s = s * sm_scale
+        j = cols - L
+        if CAUSAL:
+            new_ok = j[None, :] <= w[:, None]
+        else:
+            jj = tl.maximum(j, 0).to(tl.int64)
+            new_ok = ((anc[:, None] >> jj[None, :]) & 1) != 0
+        visible = col_ok[None, :] & ((j[None, :] < 0) | new_ok)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vt = tl.load(v_ptr + base + cols[:, None].to(tl.int64) * skr + d[None, :], mask=col_ok[:, None], other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(vt.dtype), vt)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if SPLITS == 1:
+        tl.store(out_ptr + b * sob + w[:, None] * sow + head[:, None] * soh + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        # partials: [B, W, Hq, SPLITS, D] and lse [B, W, Hq, SPLITS]
+        hq = HKV * G
+        idx = ((b * W + w) * hq + head) * SPLITS + split
+        tl.store(part_ptr + idx[:, None].to(tl.int64) * D + d[None, :], out, mask=row_ok[:, None])
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
+        tl.store(lse_ptr + idx, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(part_ptr, lse_ptr, out_ptr, HQ, W, SPLITS, sob, sow, soh,
+                    D: tl.constexpr, BLOCK_S: tl.constexpr):
+    pid = tl.program_id(0)                         # (b * W + w) * Hq + head
+    head = pid % HQ
+    bw = pid // HQ
+    b = bw // W
+    w = bw % W
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < SPLITS
+    lse = tl.load(lse_ptr + pid * SPLITS + s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    wt = tl.exp(lse - m)
+    wt = wt / tl.sum(wt, 0)
+    d = tl.arange(0, D)
+    part = tl.load(part_ptr + (pid.to(tl.int64) * SPLITS + s[:, None]) * D + d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(part * wt[:, None], 0)
+    tl.store(out_ptr + b * sob + w * sow + head * soh + d, out.to(out_ptr.dtype.element_ty))
+
+
+def default_splits(batch: int, kv_heads: int, width: int, group: int, max_context: int, sms: int = 132) -> int:
+    """Key-range splits for a launch: enough programs to cover about two waves of ``sms``
+    multiprocessors, at most one split per 256 keys of ``max_context`` and at most 32."""
+    m_blocks = math.ceil(width * group / _block_m(width * group))
+    programs = batch * kv_heads * m_blocks
+    return int(max(1, min(32, max(1, max_context // 256), math.ceil(2 * sms / programs))))
+
+
+def _block_m(rows: int) -> int:
+    return int(min(64, max(16, triton.next_power_of_2(rows))))
+
+
+def pool_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    ancestors: torch.Tensor | None,
+    scale: float,
+    causal: bool = False,
+    splits: int = 1,
+) -> torch.Tensor:
+    """Triton version of ``kernels.attention.reference.pool_attention`` (same arguments and
+    result); ``splits``: key-range splits (see :func:`default_splits`). float32 inputs use IEEE
+    float32 dots (no tf32), so they match the reference to float32 rounding.
+
+    Raises:
+        ValueError: head counts do not divide, head_dim not a power of two >= 16, or a tree
+            wider than 64 nodes (the ancestor bit mask holds 64).
+    """
+    bsz, w, hq, d = q.shape
+    hkv = k_pool.shape[2]
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} not a multiple of kv heads {hkv}")
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"head_dim {d} must be a power of two >= 16")
+    if not causal and w > 64:
+        raise ValueError(f"tree of {w} nodes: at most 64 (ancestor bit mask)")
+    g = hq // hkv
+    assert q.stride(-1) == 1 and k_pool.stride(-1) == 1 and k_pool.stride() == v_pool.stride()
+    out = torch.empty(bsz, w, hq, d, device=q.device, dtype=q.dtype)
+    block_m = _block_m(w * g)
+    block_n = 64 if d <= 64 else (32 if d <= 128 else 16)
+    if q.dtype == torch.float32:
+        block_n = min(block_n, 32)
+    splits = max(1, int(splits))
+    if splits > 1:
+        part = torch.empty(bsz * w * hq * splits * d, device=q.device, dtype=torch.float32)
+        lse = torch.empty(bsz * w * hq * splits, device=q.device, dtype=torch.float32)
+    else:
+        part = lse = out
+    anc = ancestors if ancestors is not None else lengths
+    grid = (bsz * hkv, triton.cdiv(w * g, block_m), splits)
+    _pool_attention_kernel[grid](
+        q, k_pool, v_pool, slots, lengths, anc, out, part, lse, float(scale),
+        w, g, hkv, splits,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal), IEEE=q.dtype == torch.float32,
+        num_warps=4,
+    )
+    if splits > 1:
+        _combine_kernel[(bsz * w * hq,)](part, lse, out, hq, w, splits, out.stride(0), out.stride(1), out.stride(2),
+                                         D=d, BLOCK_S=triton.next_power_of_2(splits))
+    return out

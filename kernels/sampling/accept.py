@@ -1,0 +1,55 @@
+"""The acceptance walk of a batch of verified token trees, on device tensors of fixed shape.
+
+The batched, graph-safe form of :func:`kernels.sampling.reference.accept_path` (DESIGN step 3 in
+docs/ARCHITECTURE.md, "One speculative step"): no host reads, no data-dependent shapes, so it runs
+inside the GPU engine's CUDA graphs; on CPU tensors it is the same code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def accept_trees(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    ancestors: torch.Tensor,
+    depth: torch.Tensor,
+    valid: torch.Tensor,
+    choice: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Accepted path of every row of a batch of trees.
+
+    A non-root node matches when its token equals the target's choice at its parent; a node is on
+    the accepted path when it and all its ancestors match; the path ends at the deepest such node
+    (the lowest index among equally deep ones). The bonus token is the target's choice at the
+    path's end.
+
+    Args:
+        tokens: ``[B, W]`` int64 node tokens (node 0 = the root).
+        parents: ``[B, W]`` int64 (``-1`` for the root and padded nodes).
+        ancestors: ``[B, W]`` int64 bit masks (bit ``j``: node ``j`` is the node or an ancestor;
+            ``W <= 64``).
+        depth: ``[B, W]`` int64.
+        valid: ``[B, W]`` bool, false for padded nodes (never accepted).
+        choice: ``[B, W]`` int64 the target's token at every node.
+
+    Returns:
+        ``(path [B, W] int64, n_accept [B] int64, bonus [B] int64)``: ``path[b, :n_accept[b]]``
+        are the path's nodes root first (the rest is unspecified), ``n_accept = k + 1``.
+    """
+    bsz, w = tokens.shape
+    idx = torch.arange(w, device=tokens.device)
+    match = (tokens == choice.gather(1, parents.clamp(min=0))) & valid & (parents >= 0)
+    match[:, 0] = True
+    bit = torch.ones_like(idx) << idx                                  # 1 << j (bit 63 wraps negative)
+    mismatch = torch.where(match, 0, bit).sum(1, keepdim=True)        # distinct bits: sum == or
+    on_path = (ancestors & mismatch) == 0
+    score = torch.where(on_path, depth * (w + 1) + (w - idx), -1)
+    end = score.argmax(1, keepdim=True)
+    in_path = ((ancestors.gather(1, end) >> idx) & 1).bool()
+    n_accept = in_path.sum(1)
+    slot = torch.where(in_path, depth, w)                              # path node at its depth
+    path = torch.zeros(bsz, w + 1, dtype=torch.long, device=tokens.device)
+    path.scatter_(1, slot, idx.expand(bsz, w))
+    return path[:, :w], n_accept, choice.gather(1, end)[:, 0]

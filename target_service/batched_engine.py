@@ -1,0 +1,464 @@
+"""The GPU engine: sessions in a state pool, batched fixed-shape verify steps replayed as CUDA
+graphs, chunked prefill (docs/ARCHITECTURE.md, "The GPU path").
+
+:class:`BatchedEngine` has the API of the reference :class:`target_service.engine.TargetEngine`
+(``prefill``, ``verify``, ``verify_batch``, ``start_prefill`` / ``run_prefill``, ``release``)
+and gives the same tokens (tests/test_batched_engine.py holds them equal). It runs anywhere:
+
+* on CUDA, verify steps are padded to a (batch bucket, width bucket) and each bucket's step is a
+  CUDA graph captured once (:meth:`BatchedEngine.capture`, or on first use), replayed every step
+  with one host-to-device copy of the packed inputs and one device-to-host copy of the results:
+  one host synchronisation per step;
+* on the CPU (or with ``cuda_graphs=False``), the same step code runs eagerly, with exact shapes
+  on the CPU (padding only costs there).
+
+Every item of a batch is validated on the host before the step; a refused item gets its own
+error and the step runs as if it were absent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import numpy as np
+import torch
+
+from kernels.attention.triton import default_splits
+from target_service.engine import PrefillJob, PrefillOutcome, Sampling, VerifyOutcome
+from target_service.errors import EngineError, InvalidArgument, ResourceExhausted, SessionNotFound
+from target_service.models.layers import rope_table
+from target_service.pool import PoolShape, StatePool
+from target_service.pooled import StepLayout, StepTensors, choose, forward, run_step
+from target_service.tree import TreeError, analyze_tree
+
+log = logging.getLogger(__name__)
+
+#: Default buckets (docs/ARCHITECTURE.md): a step of B trees of at most W nodes runs in the
+#: smallest bucket that holds it.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+WIDTH_BUCKETS = (1, 4, 8, 16, 32, 64)
+
+
+@dataclasses.dataclass
+class PoolSession:
+    """Host-side state of one session: its slot, committed length, root and sampling settings."""
+
+    session_id: str
+    slot: int
+    sampling: Sampling
+    feature_layers: list[int]
+    length: int = 0
+    root: int = -1
+    ready: bool = False
+    last_used: float = dataclasses.field(default_factory=time.monotonic)
+
+    @property
+    def inv_temperature(self) -> float:
+        """float32(1 / T) as a float (0 = greedy): what the device sampler multiplies by."""
+        t = self.sampling.temperature
+        return float(np.float32(1.0) / np.float32(t)) if t > 0 else 0.0
+
+    @property
+    def seed_bits(self) -> int:
+        """The seed's 64 bits as a signed int64 value."""
+        s = self.sampling.seed & ((1 << 64) - 1)
+        return s - (1 << 64) if s >= 1 << 63 else s
+
+
+class _Runner:
+    """Static buffers (and the CUDA graph) of one ``(B, W)`` step shape."""
+
+    def __init__(self, engine: "BatchedEngine", batch: int, width: int):
+        self.engine, self.layout = engine, StepLayout(batch, width)
+        cuda = engine.device.type == "cuda"
+        self.host = torch.zeros(self.layout.size, dtype=torch.long, pin_memory=cuda)
+        self.host_np = self.host.numpy()
+        self.dev = torch.zeros(self.layout.size, dtype=torch.long, device=engine.device) if cuda else self.host
+        n_ints = batch * width + 2 * batch
+        feat = engine.feature_width
+        self.out_ints = torch.zeros(n_ints, dtype=torch.long, pin_memory=cuda)
+        self.out_feats = torch.zeros(batch, width, feat, dtype=engine.dtype, pin_memory=cuda) if feat else None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.splits = default_splits(batch, engine.cfg.num_kv_heads, width, engine.cfg.num_heads // engine.cfg.num_kv_heads,
+                                     engine.max_context) if cuda else 1
+
+    def body(self) -> None:
+        e = self.engine
+        if self.dev is not self.host:
+            self.dev.copy_(self.host, non_blocking=True)
+        st = StepTensors.from_buffer(self.layout, self.dev, e.conv_kernel)
+        out = run_step(e.model, e.pool, st, e.rope, e.taps, self.splits)
+        self.out_ints.copy_(out.ints, non_blocking=True)
+        if self.out_feats is not None:
+            self.out_feats.copy_(out.features, non_blocking=True)
+
+    def capture(self, pool_handle) -> None:
+        """Warm up (compiles Triton kernels, pays autotuning) and capture the step as a graph,
+        with every row padding in the spare slot."""
+        self.layout.fill_padding(self.host_np, self.engine.pool.spare, first_row=0)
+        side = torch.cuda.Stream(self.engine.device)
+        side.wait_stream(torch.cuda.current_stream(self.engine.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.body()
+        torch.cuda.current_stream(self.engine.device).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool_handle):
+            self.body()
+        self.graph = g
+
+    def run(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.body()
+        if self.engine.device.type == "cuda":
+            torch.cuda.current_stream(self.engine.device).synchronize()   # the step's one host sync
+
+
+class BatchedEngine:
+    """Sessions in a :class:`~target_service.pool.StatePool`, verified in batched steps.
+
+    Args:
+        model: a loaded ``LlamaModel`` or ``Qwen35Model`` (any device, any dtype).
+        max_sessions: most sessions (the pool may hold fewer when ``memory_budget`` is smaller).
+        max_context: tokens per session.
+        max_tree_width, max_tree_depth: most nodes / deepest node of a verified tree.
+        feature_layers: target layers whose outputs are tapped for the drafter; a session asking
+            for others extends the set (and recaptures the graphs, logged).
+        memory_budget: bytes for the pool (``None``: whatever ``max_sessions`` needs).
+        cuda_graphs: capture and replay steps as CUDA graphs (CUDA only).
+        batch_buckets, width_buckets: step shapes on CUDA (padded to the smallest that fits).
+        max_step_tokens: most nodes of one step (``B x W``); larger batches are split into steps.
+        prefill_chunk: most prompt tokens per prefill forward.
+
+    Raises:
+        ResourceExhausted: the budget does not hold one slot.
+    """
+
+    def __init__(self, model, max_sessions: int = 8, max_context: int = 4096, max_tree_width: int = 64,
+                 max_tree_depth: int = 32, feature_layers: list[int] | tuple[int, ...] = (),
+                 memory_budget: int | None = None, cuda_graphs: bool = True,
+                 batch_buckets: tuple[int, ...] = BATCH_BUCKETS, width_buckets: tuple[int, ...] = WIDTH_BUCKETS,
+                 max_step_tokens: int = 1024, prefill_chunk: int = 512):
+        self.model, self.cfg = model, model.cfg
+        self.device, self.dtype = model.device, model.dtype
+        self.max_context = min(max_context, model.cfg.context_length)
+        self.max_tree_width = min(max_tree_width, 64)
+        self.max_tree_depth = max_tree_depth
+        self.max_step_tokens = max(max_step_tokens, self.max_tree_width)
+        self.prefill_chunk = prefill_chunk
+        self.cuda = self.device.type == "cuda"
+        self.cuda_graphs = cuda_graphs and self.cuda
+        self.width_buckets = tuple(sorted({w for w in width_buckets if w < self.max_tree_width} | {self.max_tree_width}))
+        self.batch_buckets = tuple(sorted(set(batch_buckets)))
+        shape = PoolShape.of(self.cfg, self.max_context, self.max_tree_width)
+        slots = max_sessions
+        if memory_budget is not None:
+            slots = min(slots, memory_budget // shape.slot_bytes(self.dtype))
+            if slots < 1:
+                raise ResourceExhausted(f"a memory budget of {memory_budget} bytes holds no session slot "
+                                        f"({shape.slot_bytes(self.dtype)} bytes each)")
+        self.max_sessions = int(slots)
+        self.pool = StatePool(shape, self.max_sessions, self.device, self.dtype)
+        self.conv_kernel = shape.conv[0] + 1 if shape.conv else None
+        self.rope = rope_table(self.max_context + self.max_tree_width + 1, self.cfg.rope_dim, self.cfg.rope_theta, self.device)
+        self.taps = sorted(set(feature_layers))
+        self.sessions: dict[str, PoolSession] = {}
+        self._runners: dict[tuple[int, int], _Runner] = {}
+        self._graph_pool = None
+        #: graphs captured so far (recaptures after a tap change included), steps run, forwards
+        self.captures = 0
+        self.steps = 0
+        self.forwards = 0
+
+    # ------------------------------------------------------------------ shapes
+    @property
+    def feature_width(self) -> int:
+        return len(self.taps) * self.cfg.hidden_size
+
+    def _bucket(self, n: int, buckets: tuple[int, ...]) -> int:
+        if not self.cuda:
+            return n
+        for b in buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """The (batch, width) step shapes this engine captures: every pair within
+        ``max_step_tokens`` nodes and ``max_sessions`` rows (batch buckets past the session count
+        are not needed)."""
+        top = next((b for b in self.batch_buckets if b >= self.max_sessions), self.batch_buckets[-1])
+        rows = [b for b in self.batch_buckets if b < top] + [top]
+        return [(b, w) for b in sorted(set(rows)) for w in self.width_buckets if b * w <= self.max_step_tokens or b == 1]
+
+    def _runner(self, b: int, w: int) -> _Runner:
+        r = self._runners.get((b, w))
+        if r is None:
+            r = self._runners[(b, w)] = _Runner(self, b, w)
+            if self.cuda_graphs:
+                self._capture(r)
+        return r
+
+    def _capture(self, r: _Runner) -> None:
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        r.capture(self._graph_pool)
+        self.captures += 1
+
+    def capture(self, progress: bool = False) -> int:
+        """Build the runner of every bucket (largest first, so the shared graph memory pool is
+        sized once) and, with CUDA graphs, capture it. Returns the number of runners.
+        ``progress`` shows a tqdm bar (graph capture also pays Triton JIT compilation)."""
+        shapes = sorted(self.buckets(), key=lambda s: -s[0] * s[1])
+        it = shapes
+        if progress:
+            from tqdm import tqdm
+
+            it = tqdm(shapes, desc="capturing CUDA graphs" if self.cuda_graphs else "warming up", unit="graph")
+        for b, w in it:
+            r = self._runner(b, w)
+            if not self.cuda_graphs:  # eager: still compile the kernels now, not at the first request
+                r.layout.fill_padding(r.host_np, self.pool.spare)
+                r.run()
+        return len(shapes)
+
+    def _ensure_taps(self, layers: list[int]) -> None:
+        missing = set(layers) - set(self.taps)
+        if not missing:
+            return
+        self.taps = sorted(set(self.taps) | missing)
+        if self._runners:
+            log.warning("new feature layers requested: recapturing the step graphs", extra={"taps": self.taps})
+            self._runners.clear()
+            self._graph_pool = None
+
+    # ------------------------------------------------------------------ sessions
+    def session(self, session_id: str) -> PoolSession:
+        """The live session ``session_id`` (raises :class:`SessionNotFound`)."""
+        s = self.sessions.get(session_id)
+        if s is None or not s.ready:
+            raise SessionNotFound(f"unknown session {session_id!r}")
+        return s
+
+    def release(self, session_ids: list[str]) -> int:
+        """Drop sessions and free their slots; unknown ids are ignored. Returns how many were live."""
+        n = 0
+        for sid in session_ids:
+            s = self.sessions.pop(sid, None)
+            if s is not None:
+                self.pool.release(s.slot)
+                n += 1
+        return n
+
+    # ------------------------------------------------------------------ prefill
+    def start_prefill(self, session_id: str, prompt: list[int], sampling: Sampling, feature_layers: list[int]) -> PrefillJob:
+        """Validate a prompt and take a zeroed slot for it; :meth:`run_prefill` then commits it
+        chunk by chunk.
+
+        Raises:
+            InvalidArgument: empty id or prompt, token outside the vocabulary, bad feature layer,
+                session id already live.
+            ResourceExhausted: no free slot, or prompt longer than ``max_context - 1``.
+        """
+        if not session_id:
+            raise InvalidArgument("session_id is empty")
+        if not prompt:
+            raise InvalidArgument("prompt is empty")
+        arr = np.asarray(prompt, dtype=np.int64)
+        bad = np.flatnonzero((arr < 0) | (arr >= self.cfg.vocab_size))
+        if bad.size:
+            raise InvalidArgument(f"prompt[{bad[0]}] = {prompt[bad[0]]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        for i in feature_layers:
+            if not 0 <= i < self.cfg.num_layers:
+                raise InvalidArgument(f"feature layer {i} outside [0, {self.cfg.num_layers})")
+        if len(prompt) >= self.max_context:
+            raise ResourceExhausted(f"prompt of {len(prompt)} tokens leaves no room in a context of {self.max_context}")
+        if session_id in self.sessions:
+            raise InvalidArgument(f"session {session_id!r} already exists")
+        slot = self.pool.acquire()
+        if slot is None:
+            raise ResourceExhausted(f"all {self.max_sessions} session slots are in use")
+        self._ensure_taps(feature_layers)
+        self.sessions[session_id] = PoolSession(session_id, slot, sampling, list(feature_layers))
+        return PrefillJob(session_id, list(prompt), sampling, list(feature_layers), state=[])
+
+    @torch.no_grad()
+    def run_prefill(self, job: PrefillJob, budget: int) -> int:
+        """Commit the next chunk of ``job``'s prompt (at most ``min(budget, prefill_chunk)``
+        tokens); after the last chunk ``job.outcome`` holds the first token and the prompt's
+        features. Returns the tokens processed (0 if the session was released meanwhile)."""
+        s = self.sessions.get(job.session_id)
+        if s is None:
+            return 0
+        start = job.done
+        n = max(1, min(budget, self.prefill_chunk, len(job.prompt) - start))
+        last = start + n == len(job.prompt)
+        layout = StepLayout(1, n)
+        buf = np.zeros(layout.size, dtype=np.int64)
+        v = layout.host_views(buf)
+        v["tokens"][0] = job.prompt[start : start + n]
+        v["parents"][0] = np.arange(-1, n - 1)
+        v["depth"][0] = np.arange(n)
+        v["n_nodes"][0], v["slots"][0], v["lengths"][0] = n, s.slot, start
+        self._fill_sampling(v, 0, s)
+        st = StepTensors.from_buffer(layout, torch.from_numpy(buf).to(self.device), self.conv_kernel)
+        x, feats, _ = forward(self.model, self.pool, st, self.rope, self.taps, commit_chain=True, causal=True)
+        self.forwards += 1
+        if self.taps:
+            job.state.append(self._session_features(torch.cat([feats[i] for i in self.taps], dim=-1), s).cpu())
+        job.done = start + n
+        s.length = job.done
+        if last:
+            first = choose(self.model.logits(x[-1:]), st, torch.full((1,), len(job.prompt), device=self.device), 1)
+            s.root, s.ready = int(first[0]), True
+            s.last_used = time.monotonic()
+            job.outcome = PrefillOutcome(s.root, s.length, torch.cat(job.state) if job.state else None)
+        return n
+
+    def prefill(self, session_id: str, prompt: list[int], sampling: Sampling, feature_layers: list[int]) -> PrefillOutcome:
+        """Open ``session_id`` and commit its whole prompt (raises as :meth:`start_prefill`)."""
+        job = self.start_prefill(session_id, prompt, sampling, feature_layers)
+        try:
+            while job.outcome is None:
+                self.run_prefill(job, self.prefill_chunk)
+        except BaseException:
+            self.release([session_id])
+            raise
+        return job.outcome
+
+    # ------------------------------------------------------------------ verify
+    def verify(self, session_id: str, tokens: list[int], parents: list[int]) -> VerifyOutcome:
+        """Verify one tree (raises the item's error)."""
+        out = self.verify_batch([(session_id, tokens, parents)])[0]
+        if isinstance(out, EngineError):
+            raise out
+        return out
+
+    def _check(self, sid: str, tokens: list[int], parents: list[int], seen: set[str]):
+        s = self.session(sid)
+        if sid in seen:
+            raise InvalidArgument(f"session {sid!r} appears twice in one verify")
+        try:
+            depth, bits = analyze_tree(tokens, parents, self.cfg.vocab_size, self.max_tree_width, self.max_tree_depth)
+        except TreeError as e:
+            raise InvalidArgument(f"invalid tree: {e}") from None
+        if tokens[0] != s.root:
+            raise InvalidArgument(f"tree root {tokens[0]} is not the session's last token {s.root}")
+        deepest = max(depth)
+        if s.length + deepest + 1 > self.max_context:
+            raise ResourceExhausted(f"context full: {s.length} committed + depth {deepest + 1} exceeds {self.max_context}")
+        return s, depth, bits
+
+    @torch.no_grad()
+    def verify_batch(self, items: list[tuple[str, list[int], list[int]]]) -> list[VerifyOutcome | EngineError]:
+        """Verify several sessions' trees (``(session_id, tokens, parents)`` each) in as few
+        batched steps as the buckets allow. A refused item (unknown session, malformed tree, root
+        not the session's, context full, a session twice) gets its error in its place; the others
+        run as if it were absent."""
+        results: list[VerifyOutcome | EngineError | None] = [None] * len(items)
+        ready, seen = [], set()
+        for idx, (sid, tokens, parents) in enumerate(items):
+            try:
+                s, depth, bits = self._check(sid, tokens, parents, seen)
+            except EngineError as e:
+                results[idx] = e
+                continue
+            seen.add(sid)
+            ready.append((idx, s, tokens, parents, depth, bits))
+        for group in self._plan(ready):
+            for (idx, *_), out in zip(group, self._step(group)):
+                results[idx] = out
+        return results
+
+    def _plan(self, ready: list) -> list[list]:
+        """Split the ready items into steps that fit a bucket and ``max_step_tokens``."""
+        groups, cur, width = [], [], 0
+        max_rows = self.batch_buckets[-1] if self.cuda else len(ready) or 1
+        for item in ready:
+            w = max(width, len(item[2]))
+            rows = len(cur) + 1
+            fits = rows <= max_rows and (self._bucket(rows, self.batch_buckets) * self._bucket(w, self.width_buckets) <= self.max_step_tokens or rows == 1)
+            if cur and not fits:
+                groups.append(cur)
+                cur, w = [], len(item[2])
+            cur.append(item)
+            width = w
+        if cur:
+            groups.append(cur)
+        return groups
+
+    def _fill_sampling(self, v: dict[str, np.ndarray], r: int, s: PoolSession) -> None:
+        v["seeds"][r] = s.seed_bits
+        v["top_k"][r] = s.sampling.top_k
+        v["inv_temperature"][r] = s.inv_temperature
+        v["top_p"][r] = s.sampling.top_p if s.sampling.temperature > 0 else 0.0
+
+    def _session_features(self, f: torch.Tensor, s: PoolSession) -> torch.Tensor:
+        """The columns of the session's feature layers, in its order, from tapped features
+        ``[..., len(taps) * H]``."""
+        if s.feature_layers == self.taps:
+            return f
+        h = self.cfg.hidden_size
+        return torch.cat([f[..., self.taps.index(i) * h : (self.taps.index(i) + 1) * h] for i in s.feature_layers], dim=-1) \
+            if s.feature_layers else f[..., :0]
+
+    def _step(self, group: list) -> list[VerifyOutcome]:
+        b = len(group)
+        w = max(len(item[2]) for item in group)
+        runner = self._runner(self._bucket(b, self.batch_buckets), self._bucket(w, self.width_buckets))
+        lay = runner.layout
+        v = lay.host_views(runner.host_np)
+        for r, (_, s, tokens, parents, depth, bits) in enumerate(group):
+            n = len(tokens)
+            v["tokens"][r, :n] = tokens
+            v["parents"][r, :n] = parents
+            v["depth"][r, :n] = depth
+            v["ancestors"][r, :n] = bits
+            v["n_nodes"][r], v["slots"][r], v["lengths"][r] = n, s.slot, s.length
+            self._fill_sampling(v, r, s)
+        lay.fill_padding(runner.host_np, self.pool.spare, first_row=b)
+        runner.run()
+        self.steps += 1
+        self.forwards += 1
+        ints = runner.out_ints.numpy()
+        bw = lay.batch * lay.width
+        path = ints[:bw].reshape(lay.batch, lay.width)
+        n_acc = ints[bw : bw + lay.batch]
+        bonus = ints[bw + lay.batch :]
+        now = time.monotonic()
+        outs = []
+        for r, (_, s, tokens, *_rest) in enumerate(group):
+            n = int(n_acc[r])
+            nodes = path[r, :n].tolist()
+            s.length += n
+            s.root = int(bonus[r])
+            s.last_used = now
+            feats = None
+            if s.feature_layers and runner.out_feats is not None:
+                feats = self._session_features(runner.out_feats[r, :n], s).clone()
+            outs.append(VerifyOutcome(nodes, [tokens[j] for j in nodes[1:]], s.root, s.length, feats))
+        return outs
+
+    # ------------------------------------------------------------------ reporting
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of the weights, the pool and (CUDA) the allocator's current and peak use."""
+        m = self.model
+        weights = sum(t.numel() * t.element_size() for t in _weights(m))
+        out = {"weights": weights, "pool": self.pool.nbytes}
+        if self.cuda:
+            out["allocated"] = torch.cuda.memory_allocated(self.device)
+            out["peak"] = torch.cuda.max_memory_allocated(self.device)
+        return out
+
+
+def _weights(model) -> list[torch.Tensor]:
+    seen, out = set(), []
+    for t in [model.embed, model.lm_head, model.norm] + [x for lw in model.layers for x in lw.values()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out

@@ -1,0 +1,260 @@
+"""One batched step of the GPU engine over the state pool: inputs, forward, choice, acceptance,
+commit, outputs (docs/ARCHITECTURE.md, "The GPU path").
+
+Everything here is a function of tensors, so the same code runs eagerly (CPU, or CUDA with
+``--no-cuda-graphs``) and inside a captured CUDA graph: no host reads, no shapes that depend on
+values. The host packs a step into one flat int64 buffer (:class:`StepLayout`); :func:`run_step`
+reads it on the device and writes its results into two output tensors.
+
+A step verifies ``B`` token trees padded to ``W`` nodes each (a prefill chunk is a ``B = 1``
+chain, an autoregressive step a ``W = 1`` tree):
+
+1. forward of all ``B x W`` nodes (:class:`PoolBackend` writes their K/V into the scratch rows
+   ``[L, L + W)`` of each session's slot and attends over ``[0, L)`` plus the node's ancestors);
+2. the target's token at every node (device sampler: :mod:`kernels.sampling`);
+3. the acceptance walk (:func:`kernels.sampling.accept.accept_trees`);
+4. commit: the path's K/V rows move to ``[L, L + k + 1)``, each GDN layer's recurrent state is
+   recomputed along the path from the committed state and its conv state set to the path's last
+   inputs. A chain committed whole (``W = 1`` steps and prefill chunks) is committed by the
+   forward itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from kernels import attention as attn_ops
+from kernels import gated_delta as gdn_ops
+from kernels.sampling import filter_thresholds, sample_tokens
+from kernels.sampling.accept import accept_trees
+
+
+# ----------------------------------------------------------------------------------- step inputs
+_NODE_FIELDS = ("tokens", "parents", "depth", "ancestors")
+_ROW_FIELDS = ("n_nodes", "slots", "lengths", "seeds", "top_k", "inv_temperature", "top_p")
+_FLOAT_FIELDS = ("inv_temperature", "top_p")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+    """Where each field of a ``(B, W)`` step sits in its flat int64 input buffer.
+
+    Node fields (``[B, W]``): tokens, parents (``-1``: root or padding), depth, ancestors (bit
+    masks). Row fields (``[B]``): n_nodes (real nodes; the rest are padding), slots, lengths
+    (committed rows ``L``), seeds (uint64 bits), top_k, inv_temperature and top_p (float64 bit
+    patterns; ``inv_temperature = 0``: greedy).
+    """
+
+    batch: int
+    width: int
+
+    @property
+    def size(self) -> int:
+        return len(_NODE_FIELDS) * self.batch * self.width + len(_ROW_FIELDS) * self.batch
+
+    def offsets(self) -> dict[str, tuple[int, int]]:
+        out, at = {}, 0
+        for name in _NODE_FIELDS:
+            out[name] = (at, self.batch * self.width)
+            at += self.batch * self.width
+        for name in _ROW_FIELDS:
+            out[name] = (at, self.batch)
+            at += self.batch
+        return out
+
+    def host_views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
+        """numpy views of a host buffer (float fields as float64)."""
+        v = {}
+        for name, (o, n) in self.offsets().items():
+            a = buf[o : o + n]
+            if name in _FLOAT_FIELDS:
+                a = a.view(np.float64)
+            v[name] = a.reshape(self.batch, self.width) if name in _NODE_FIELDS else a
+        return v
+
+    def fill_padding(self, buf: np.ndarray, spare_slot: int, first_row: int = 0) -> None:
+        """Make rows ``first_row..`` padding (root-only greedy trees in the spare slot) and every
+        node past ``n_nodes`` of the real rows inert (parent -1, depth 0, itself as only ancestor)."""
+        v = self.host_views(buf)
+        self_bit = (np.ones(self.width, dtype=np.uint64) << np.arange(self.width, dtype=np.uint64)).view(np.int64)
+        r = slice(first_row, None)
+        v["n_nodes"][r] = 1
+        v["slots"][r] = spare_slot
+        for name in ("lengths", "seeds", "top_k", "inv_temperature", "top_p"):
+            v[name][r] = 0
+        v["tokens"][r] = 0
+        pad = np.arange(self.width)[None, :] >= v["n_nodes"][:, None]
+        v["tokens"][pad] = 0
+        v["parents"][pad] = -1
+        v["depth"][pad] = 0
+        v["ancestors"][pad] = np.broadcast_to(self_bit, pad.shape)[pad]
+
+
+@dataclasses.dataclass
+class StepTensors:
+    """Device views of a step's input buffer, plus what is derived from it on the device."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    ancestors: torch.Tensor
+    n_nodes: torch.Tensor
+    slots: torch.Tensor
+    lengths: torch.Tensor
+    seeds: torch.Tensor
+    top_k: torch.Tensor
+    inv_temperature: torch.Tensor
+    top_p: torch.Tensor
+    valid: torch.Tensor = None
+    positions: torch.Tensor = None
+    rows: torch.Tensor = None
+    window: torch.Tensor | None = None
+
+    @classmethod
+    def from_buffer(cls, layout: StepLayout, buf: torch.Tensor, conv_kernel: int | None) -> "StepTensors":
+        """Views of the device buffer and the derived tensors (positions ``L + depth``, scratch
+        rows ``L + j``, node validity, conv windows)."""
+        b, w = layout.batch, layout.width
+        f = {}
+        for name, (o, n) in layout.offsets().items():
+            t = buf[o : o + n]
+            if name in _FLOAT_FIELDS:
+                t = t.view(torch.float64).float()
+            f[name] = t.reshape(b, w) if name in _NODE_FIELDS else t
+        st = cls(**f)
+        j = torch.arange(w, device=buf.device)
+        st.valid = j[None, :] < st.n_nodes[:, None]
+        st.positions = st.lengths[:, None] + st.depth
+        st.rows = st.lengths[:, None] + j[None, :]
+        if conv_kernel:
+            st.window = gdn_ops.conv_window_index(st.parents, conv_kernel)
+        return st
+
+
+# ----------------------------------------------------------------------------------- the backend
+class PoolBackend:
+    """The state backend of ``layers_forward`` for a batch in the pool (see the models'
+    ``layers_forward``): K/V go to the scratch rows of each row's slot, GDN layers read the
+    pooled recurrent and conv state.
+
+    Args:
+        pool: :class:`target_service.pool.StatePool`.
+        st: the step's tensors.
+        commit_chain: the nodes of each row are a chain committed whole (prefill chunk, ``W = 1``
+            step): GDN state and conv state are written by the forward; otherwise they are kept
+            for :meth:`commit`.
+        causal: attention mask of a prefill chunk (rows ``j <= i``) instead of ancestor masks.
+        splits: key-range splits of the attention kernel.
+    """
+
+    def __init__(self, pool, st: StepTensors, commit_chain: bool, causal: bool = False, splits: int = 1):
+        self.pool, self.st = pool, st
+        self.commit_chain, self.causal, self.splits = commit_chain, causal, splits
+        self.saved: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.saved_conv: dict[int, torch.Tensor] = {}
+        self.b, self.w = st.tokens.shape
+
+    def attend(self, layer: int, q, k, v, scale: float) -> torch.Tensor:
+        st, pool = self.st, self.pool
+        a = pool.attn_index[layer]
+        n, hq, d = q.shape
+        kp, vp = pool.k[a], pool.v[a]
+        where = (st.slots[:, None], st.rows)
+        kp[where] = k.reshape(self.b, self.w, *k.shape[1:]).to(kp.dtype)
+        vp[where] = v.reshape(self.b, self.w, *v.shape[1:]).to(vp.dtype)
+        o = attn_ops.pool_attention(q.reshape(self.b, self.w, hq, d), kp, vp, st.slots, st.lengths,
+                                    None if self.causal else st.ancestors, scale, causal=self.causal, splits=self.splits)
+        return o.reshape(n, hq * d)
+
+    def conv(self, layer: int, conv_in: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        st, pool = self.st, self.pool
+        j = pool.gdn_index[layer]
+        x = conv_in.reshape(self.b, self.w, -1)
+        out = gdn_ops.pool_conv_tree(x, pool.conv[j], st.slots, st.window, weight)
+        if self.commit_chain:
+            last = torch.full((self.b,), self.w - 1, dtype=torch.long, device=x.device)
+            gdn_ops.pool_conv_commit(x, pool.conv[j], st.slots, st.window, last)
+        else:
+            self.saved_conv[layer] = x
+        return out.reshape(conv_in.shape)
+
+    def recurrence(self, layer: int, q, k, v, g, beta) -> torch.Tensor:
+        st, pool = self.st, self.pool
+        j = pool.gdn_index[layer]
+        bw = (self.b, self.w)
+        q, k, v = (t.reshape(*bw, *t.shape[1:]).contiguous() for t in (q, k, v))
+        g, beta = (t.reshape(*bw, -1).contiguous() for t in (g, beta))
+        o = gdn_ops.pool_gdn_tree(q, k, v, g, beta, pool.recurrent[j], st.slots, st.parents, st.ancestors, commit=self.commit_chain)
+        if not self.commit_chain:
+            self.saved[layer] = (k, v, g, beta)
+        return o.reshape(self.b * self.w, *o.shape[2:])
+
+    def commit(self, path: torch.Tensor, n_accept: torch.Tensor) -> None:
+        """Commit each row's accepted path (``path[b, :n_accept[b]]``, root first): K/V rows of
+        every attention layer at once, then each GDN layer's recurrent and conv state."""
+        st, pool = self.st, self.pool
+        s = st.slots[:, None]
+        src = st.lengths[:, None] + path
+        for t in (pool.k, pool.v):
+            t[:, s, st.rows] = t[:, s, src]
+        last = path.gather(1, (n_accept - 1).clamp(min=0)[:, None])[:, 0]
+        for layer, (k, v, g, beta) in self.saved.items():
+            gdn_ops.pool_gdn_commit(pool.recurrent[pool.gdn_index[layer]], st.slots, k, v, g, beta, path, n_accept)
+        for layer, x in self.saved_conv.items():
+            gdn_ops.pool_conv_commit(x, pool.conv[pool.gdn_index[layer]], st.slots, st.window, last)
+
+
+# ----------------------------------------------------------------------------------- the step
+@dataclasses.dataclass
+class StepOutputs:
+    """Device results of a step: ``ints`` = ``[path (B*W), n_accept (B), bonus (B)]`` int64 and
+    ``features`` ``[B, W, F]`` (the tapped layers' outputs of the path nodes in path order) or
+    ``None``."""
+
+    ints: torch.Tensor
+    features: torch.Tensor | None
+
+
+def node_rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """A per-row value ``[B]`` repeated for each of the row's ``width`` nodes -> ``[B * width]``."""
+    return t[:, None].expand(t.shape[0], width).reshape(-1)
+
+
+def forward(model, pool, st: StepTensors, rope: tuple[torch.Tensor, torch.Tensor], taps: list[int], *,
+            commit_chain: bool, causal: bool = False, splits: int = 1):
+    """Embed, run the layers over the pool, and return ``(hidden [B*W, H], taps {layer: [B*W, H]},
+    backend)``."""
+    tokens = st.tokens.reshape(-1)
+    pos = st.positions.reshape(-1)
+    cos, sin = rope[0][pos], rope[1][pos]
+    backend = PoolBackend(pool, st, commit_chain=commit_chain, causal=causal, splits=splits)
+    x, feats = model.layers_forward(model.embed[tokens], cos, sin, backend, taps)
+    return x, feats, backend
+
+
+def choose(logits: torch.Tensor, st: StepTensors, positions: torch.Tensor, width: int) -> torch.Tensor:
+    """The target's token at each logits row (``[R, V]`` for ``R = B * width`` nodes): device
+    thresholds for top-k / top-p, then the Gumbel-max sampler keyed by (seed, position, token).
+    ``positions`` ``[R]`` are the positions of the chosen tokens."""
+    inv = node_rows(st.inv_temperature, width)
+    thr = filter_thresholds(logits, inv, node_rows(st.top_k, width), node_rows(st.top_p, width))
+    return sample_tokens(logits, inv, thr, node_rows(st.seeds, width), positions)
+
+
+def run_step(model, pool, st: StepTensors, rope, taps: list[int], splits: int = 1) -> StepOutputs:
+    """One verify step of a ``(B, W)`` bucket (module docstring); graph-safe."""
+    b, w = st.tokens.shape
+    x, feats, backend = forward(model, pool, st, rope, taps, commit_chain=w == 1, splits=splits)
+    logits = model.logits(x)
+    choice = choose(logits, st, (st.positions + 1).reshape(-1), w).reshape(b, w)
+    path, n_accept, bonus = accept_trees(st.tokens, st.parents, st.ancestors, st.depth, st.valid, choice)
+    if w > 1:
+        backend.commit(path, n_accept)
+    features = None
+    if taps:
+        f = torch.cat([feats[i] for i in taps], dim=-1).reshape(b, w, -1)
+        features = f.gather(1, path[..., None].expand(b, w, f.shape[-1]))
+    return StepOutputs(torch.cat([path.reshape(-1), n_accept, bonus]), features)
