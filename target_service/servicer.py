@@ -1,7 +1,10 @@
-"""gRPC servicer of the target service: a thin map from the v1 contract onto :class:`TargetEngine`.
+"""gRPC servicer of the target service: a thin map from the v1 contract onto an engine run by a
+:class:`~target_service.step_loop.StepLoop`.
 
-Errors: an engine error in a unary call aborts it with the error's status; inside a Verify
-stream message, each item gets its own ``ItemStatus`` so one bad item touches no other session.
+Errors are mapped here, in one place (:func:`status_of`): an engine error carries the status it
+maps to (``target_service.errors.Code``), out-of-memory is RESOURCE_EXHAUSTED, anything else is
+INTERNAL (logged). A unary call aborts with the status; inside a Verify stream message each item
+gets its own ``ItemStatus``, so one bad item touches no other session.
 """
 
 from __future__ import annotations
@@ -13,11 +16,33 @@ import torch
 
 from dflash_grpc.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dflash_grpc.wire import tensor_to_proto
-from target_service.engine import EngineError, InvalidArgument, Sampling, TargetEngine
+from target_service.engine import Sampling
+from target_service.errors import EngineError, InvalidArgument
+from target_service.step_loop import StepLoop
 
 log = logging.getLogger(__name__)
 
-FEATURES = ["tree-verify", "sampling", "features-bf16", "chunked-prefill"]
+FEATURES = ["tree-verify", "sampling", "features-bf16", "chunked-prefill", "batched-verify"]
+
+_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
+def status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status and message for an exception raised while serving an item."""
+    if isinstance(e, EngineError):
+        return grpc.StatusCode[e.code.name], str(e)
+    if isinstance(e, _OOM):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of device memory: {e}"
+    log.error("internal error", exc_info=e)
+    return grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
+
+
+def item_status(e: BaseException | None) -> common_pb2.ItemStatus:
+    """``ItemStatus`` of an item: OK (0) for ``None``, else its mapped status."""
+    if e is None:
+        return common_pb2.ItemStatus(code=0)
+    code, msg = status_of(e)
+    return common_pb2.ItemStatus(code=code.value[0], message=msg)
 
 
 def _features_proto(t: torch.Tensor | None) -> common_pb2.Tensor | None:
@@ -25,65 +50,71 @@ def _features_proto(t: torch.Tensor | None) -> common_pb2.Tensor | None:
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    """Implements ``dflash_grpc.v1.TargetService`` over one :class:`TargetEngine`."""
+    """Implements ``dflash_grpc.v1.TargetService`` over an engine run by ``loop``."""
 
-    def __init__(self, engine: TargetEngine, info: common_pb2.ModelInfo):
-        self.engine = engine
+    def __init__(self, loop: StepLoop, info: common_pb2.ModelInfo):
+        self.loop = loop
         self.info = info
 
     def Info(self, request, context):
-        return self.info
+        info = common_pb2.ModelInfo()
+        info.CopyFrom(self.info)
+        engine = self.loop.engine
+        info.graph_captures = getattr(engine, "captures", 0)
+        pool = getattr(engine, "pool", None)
+        info.free_slots = pool.free if pool is not None else engine.max_sessions - len(engine.sessions)
+        return info
 
     def Prefill(self, request, context):
-        results = []
-        opened: list[str] = []
-        try:
-            for item in request.items:
-                s = item.sampling
+        futures = []
+        for item in request.items:
+            s = item.sampling
+            try:
                 sampling = Sampling.checked(s.temperature, s.top_k, s.top_p, s.seed if s.HasField("seed") else None)
-                out = self.engine.prefill(item.session_id, list(item.prompt_tokens), sampling, list(item.feature_layer_ids))
-                opened.append(item.session_id)
-                results.append(
-                    target_pb2.PrefillResult(
-                        session_id=item.session_id,
-                        first_token=out.first_token,
-                        committed_length=out.committed_length,
-                        features=_features_proto(out.features),
-                    )
-                )
-        except EngineError as e:
-            # All-or-nothing: undo the items of this call that did open.
-            self.engine.release(opened)
-            context.abort(e.code, str(e))
+            except EngineError as e:
+                futures.append((item.session_id, e))
+                continue
+            futures.append((item.session_id, self.loop.submit_prefill(item.session_id, list(item.prompt_tokens), sampling,
+                                                                       list(item.feature_layer_ids))))
+        results, opened, error = [], [], None
+        for sid, fut in futures:
+            try:
+                if isinstance(fut, BaseException):
+                    raise fut
+                out = fut.result()
+            except BaseException as e:  # noqa: BLE001 - mapped below
+                error = error or e
+                continue
+            opened.append(sid)
+            results.append(target_pb2.PrefillResult(session_id=sid, first_token=out.first_token,
+                                                    committed_length=out.committed_length, features=_features_proto(out.features)))
+        if error is not None:
+            self.loop.release(opened)  # all-or-nothing: undo the items of this call that did open
+            context.abort(*status_of(error))
         return target_pb2.PrefillResponse(results=results)
 
     def Verify(self, request_iterator, context):
         for request in request_iterator:
+            items, bad = [], {}
+            for i, item in enumerate(request.items):
+                if not item.HasField("tree"):
+                    bad[i] = InvalidArgument("item has no tree")
+                    continue
+                items.append((item.session_id, list(item.tree.tokens), list(item.tree.parents)))
+            done = self.loop.batch(items)
+            outs = iter(done.results)
             results = []
-            for item in request.items:
-                try:
-                    if not item.HasField("tree"):
-                        raise InvalidArgument("item has no tree")
-                    out = self.engine.verify(item.session_id, list(item.tree.tokens), list(item.tree.parents))
-                    results.append(
-                        target_pb2.VerifyResult(
-                            session_id=item.session_id,
-                            status=common_pb2.ItemStatus(code=0),
-                            accepted_tokens=out.accepted_tokens,
-                            accepted_nodes=out.accepted_nodes,
-                            bonus_token=out.bonus_token,
-                            committed_length=out.committed_length,
-                            features=_features_proto(out.features),
-                        )
-                    )
-                except EngineError as e:
-                    results.append(
-                        target_pb2.VerifyResult(
-                            session_id=item.session_id,
-                            status=common_pb2.ItemStatus(code=e.code.value[0], message=str(e)),
-                        )
-                    )
-            yield target_pb2.VerifyResponse(results=results)
+            for i, item in enumerate(request.items):
+                out = bad.get(i) or next(outs)
+                if isinstance(out, BaseException):
+                    results.append(target_pb2.VerifyResult(session_id=item.session_id, status=item_status(out)))
+                    continue
+                results.append(target_pb2.VerifyResult(
+                    session_id=item.session_id, status=item_status(None), accepted_tokens=out.accepted_tokens,
+                    accepted_nodes=out.accepted_nodes, bonus_token=out.bonus_token,
+                    committed_length=out.committed_length, features=_features_proto(out.features)))
+            yield target_pb2.VerifyResponse(results=results, compute_s=done.compute_s, batch_items=done.batch_items,
+                                            queue_s=done.queue_s)
 
     def Release(self, request, context):
-        return common_pb2.ReleaseResponse(released=self.engine.release(list(request.session_ids)))
+        return common_pb2.ReleaseResponse(released=self.loop.release(list(request.session_ids)))

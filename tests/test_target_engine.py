@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import random
 
-import grpc
 import pytest
 import torch
 
+from target_service.batched_engine import BatchedEngine
 from target_service.engine import Sampling, TargetEngine
+from target_service.errors import Code
+
+ENGINES = {"reference": TargetEngine, "batched": BatchedEngine}
 
 
-@pytest.fixture(scope="module")
-def engine(smollm_model):
-    return TargetEngine(smollm_model, max_sessions=4, max_context=512, max_tree_width=32, max_tree_depth=8)
+@pytest.fixture(scope="module", params=sorted(ENGINES))
+def engine(smollm_model, request):
+    """The reference engine and the batched (GPU) engine, here on the CPU: same contract."""
+    return ENGINES[request.param](smollm_model, max_sessions=4, max_context=512, max_tree_width=32, max_tree_depth=8)
 
 
 PROMPT_TEXT = "def add(a, b):\n    "
@@ -94,7 +98,7 @@ def test_rejected_tree_leaves_session_unchanged(engine, smollm_tokenizer, name):
     tokens, parents = BAD_TREES[name](out.first_token, engine.cfg.vocab_size)
     with pytest.raises(Exception) as exc:
         engine.verify("victim", tokens, parents)
-    assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert exc.value.code == Code.INVALID_ARGUMENT
     assert engine.session("victim").length == len(prompt)
     toks = [out.first_token]
     for _ in range(3):
@@ -107,44 +111,45 @@ def test_refusals(engine):
     s = Sampling.checked(0.0, 0, 0.0, 0)
     with pytest.raises(Exception) as e:
         engine.verify("nobody", [1], [-1])
-    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    assert e.value.code == Code.NOT_FOUND
     for bad_prompt in ([], [engine.cfg.vocab_size]):
         with pytest.raises(Exception) as e:
             engine.prefill("x", bad_prompt, s, [])
-        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.code == Code.INVALID_ARGUMENT
     with pytest.raises(Exception) as e:
         engine.prefill("x", [1] * engine.max_context, s, [])
-    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert e.value.code == Code.RESOURCE_EXHAUSTED
     with pytest.raises(Exception) as e:
         engine.prefill("x", [1, 2], s, [engine.cfg.num_layers])
-    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.code == Code.INVALID_ARGUMENT
     for bad in [(-1.0, 0, 0.0), (float("nan"), 0, 0.0), (1.0, -1, 0.0), (1.0, 0, 1.5)]:
         with pytest.raises(Exception) as e:
             Sampling.checked(*bad, seed=None)
-        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.code == Code.INVALID_ARGUMENT
     ids = [f"s{i}" for i in range(engine.max_sessions)]
     try:
         for sid in ids:
             engine.prefill(sid, [1, 2, 3], s, [])
         with pytest.raises(Exception) as e:
             engine.prefill("one-too-many", [1, 2, 3], s, [])
-        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert e.value.code == Code.RESOURCE_EXHAUSTED
         with pytest.raises(Exception) as e:
             engine.prefill(ids[0], [1, 2, 3], s, [])
-        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.code == Code.INVALID_ARGUMENT
     finally:
         assert engine.release(ids + ["unknown"]) == len(ids)
     assert not engine.sessions
 
 
-def test_context_full(smollm_model):
-    engine = TargetEngine(smollm_model, max_sessions=1, max_context=12, max_tree_width=8)
+@pytest.mark.parametrize("kind", sorted(ENGINES))
+def test_context_full(smollm_model, kind):
+    engine = ENGINES[kind](smollm_model, max_sessions=1, max_context=12, max_tree_width=8)
     s = Sampling.checked(0.0, 0, 0.0, 0)
     root = engine.prefill("c", list(range(1, 10)), s, []).first_token
     # L = 9: a chain of depth 3 reaches position 12 -> refused; depth 2 fits.
     with pytest.raises(Exception) as e:
         engine.verify("c", [root, 5, 6, 7], [-1, 0, 1, 2])
-    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert e.value.code == Code.RESOURCE_EXHAUSTED
     assert engine.session("c").length == 9
     v = engine.verify("c", [root, 5, 6], [-1, 0, 1])
     assert v.committed_length <= 12

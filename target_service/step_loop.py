@@ -1,0 +1,202 @@
+"""The step loop: one thread owns an engine (its model, pool and sessions); RPC handlers enqueue
+work and wait for its result (docs/ARCHITECTURE.md, "Step loop").
+
+Each tick the loop takes everything queued: calls (release, info, ...) run first, in order; then
+every queued verify item, from every request, runs as one ``engine.verify_batch`` (continuous
+batching: requests join and leave between ticks); then prefill chunks run under a token budget,
+oldest prompt first, so a long prompt never stalls the other sessions for more than one chunk.
+
+Used by both services: the target's engine (:class:`target_service.engine.TargetEngine` or
+:class:`target_service.batched_engine.BatchedEngine`) and the draft service's engine, through the
+``verify_batch`` / ``start_prefill`` / ``run_prefill`` methods (a draft engine uses only
+``verify_batch``, for its proposals).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from target_service.errors import EngineError, SessionNotFound
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Work:
+    kind: str                      # "batch", "prefill" or "call"
+    payload: Any
+    future: Future
+    enqueued: float = dataclasses.field(default_factory=time.perf_counter)
+
+
+@dataclasses.dataclass
+class BatchResult:
+    """What a submitted batch gets back: one result (or error) per item, the seconds the step(s)
+    that ran it took on the loop thread (``compute_s``) and how many items shared them."""
+
+    results: list
+    compute_s: float
+    batch_items: int
+    queue_s: float
+
+
+class StepLoop:
+    """Run ``engine`` on one thread.
+
+    Args:
+        engine: has a batch method (``verify_batch(items) -> list[result | EngineError]``) and, for prefills,
+            ``start_prefill(...) -> job`` and ``run_prefill(job, budget) -> tokens done``
+            (``job.outcome`` set when finished), and ``release(ids)``.
+        prefill_budget: most prompt tokens prefilled per tick.
+        name: thread name prefix.
+        batch_method: the engine method that runs a batch (``verify_batch`` for a target engine,
+            ``propose_batch`` for a draft engine).
+    """
+
+    def __init__(self, engine, prefill_budget: int = 512, name: str = "engine", batch_method: str = "verify_batch"):
+        self.engine = engine
+        self._batch_fn = getattr(engine, batch_method)
+        self.prefill_budget = max(1, int(prefill_budget))
+        self._q: queue.Queue[_Work | None] = queue.Queue()
+        self._prefills: collections.deque[tuple[Any, Future]] = collections.deque()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-step-loop", daemon=True)
+        #: ticks that ran a batch, batched items, seconds in batches, prefill tokens
+        self.ticks = 0
+        self.items = 0
+        self.busy_s = 0.0
+        self.prefill_tokens = 0
+        self._thread.start()
+
+    # ------------------------------------------------------------------ submitting
+    def _submit(self, kind: str, payload) -> Future:
+        if self._stop.is_set():
+            raise RuntimeError("the step loop is stopped")
+        fut: Future = Future()
+        self._q.put(_Work(kind, payload, fut))
+        return fut
+
+    def submit_batch(self, items: list) -> Future:
+        """Queue items for the next batched step; the future gives a :class:`BatchResult`."""
+        return self._submit("batch", list(items))
+
+    def batch(self, items: list) -> BatchResult:
+        """:meth:`submit_batch` and wait."""
+        return self.submit_batch(items).result()
+
+    def submit_prefill(self, *args) -> Future:
+        """Queue ``engine.start_prefill(*args)`` and its chunks; the future gives ``job.outcome``
+        (or raises the engine's error)."""
+        return self._submit("prefill", args)
+
+    def prefill(self, *args) -> Any:
+        """:meth:`submit_prefill` and wait."""
+        return self.submit_prefill(*args).result()
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn()`` on the loop thread (between steps) and return its result."""
+        return self._submit("call", fn).result()
+
+    def release(self, session_ids: list[str]) -> int:
+        """``engine.release(session_ids)`` on the loop thread."""
+        return self.call(lambda: self.engine.release(list(session_ids)))
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread after the current tick; queued work fails with RuntimeError."""
+        self._stop.set()
+        self._q.put(None)
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ the loop
+    def _take(self) -> list[_Work]:
+        """Everything queued; waits (up to 0.5 s) for the first item only when no prefill is pending."""
+        work = []
+        try:
+            work.append(self._q.get(timeout=0.5) if not self._prefills else self._q.get_nowait())
+            while True:
+                work.append(self._q.get_nowait())
+        except queue.Empty:
+            pass
+        return [w for w in work if w is not None]
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._tick(self._take())
+            except Exception:  # noqa: BLE001 - the loop must survive a bug in one tick
+                log.exception("step loop tick failed")
+        for w in self._take():
+            w.future.set_exception(RuntimeError("the step loop stopped"))
+
+    def _tick(self, work: list[_Work]) -> None:
+        batches = []
+        for w in work:
+            if w.kind == "batch":
+                batches.append(w)
+            elif w.kind == "call":
+                _settle(w.future, w.payload)
+            elif w.kind == "prefill":
+                try:
+                    self._prefills.append((self.engine.start_prefill(*w.payload), w.future))
+                except BaseException as e:  # noqa: BLE001
+                    w.future.set_exception(e)
+        if batches:
+            self._run_batches(batches)
+        self._run_prefills()
+
+    def _run_batches(self, batches: list[_Work]) -> None:
+        items = [item for w in batches for item in w.payload]
+        t0 = time.perf_counter()
+        try:
+            results = self._batch_fn(items)
+        except BaseException as e:  # noqa: BLE001 - a failed step fails its requests, not the loop
+            log.exception("batched step failed", extra={"items": len(items)})
+            for w in batches:
+                w.future.set_exception(e)
+            return
+        dt = time.perf_counter() - t0
+        self.ticks += 1
+        self.items += len(items)
+        self.busy_s += dt
+        at = 0
+        for w in batches:
+            n = len(w.payload)
+            w.future.set_result(BatchResult(results[at : at + n], dt, len(items), t0 - w.enqueued))
+            at += n
+
+    def _run_prefills(self) -> None:
+        budget = self.prefill_budget
+        while budget > 0 and self._prefills:
+            job, fut = self._prefills[0]
+            try:
+                n = self.engine.run_prefill(job, budget)
+            except BaseException as e:  # noqa: BLE001
+                self._prefills.popleft()
+                self.engine.release([job.session_id])
+                fut.set_exception(e)
+                continue
+            self.prefill_tokens += n
+            budget -= max(n, 1)
+            if job.outcome is not None or n == 0:
+                self._prefills.popleft()
+                if job.outcome is not None:
+                    fut.set_result(job.outcome)
+                else:
+                    fut.set_exception(SessionNotFound(f"session {job.session_id!r} was released during its prefill"))
+
+
+def _settle(fut: Future, fn: Callable[[], Any]) -> None:
+    try:
+        fut.set_result(fn())
+    except BaseException as e:  # noqa: BLE001
+        fut.set_exception(e)
+
+
+__all__ = ["BatchResult", "EngineError", "StepLoop"]
