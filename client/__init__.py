@@ -221,6 +221,10 @@ class AcceptanceStats:
     tokens_per_second: float = 0.0
     draft_fallbacks: int = 0
     autoregressive_steps: int = 0
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    draft_compute_s: float = 0.0
+    verify_compute_s: float = 0.0
 
     @classmethod
     def from_proto(cls, msg: generation_pb2.AcceptanceStats) -> AcceptanceStats:
@@ -254,6 +258,8 @@ class AcceptanceStats:
             f"  ({self.generated_tokens} tokens, decode {self.decode_time_s:.3f} s, wall {self.wall_time_s:.3f} s)",
             f"target forwards:              {self.target_forwards}"
             f"  (autoregressive {self.autoregressive_steps}, draft fallbacks {self.draft_fallbacks})",
+            f"step split:                   draft {self.draft_compute_s:.3f} s, verify {self.verify_compute_s:.3f} s,"
+            f" overhead {max(0.0, self.decode_time_s - self.draft_compute_s - self.verify_compute_s):.3f} s (gRPC, host, orchestrator)",
             f"drafts:                       {self.drafts}"
             f"  ({self.draft_tokens} draft tokens, {self.accepted_tokens} accepted, {100 * self.acceptance_rate:.1f}%)",
             f"requests:                     {self.requests}  (prompt tokens {self.prompt_tokens})",
@@ -340,6 +346,8 @@ class ModelInfo:
     features: list[str] = field(default_factory=list)
     device: str = ""
     max_tree_depth: int = 0
+    graph_captures: int = 0
+    free_slots: int = 0
 
     @classmethod
     def from_proto(cls, msg: common_pb2.ModelInfo) -> ModelInfo:

@@ -51,7 +51,8 @@ def _merge(stats: list[AcceptanceStats]) -> dict[str, Any]:
     hist: list[int] = []
     acc: list[int] = []
     drafted: list[int] = []
-    tot = {"generated_tokens": 0, "target_forwards": 0, "draft_tokens": 0, "accepted_tokens": 0, "decode_time_s": 0.0, "drafts": 0}
+    tot = {"generated_tokens": 0, "target_forwards": 0, "draft_tokens": 0, "accepted_tokens": 0, "decode_time_s": 0.0, "drafts": 0,
+           "draft_time_s": 0.0, "verify_time_s": 0.0, "draft_compute_s": 0.0, "verify_compute_s": 0.0}
     for s in stats:
         for key in tot:
             tot[key] += getattr(s, key)
@@ -60,8 +61,19 @@ def _merge(stats: list[AcceptanceStats]) -> dict[str, Any]:
             for i, v in enumerate(src):
                 dst[i] += v
     forwards = sum(hist)
+    per_step = 1000.0 / forwards if forwards else 0.0
     return {
         **tot,
+        # milliseconds per target forward (= per speculative step): the services' compute, the
+        # rest of the Propose / Verify round trips (gRPC, serialisation, queueing) and the
+        # orchestrator's own time between them
+        "step_ms": {
+            "total": tot["decode_time_s"] * per_step,
+            "draft_compute": tot["draft_compute_s"] * per_step,
+            "verify_compute": tot["verify_compute_s"] * per_step,
+            "grpc_and_queue": (tot["draft_time_s"] - tot["draft_compute_s"] + tot["verify_time_s"] - tot["verify_compute_s"]) * per_step,
+            "orchestrator": (tot["decode_time_s"] - tot["draft_time_s"] - tot["verify_time_s"]) * per_step,
+        },
         "tau": sum(t * c for t, c in enumerate(hist)) / forwards if forwards else 0.0,
         "tokens_per_second": tot["generated_tokens"] / tot["decode_time_s"] if tot["decode_time_s"] else 0.0,
         "draft_tokens_per_forward": tot["draft_tokens"] / forwards if forwards else 0.0,
@@ -103,13 +115,16 @@ def format_table(result: dict[str, Any]) -> str:
     """The benchmark as a fixed-width text table."""
     lines = [
         f"{result['prompts']} prompts, up to {result['max_tokens']} new tokens each, temperature 0",
-        f"{'config':<14} {'tau':>6} {'draft/fwd':>9} {'tok/s':>8} {'tokens':>7} {'forwards':>8} {'lossless':>8}  acceptance by depth",
+        f"{'config':<14} {'tau':>6} {'draft/fwd':>9} {'tok/s':>8} {'tokens':>7} {'forwards':>8} {'lossless':>8} "
+        f"{'ms/step: draft':>14} {'verify':>6} {'rpc':>5} {'orch':>5}  acceptance by depth",
     ]
     for name, r in result["configs"].items():
         depth = " ".join(f"{a:.2f}" for a in r["acceptance_per_depth"][:8])
         lines.append(
             f"{name:<14} {r['tau']:>6.3f} {r['draft_tokens_per_forward']:>9.1f} {r['tokens_per_second']:>8.2f} "
-            f"{r['generated_tokens']:>7} {r['target_forwards']:>8} {'yes' if r['lossless'] else 'NO':>8}  {depth}"
+            f"{r['generated_tokens']:>7} {r['target_forwards']:>8} {'yes' if r['lossless'] else 'NO':>8} "
+            f"{r['step_ms']['draft_compute']:>14.2f} {r['step_ms']['verify_compute']:>6.2f} {r['step_ms']['grpc_and_queue']:>5.2f} "
+            f"{r['step_ms']['orchestrator']:>5.2f}  {depth}"
         )
     return "\n".join(lines)
 

@@ -111,11 +111,14 @@ def speculative_tokens(
                 try:
                     if propose is None:
                         propose = draft.propose_stream(timeout)
+                    t0 = time.perf_counter()
                     reply = propose.exchange(
                         draft_pb2.ProposeRequest(
                             items=[draft_pb2.ProposeItem(session_id=session_id, features=pending, root_token=root, committed_length=L, tree=plan.tree)]
                         )
                     )
+                    stats.draft_time_s += time.perf_counter() - t0
+                    stats.draft_compute_s += reply.compute_s
                     item = reply.results[0]
                     check_item(item.status)
                     pending = None
@@ -133,9 +136,12 @@ def speculative_tokens(
                     if propose is not None:
                         propose.close()
                         propose = None
+            t0 = time.perf_counter()
             reply = verify.exchange(
                 target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(session_id=session_id, tree=common_pb2.TokenTree(tokens=tokens, parents=parents))])
             )
+            stats.verify_time_s += time.perf_counter() - t0
+            stats.verify_compute_s += reply.compute_s
             item = reply.results[0]
             check_item(item.status)
             k = len(item.accepted_tokens)

@@ -27,6 +27,10 @@ class AcceptanceStats:
     decode_time_s: float = 0.0
     draft_fallbacks: int = 0
     autoregressive_steps: int = 0
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    draft_compute_s: float = 0.0
+    verify_compute_s: float = 0.0
 
     @staticmethod
     def _bump(hist: list[int], index: int, by: int = 1) -> None:
