@@ -133,6 +133,8 @@ class BatchedEngine:
         batch_buckets, width_buckets: step shapes on CUDA (padded to the smallest that fits).
         max_step_tokens: most nodes of one step (``B x W``); larger batches are split into steps.
         prefill_chunk: most prompt tokens per prefill forward.
+        pad_to_buckets: pad steps to the buckets (default: on CUDA only; tests turn it on on the
+            CPU to check that padding is inert).
 
     Raises:
         ResourceExhausted: the budget does not hold one slot.
@@ -142,7 +144,7 @@ class BatchedEngine:
                  max_tree_depth: int = 32, feature_layers: list[int] | tuple[int, ...] = (),
                  memory_budget: int | None = None, cuda_graphs: bool = True,
                  batch_buckets: tuple[int, ...] = BATCH_BUCKETS, width_buckets: tuple[int, ...] = WIDTH_BUCKETS,
-                 max_step_tokens: int = 1024, prefill_chunk: int = 512):
+                 max_step_tokens: int = 1024, prefill_chunk: int = 512, pad_to_buckets: bool | None = None):
         self.model, self.cfg = model, model.cfg
         self.device, self.dtype = model.device, model.dtype
         self.max_context = min(max_context, model.cfg.context_length)
@@ -152,6 +154,7 @@ class BatchedEngine:
         self.prefill_chunk = prefill_chunk
         self.cuda = self.device.type == "cuda"
         self.cuda_graphs = cuda_graphs and self.cuda
+        self.pad = self.cuda if pad_to_buckets is None else pad_to_buckets
         self.width_buckets = tuple(sorted({w for w in width_buckets if w < self.max_tree_width} | {self.max_tree_width}))
         self.batch_buckets = tuple(sorted(set(batch_buckets)))
         shape = PoolShape.of(self.cfg, self.max_context, self.max_tree_width)
@@ -180,7 +183,7 @@ class BatchedEngine:
         return len(self.taps) * self.cfg.hidden_size
 
     def _bucket(self, n: int, buckets: tuple[int, ...]) -> int:
-        if not self.cuda:
+        if not self.pad:
             return n
         for b in buckets:
             if b >= n:
@@ -377,7 +380,7 @@ class BatchedEngine:
     def _plan(self, ready: list) -> list[list]:
         """Split the ready items into steps that fit a bucket and ``max_step_tokens``."""
         groups, cur, width = [], [], 0
-        max_rows = self.batch_buckets[-1] if self.cuda else len(ready) or 1
+        max_rows = self.batch_buckets[-1] if self.pad else len(ready) or 1
         for item in ready:
             w = max(width, len(item[2]))
             rows = len(cur) + 1

@@ -123,6 +123,9 @@ class GGUFFile:
         t = self._tensor(name)
         qtype = GGMLQuantizationType(t.tensor_type)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if qtype == GGMLQuantizationType.BF16 and dtype == torch.bfloat16:  # exact: no float32 round trip
+            raw = torch.from_numpy(np.array(np.asarray(t.data).view(np.int16), copy=True).reshape(shape))
+            return raw.view(torch.bfloat16).to(device=device)
         if qtype == GGMLQuantizationType.F32:
             arr = np.asarray(t.data, dtype=np.float32)
         elif qtype == GGMLQuantizationType.F16:

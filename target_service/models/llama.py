@@ -180,7 +180,7 @@ class LlamaModel:
 
             it = tqdm(names, desc="loading target", unit="tensor", leave=False)
         for name in it:
-            t = g.load_tensor(name, dtype=torch.float32)
+            t = g.load_tensor(name, dtype=torch.float32 if dtype == torch.float64 else dtype, device=device)
             if name.endswith("attn_q.weight"):
                 t = unpermute_rotary_rows(t, cfg.num_heads)
             elif name.endswith("attn_k.weight"):

@@ -330,7 +330,8 @@ class Qwen35Model:
             from tqdm import tqdm
 
             it = tqdm(names, desc="loading target", unit="tensor", leave=False)
-        weights = {name: g.load_tensor(name, dtype=torch.float32).to(dtype) for name in it}
+        weights = {name: g.load_tensor(name, dtype=torch.float32 if name.endswith(("ssm_a", "ssm_dt.bias")) else dtype, device=device)
+                   for name in it}
         return cls(cfg, weights, device, dtype, rollback)
 
     def new_cache(self, max_length: int) -> HybridCache:

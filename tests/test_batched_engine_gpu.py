@@ -1,0 +1,245 @@
+"""On a GPU: the batched engine's CUDA path (Triton kernels, CUDA graphs) against the plain-PyTorch
+reference. Skipped without CUDA (CI); ``tools/gpu_checks.sh`` runs them on an H100/H200 and
+commits the output under benchmarks/gpu/.
+
+Tolerances: kernels alone on fresh random inputs, float32, against the reference in float32:
+relative error 1e-5 (no tf32 anywhere: float32 dots are IEEE); bf16 inputs: 2e-2 (bf16
+operands, float32 accumulation). Whole models in float32 on the GPU against the CPU float32
+reference: logits within 2e-3 absolute (summation order over 30 layers). Token streams: equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+from tests.test_batched_engine import ar_stream, speculative_streams  # noqa: E402
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _bits(parents):
+    bits = []
+    for i, p in enumerate(parents):
+        bits.append((1 << i) | (bits[p] if p >= 0 else 0))
+    return [b - (1 << 64) if b >= 1 << 63 else b for b in bits]
+
+
+def _random_tree(rng, w):
+    return [-1] + [rng.randrange(i) for i in range(1, w)]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("b,w,hq,hkv,d,causal", [(1, 1, 9, 3, 64, False), (4, 16, 9, 3, 64, False), (3, 64, 8, 2, 256, False),
+                                                 (1, 300, 8, 2, 256, True), (16, 8, 16, 4, 256, False)])
+def test_pool_attention_triton_matches_reference(dtype, tol, b, w, hq, hkv, d, causal):
+    from kernels.attention import reference
+    from kernels.attention import triton as tri
+
+    rng = random.Random(b * w + d)
+    s, r = b + 2, 1200
+    gen = torch.Generator(device="cuda").manual_seed(b + w)
+    k = torch.randn(s, r, hkv, d, device="cuda", generator=gen).to(dtype)
+    v = torch.randn(s, r, hkv, d, device="cuda", generator=gen).to(dtype)
+    q = torch.randn(b, w, hq, d, device="cuda", generator=gen).to(dtype)
+    slots = torch.randperm(s, device="cuda")[:b]
+    lengths = torch.tensor([rng.randrange(0, r - w) for _ in range(b)], device="cuda")
+    anc = None if causal else torch.tensor([_bits(_random_tree(rng, w)) for _ in range(b)], device="cuda")
+    ref = reference.pool_attention(q.float(), k.float(), v.float(), slots, lengths, anc, d**-0.5, causal)
+    for splits in (1, 7):
+        out = tri.pool_attention(q, k, v, slots, lengths, anc, d**-0.5, causal, splits=splits)
+        assert torch.isfinite(out).all()
+        assert rel(out, ref) < tol
+
+
+@pytest.mark.parametrize("b,w,hk,hv", [(1, 1, 16, 16), (4, 16, 16, 32), (2, 64, 16, 32)])
+def test_gdn_triton_matches_reference(b, w, hk, hv):
+    from kernels.gated_delta import l2norm, reference
+    from kernels.gated_delta import triton as tri
+
+    rng = random.Random(w)
+    gen = torch.Generator(device="cuda").manual_seed(w)
+    dk = dv = 128
+    q = l2norm(torch.randn(b, w, hk, dk, device="cuda", generator=gen)) / dk**0.5
+    k = l2norm(torch.randn(b, w, hk, dk, device="cuda", generator=gen))
+    v = torch.randn(b, w, hv, dv, device="cuda", generator=gen)
+    g = -torch.rand(b, w, hv, device="cuda", generator=gen)
+    beta = torch.rand(b, w, hv, device="cuda", generator=gen)
+    pool = torch.randn(b + 1, hv, dk, dv, device="cuda", generator=gen) * 0.1
+    slots = torch.randperm(b + 1, device="cuda")[:b]
+    trees = [_random_tree(rng, w) for _ in range(b)]
+    parents = torch.tensor(trees, device="cuda")
+    anc = torch.tensor([_bits(t) for t in trees], device="cuda")
+    o_ref = reference.pool_gdn_tree(q, k, v, g, beta, pool.clone(), slots, parents, anc)
+    o = tri.pool_gdn_tree(q, k, v, g, beta, pool.clone(), slots, parents, anc)
+    assert rel(o, o_ref) < 1e-5
+    path = torch.stack([torch.randperm(w, device="cuda") for _ in range(b)])
+    n = torch.randint(1, w + 1, (b,), device="cuda")
+    p_ref, p = pool.clone(), pool.clone()
+    reference.pool_gdn_commit(p_ref, slots, k, v, g, beta, path, n)
+    tri.pool_gdn_commit(p, slots, k, v, g, beta, path, n)
+    assert rel(p, p_ref) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def smollm_gpu(smollm_path):
+    from target_service.models.llama import LlamaModel
+
+    return {dt: LlamaModel.from_gguf(smollm_path, device="cuda", dtype=dt) for dt in (torch.float32, torch.bfloat16)}
+
+
+@pytest.fixture(scope="module")
+def q35_gpu(tmp_path_factory):
+    from target_service.models.qwen35 import Qwen35Model
+    from target_service.synth import PRESETS, write_qwen35
+    from tests.tiny_models import write_tiny_llama
+
+    d = tmp_path_factory.mktemp("q35gpu")
+    tok = str(d / "tok.gguf")
+    write_tiny_llama(tok)
+    cfg = dataclasses.replace(PRESETS["tiny"], num_hidden_layers=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                              linear_key_head_dim=32, linear_value_head_dim=32, head_dim=64)
+    path = str(d / "q35.gguf")
+    write_qwen35(path, cfg, seed=4, tokenizer_from=tok, std=0.05, progress=False)
+    return {"cpu": Qwen35Model.from_gguf(path), "cuda": Qwen35Model.from_gguf(path, device="cuda"),
+            "cuda-bf16": Qwen35Model.from_gguf(path, device="cuda", dtype=torch.bfloat16)}
+
+
+def _engines(model, **kw):
+    from target_service.batched_engine import BatchedEngine
+
+    base = dict(max_sessions=4, max_context=512, max_tree_width=32, max_tree_depth=10, batch_buckets=(1, 2, 4),
+                width_buckets=(1, 4, 8, 16, 32))
+    base.update(kw)
+    return BatchedEngine(model, cuda_graphs=True, **base), BatchedEngine(model, cuda_graphs=False, **base)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_llama_streams_graphs_on_off_and_cpu_reference(smollm_model, smollm_gpu, smollm_tokenizer, temperature):
+    """Real prompts, SmolLM2: float32 GPU engine (graphs on, off) == CPU reference engine; bf16
+    graphs on == bf16 graphs off (same kernels, same shapes)."""
+    from target_service.engine import Sampling, TargetEngine
+
+    from tests.conftest import PROMPTS
+
+    s = Sampling.checked(temperature, 40 if temperature else 0, 0.9 if temperature else 0.0, seed=11)
+    prompts = [smollm_tokenizer.encode(t) for t in PROMPTS[:3]]
+    ref = TargetEngine(smollm_model, max_sessions=2, max_context=512, max_tree_width=32, max_tree_depth=10)
+    n = 40
+    want = [ar_stream(ref, "r", p, s, n)[0] for p in prompts]
+    for dt in (torch.float32, torch.bfloat16):
+        on, off = _engines(smollm_gpu[dt], feature_layers=[1, 7, 14])
+        got_on = speculative_streams(on, prompts, s, want, n)[0]
+        got_off = speculative_streams(off, prompts, s, want, n)[0]
+        assert got_on == got_off
+        if dt == torch.float32:
+            assert got_on == want
+            assert [ar_stream(on, "a", p, s, n)[0] for p in prompts] == want
+        assert on.captures == len(on._runners) > 1          # one graph per bucket used, captured once
+
+
+
+def test_qwen35_streams_equal_cpu_reference(q35_gpu):
+    from target_service.engine import Sampling, TargetEngine
+
+    s = Sampling.checked(0.0, 0, 0.0, 0)
+    gen = torch.Generator().manual_seed(1)
+    m = q35_gpu["cpu"]
+    prompts = [torch.randint(0, m.cfg.vocab_size, (k,), generator=gen).tolist() for k in (5, 70, 300)]
+    ref = TargetEngine(m, max_sessions=2, max_context=512, max_tree_width=32, max_tree_depth=10)
+    n = 32
+    want = [ar_stream(ref, "r", p, s, n, [1, 5])[0] for p in prompts]
+    on, off = _engines(q35_gpu["cuda"], feature_layers=[1, 5], prefill_chunk=64)
+    assert speculative_streams(on, prompts, s, want, n, layers=[1, 5])[0] == want
+    assert speculative_streams(off, prompts, s, want, n, layers=[1, 5])[0] == want
+    on16, off16 = _engines(q35_gpu["cuda-bf16"])
+    assert speculative_streams(on16, prompts, s, want, n, layers=[])[0] == speculative_streams(off16, prompts, s, want, n, layers=[])[0]
+
+
+def test_gpu_forward_logits_match_cpu_reference(q35_gpu, smollm_model, smollm_gpu):
+    """The pooled forward of a padded batch of trees on CUDA (float32) against the reference
+    model forward of each tree alone on the CPU."""
+    import numpy as np
+
+    from target_service.batched_engine import BatchedEngine
+    from target_service.pooled import StepLayout, StepTensors, forward
+    from target_service.tree import analyze_tree, tree_tensors
+
+    rng = random.Random(3)
+    for cpu, gpu in ((q35_gpu["cpu"], q35_gpu["cuda"]), (smollm_model, smollm_gpu[torch.float32])):
+        eng = BatchedEngine(gpu, max_sessions=3, max_context=256, max_tree_width=16, cuda_graphs=False)
+        trees = [_random_tree(rng, w) for w in (1, 5, 16)]
+        lay = StepLayout(3, 16)
+        buf = np.zeros(lay.size, dtype=np.int64)
+        v = lay.host_views(buf)
+        for r, par in enumerate(trees):
+            toks = [rng.randrange(cpu.cfg.vocab_size) for _ in par]
+            depth, bits = analyze_tree(toks, par, cpu.cfg.vocab_size, 16)
+            n = len(par)
+            v["tokens"][r, :n], v["parents"][r, :n], v["depth"][r, :n], v["ancestors"][r, :n] = toks, par, depth, bits
+            v["n_nodes"][r], v["slots"][r], v["lengths"][r] = n, r, 0
+        lay.fill_padding(buf, eng.pool.spare, first_row=3)
+        st = StepTensors.from_buffer(lay, torch.from_numpy(buf).cuda(), eng.conv_kernel)
+        x, _, _ = forward(gpu, eng.pool, st, eng.rope, [], commit_chain=False)
+        logits = gpu.logits(x).reshape(3, 16, -1)
+        for r, par in enumerate(trees):
+            n = len(par)
+            toks = v["tokens"][r, :n].tolist()
+            tt = tree_tensors(toks, par)
+            ref = cpu.forward(tt.tokens, tt.depth, tt.ancestors, cpu.new_cache(64), parents=par).logits
+            assert (logits[r, :n].cpu() - ref).abs().max().item() < 2e-3
+
+
+def test_one_host_sync_per_step_and_no_hidden_syncs(smollm_gpu, smollm_tokenizer):
+    """verify_batch synchronises with the GPU exactly once per step (CUDA sync debug mode turns
+    any other synchronising call into an error)."""
+    from target_service.engine import Sampling
+
+    eng, _ = _engines(smollm_gpu[torch.bfloat16], feature_layers=[1, 7])
+    eng.capture()
+    s = Sampling.checked(0.7, 20, 0.9, seed=1)
+    roots = [eng.prefill(f"s{i}", smollm_tokenizer.encode("Hello there"), s, [1, 7]).first_token for i in range(3)]
+    calls = []
+    orig = torch.cuda.Stream.synchronize
+
+    def counting(self):
+        calls.append(1)
+        return orig(self)
+
+    torch.cuda.Stream.synchronize = counting
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(5):
+            items = [(f"s{i}", [roots[i], 5, 6, 7], [-1, 0, 1, 0]) for i in range(3)]
+            res = eng.verify_batch(items)
+            roots = [r.bonus_token for r in res]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.Stream.synchronize = orig
+    assert len(calls) == 5 and eng.steps >= 5
+    assert eng.captures == len(eng.buckets())
+
+
+def test_reused_slot_and_other_sessions_untouched_on_gpu(q35_gpu):
+    from target_service.engine import Sampling
+    from tests.test_batched_engine import _slot_state
+
+    s = Sampling.checked(0.0, 0, 0.0, 0)
+    fresh, _ = _engines(q35_gpu["cuda"], max_sessions=2)
+    want = ar_stream(fresh, "y", [9, 8, 7], s, 12, [])[0]
+    eng, _ = _engines(q35_gpu["cuda"], max_sessions=2)
+    ar_stream(eng, "x", list(range(1, 40)), s, 12, [])
+    eng.prefill("c", [4, 5, 6], s, [])
+    c = eng.sessions["c"]
+    before = _slot_state(eng, c.slot)
+    assert ar_stream(eng, "y", [9, 8, 7], s, 12, [])[0] == want
+    for a, b in zip(before, _slot_state(eng, c.slot)):
+        assert torch.equal(a, b)

