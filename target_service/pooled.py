@@ -29,6 +29,7 @@ import torch
 from kernels import attention as attn_ops
 from kernels import gated_delta as gdn_ops
 from kernels.sampling import filter_thresholds, sample_tokens
+from kernels.rope import rope_store
 from kernels.sampling.accept import accept_trees
 
 
@@ -86,6 +87,7 @@ class StepLayout:
         for name in ("lengths", "seeds", "top_k", "inv_temperature", "top_p"):
             v[name][r] = 0
         v["tokens"][r] = 0
+        v["parents"][r, 0], v["depth"][r, 0], v["ancestors"][r, 0] = -1, 0, 1
         pad = np.arange(self.width)[None, :] >= v["n_nodes"][:, None]
         v["tokens"][pad] = 0
         v["parents"][pad] = -1
@@ -157,14 +159,12 @@ class PoolBackend:
         self.saved_conv: dict[int, torch.Tensor] = {}
         self.b, self.w = st.tokens.shape
 
-    def attend(self, layer: int, q, k, v, scale: float) -> torch.Tensor:
+    def attend(self, layer: int, q, k, v, scale: float, cos, sin) -> torch.Tensor:
         st, pool = self.st, self.pool
         a = pool.attn_index[layer]
         n, hq, d = q.shape
         kp, vp = pool.k[a], pool.v[a]
-        where = (st.slots[:, None], st.rows)
-        kp[where] = k.reshape(self.b, self.w, *k.shape[1:]).to(kp.dtype)
-        vp[where] = v.reshape(self.b, self.w, *v.shape[1:]).to(vp.dtype)
+        q = rope_store(q, k, v, cos, sin, kp, vp, st.slots, st.rows)
         o = attn_ops.pool_attention(q.reshape(self.b, self.w, hq, d), kp, vp, st.slots, st.lengths,
                                     None if self.causal else st.ancestors, scale, causal=self.causal, splits=self.splits)
         return o.reshape(n, hq * d)

@@ -157,7 +157,7 @@ def test_bad_items_get_their_status_and_spare_the_batch(smollm_model, prompts):
         ("nobody", [1], [-1]),                       # unknown session
         ("a", [root, 5], [-1, 1]),                   # malformed tree
         ("a", [root + 1, 5], [-1, 0]),              # wrong root
-        ("full", [full_root, 5, 6], [-1, 0, 1]),     # context full (61 + 3 > 64)
+        ("full", [full_root, 5, 6, 7], [-1, 0, 1, 2]),  # context full (61 + depth 3 + 1 > 64)
         ("a", [root], [-1]),                         # the good item
         ("a", [root], [-1]),                         # the same session twice
         ("a", [root] * 9, [-1] + [0] * 8),           # too wide

@@ -1,6 +1,7 @@
 """Building blocks shared by the target models and the DFlash drafter (plain PyTorch references).
 
-* :func:`rms_norm` — ``x / sqrt(mean(x^2) + eps) * w`` (HF ``LlamaRMSNorm`` / ``Qwen3RMSNorm``).
+* :func:`rms_norm` — ``x / sqrt(mean(x^2) + eps) * w`` (HF ``LlamaRMSNorm`` / ``Qwen3RMSNorm``),
+  re-exported from ``kernels.norm.reference``.
 * :func:`rope_cos_sin`, :func:`apply_rope` (and :func:`apply_rope_rows`, :func:`rope_table` for
   the GPU engine's rows-first layout and per-position tables) — rotary position embedding in the NeoX / HF
   "rotate_half" layout, optionally on the first ``rope_dim`` dims of a head only (partial rotary,
@@ -11,22 +12,11 @@ from __future__ import annotations
 
 import torch
 
+from kernels.norm.reference import rms_norm  # noqa: F401 (the reference; models call kernels.norm)
+
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS norm over the last dim; statistics in float32 (float64 for float64 ``x``), result in
-    ``x``'s dtype times ``weight``.
-
-    Args:
-        x: ``[..., N]``.
-        weight: ``[N]``, multiplied as stored (a GGUF ``1 + w`` norm is already folded in).
-    """
-    xf = x.to(_acc(x.dtype))
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * y.to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import tree_attention
-from target_service.models.layers import apply_rope_rows, rms_norm, rope_cos_sin
+from kernels.activation import silu_mul
+from kernels.norm import add_rms_norm, rms_norm
+from target_service.models.layers import apply_rope_rows, rope_cos_sin
 from target_service.gguf_loader import GGUFError, GGUFFile, open_gguf, vocab_size
 from target_service.models.kv_cache import KVCache
 
@@ -116,9 +118,12 @@ class SessionKV:
         self.new_k: dict[int, torch.Tensor] = {}
         self.new_v: dict[int, torch.Tensor] = {}
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """``[T, Hq, D]`` queries over the cache rows ``[0, L)`` and the masked new rows -> ``[T, Hq * D]``."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``[T, Hq, D]`` queries and ``[T, Hkv, D]`` keys, attend over the cache rows
+        ``[0, L)`` and the masked new rows -> ``[T, Hq * D]``."""
         n = self.cache.length
+        q, k = apply_rope_rows(q, cos, sin), apply_rope_rows(k, cos, sin)
         kt, vt = k.transpose(0, 1), v.transpose(0, 1)
         o = tree_attention(q.transpose(0, 1), self.cache.k[layer][:, :n], self.cache.v[layer][:, :n], kt, vt, self.mask, scale)
         self.new_k[layer], self.new_v[layer] = kt, vt
@@ -197,17 +202,21 @@ class LlamaModel:
                        taps: list[int] | tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The decoder layers over ``N`` token rows (one sequence or a flattened batch).
 
+        Each residual add is fused into the norm that follows it (``kernels.norm.add_rms_norm``),
+        so the result is the final hidden state already through ``output_norm``.
+
         Args:
             x: ``[N, H]`` embeddings.
             cos, sin: ``[N, rope_dim]`` rotary tables of the rows' positions (float64 or float32
                 holding the float64 values rounded, :func:`~target_service.models.layers.rope_table`).
             backend: where K/V live: ``backend.attend(layer, q [N, Hq, D], k [N, Hkv, D],
-                v [N, Hkv, D], scale) -> [N, Hq * D]`` (this module's :class:`SessionKV` for one
-                session's cache; ``target_service.pooled.PoolBackend`` for the GPU engine's pool).
+                v [N, Hkv, D], scale, cos, sin) -> [N, Hq * D]`` applies the rotary embedding to
+                ``q`` and ``k`` and attends (this module's :class:`SessionKV` for one session's
+                cache; ``target_service.pooled.PoolBackend`` for the GPU engine's pool).
             taps: layers whose outputs (residual stream after the layer) to return.
 
         Returns:
-            ``(x [N, H] after the last layer, {layer: [N, H]} for the taps)``.
+            ``(h [N, H] normed by output_norm, {layer: [N, H]} for the taps)``.
         """
         c = self.cfg
         n = x.shape[0]
@@ -215,23 +224,22 @@ class LlamaModel:
         scale = 1.0 / math.sqrt(c.head_dim)
         want = set(taps)
         feats = {}
+        h = rms_norm(x, self.layers[0]["attn_norm"], c.rms_eps)
         for i, lw in enumerate(self.layers):
-            h = rms_norm(x, lw["attn_norm"], c.rms_eps)
             qkv = F.linear(h, lw["qkv"])
-            q = apply_rope_rows(qkv[:, :q_size].reshape(n, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rope_rows(qkv[:, q_size : q_size + kv_size].reshape(n, c.num_kv_heads, c.head_dim), cos, sin)
+            q = qkv[:, :q_size].reshape(n, c.num_heads, c.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].reshape(n, c.num_kv_heads, c.head_dim)
             v = qkv[:, q_size + kv_size :].reshape(n, c.num_kv_heads, c.head_dim)
-            x = x + F.linear(backend.attend(i, q, k, v, scale), lw["o"])
-            h = rms_norm(x, lw["ffn_norm"], c.rms_eps)
-            gu = F.linear(h, lw["gate_up"])
-            x = x + F.linear(F.silu(gu[:, : c.intermediate_size]) * gu[:, c.intermediate_size :], lw["down"])
+            x, h = add_rms_norm(x, F.linear(backend.attend(i, q, k, v, scale, cos, sin), lw["o"]), lw["ffn_norm"], c.rms_eps)
+            nxt = self.layers[i + 1]["attn_norm"] if i + 1 < len(self.layers) else self.norm
+            x, h = add_rms_norm(x, F.linear(silu_mul(F.linear(h, lw["gate_up"])), lw["down"]), nxt, c.rms_eps)
             if i in want:
                 feats[i] = x
-        return x, feats
+        return h, feats
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[N, V]`` of final hidden rows ``x`` ``[N, H]`` (output norm + LM head)."""
-        return F.linear(rms_norm(x, self.norm, self.cfg.rms_eps), self.lm_head).float()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[N, V]`` of final normed hidden rows ``h`` ``[N, H]`` (LM head)."""
+        return F.linear(h, self.lm_head).float()
 
     @torch.no_grad()
     def forward(

@@ -64,12 +64,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import tree_attention
 from kernels.gated_delta import fla as fla_kernels
 from kernels.gated_delta import causal_conv_tree, conv_state_after, gdn_update, l2norm, recurrent_gated_delta_rule, tree_gated_delta_rule
 from target_service.gguf_loader import GGUFError, GGUFFile, open_gguf, vocab_size
 from target_service.models.kv_cache import KVCache
-from target_service.models.layers import apply_rope_rows, rms_norm, rope_cos_sin
+from kernels.activation import silu_mul
+from kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
+from target_service.models.layers import rope_cos_sin
 from target_service.models.llama import SessionKV
 
 log = logging.getLogger(__name__)
@@ -347,9 +348,8 @@ class Qwen35Model:
         kv = F.linear(h, lw["kv"])
         k = kv[:, : c.num_kv_heads * c.head_dim].reshape(t, c.num_kv_heads, c.head_dim)
         v = kv[:, c.num_kv_heads * c.head_dim :].reshape(t, c.num_kv_heads, c.head_dim)
-        q = apply_rope_rows(rms_norm(q, lw["q_norm"], c.rms_eps), cos, sin)
-        k = apply_rope_rows(rms_norm(k, lw["k_norm"], c.rms_eps), cos, sin)
-        o = backend.attend(i, q, k, v, 1.0 / math.sqrt(c.head_dim)) * torch.sigmoid(gate)
+        q, k = rms_norm(q, lw["q_norm"], c.rms_eps), rms_norm(k, lw["k_norm"], c.rms_eps)
+        o = backend.attend(i, q, k, v, 1.0 / math.sqrt(c.head_dim), cos, sin) * torch.sigmoid(gate)
         return F.linear(o, lw["o"])
 
     def _gdn_inputs(self, lw, h):
@@ -383,7 +383,7 @@ class Qwen35Model:
         conv_out = F.silu(backend.conv(i, conv_in, lw["conv"]))
         q, k, v = self._gdn_qkv(conv_out)
         o = backend.recurrence(i, q, k, v, g, beta)
-        o = rms_norm(o.to(h.dtype), lw["ssm_norm"], c.rms_eps) * F.silu(z.reshape(t, c.linear_num_value_heads, c.linear_value_head_dim))
+        o = gated_rms_norm(o, z.reshape(t, c.linear_num_value_heads, c.linear_value_head_dim), lw["ssm_norm"], c.rms_eps)
         return F.linear(o.reshape(t, -1), lw["out"])
 
     def layers_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend,
@@ -393,35 +393,34 @@ class Qwen35Model:
         Args:
             x: ``[N, H]`` embeddings; cos, sin: ``[N, rope_dim]`` rotary tables of the rows.
             backend: where the state lives. Attention: ``attend(layer, q [N, Hq, D], k, v [N, Hkv, D],
-                scale) -> [N, Hq * D]``; GDN: ``conv(layer, conv_in [N, C], weight [C, K]) -> [N, C]``
+                scale, cos, sin) -> [N, Hq * D]`` (rotary applied by the backend); GDN: ``conv(layer, conv_in [N, C], weight [C, K]) -> [N, C]``
                 (before the SiLU) and ``recurrence(layer, q [N, Hk, Dk], k [N, Hk, Dk], v [N, HV, Dv],
                 g [N, HV], beta [N, HV]) -> [N, HV, Dv]`` float32 (value head ``j`` reads key head
                 ``j mod Hk``). :class:`SessionHybrid` for one session's cache;
                 ``target_service.pooled.PoolBackend`` for the GPU engine's pool.
             taps: layers whose outputs to return.
 
+        Each residual add is fused into the norm that follows it (``kernels.norm.add_rms_norm``).
+
         Returns:
-            ``(x [N, H], {layer: [N, H]})``.
+            ``(h [N, H] normed by output_norm, {layer: [N, H]})``.
         """
         c = self.cfg
         want = set(taps)
         feats = {}
+        h = rms_norm(x, self.layers[0]["attn_norm"], c.rms_eps)
         for i, lw in enumerate(self.layers):
-            h = rms_norm(x, lw["attn_norm"], c.rms_eps)
-            if c.is_attention(i):
-                x = x + self._attention(i, lw, h, cos, sin, backend)
-            else:
-                x = x + self._gdn(i, lw, h, backend)
-            h = rms_norm(x, lw["post_norm"], c.rms_eps)
-            gu = F.linear(h, lw["gate_up"])
-            x = x + F.linear(F.silu(gu[:, : c.intermediate_size]) * gu[:, c.intermediate_size :], lw["down"])
+            mix = self._attention(i, lw, h, cos, sin, backend) if c.is_attention(i) else self._gdn(i, lw, h, backend)
+            x, h = add_rms_norm(x, mix, lw["post_norm"], c.rms_eps)
+            nxt = self.layers[i + 1]["attn_norm"] if i + 1 < len(self.layers) else self.norm
+            x, h = add_rms_norm(x, F.linear(silu_mul(F.linear(h, lw["gate_up"])), lw["down"]), nxt, c.rms_eps)
             if i in want:
                 feats[i] = x
-        return x, feats
+        return h, feats
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[N, V]`` of final hidden rows ``x`` ``[N, H]``."""
-        return F.linear(rms_norm(x, self.norm, self.cfg.rms_eps), self.lm_head).float()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[N, V]`` of final normed hidden rows ``h`` ``[N, H]``."""
+        return F.linear(h, self.lm_head).float()
 
     # ------------------------------------------------------------------ API
     @torch.no_grad()
