@@ -28,7 +28,11 @@ Model (``L`` decoder layers, Qwen3 style, hidden size ``H`` = the target's)::
   are per row), so they are computed once per session and cached (:class:`DrafterContext`): the
   cached path (:meth:`DFlashDrafter.append_context` + :meth:`DFlashDrafter.block_logits`) and the
   uncached one (:meth:`DFlashDrafter.forward_block`) run the same functions
-  (``_context_kv``, ``_layer``, ``_attention``).
+  (``_context_kv``, ``_layer``, ``_attention``). The pooled GPU engine
+  (:class:`draft_service.batched.BatchedDrafter`) runs them too (``context_rows``,
+  ``_context_kv``, ``run_blocks`` / ``_layer``), with attention over its context pool
+  (``kernels.attention.pool_attention``) as the layer's attention backend instead of
+  :meth:`DFlashDrafter._attention`.
 * The drafter has no embedding or LM head of its own: it borrows the target's ``token_embd.weight``
   and ``output.weight`` (``token_embd.weight`` when tied), read from the target GGUF. Both are
   buffers (frozen), not parameters.
@@ -43,7 +47,7 @@ import logging
 import math
 import os
 import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +61,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_NUM_LAYERS = 2
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_NUM_TARGET_LAYERS = 5
+
+#: An attention backend of :meth:`DFlashDrafter._layer`: ``(q [nb, nh, B, D], k_blk [nb, nkv, B, D],
+#: v_blk [nb, nkv, B, D]) -> [nb, B, nh * D]`` in ``q``'s dtype.
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 # GGUF tokenizer token types (llama.cpp ``llama_token_type``).
 _TOKEN_TYPE_CONTROL = 3
@@ -511,6 +519,12 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"features must be [rows, {c.feature_size}], got {tuple(features.shape)}")
         if not features.is_floating_point():
             raise ValueError(f"features must be floating point, got {features.dtype}")
+        return self.context_rows(features)
+
+    def context_rows(self, features: torch.Tensor) -> torch.Tensor:
+        """``hidden_norm(fc(features))`` without shape checks: ``[..., N*H]`` (any float dtype,
+        any device) -> ``[..., H]`` in the model dtype and device. The pooled engine
+        (:mod:`draft_service.batched`) calls it on padded ``[B, A, N*H]`` batches."""
         x = features.to(device=self.device, dtype=self.dtype)
         return self.hidden_norm(self.fc(x))
 
@@ -526,8 +540,8 @@ class DFlashDrafter(nn.Module):
         return apply_rope(k, cos, sin), v.transpose(-2, -3)
 
     def _context_kv(self, layer: DFlashLayer, ctx: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Context keys/values of one layer: ``ctx`` ``[n, H]`` (projected features) at
-        ``positions`` ``[n]`` -> ``[nkv, n, D]`` each. Uses the layer's own k/v projections and
+        """Context keys/values of one layer: ``ctx`` ``[..., n, H]`` (projected features) at
+        ``positions`` ``[..., n]`` -> ``[..., nkv, n, D]`` each. Uses the layer's own k/v projections and
         k_norm on ``ctx`` directly (no ``attn_norm``: the reference feeds ``target_hidden`` as is)."""
         return self._kv(layer, ctx, positions)
 
@@ -568,16 +582,17 @@ class DFlashDrafter(nn.Module):
         out = out + torch.einsum("bkgqn,bknd->bkgqd", p[..., n:], v_blk.to(acc))
         return out.reshape(nb, nh, B, D).transpose(1, 2).reshape(nb, B, nh * D).to(q.dtype)
 
-    def _layer(
-        self,
-        layer: DFlashLayer,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        k_ctx: torch.Tensor,
-        v_ctx: torch.Tensor,
-        ctx_visible: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """One decoder layer over blocks ``x`` ``[nb, B, H]`` at ``positions`` ``[nb, B]``."""
+    def _layer(self, layer: DFlashLayer, x: torch.Tensor, positions: torch.Tensor, attend: "Attend") -> torch.Tensor:
+        """One decoder layer over blocks ``x`` ``[nb, B, H]`` at ``positions`` ``[nb, B]``.
+
+        ``attend(q, k_blk, v_blk) -> [nb, B, nh * D]`` is the attention backend: ``q``
+        ``[nb, nh, B, D]`` (q_norm + RoPE applied), ``k_blk`` / ``v_blk`` ``[nb, nkv, B, D]`` the
+        block's own keys (k_norm + RoPE) and values. The dense backend (:meth:`_dense_attend`:
+        context K/V held as tensors) serves training, the uncached and the per-session cached
+        path; the pooled engine's backend writes the block K/V into its context pool and runs
+        ``kernels.attention.pool_attention`` (:mod:`draft_service.batched`). Everything else of
+        the layer is this function, shared by all of them.
+        """
         c = self.config
         nb, B, _ = x.shape
         h = layer.attn_norm(x)
@@ -585,9 +600,26 @@ class DFlashDrafter(nn.Module):
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
         q = apply_rope(q, cos, sin)
         k_blk, v_blk = self._kv(layer, h, positions)
-        x = x + layer.attn_output(self._attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_visible))
+        x = x + layer.attn_output(attend(q, k_blk, v_blk))
         h = layer.ffn_norm(x)
         return x + layer.ffn_down(F.silu(layer.ffn_gate(h)) * layer.ffn_up(h))
+
+    def _dense_attend(self, k_ctx: torch.Tensor, v_ctx: torch.Tensor, ctx_visible: torch.Tensor | None) -> "Attend":
+        """The dense attention backend of :meth:`_layer` over context K/V tensors (see
+        :meth:`_attention` for the shapes)."""
+        return lambda q, k_blk, v_blk: self._attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_visible)
+
+    def embed_blocks(self, block_tokens: torch.Tensor) -> torch.Tensor:
+        """Target embedding of ``block_tokens`` ``[nb, B]`` -> ``[nb, B, H]`` in the model dtype."""
+        return F.embedding(block_tokens.to(self.device), self.embed_weight).to(self.dtype)
+
+    def run_blocks(self, block_tokens: torch.Tensor, positions: torch.Tensor, attends: Sequence["Attend"]) -> torch.Tensor:
+        """Embed ``block_tokens`` ``[nb, B]``, run every layer ``i`` with attention backend
+        ``attends[i]`` at ``positions`` ``[nb, B]``, apply ``output_norm`` -> ``[nb, B, H]``."""
+        x = self.embed_blocks(block_tokens)
+        for layer, attend in zip(self.layers, attends):
+            x = self._layer(layer, x, positions, attend)
+        return self.output_norm(x)
 
     def _blocks_hidden(
         self,
@@ -597,10 +629,7 @@ class DFlashDrafter(nn.Module):
         ctx_visible: torch.Tensor | None,
     ) -> torch.Tensor:
         """Embed ``block_tokens`` ``[nb, B]``, run every layer, apply ``output_norm`` -> ``[nb, B, H]``."""
-        x = F.embedding(block_tokens.to(self.device), self.embed_weight).to(self.dtype)
-        for layer, (k, v) in zip(self.layers, ctx_kv):
-            x = self._layer(layer, x, positions, k, v, ctx_visible)
-        return self.output_norm(x)
+        return self.run_blocks(block_tokens, positions, [self._dense_attend(k, v, ctx_visible) for k, v in ctx_kv])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[..., H]`` -> float32 logits ``[..., vocab]`` with the target's LM head

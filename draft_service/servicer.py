@@ -1,4 +1,5 @@
-"""gRPC ``dflash_grpc.v1.DraftService``: per-session drafter contexts and chain proposals.
+"""gRPC ``dflash_grpc.v1.DraftService``: a thin map from the v1 contract onto a drafter engine run
+by a :class:`target_service.step_loop.StepLoop`.
 
 Per ``ProposeItem`` (DESIGN.md "One speculative step", step 1):
 
@@ -9,17 +10,22 @@ Per ``ProposeItem`` (DESIGN.md "One speculative step", step 1):
    with ``top_k`` candidates per depth and at most ``budget`` non-root nodes when both are > 1,
    else the greedy chain, cut to ``budget`` nodes when ``budget > 0``; ``draft_service.tree``).
 
-Per-item failures go into ``ProposeResult.status`` (``code`` = ``grpc.StatusCode`` number) and
-leave that session exactly as it was (a new session is not created) and every other item alone:
+Steps 2-3 are the engine's (:mod:`draft_service.batched`): :class:`ReferenceDrafterEngine`
+(per-session contexts, the CPU default and the oracle) or :class:`BatchedDrafter` (context pool,
+batched steps, CUDA graphs; the CUDA default). A ``ProposeRequest`` of N items is one
+``loop.batch(items)``: the step loop's thread owns the engine and serves every queued item of
+every stream in one ``propose_batch`` per tick (no lock around compute).
+
+Per-item failures go into ``ProposeResult.status`` (``code`` = ``grpc.StatusCode`` number, mapped
+from the engine's errors by :func:`target_service.servicer.item_status`) and leave that session
+exactly as it was (a new session is not created) and every other item alone:
 
 * ``INVALID_ARGUMENT``: empty session id, malformed features (dtype, byte count, shape other than
   ``[rows, N*H]``, non-finite values), root token outside the vocabulary, negative tree params;
 * ``FAILED_PRECONDITION``: ``committed_length`` differs from rows held + rows sent;
-* ``RESOURCE_EXHAUSTED``: ``max_sessions`` sessions are open and this one is new; the session would
+* ``RESOURCE_EXHAUSTED``: all session slots are taken and this session is new; the session would
   exceed ``max_context`` rows; out of device memory;
 * ``INTERNAL``: anything unexpected (logged).
-
-Thread safety: one lock around the session table and all model compute.
 """
 
 from __future__ import annotations
@@ -27,7 +33,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import threading
 from typing import Iterable, Iterator
 
 import grpc
@@ -35,28 +40,21 @@ import torch
 
 from dflash_grpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from dflash_grpc.wire import WireError, tensor_from_proto, tree_to_proto
-from draft_service.drafter import DFlashDrafter, DrafterContext
-from draft_service.tree import build_tree
+from draft_service.batched import BatchedDrafter, DraftItem, ReferenceDrafterEngine
+from draft_service.drafter import DFlashDrafter
+from target_service.errors import EngineError, InvalidArgument
+from target_service.servicer import item_status
+from target_service.step_loop import BatchResult, StepLoop
 
 logger = logging.getLogger(__name__)
-
-_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 #: Capabilities advertised in ``ModelInfo.features``.
 FEATURES = ("chain", "tree")
 
-
-class _ItemError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-def _status(code: grpc.StatusCode, message: str = "") -> common_pb2.ItemStatus:
-    return common_pb2.ItemStatus(code=code.value[0], message=message)
+#: ``max_context`` of the batched engine when neither the caller nor the target gives one.
+DEFAULT_BATCHED_CONTEXT = 4096
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
@@ -68,39 +66,64 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
+def decode_item(item: draft_pb2.ProposeItem) -> DraftItem:
+    """A wire ``ProposeItem`` as an engine :class:`DraftItem` (features decoded to a CPU tensor,
+    unset = ``None``).
+
+    Raises:
+        InvalidArgument: empty session id, or features that do not decode (dtype, byte count).
+    """
+    if not item.session_id:
+        raise InvalidArgument("empty session_id")
+    msg = item.features
+    features = None
+    if item.HasField("features") and not (msg.dtype == common_pb2.DTYPE_UNSPECIFIED and not msg.shape and not msg.data):
+        try:
+            features = tensor_from_proto(msg)
+        except WireError as e:
+            raise InvalidArgument(f"features: {e}") from None
+    t = item.tree
+    return DraftItem(item.session_id, features, int(item.root_token), int(item.committed_length),
+                     int(t.budget), int(t.top_k), int(t.max_depth))
+
+
 class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
-    """The draft service over one :class:`DFlashDrafter`.
+    """The draft service over one drafter engine, run by a :class:`StepLoop`.
 
     Args:
-        drafter: the model (already on its device, in eval mode).
-        max_sessions: most concurrent sessions; a new one beyond it gets RESOURCE_EXHAUSTED.
-        max_context: most context rows per session (0 = unlimited).
+        engine: a :class:`ReferenceDrafterEngine` or :class:`BatchedDrafter` (anything with
+            ``drafter``, ``max_sessions``, ``max_context``, ``propose_batch``, ``release``,
+            ``session_length``); a bare :class:`DFlashDrafter` is wrapped in a
+            :class:`ReferenceDrafterEngine` with ``max_sessions`` / ``max_context``.
+        max_sessions, max_context: only used to wrap a bare drafter (0 = unlimited context).
         model_name: ``ModelInfo.model_name``.
         model_fingerprint: ``ModelInfo.model_fingerprint`` of the drafter (e.g. its file's sha256).
         tokenizer_fingerprint: the target's tokenizer fingerprint (the vocabulary spoken).
+        loop: the step loop to run the engine on (default: a new one, owned: :meth:`close` stops it).
     """
 
     def __init__(
         self,
-        drafter: DFlashDrafter,
+        engine: "ReferenceDrafterEngine | BatchedDrafter | DFlashDrafter",
         *,
         max_sessions: int = 64,
         max_context: int = 0,
         model_name: str = "dflash-drafter",
         model_fingerprint: str = "",
         tokenizer_fingerprint: str = "",
+        loop: StepLoop | None = None,
     ):
-        if max_sessions < 1:
-            raise ValueError("max_sessions must be >= 1")
-        self.drafter = drafter.eval()
-        self.config = drafter.config
-        self.max_sessions = int(max_sessions)
-        self.max_context = int(max_context)
+        if isinstance(engine, DFlashDrafter):
+            engine = ReferenceDrafterEngine(engine, max_sessions=max_sessions, max_context=max_context)
+        self.engine = engine
+        self.drafter = engine.drafter
+        self.config = engine.drafter.config
+        self.max_sessions = int(engine.max_sessions)
+        self.max_context = int(engine.max_context)
         self.model_name = model_name
         self.model_fingerprint = model_fingerprint
         self.tokenizer_fingerprint = tokenizer_fingerprint
-        self._sessions: dict[str, DrafterContext] = {}
-        self._lock = threading.Lock()
+        self.loop = loop if loop is not None else StepLoop(engine, name="draft", batch_method="propose_batch")
 
     @classmethod
     def from_paths(
@@ -112,36 +135,69 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         dtype: torch.dtype | None = None,
         max_sessions: int = 64,
         max_context: int | None = None,
+        engine: str = "auto",
+        cuda_graphs: bool = True,
+        memory_budget: int | None = None,
+        batch_buckets: tuple[int, ...] | None = None,
+        max_top_k: int | None = None,
+        progress: bool = False,
     ) -> "DraftServiceServicer":
-        """Load the drafter for ``target_path`` and wrap it.
+        """Load the drafter for ``target_path``, build its engine and serve it.
 
-        ``dtype`` None: float32 on CPU, bfloat16 on CUDA. ``max_context`` None: the target's
-        ``{arch}.context_length`` (0 if absent = unlimited).
+        Args:
+            device, dtype: where the drafter runs; ``dtype`` None: float32 on CPU, bfloat16 on CUDA.
+            max_sessions: most concurrent sessions (the batched engine may hold fewer when
+                ``memory_budget`` is smaller).
+            max_context: rows per session; None: the target's ``{arch}.context_length`` (0 if
+                absent = unlimited for the reference engine; the batched engine, whose pool is
+                allocated at start, caps it at :data:`DEFAULT_BATCHED_CONTEXT`).
+            engine: ``auto`` (batched on CUDA, reference on the CPU), ``reference`` or ``batched``.
+            cuda_graphs, memory_budget, batch_buckets, max_top_k: the batched engine's options
+                (:class:`BatchedDrafter`); its graphs are captured here (``progress``: a tqdm bar).
 
         Raises:
             draft_service.drafter.DrafterError: the drafter belongs to another target.
+            ValueError: unknown ``engine``.
+            target_service.errors.ResourceExhausted: the memory budget holds no session slot.
         """
         from draft_service.gguf_io import is_trained
         from target_service.fingerprint import tokenizer_fingerprint
-        from target_service.gguf_loader import GGUFFile, open_gguf
+        from target_service.gguf_loader import open_gguf
 
+        cuda = str(device).startswith("cuda")
+        if engine == "auto":
+            engine = "batched" if cuda else "reference"
+        if engine not in ("reference", "batched"):
+            raise ValueError(f"unknown drafter engine {engine!r} (auto, reference, batched)")
         if dtype is None:
-            dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+            dtype = torch.bfloat16 if cuda else torch.float32
         target = open_gguf(target_path)
         drafter = DFlashDrafter.from_gguf(drafter_path, target, device=device, dtype=dtype)
-        if max_context is None:
-            max_context = int(target.get("{arch}.context_length", 0) or 0)
+        target_context = int(target.get("{arch}.context_length", 0) or 0)
         if not is_trained(drafter_path):
             logger.warning("the drafter is untrained (random init): expect acceptance near zero", extra={"drafter": drafter_path})
+        if engine == "batched":
+            from draft_service.batched import BATCH_BUCKETS, DEFAULT_MAX_TOP_K
+
+            ctx = max_context if max_context else min(target_context or DEFAULT_BATCHED_CONTEXT, DEFAULT_BATCHED_CONTEXT)
+            eng = BatchedDrafter(drafter, max_sessions=max_sessions, max_context=ctx, memory_budget=memory_budget,
+                                 cuda_graphs=cuda_graphs, batch_buckets=batch_buckets or BATCH_BUCKETS,
+                                 max_top_k=max_top_k or DEFAULT_MAX_TOP_K)
+            eng.capture(progress=progress)
+        else:
+            eng = ReferenceDrafterEngine(drafter, max_sessions=max_sessions,
+                                         max_context=target_context if max_context is None else max_context)
         name = open_gguf(drafter_path).get("general.name", "") or os.path.basename(drafter_path)
         return cls(
-            drafter,
-            max_sessions=max_sessions,
-            max_context=max_context,
+            eng,
             model_name=str(name),
             model_fingerprint=file_sha256(drafter_path),
             tokenizer_fingerprint=tokenizer_fingerprint(target),
         )
+
+    def close(self) -> None:
+        """Stop the step loop (queued work fails)."""
+        self.loop.stop()
 
     # ---- RPCs ----------------------------------------------------------------------------------
 
@@ -159,6 +215,7 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def info(self) -> draft_pb2.DrafterInfo:
         c = self.config
+        graphs = bool(getattr(self.engine, "cuda_graphs", False))
         return draft_pb2.DrafterInfo(
             model=common_pb2.ModelInfo(
                 model_name=self.model_name,
@@ -172,8 +229,10 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
                 max_sessions=self.max_sessions,
                 hidden_size=c.hidden_size,
                 num_layers=c.num_layers,
-                features=list(FEATURES),
+                features=list(FEATURES) + (["cuda-graphs"] if graphs else []),
                 device=str(self.drafter.device),
+                graph_captures=int(getattr(self.engine, "captures", 0)),
+                free_slots=int(self.loop.call(lambda: self.engine.free_slots)),
             ),
             target_fingerprint=c.target_fingerprint,
             target_layer_ids=list(c.target_layer_ids),
@@ -181,96 +240,42 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         )
 
     def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
-        """One result per item, in order."""
-        return draft_pb2.ProposeResponse(results=[self.propose_item(item) for item in request.items])
+        """One result per item, in order; the items that decode go to the engine as one batch."""
+        items, bad = [], {}
+        for i, item in enumerate(request.items):
+            try:
+                items.append(decode_item(item))
+            except EngineError as e:
+                bad[i] = e
+        done = BatchResult([], 0.0, 0, 0.0)
+        if items:
+            try:
+                done = self.loop.batch(items)
+            except Exception as e:  # noqa: BLE001 - the engine's step broke: every item gets its status
+                done = BatchResult([e] * len(items), 0.0, len(items), 0.0)
+        outs = iter(done.results)
+        results = []
+        for i, item in enumerate(request.items):
+            out = bad.get(i) or next(outs)
+            if isinstance(out, BaseException):
+                results.append(draft_pb2.ProposeResult(session_id=item.session_id, status=item_status(out)))
+            else:
+                results.append(draft_pb2.ProposeResult(session_id=item.session_id, status=item_status(None),
+                                                       tree=tree_to_proto(out.tokens, out.parents)))
+        return draft_pb2.ProposeResponse(results=results, compute_s=done.compute_s, batch_items=done.batch_items,
+                                         queue_s=done.queue_s)
 
     def release(self, session_ids: Iterable[str]) -> int:
-        """Drop the sessions' contexts; returns how many existed (unknown ids are ignored)."""
-        with self._lock:
-            return sum(self._sessions.pop(sid, None) is not None for sid in session_ids)
+        """Drop the sessions (on the loop thread); returns how many existed (unknown ids are ignored)."""
+        return self.loop.release(list(session_ids))
 
     def session_length(self, session_id: str) -> int | None:
         """Context rows held for a session, or None when it does not exist."""
-        with self._lock:
-            ctx = self._sessions.get(session_id)
-            return None if ctx is None else ctx.length
+        return self.loop.call(lambda: self.engine.session_length(session_id))
 
     @property
     def num_sessions(self) -> int:
-        with self._lock:
-            return len(self._sessions)
+        return self.loop.call(lambda: len(self.engine.sessions))
 
-    def propose_item(self, item: draft_pb2.ProposeItem) -> draft_pb2.ProposeResult:
-        """Serve one item; every failure becomes the result's status (see the module docstring)."""
-        sid = item.session_id
-        try:
-            features = self._decode_features(item)
-            root = int(item.root_token)
-            if not 0 <= root < self.config.vocab_size:
-                raise _ItemError(grpc.StatusCode.INVALID_ARGUMENT, f"root token {root} outside the vocabulary [0, {self.config.vocab_size})")
-            depth = self._depth(item.tree)
-            logits = self._advance(sid, features, root, int(item.committed_length))
-            tokens, parents = build_tree(root, logits[:depth], int(item.tree.budget), int(item.tree.top_k))
-            return draft_pb2.ProposeResult(session_id=sid, status=_status(grpc.StatusCode.OK), tree=tree_to_proto(tokens, parents))
-        except _ItemError as e:
-            return draft_pb2.ProposeResult(session_id=sid, status=_status(e.code, e.message))
-        except _OOM as e:
-            logger.warning("out of memory in propose", extra={"session_id": sid})
-            return draft_pb2.ProposeResult(session_id=sid, status=_status(grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of memory: {e}"))
-        except Exception as e:  # noqa: BLE001 - one item must not break the stream
-            logger.exception("propose failed", extra={"session_id": sid})
-            return draft_pb2.ProposeResult(session_id=sid, status=_status(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"))
 
-    # ---- helpers -------------------------------------------------------------------------------
-
-    def _decode_features(self, item: draft_pb2.ProposeItem) -> torch.Tensor:
-        width = self.config.feature_size
-        if not item.session_id:
-            raise _ItemError(grpc.StatusCode.INVALID_ARGUMENT, "empty session_id")
-        msg = item.features
-        if not item.HasField("features") or (msg.dtype == common_pb2.DTYPE_UNSPECIFIED and not msg.shape and not msg.data):
-            return torch.empty(0, width)
-        try:
-            t = tensor_from_proto(msg)
-        except WireError as e:
-            raise _ItemError(grpc.StatusCode.INVALID_ARGUMENT, f"features: {e}") from None
-        if t.dim() != 2 or t.shape[1] != width:
-            raise _ItemError(grpc.StatusCode.INVALID_ARGUMENT, f"features must be [rows, {width}] (N={self.config.num_target_layers} x hidden {self.config.hidden_size}), got {list(t.shape)}")
-        if t.numel() and not bool(torch.isfinite(t).all()):
-            raise _ItemError(grpc.StatusCode.INVALID_ARGUMENT, "features hold NaN or infinite values")
-        return t
-
-    def _depth(self, tree: draft_pb2.TreeParams) -> int:
-        if tree.budget < 0 or tree.top_k < 0 or tree.max_depth < 0:
-            raise _ItemError(grpc.StatusCode.INVALID_ARGUMENT, f"negative tree params (budget={tree.budget}, top_k={tree.top_k}, max_depth={tree.max_depth})")
-        full = self.config.block_size - 1
-        return full if tree.max_depth == 0 else min(tree.max_depth, full)
-
-    def _advance(self, sid: str, features: torch.Tensor, root: int, committed_length: int) -> torch.Tensor:
-        """Append ``features`` to the session and return the block logits ``[B-1, V]``; on any
-        failure the session is left as it was (and not created)."""
-        rows = features.shape[0]
-        with self._lock:
-            ctx = self._sessions.get(sid)
-            held = 0 if ctx is None else ctx.length
-            if ctx is None and len(self._sessions) >= self.max_sessions:
-                raise _ItemError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"all {self.max_sessions} session slots are in use")
-            if committed_length != held + rows:
-                raise _ItemError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"committed_length {committed_length} != rows held ({held}) + rows sent ({rows})",
-                )
-            if self.max_context and held + rows > self.max_context:
-                raise _ItemError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"context full: {held + rows} rows > max_context {self.max_context}")
-            new = ctx is None
-            if new:
-                ctx = self.drafter.new_context()
-            try:
-                self.drafter.append_context(ctx, features)
-                logits = self.drafter.block_logits(ctx, root)
-            except BaseException:
-                ctx.truncate(held)
-                raise
-            if new:
-                self._sessions[sid] = ctx
-            return logits
+__all__ = ["DraftServiceServicer", "FEATURES", "SERVICE_NAME", "decode_item", "file_sha256"]

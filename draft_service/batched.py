@@ -1,0 +1,690 @@
+"""The draft service's engines: the per-session reference (:class:`ReferenceDrafterEngine`) and the
+GPU engine (:class:`BatchedDrafter`), with one interface, ``propose_batch(items)`` / ``release(ids)``,
+run by a :class:`target_service.step_loop.StepLoop` (``batch_method="propose_batch"``).
+
+Neither imports grpc: a refused item is an :class:`target_service.errors.EngineError` (or the
+exception that broke its step) in its place of the result list, and the servicer
+(:mod:`draft_service.servicer`) maps it to a gRPC status (``target_service.servicer.item_status``).
+
+Rules every item goes through, in this order, before anything is computed (both engines; an item
+that fails leaves its session exactly as it was, a new session is not created, and no other item
+of the batch is affected):
+
+* ``INVALID_ARGUMENT``: empty session id; features not ``[rows, N*H]`` floating point; non-finite
+  features; root token outside the vocabulary; negative tree params;
+* ``RESOURCE_EXHAUSTED``: the session is new and every session slot is taken;
+* ``FAILED_PRECONDITION``: ``committed_length`` differs from rows held + rows sent;
+* ``RESOURCE_EXHAUSTED``: the session would exceed ``max_context`` rows.
+
+Items of one batch are served in order: a session may appear several times (each item sees the
+rows its earlier items appended).
+
+**The batched engine** (DESIGN.md, "The GPU engine"; the draft-side counterpart of
+:class:`target_service.batched_engine.BatchedEngine`):
+
+* a context pool allocated once (:class:`target_service.pool.StatePool`): K and V
+  ``[num_layers, slots + 1, rows, Hkv, D]`` in the model dtype, ``rows = max_context +
+  max(block_size, append_rows)``; slot ``slots`` is the spare that padded batch rows use, so a
+  padded row never touches a live session; a slot is zeroed when a session takes it; addresses
+  never move;
+* one step for a batch of sessions (:func:`draft_step`): append each session's new context rows
+  (``fc`` + ``hidden_norm`` + each layer's k/v, ``k_norm``, RoPE at their absolute positions,
+  written into the pool through index tensors), then the block ``[root, MASK x (B-1)]`` at
+  positions ``L..L+B-1`` through every layer (the block's K/V written at the scratch rows
+  ``[L, L+B)`` of the slot; attention by ``kernels.attention.pool_attention`` with every block
+  row seeing all context rows and all block rows), ``output_norm``, the target LM head on rows
+  ``1..B-1``, log-softmax and the top-``K`` per depth (``K = max_top_k``);
+* one device-to-host copy of the ``[batch, B-1, K]`` log-prob + token table per step, then the
+  tree of each item on the host (:func:`draft_service.tree.build_tree` on the table: the same tree
+  as from the logits);
+* on CUDA fixed shapes: batches padded to a batch bucket (1, 2, 4, ... 64), ``append_rows`` (``A``,
+  default the block size: a verify commits at most ``B`` rows) feature rows per session and step;
+  rows beyond ``A`` (the first call carries the whole prompt, or after a fallback) are appended
+  eagerly in chunks before the step. Per-step values (slots, held rows, row counts, roots) are
+  read from one pinned int64 buffer and the features from one pinned ``[batch, A, N*H]`` buffer
+  (model dtype), both copied to the device once; each bucket's step is one CUDA graph captured at
+  start (:meth:`BatchedDrafter.capture`), replayed every step; one host synchronisation per step.
+  ``cuda_graphs=False`` runs the same code eagerly;
+* on the CPU the same step runs eagerly with exact shapes (no batch padding).
+
+The math is the drafter's own (:class:`draft_service.drafter.DFlashDrafter`: ``context_rows``,
+``_context_kv``, ``run_blocks`` / ``_layer``); only the attention backend differs (pooled).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+from draft_service.drafter import DFlashDrafter, DrafterContext
+from draft_service.tree import TopK, build_tree
+from kernels import attention as attn_ops
+from target_service.errors import EngineError, FailedPrecondition, InvalidArgument, ResourceExhausted
+from target_service.pool import PoolShape, StatePool
+
+log = logging.getLogger(__name__)
+
+#: Default batch buckets on CUDA: a step of ``n`` sessions runs in the smallest that holds it.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+#: Default number of candidates per depth in the step's top-K table (requests asking more are cut to it).
+DEFAULT_MAX_TOP_K = 8
+
+_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
+# ----------------------------------------------------------------------------------- items
+class DraftItem(NamedTuple):
+    """One proposal request for one session.
+
+    Attributes:
+        session_id: non-empty id; a session is created on its first successful item.
+        features: ``[rows, N*H]`` (any float dtype, CPU) target features of the rows committed
+            since the session's last item, in order; ``None`` = 0 rows.
+        root_token: the last emitted token, at position ``committed_length``.
+        committed_length: ``L``; must equal rows held + ``rows``.
+        budget, top_k, max_depth: tree params (``dflash_grpc.v1.TreeParams``): DDTree with
+            ``top_k`` candidates per depth and at most ``budget`` non-root nodes when both are
+            > 1, else the greedy chain (cut to ``budget`` nodes when ``budget > 0``); depth
+            ``max_depth`` (0 = ``block_size - 1``).
+    """
+
+    session_id: str
+    features: torch.Tensor | None
+    root_token: int
+    committed_length: int
+    budget: int = 0
+    top_k: int = 0
+    max_depth: int = 0
+
+
+@dataclasses.dataclass
+class ProposeOutcome:
+    """The proposal for one item: ``tokens`` / ``parents`` (node 0 = root, ``parents[0] = -1``),
+    the session's rows held after it (``committed_length``), and, from the batched engine, the
+    item's rows of the step's top-K table (``table``, ``[depth, K]``)."""
+
+    tokens: list[int]
+    parents: list[int]
+    committed_length: int
+    table: TopK | None = None
+
+
+#: float dtype -> (integer dtype of the same width, exponent bits): a value is NaN or infinite
+#: exactly when all of its exponent bits are set (IEEE 754 and bfloat16).
+_EXPONENT_BITS = {
+    torch.bfloat16: (torch.int16, 0x7F80),
+    torch.float16: (torch.int16, 0x7C00),
+    torch.float32: (torch.int32, 0x7F800000),
+    torch.float64: (torch.int64, 0x7FF0000000000000),
+}
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of a float tensor is finite. On the CPU it tests the exponent bits
+    with numpy (about 5x faster than ``torch.isfinite`` on a ``[4, 2880]`` bf16 tensor: this runs
+    once per item on the step loop's thread)."""
+    spec = _EXPONENT_BITS.get(t.dtype)
+    if spec is None or t.device.type != "cpu":
+        return bool(torch.isfinite(t).all())
+    bits = t.contiguous().view(spec[0]).numpy()
+    mask = np.array(spec[1], dtype=bits.dtype)
+    return not bool(np.any((bits & mask) == mask))
+
+
+def check_item(item: DraftItem, config) -> tuple[torch.Tensor, int]:
+    """The session-independent checks of an item (module docstring, ``INVALID_ARGUMENT``).
+
+    Returns:
+        ``(features [rows, N*H], depth)``: ``features`` as sent (an empty float32 tensor for
+        ``None``) and the tree depth (``max_depth`` or ``block_size - 1``, at most that).
+
+    Raises:
+        InvalidArgument: see the module docstring.
+    """
+    width = config.feature_size
+    if not item.session_id:
+        raise InvalidArgument("empty session_id")
+    f = item.features
+    if f is None:
+        f = torch.empty(0, width)
+    if not isinstance(f, torch.Tensor) or f.dim() != 2 or f.shape[1] != width:
+        shape = list(f.shape) if isinstance(f, torch.Tensor) else type(f).__name__
+        raise InvalidArgument(f"features must be [rows, {width}] (N={config.num_target_layers} x hidden "
+                              f"{config.hidden_size}), got {shape}")
+    if not f.is_floating_point():
+        raise InvalidArgument(f"features must be floating point, got {f.dtype}")
+    if f.numel() and not all_finite(f):
+        raise InvalidArgument("features hold NaN or infinite values")
+    root = int(item.root_token)
+    if not 0 <= root < config.vocab_size:
+        raise InvalidArgument(f"root token {root} outside the vocabulary [0, {config.vocab_size})")
+    if item.budget < 0 or item.top_k < 0 or item.max_depth < 0:
+        raise InvalidArgument(f"negative tree params (budget={item.budget}, top_k={item.top_k}, max_depth={item.max_depth})")
+    full = config.block_size - 1
+    return f, (full if item.max_depth == 0 else min(int(item.max_depth), full))
+
+
+def _check_session(sid: str, exists: bool, held: int, rows: int, committed: int, free: int, max_sessions: int,
+                   max_context: int) -> None:
+    """The session checks (module docstring), given the session's state."""
+    if not exists and free <= 0:
+        raise ResourceExhausted(f"all {max_sessions} session slots are in use")
+    if committed != held + rows:
+        raise FailedPrecondition(f"committed_length {committed} != rows held ({held}) + rows sent ({rows})")
+    if max_context and held + rows > max_context:
+        raise ResourceExhausted(f"context full: {held + rows} rows > max_context {max_context}")
+
+
+# ----------------------------------------------------------------------------------- reference engine
+class ReferenceDrafterEngine:
+    """The per-session reference engine: one :class:`DrafterContext` (growing per-session K/V
+    buffers) per session, items served one at a time with the drafter's cached path
+    (``append_context`` + ``block_logits``) and the tree built from the logits. The CPU default
+    and the oracle of :class:`BatchedDrafter`.
+
+    Args:
+        drafter: the model (any device / dtype; put in eval mode).
+        max_sessions: most concurrent sessions.
+        max_context: most context rows per session (0 = unlimited).
+    """
+
+    def __init__(self, drafter: DFlashDrafter, max_sessions: int = 64, max_context: int = 0):
+        if max_sessions < 1:
+            raise ValueError("max_sessions must be >= 1")
+        self.drafter = drafter.eval()
+        self.config = drafter.config
+        self.max_sessions = int(max_sessions)
+        self.max_context = int(max_context)
+        self.sessions: dict[str, DrafterContext] = {}
+        #: graphs captured (none: this engine runs eagerly)
+        self.captures = 0
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_sessions - len(self.sessions)
+
+    def session_length(self, session_id: str) -> int | None:
+        """Context rows held for a session, or None when it does not exist."""
+        ctx = self.sessions.get(session_id)
+        return None if ctx is None else ctx.length
+
+    def release(self, session_ids: Sequence[str]) -> int:
+        """Drop the sessions' contexts; returns how many existed (unknown ids are ignored)."""
+        return sum(self.sessions.pop(sid, None) is not None for sid in session_ids)
+
+    @torch.no_grad()
+    def propose_batch(self, items: Sequence[DraftItem]) -> list[ProposeOutcome | BaseException]:
+        """One outcome per item, in order; a refused or failed item gets its exception
+        (an :class:`EngineError`, out-of-memory, or anything unexpected) in its place."""
+        out: list[ProposeOutcome | BaseException] = []
+        for item in items:
+            try:
+                out.append(self._propose(item))
+            except Exception as e:  # noqa: BLE001 - EngineError, out of memory, or a bug: this item only
+                out.append(e)
+        return out
+
+    def _propose(self, item: DraftItem) -> ProposeOutcome:
+        features, depth = check_item(item, self.config)
+        sid, rows = item.session_id, features.shape[0]
+        ctx = self.sessions.get(sid)
+        held = 0 if ctx is None else ctx.length
+        _check_session(sid, ctx is not None, held, rows, int(item.committed_length), self.free_slots,
+                       self.max_sessions, self.max_context)
+        new = ctx is None
+        if new:
+            ctx = self.drafter.new_context()
+        try:
+            self.drafter.append_context(ctx, features)
+            logits = self.drafter.block_logits(ctx, int(item.root_token))
+        except BaseException:
+            ctx.truncate(held)
+            raise
+        if new:
+            self.sessions[sid] = ctx
+        tokens, parents = build_tree(int(item.root_token), logits[:depth], int(item.budget), int(item.top_k))
+        return ProposeOutcome(tokens, parents, ctx.length)
+
+
+# ----------------------------------------------------------------------------------- the pooled step
+class _PoolAttend:
+    """The attention backend of :meth:`DFlashDrafter._layer` over one layer of the context pool:
+    writes the block's K/V at rows ``[L, L + B)`` of each row's slot and runs
+    ``kernels.attention.pool_attention`` (all context rows and all block rows visible)."""
+
+    def __init__(self, k_pool, v_pool, slots, lengths, block_rows, ancestors, scale: float, splits: int):
+        self.k_pool, self.v_pool, self.slots, self.lengths = k_pool, v_pool, slots, lengths
+        self.block_rows, self.ancestors, self.scale, self.splits = block_rows, ancestors, scale, splits
+
+    def __call__(self, q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor) -> torch.Tensor:
+        nb, nh, B, D = q.shape
+        where = (self.slots[:, None], self.block_rows)
+        self.k_pool[where] = k_blk.transpose(1, 2).to(self.k_pool.dtype)
+        self.v_pool[where] = v_blk.transpose(1, 2).to(self.v_pool.dtype)
+        o = attn_ops.pool_attention(q.transpose(1, 2), self.k_pool, self.v_pool, self.slots, self.lengths,
+                                    self.ancestors, self.scale, splits=self.splits)
+        return o.reshape(nb, B, nh * D)
+
+
+def write_context(drafter: DFlashDrafter, pool: StatePool, slots: torch.Tensor, starts: torch.Tensor,
+                  features: torch.Tensor) -> None:
+    """Append context rows into the pool: row ``j`` of batch row ``b`` (``features[b, j]``) goes
+    to row ``starts[b] + j`` of slot ``slots[b]`` (its position) in every layer. Graph-safe.
+
+    Args:
+        slots, starts: ``[b]`` int64 (device).
+        features: ``[b, a, N*H]`` (device, any float dtype).
+    """
+    b, a = features.shape[:2]
+    rows = starts[:, None] + torch.arange(a, device=features.device)        # [b, a] = positions
+    ctx = drafter.context_rows(features)                                     # [b, a, H]
+    where = (slots[:, None], rows)
+    for i, layer in enumerate(drafter.layers):
+        k, v = drafter._context_kv(layer, ctx, rows)                          # [b, nkv, a, D]
+        pool.k[i][where] = k.transpose(1, 2).to(pool.k.dtype)
+        pool.v[i][where] = v.transpose(1, 2).to(pool.v.dtype)
+
+
+def draft_step(drafter: DFlashDrafter, pool: StatePool, slots: torch.Tensor, held: torch.Tensor,
+               n_rows: torch.Tensor, roots: torch.Tensor, features: torch.Tensor, k: int,
+               splits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batched drafter step over the pool (module docstring); graph-safe (no host reads, no
+    value-dependent shapes).
+
+    Args:
+        slots: ``[b]`` int64 pool slot of each row (padded rows: the spare slot).
+        held: ``[b]`` int64 context rows held before this step.
+        n_rows: ``[b]`` int64 new context rows in ``features`` (``<= a``; the rest is padding,
+            written at scratch rows the block then overwrites).
+        roots: ``[b]`` int64 root tokens.
+        features: ``[b, a, N*H]`` new context rows (model dtype).
+        k: candidates per depth.
+        splits: key-range splits of the Triton attention kernel.
+
+    Returns:
+        ``(logprobs [b, B-1, k] float32, tokens [b, B-1, k] int64)``: the top-``k`` of the
+        log-softmax of each depth's logits, sorted descending (row ``d`` = depth ``d + 1``).
+    """
+    c = drafter.config
+    B = c.block_size
+    dev = features.device
+    b = features.shape[0]
+    write_context(drafter, pool, slots, held, features)
+    lengths = held + n_rows                                                  # L
+    block_rows = lengths[:, None] + torch.arange(B, device=dev)              # positions L..L+B-1
+    ancestors = torch.full((b, B), (1 << B) - 1 if B < 64 else -1, dtype=torch.long, device=dev)
+    tokens = torch.cat([roots[:, None], torch.full((b, B - 1), c.mask_token_id, dtype=torch.long, device=dev)], dim=1)
+    scale = 1.0 / math.sqrt(c.head_dim)
+    attends = [_PoolAttend(pool.k[i], pool.v[i], slots, lengths, block_rows, ancestors, scale, splits)
+               for i in range(c.num_layers)]
+    hidden = drafter.run_blocks(tokens, block_rows, attends)                 # [b, B, H]
+    logits = drafter.logits(hidden[:, 1:])                                   # [b, B-1, V] float32
+    top = torch.topk(torch.log_softmax(logits.float(), dim=-1), k, dim=-1)
+    return top.values, top.indices
+
+
+# ----------------------------------------------------------------------------------- the engine
+@dataclasses.dataclass
+class DraftSession:
+    """Host-side state of one session of :class:`BatchedDrafter`: its slot and rows held."""
+
+    session_id: str
+    slot: int
+    length: int = 0
+    last_used: float = dataclasses.field(default_factory=time.monotonic)
+
+
+_FIELDS = ("slots", "held", "n_rows", "roots")
+
+
+class _Runner:
+    """Static buffers (and on CUDA the graph) of one ``(batch, rows)`` step shape: a pinned int64
+    buffer ``[4, batch]`` (slots, held, n_rows, roots), a pinned features buffer ``[batch, rows,
+    N*H]`` in the model dtype, and a pinned int32 output ``[batch, B-1, K, 2]`` (log-prob bits,
+    token)."""
+
+    def __init__(self, engine: "BatchedDrafter", batch: int, rows: int):
+        self.engine, self.batch, self.rows = engine, batch, rows
+        cuda = engine.cuda
+        c = engine.config
+        self.host = torch.zeros(len(_FIELDS), batch, dtype=torch.long, pin_memory=cuda)
+        self.host_np = self.host.numpy()
+        self.dev = torch.zeros_like(self.host, device=engine.device) if cuda else self.host
+        self.feats_host = torch.zeros(batch, rows, c.feature_size, dtype=engine.dtype, pin_memory=cuda)
+        self.feats_dev = torch.zeros_like(self.feats_host, device=engine.device) if cuda else self.feats_host
+        self.out = torch.zeros(batch, c.block_size - 1, engine.k, 2, dtype=torch.int32, pin_memory=cuda)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.splits = 1
+        if cuda:
+            from kernels.attention.triton import default_splits
+
+            self.splits = default_splits(batch, c.num_kv_heads, c.block_size, c.num_heads // c.num_kv_heads,
+                                         engine.max_context)
+
+    def view(self, name: str) -> np.ndarray:
+        return self.host_np[_FIELDS.index(name)]
+
+    def fill_padding(self, first_row: int) -> None:
+        """Rows ``first_row..``: no new rows, root 0, in the spare slot."""
+        self.host_np[:, first_row:] = 0
+        self.view("slots")[first_row:] = self.engine.pool.spare
+
+    def body(self) -> None:
+        e = self.engine
+        if self.dev is not self.host:
+            self.dev.copy_(self.host, non_blocking=True)
+            self.feats_dev.copy_(self.feats_host, non_blocking=True)
+        slots, held, n_rows, roots = self.dev.unbind(0)
+        lp, tok = draft_step(e.drafter, e.pool, slots, held, n_rows, roots, self.feats_dev, e.k, self.splits)
+        packed = torch.stack([lp.contiguous().view(torch.int32), tok.to(torch.int32)], dim=-1)
+        self.out.copy_(packed, non_blocking=True)
+
+    def capture(self, pool_handle) -> None:
+        """Warm up on a side stream (compiles the Triton kernels) and capture the step, every row
+        padding in the spare slot."""
+        self.fill_padding(0)
+        dev = self.engine.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.body()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool_handle):
+            self.body()
+        self.graph = g
+
+    def run(self) -> tuple[np.ndarray, np.ndarray]:
+        """Run the step; returns host ``(logprobs [batch, B-1, K] float32, tokens [batch, B-1, K]
+        int32)`` (views of the output buffer: read them before the next step)."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.body()
+        if self.engine.cuda:
+            torch.cuda.current_stream(self.engine.device).synchronize()   # the step's one host sync
+        out = self.out.numpy()
+        return out[..., 0].view(np.float32), out[..., 1]
+
+
+class BatchedDrafter:
+    """The GPU drafter engine (module docstring): sessions in a context pool, proposals of a batch
+    of sessions in one fixed-shape step (a CUDA graph per batch bucket on CUDA).
+
+    Args:
+        drafter: the model (on its device, any float dtype; block size at most 64).
+        max_sessions: most sessions (fewer when ``memory_budget`` holds fewer slots).
+        max_context: most context rows per session (the pool's size; > 0).
+        memory_budget: bytes for the context pool, the spare slot included (``None``: whatever
+            ``max_sessions`` slots need).
+        cuda_graphs: capture and replay each bucket's step as a CUDA graph (CUDA only).
+        batch_buckets: step batch sizes on CUDA (a batch is padded to the smallest that holds it;
+            larger batches are split into steps).
+        append_rows: ``A``, new context rows per session carried by the step (default: the block
+            size); a session sending more has the excess appended eagerly first.
+        max_top_k: ``K``, candidates per depth in the step's table; tree requests with a larger
+            ``top_k`` are served with ``K``.
+        prefill_chunk: most rows per eager append (the excess rows).
+        pad_batches: pad batches to the buckets and carry ``A`` rows per session also when not on
+            CUDA (default: only on CUDA; used by tests to run the padded shapes on the CPU).
+
+    Raises:
+        ResourceExhausted: ``memory_budget`` holds no session slot.
+        ValueError: bad sizes (``max_context < 1``, block size > 64, ...).
+    """
+
+    def __init__(self, drafter: DFlashDrafter, max_sessions: int = 64, max_context: int = 4096,
+                 memory_budget: int | None = None, cuda_graphs: bool = True,
+                 batch_buckets: Sequence[int] = BATCH_BUCKETS, append_rows: int | None = None,
+                 max_top_k: int = DEFAULT_MAX_TOP_K, prefill_chunk: int = 512, pad_batches: bool | None = None):
+        c = drafter.config
+        if max_sessions < 1 or max_context < 1:
+            raise ValueError(f"max_sessions ({max_sessions}) and max_context ({max_context}) must be >= 1")
+        if c.block_size > 64:
+            raise ValueError(f"block size {c.block_size} > 64 (the attention kernel's bit masks hold 64 rows)")
+        self.drafter = drafter.eval()
+        self.config = c
+        self.device, self.dtype = drafter.device, drafter.dtype
+        self.cuda = self.device.type == "cuda"
+        self.cuda_graphs = bool(cuda_graphs) and self.cuda
+        self.fixed = self.cuda if pad_batches is None else bool(pad_batches)
+        self.max_context = int(max_context)
+        self.append_rows = int(append_rows or c.block_size)
+        self.k = int(max(1, min(max_top_k, c.vocab_size)))
+        self.prefill_chunk = max(1, int(prefill_chunk))
+        self.batch_buckets = tuple(sorted({int(b) for b in batch_buckets if b >= 1})) or (1,)
+        shape = PoolShape(tuple(range(c.num_layers)), (), c.num_kv_heads, c.head_dim,
+                          self.max_context + max(c.block_size, self.append_rows))
+        slots = int(max_sessions)
+        slot_bytes = shape.slot_bytes(self.dtype)
+        if memory_budget is not None:
+            slots = min(slots, int(memory_budget) // slot_bytes - 1)   # the spare slot is paid for too
+            if slots < 1:
+                raise ResourceExhausted(f"a memory budget of {memory_budget} bytes holds no drafter session slot "
+                                        f"({slot_bytes} bytes each, plus one spare)")
+        self.max_sessions = slots
+        self.pool = StatePool(shape, slots, self.device, self.dtype)
+        self.sessions: dict[str, DraftSession] = {}
+        self._runners: dict[tuple[int, int], _Runner] = {}
+        self._graph_pool = None
+        #: graphs captured, steps run and their seconds (inputs staged, step run, output read back),
+        #: rows appended eagerly (excess rows), trees built and their host seconds
+        self.captures = 0
+        self.steps = 0
+        self.step_s = 0.0
+        self.eager_rows = 0
+        self.trees = 0
+        self.tree_s = 0.0
+
+    # ------------------------------------------------------------------ sessions
+    @property
+    def free_slots(self) -> int:
+        return self.pool.free
+
+    def session_length(self, session_id: str) -> int | None:
+        """Context rows held for a session, or None when it does not exist."""
+        s = self.sessions.get(session_id)
+        return None if s is None else s.length
+
+    def release(self, session_ids: Sequence[str]) -> int:
+        """Drop sessions and free their slots; unknown ids are ignored. Returns how many were live."""
+        n = 0
+        for sid in session_ids:
+            s = self.sessions.pop(sid, None)
+            if s is not None:
+                self.pool.release(s.slot)
+                n += 1
+        return n
+
+    # ------------------------------------------------------------------ shapes
+    def buckets(self) -> list[int]:
+        """The batch sizes this engine captures on CUDA: the buckets up to the first that holds
+        ``max_sessions``."""
+        top = next((b for b in self.batch_buckets if b >= self.max_sessions), self.batch_buckets[-1])
+        return [b for b in self.batch_buckets if b <= top]
+
+    def _max_step(self) -> int:
+        return self.buckets()[-1] if self.fixed else 1 << 30
+
+    def _runner(self, batch: int, rows: int) -> _Runner:
+        if not self.fixed:   # exact shapes: fresh (small) buffers every step
+            return _Runner(self, batch, rows)
+        r = self._runners.get((batch, rows))
+        if r is None:
+            r = self._runners[(batch, rows)] = _Runner(self, batch, rows)
+            if self.cuda_graphs:
+                if self._graph_pool is None:
+                    self._graph_pool = torch.cuda.graph_pool_handle()
+                r.capture(self._graph_pool)
+                self.captures += 1
+        return r
+
+    @torch.no_grad()
+    def capture(self, progress: bool = False) -> int:
+        """Build every bucket's runner (largest first, so the shared graph memory pool is sized
+        once) and, with CUDA graphs, capture it (after a warm-up that compiles the Triton
+        kernels); eagerly, run each once. No-op on exact shapes. Returns the number of buckets.
+        ``progress`` shows a tqdm bar."""
+        if not self.fixed:
+            return 0
+        shapes = sorted(self.buckets(), reverse=True)
+        it = shapes
+        if progress:
+            from tqdm import tqdm
+
+            it = tqdm(shapes, desc="drafter: capturing CUDA graphs" if self.cuda_graphs else "drafter: warming up", unit="graph")
+        for b in it:
+            r = self._runner(b, self.append_rows)
+            if not self.cuda_graphs:
+                r.fill_padding(0)
+                r.run()
+        return len(shapes)
+
+    # ------------------------------------------------------------------ proposals
+    @torch.no_grad()
+    def propose_batch(self, items: Sequence[DraftItem]) -> list[ProposeOutcome | BaseException]:
+        """One outcome per item, in order; a refused item gets its :class:`EngineError`, the
+        items of a step that failed get its exception (out of memory, ...). Every item is
+        validated first (module docstring), in order, as if the items before it had been served;
+        then the valid ones run in batched steps (a session's ``k``-th item in the ``k``-th
+        round), each tree built on the host from the step's table."""
+        results: list[ProposeOutcome | BaseException | None] = [None] * len(items)
+        rounds: list[list[tuple]] = []
+        held_after: dict[str, int] = {}          # rows held once the earlier valid items ran
+        seen_rounds: dict[str, int] = {}
+        free = self.pool.free
+        for idx, item in enumerate(items):
+            try:
+                feats, depth = check_item(item, self.config)
+                sid = item.session_id
+                s = self.sessions.get(sid)
+                exists = s is not None or sid in held_after
+                held = held_after.get(sid, s.length if s is not None else 0)
+                _check_session(sid, exists, held, feats.shape[0], int(item.committed_length), free,
+                               self.max_sessions, self.max_context)
+            except Exception as e:  # noqa: BLE001 - EngineError, or a bug: this item only
+                results[idx] = e
+                continue
+            if not exists:
+                free -= 1
+            held_after[sid] = held + feats.shape[0]
+            r = seen_rounds.get(sid, 0)
+            seen_rounds[sid] = r + 1
+            if r == len(rounds):
+                rounds.append([])
+            rounds[r].append((idx, item, feats, depth))
+        failed: dict[str, BaseException] = {}
+        step = self._max_step()
+        for group in rounds:
+            live = []
+            for entry in group:
+                err = failed.get(entry[1].session_id)
+                if err is not None:
+                    results[entry[0]] = err
+                else:
+                    live.append(entry)
+            for at in range(0, len(live), step):
+                part = live[at : at + step]
+                try:
+                    outs = self._step(part)
+                except Exception as e:  # noqa: BLE001 - a failed step fails its items, not the batch
+                    if not isinstance(e, (EngineError, _OOM)):
+                        log.exception("drafter step failed", extra={"items": len(part)})
+                    for idx, item, _, _ in part:
+                        results[idx] = e
+                        failed[item.session_id] = e
+                    continue
+                for (idx, *_), out in zip(part, outs):
+                    results[idx] = out
+        return results  # type: ignore[return-value]
+
+    def _step(self, part: list[tuple]) -> list[ProposeOutcome]:
+        """One batched step for ``part`` (at most one item per session)."""
+        A = self.append_rows
+        new: list[DraftSession] = []
+        try:
+            sessions = []
+            for _, item, _, _ in part:
+                s = self.sessions.get(item.session_id)
+                if s is None:
+                    slot = self.pool.acquire()
+                    if slot is None:  # cannot happen after validation; kept as a guard
+                        raise ResourceExhausted(f"all {self.max_sessions} session slots are in use")
+                    s = DraftSession(item.session_id, slot)
+                    new.append(s)
+                sessions.append(s)
+            b = len(part)
+            rows = A if self.fixed else max(1, min(A, max(f.shape[0] for _, _, f, _ in part)))
+            runner = self._runner(self._bucket(b), rows)
+            t0 = time.perf_counter()
+            slots, held, n_rows, roots = (runner.view(n) for n in _FIELDS)
+            for r, ((_, item, feats, _), s) in enumerate(zip(part, sessions)):
+                n = feats.shape[0]
+                start = s.length
+                if n > rows:  # the excess first, eagerly, in chunks
+                    self._append_eager(s.slot, start, feats[: n - rows])
+                    start += n - rows
+                    feats = feats[n - rows :]
+                    n = rows
+                slots[r], held[r], n_rows[r], roots[r] = s.slot, start, n, int(item.root_token)
+                if n:
+                    runner.feats_host[r, :n].copy_(feats)
+            runner.fill_padding(b)
+            lp, tok = runner.run()
+            self.steps += 1
+            self.step_s += time.perf_counter() - t0
+        except BaseException:
+            for s in new:
+                self.pool.release(s.slot)
+            raise
+        now = time.monotonic()
+        outs = []
+        for r, ((_, item, feats, depth), s) in enumerate(zip(part, sessions)):
+            s.length += feats.shape[0]
+            s.last_used = now
+            self.sessions[s.session_id] = s
+            t0 = time.perf_counter()
+            table = TopK(lp[r, :depth], tok[r, :depth])
+            tokens, parents = build_tree(int(item.root_token), table, int(item.budget), int(item.top_k))
+            self.tree_s += time.perf_counter() - t0
+            self.trees += 1
+            outs.append(ProposeOutcome(tokens, parents, s.length, TopK(table.logprobs.copy(), table.tokens.copy())))
+        return outs
+
+    def _bucket(self, n: int) -> int:
+        if not self.fixed:
+            return n
+        for b in self.buckets():
+            if b >= n:
+                return b
+        raise ValueError(f"{n} rows exceed the largest batch bucket {self.buckets()[-1]}")
+
+    def _append_eager(self, slot: int, start: int, features: torch.Tensor) -> None:
+        """Append ``features`` ``[m, N*H]`` at rows ``start..`` of ``slot``, ``prefill_chunk`` rows
+        per forward (exact shapes, eager)."""
+        dev = self.device
+        slots = torch.tensor([slot], device=dev)
+        for c0 in range(0, features.shape[0], self.prefill_chunk):
+            f = features[c0 : c0 + self.prefill_chunk].to(device=dev, dtype=self.dtype)
+            write_context(self.drafter, self.pool, slots, torch.tensor([start + c0], device=dev), f[None])
+            self.eager_rows += f.shape[0]
+
+    # ------------------------------------------------------------------ reporting
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of the context pool and (CUDA) the allocator's current and peak use."""
+        out = {"pool": self.pool.nbytes}
+        if self.cuda:
+            out["allocated"] = torch.cuda.memory_allocated(self.device)
+            out["peak"] = torch.cuda.max_memory_allocated(self.device)
+        return out
+
+
+__all__ = ["BATCH_BUCKETS", "BatchedDrafter", "DraftItem", "ProposeOutcome", "ReferenceDrafterEngine",
+           "all_finite", "check_item", "draft_step", "write_context"]
