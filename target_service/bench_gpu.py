@@ -224,6 +224,14 @@ def bench_engine(path: str, name: str, reps: int = 5, hf: bool = False, max_cont
         log(f"[{name}] commit of a 16-node verify: {out['commit_ms']['median']:.3f} ms (eager)")
     except Exception as e:  # noqa: BLE001 - report and go on
         out["commit_ms"] = {"error": repr(e)}
+    for w in (1, 16):
+        try:
+            out.setdefault("profile", {})[w] = profile_step(engine, w)
+            pr = out["profile"][w]
+            log(f"[{name}] eager W={w} step: {pr['kernels']} kernels, {pr['device_us'] / 1e3:.3f} ms device; "
+                + ", ".join(f"{k} {v['count']}x {v['us']:.0f}us" for k, v in pr["families"].items()))
+        except Exception as e:  # noqa: BLE001
+            out.setdefault("profile", {})[w] = {"error": repr(e)}
     out["memory"] = {"weights": weights, "pool": pool_bytes, "graph_pools_and_step_buffers": graph_bytes,
                      "prefill_scratch_peak": prefill_scratch, "peak_allocated": torch.cuda.max_memory_allocated()}
     del engine
@@ -270,6 +278,57 @@ def commit_timing(engine, width: int = 16, reps: int = 20) -> dict:
         e.synchronize()
         times.append(s.elapsed_time(e))
     return _stats(times[2:])
+
+
+_FAMILIES = (("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90_", "cublas", "splitk")),
+             ("attention (ours)", ("_pool_attention", "_combine")), ("gated delta (ours)", ("_tree_kernel", "_commit_kernel")),
+             ("norms (ours)", ("_rms_kernel",)), ("rope+kv (ours)", ("_rope_store",)), ("swiglu (ours)", ("_silu_mul",)),
+             ("sampler (ours)", ("sample", "threshold", "philox", "_argmax", "_reduce")),
+             ("index/gather/scatter", ("index", "gather", "scatter")), ("copy", ("memcpy", "copy")),
+             ("reduce", ("reduce",)), ("elementwise", ("elementwise", "vectorized", "unrolled")))
+
+
+def _family(name: str) -> str:
+    low = name.lower()
+    for fam, keys in _FAMILIES:
+        if any(k.lower() in low for k in keys):
+            return fam
+    return "other"
+
+
+@torch.no_grad()
+def profile_step(engine, width: int) -> dict:
+    """Kernels of one eager ``(1, width)`` step (a chain in the spare slot) under the PyTorch
+    profiler: count and device microseconds per kernel family, and the top kernels by time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    r = engine._runners.get((1, width)) or engine._runner(1, width)
+    lay = r.layout
+    lay.fill_padding(r.host_np, engine.pool.spare)
+    v = lay.host_views(r.host_np)
+    v["n_nodes"][0] = width
+    v["parents"][0] = list(range(-1, width - 1))
+    v["depth"][0] = list(range(width))
+    v["ancestors"][0] = [(1 << (i + 1)) - 1 if i < 63 else -1 for i in range(width)]
+    r.body()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        r.body()
+        torch.cuda.synchronize()
+    fams: dict[str, list[float]] = {}
+    kernels = []
+    for evt in prof.key_averages():
+        t = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0)
+        if not t or evt.key.startswith("ProfilerStep") or "cudaDevice" in evt.key:
+            continue
+        f = fams.setdefault(_family(evt.key), [0, 0.0])
+        f[0] += evt.count
+        f[1] += t
+        kernels.append((t, evt.count, evt.key[:90]))
+    kernels.sort(reverse=True)
+    return {"kernels": sum(c for c, _ in fams.values()), "device_us": sum(t for _, t in fams.values()),
+            "families": {k: {"count": c, "us": round(t, 1)} for k, (c, t) in sorted(fams.items(), key=lambda kv: -kv[1][1])},
+            "top": [{"us": round(t, 1), "count": c, "name": n} for t, c, n in kernels[:12]]}
 
 
 def hf_decode(path: str, n: int = N_AR, reps: int = 3) -> dict:
