@@ -139,8 +139,9 @@ class StepTensors:
 # ----------------------------------------------------------------------------------- the backend
 class PoolBackend:
     """The state backend of ``layers_forward`` for a batch in the pool (see the models'
-    ``layers_forward``): K/V go to the scratch rows of each row's slot, GDN layers read the
-    pooled recurrent and conv state.
+    ``layers_forward``): K/V go to the scratch rows of each row's slot (``attend``), GDN layers
+    read the pooled recurrent and conv state (``gdn``: fused conv + SiLU, then the recurrence from
+    the raw projections).
 
     Args:
         pool: :class:`target_service.pool.StatePool`.
@@ -169,27 +170,19 @@ class PoolBackend:
                                     None if self.causal else st.ancestors, scale, causal=self.causal, splits=self.splits)
         return o.reshape(n, hq * d)
 
-    def conv(self, layer: int, conv_in: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        st, pool = self.st, self.pool
-        j = pool.gdn_index[layer]
-        x = conv_in.reshape(self.b, self.w, -1)
-        out = gdn_ops.pool_conv_tree(x, pool.conv[j], st.slots, st.window, weight)
-        if self.commit_chain:
-            last = torch.full((self.b,), self.w - 1, dtype=torch.long, device=x.device)
-            gdn_ops.pool_conv_commit(x, pool.conv[j], st.slots, st.window, last)
-        else:
-            self.saved_conv[layer] = x
-        return out.reshape(conv_in.shape)
-
-    def recurrence(self, layer: int, q, k, v, g, beta) -> torch.Tensor:
+    def gdn(self, layer: int, conv_in: torch.Tensor, a: torch.Tensor, b: torch.Tensor, lw, key_heads: int,
+            head_k_dim: int) -> torch.Tensor:
         st, pool = self.st, self.pool
         j = pool.gdn_index[layer]
         bw = (self.b, self.w)
-        q, k, v = (t.reshape(*bw, *t.shape[1:]).contiguous() for t in (q, k, v))
-        g, beta = (t.reshape(*bw, -1).contiguous() for t in (g, beta))
-        o = gdn_ops.pool_gdn_tree(q, k, v, g, beta, pool.recurrent[j], st.slots, st.parents, st.ancestors, commit=self.commit_chain)
+        x = conv_in.reshape(*bw, -1)
+        a3, b3 = a.reshape(*bw, -1), b.reshape(*bw, -1)
+        conv_out = gdn_ops.pool_conv_silu(x, pool.conv[j], st.slots, st.window, lw["conv"], commit=self.commit_chain)
+        o = gdn_ops.pool_gdn_tree(conv_out, a3, b3, lw["a"], lw["dt_bias"], pool.recurrent[j], st.slots, st.parents,
+                                  st.ancestors, self.commit_chain, key_heads, head_k_dim)
         if not self.commit_chain:
-            self.saved[layer] = (k, v, g, beta)
+            self.saved[layer] = (conv_out, a3, b3, lw["a"], lw["dt_bias"], key_heads, head_k_dim)
+            self.saved_conv[layer] = x
         return o.reshape(self.b * self.w, *o.shape[2:])
 
     def commit(self, path: torch.Tensor, n_accept: torch.Tensor) -> None:
@@ -201,8 +194,9 @@ class PoolBackend:
         for t in (pool.k, pool.v):
             t[:, s, st.rows] = t[:, s, src]
         last = path.gather(1, (n_accept - 1).clamp(min=0)[:, None])[:, 0]
-        for layer, (k, v, g, beta) in self.saved.items():
-            gdn_ops.pool_gdn_commit(pool.recurrent[pool.gdn_index[layer]], st.slots, k, v, g, beta, path, n_accept)
+        for layer, (conv_out, a, b, A, dt_bias, hk, dk) in self.saved.items():
+            gdn_ops.pool_gdn_commit(pool.recurrent[pool.gdn_index[layer]], st.slots, conv_out, a, b, A, dt_bias,
+                                    path, n_accept, hk, dk)
         for layer, x in self.saved_conv.items():
             gdn_ops.pool_conv_commit(x, pool.conv[pool.gdn_index[layer]], st.slots, st.window, last)
 

@@ -60,33 +60,47 @@ def test_pool_attention_triton_matches_reference(dtype, tol, b, w, hq, hkv, d, c
         assert rel(out, ref) < tol
 
 
-@pytest.mark.parametrize("b,w,hk,hv", [(1, 1, 16, 16), (4, 16, 16, 32), (2, 64, 16, 32)])
-def test_gdn_triton_matches_reference(b, w, hk, hv):
-    from kernels.gated_delta import l2norm, reference
-    from kernels.gated_delta import triton as tri
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,w,hk,hv", [(1, 1, 16, 16), (4, 16, 16, 32), (2, 64, 16, 32), (1, 300, 16, 16)])
+def test_gdn_triton_matches_reference(b, w, hk, hv, dtype):
+    """Real Qwen3.5 head sizes: the fused conv + SiLU, the tree recurrence from raw projections, the
+    committed chain (also a 300-token prefill chunk) and the commit along a path."""
+    from kernels.gated_delta import reference as R
+    from kernels.gated_delta import triton as T
 
     rng = random.Random(w)
     gen = torch.Generator(device="cuda").manual_seed(w)
-    dk = dv = 128
-    q = l2norm(torch.randn(b, w, hk, dk, device="cuda", generator=gen)) / dk**0.5
-    k = l2norm(torch.randn(b, w, hk, dk, device="cuda", generator=gen))
-    v = torch.randn(b, w, hv, dv, device="cuda", generator=gen)
-    g = -torch.rand(b, w, hv, device="cuda", generator=gen)
-    beta = torch.rand(b, w, hv, device="cuda", generator=gen)
-    pool = torch.randn(b + 1, hv, dk, dv, device="cuda", generator=gen) * 0.1
+    dk = 128
+    c = 2 * hk * dk + hv * dk
+    proj = torch.randn(b * w, c + 2 * hv, device="cuda", generator=gen).to(dtype)
+    x = proj[:, :c].reshape(b, w, c)
+    a, bb = proj[:, c : c + hv].reshape(b, w, hv), proj[:, c + hv :].reshape(b, w, hv)
+    A = -2 * torch.rand(hv, device="cuda", generator=gen)
+    dtb = torch.randn(hv, device="cuda", generator=gen)
+    pool = torch.randn(b + 1, hv, dk, dk, device="cuda", generator=gen) * 0.1
+    conv = torch.randn(b + 1, 3, c, device="cuda", generator=gen).to(dtype)
+    weight = torch.randn(c, 4, device="cuda", generator=gen).to(dtype) * 0.5
     slots = torch.randperm(b + 1, device="cuda")[:b]
-    trees = [_random_tree(rng, w) for _ in range(b)]
+    trees = [_random_tree(rng, w) if w <= 64 else [-1] + list(range(w - 1)) for _ in range(b)]
     parents = torch.tensor(trees, device="cuda")
-    anc = torch.tensor([_bits(t) for t in trees], device="cuda")
-    o_ref = reference.pool_gdn_tree(q, k, v, g, beta, pool.clone(), slots, parents, anc)
-    o = tri.pool_gdn_tree(q, k, v, g, beta, pool.clone(), slots, parents, anc)
-    assert rel(o, o_ref) < 1e-5
-    path = torch.stack([torch.randperm(w, device="cuda") for _ in range(b)])
-    n = torch.randint(1, w + 1, (b,), device="cuda")
+    anc = torch.tensor([_bits(t) for t in trees], device="cuda") if w <= 64 else None
+    win = R.conv_window_index(parents, 4)
+    commit = w > 64
+    cr, ct = conv.clone(), conv.clone()
+    c_ref = R.pool_conv_silu(x, cr, slots, win, weight, commit)
+    c_tri = T.pool_conv_silu(x, ct, slots, win, weight, commit)
+    assert rel(c_tri, c_ref) < (1e-5 if dtype == torch.float32 else 1e-2) and rel(ct, cr) < 1e-2
     p_ref, p = pool.clone(), pool.clone()
-    reference.pool_gdn_commit(p_ref, slots, k, v, g, beta, path, n)
-    tri.pool_gdn_commit(p, slots, k, v, g, beta, path, n)
-    assert rel(p, p_ref) < 1e-5
+    o_ref = R.pool_gdn_tree(c_ref, a, bb, A, dtb, p_ref, slots, parents, anc, commit, hk, dk)
+    o = T.pool_gdn_tree(c_ref, a, bb, A, dtb, p, slots, parents, anc, commit, hk, dk)
+    assert rel(o, o_ref) < 1e-4 and rel(p, p_ref) < 1e-4
+    if not commit:
+        path = torch.stack([torch.randperm(w, device="cuda") for _ in range(b)])
+        n = torch.randint(1, w + 1, (b,), device="cuda")
+        p_ref, p = pool.clone(), pool.clone()
+        R.pool_gdn_commit(p_ref, slots, c_ref, a, bb, A, dtb, path, n, hk, dk)
+        T.pool_gdn_commit(p, slots, c_ref, a, bb, A, dtb, path, n, hk, dk)
+        assert rel(p, p_ref) < 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +120,7 @@ def q35_gpu(tmp_path_factory):
     tok = str(d / "tok.gguf")
     write_tiny_llama(tok)
     cfg = dataclasses.replace(PRESETS["tiny"], num_hidden_layers=8, linear_num_key_heads=2, linear_num_value_heads=4,
-                              linear_key_head_dim=32, linear_value_head_dim=32, head_dim=64)
+                              linear_key_head_dim=32, linear_value_head_dim=32, head_dim=64, mrope_section=(6, 6, 4))
     path = str(d / "q35.gguf")
     write_qwen35(path, cfg, seed=4, tokenizer_from=tok, std=0.05, progress=False)
     return {"cpu": Qwen35Model.from_gguf(path), "cuda": Qwen35Model.from_gguf(path, device="cuda"),

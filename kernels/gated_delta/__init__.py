@@ -7,6 +7,8 @@ from kernels.gated_delta.reference import (
     causal_conv_tree,
     conv_state_after,
     conv_window_index,
+    gdn_gates,
+    gdn_qkv,
     gdn_step,
     gdn_update,
     l2norm,
@@ -25,24 +27,33 @@ def _impl(t):
     return reference
 
 
-def pool_gdn_tree(q, k, v, g, beta, state_pool, slots, parents, ancestors=None, commit=False):
+def pool_gdn_tree(conv_out, a, b, A, dt_bias, state_pool, slots, parents, ancestors, commit, key_heads, head_k_dim):
     """:func:`kernels.gated_delta.reference.pool_gdn_tree`, by its Triton version on CUDA."""
-    return _impl(q).pool_gdn_tree(q, k, v, g, beta, state_pool, slots, parents, ancestors, commit)
+    return _impl(conv_out).pool_gdn_tree(conv_out, a, b, A, dt_bias, state_pool, slots, parents, ancestors, commit,
+                                         key_heads, head_k_dim)
 
 
-def pool_gdn_commit(state_pool, slots, k, v, g, beta, path, n_accept):
+def pool_gdn_commit(state_pool, slots, conv_out, a, b, A, dt_bias, path, n_accept, key_heads, head_k_dim):
     """:func:`kernels.gated_delta.reference.pool_gdn_commit`, by its Triton version on CUDA."""
-    return _impl(k).pool_gdn_commit(state_pool, slots, k, v, g, beta, path, n_accept)
+    return _impl(conv_out).pool_gdn_commit(state_pool, slots, conv_out, a, b, A, dt_bias, path, n_accept, key_heads, head_k_dim)
+
+
+def pool_conv_silu(x, conv_pool, slots, window, weight, commit=False):
+    """:func:`kernels.gated_delta.reference.pool_conv_silu`, by its Triton version on CUDA."""
+    return _impl(x).pool_conv_silu(x, conv_pool, slots, window, weight, commit)
 
 
 __all__ = [
     "causal_conv_tree",
     "conv_state_after",
     "conv_window_index",
+    "gdn_gates",
+    "gdn_qkv",
     "gdn_step",
     "gdn_update",
     "l2norm",
     "pool_conv_commit",
+    "pool_conv_silu",
     "pool_conv_tree",
     "pool_gdn_commit",
     "pool_gdn_tree",

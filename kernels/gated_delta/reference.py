@@ -17,6 +17,8 @@ root). Nothing here mutates the committed state.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -149,65 +151,99 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 # in ``kernels/gated_delta/triton.py`` (these references loop on the host).
 
 
-def pool_gdn_tree(q, k, v, g, beta, state_pool: torch.Tensor, slots: torch.Tensor, parents: torch.Tensor,
-                  ancestors: torch.Tensor | None = None, commit: bool = False) -> torch.Tensor:
-    """Gated delta rule over a batch of token trees, from pooled committed states.
-
-    Node ``i`` of row ``b`` starts from node ``parents[b, i]``'s state (``-1``: the committed
-    state ``state_pool[slots[b]]``). With ``commit`` the nodes of each row form a chain
-    (``parents[b, i] = i - 1``: a prefill chunk or an autoregressive step) that is committed
-    whole, and the state after the last node is written to the pool; otherwise the pool is not
-    touched (the accepted path is committed later by :func:`pool_gdn_commit`).
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, A: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-head decay and write strength of a Qwen3.5 GDN layer from its raw projections
+    (llama.cpp ``ssm_a`` = ``-exp(A_log)``, ``ssm_dt.bias``; HF ``Qwen3_5GatedDeltaNet``):
+    ``g = A * softplus(a + dt_bias)`` (log-decay, <= 0) and ``beta = sigmoid(b)``.
 
     Args:
-        q, k: ``[B, W, HK, Dk]`` float32 per key head (q L2-normalised and scaled, k
-            L2-normalised). Value head ``j`` reads key head ``j mod HK`` (GGUF tiled order).
-        v: ``[B, W, HV, Dv]`` float32; g (log-decay), beta: ``[B, W, HV]`` float32.
+        a, b: ``[..., HV]`` any float dtype (``x @ ssm_alpha``, ``x @ ssm_beta``).
+        A, dt_bias: ``[HV]`` float32.
+
+    Returns:
+        ``(g, beta)`` float32 ``[..., HV]``.
+    """
+    return A * F.softplus(a.float() + dt_bias), torch.sigmoid(b.float())
+
+
+def gdn_qkv(conv_out: torch.Tensor, key_heads: int, head_k_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split an activated conv output ``[..., C]`` (``C = 2 * Hk * Dk + HV * Dv``, ``[q | k | v]``)
+    into float32 ``q`` (L2-normalised, scaled by ``1/sqrt(Dk)``) and ``k`` (L2-normalised) per key
+    head ``[..., Hk, Dk]``, and ``v`` per value head ``[..., HV, Dv]`` (``Dv = Dk``, as llama.cpp's
+    qwen35 assumes)."""
+    hk, dk = key_heads, head_k_dim
+    x = conv_out.float()
+    lead = x.shape[:-1]
+    q = x[..., : hk * dk].reshape(*lead, hk, dk)
+    k = x[..., hk * dk : 2 * hk * dk].reshape(*lead, hk, dk)
+    v = x[..., 2 * hk * dk :].reshape(*lead, -1, dk)
+    return l2norm(q) / math.sqrt(dk), l2norm(k), v
+
+
+def pool_gdn_tree(conv_out, a, b, A, dt_bias, state_pool: torch.Tensor, slots: torch.Tensor, parents: torch.Tensor,
+                  ancestors: torch.Tensor | None, commit: bool, key_heads: int, head_k_dim: int) -> torch.Tensor:
+    """Gated delta rule over a batch of token trees, from pooled committed states, starting from a
+    layer's raw inputs.
+
+    Per node: ``q, k, v = gdn_qkv(conv_out)``, ``g, beta = gdn_gates(a, b, A, dt_bias)``; node
+    ``i`` of row ``b`` starts from node ``parents[b, i]``'s state (``-1``: the committed state
+    ``state_pool[slots[b]]``). With ``commit`` each row's nodes form a chain (``parents[b, i] =
+    i - 1``: a prefill chunk or an autoregressive step) committed whole: the state after the last
+    node is written to the pool; otherwise the pool is not touched (the accepted path is
+    committed later by :func:`pool_gdn_commit`). Value head ``j`` reads key head ``j mod Hk``
+    (GGUF tiled order).
+
+    Args:
+        conv_out: ``[B, W, C]`` activated conv outputs (any float dtype).
+        a, b: ``[B, W, HV]`` raw gate projections; A, dt_bias: ``[HV]`` float32.
         state_pool: ``[S, HV, Dk, Dv]`` float32, one layer of the pool.
         slots: ``[B]`` int64; parents: ``[B, W]`` int64 (topological: ``parents[b, i] < i``).
         ancestors: ``[B, W]`` int64 bit masks (unused here; the Triton version walks them).
-        commit: see above.
+        commit: see above. key_heads, head_k_dim: ``Hk``, ``Dk``.
 
     Returns:
         ``[B, W, HV, Dv]`` float32 outputs ``S_i^T q_i``.
     """
+    q, k, v = gdn_qkv(conv_out, key_heads, head_k_dim)
+    g, beta = gdn_gates(a, b, A, dt_bias)
     bsz, w, hk, _ = q.shape
     hv = v.shape[2]
     reps = hv // hk
     out = torch.empty(bsz, w, hv, v.shape[3], device=v.device, dtype=torch.float32)
-    for b in range(bsz):
-        s = int(slots[b])
-        par = [int(p) for p in parents[b].tolist()]
-        o, states = tree_gated_delta_rule(q[b].repeat(1, reps, 1), k[b].repeat(1, reps, 1), v[b], g[b], beta[b],
+    for r in range(bsz):
+        s = int(slots[r])
+        par = [int(p) for p in parents[r].tolist()]
+        o, states = tree_gated_delta_rule(q[r].repeat(1, reps, 1), k[r].repeat(1, reps, 1), v[r], g[r], beta[r],
                                           state_pool[s], par)
-        out[b] = o
+        out[r] = o
         if commit:
             state_pool[s] = states[-1]
     return out
 
 
-def pool_gdn_commit(state_pool: torch.Tensor, slots: torch.Tensor, k, v, g, beta, path: torch.Tensor,
-                    n_accept: torch.Tensor) -> None:
+def pool_gdn_commit(state_pool: torch.Tensor, slots: torch.Tensor, conv_out, a, b, A, dt_bias, path: torch.Tensor,
+                    n_accept: torch.Tensor, key_heads: int, head_k_dim: int) -> None:
     """Commit the accepted path of each row: recompute the recurrence from the committed state
-    along ``path[b, :n_accept[b]]`` and write the result to ``state_pool[slots[b]]`` (one state
-    write per row; DESIGN of rollback: docs/ARCHITECTURE.md, "State and rollback").
+    along ``path[r, :n_accept[r]]`` and write the result to ``state_pool[slots[r]]`` (one state
+    write per row; docs/ARCHITECTURE.md, "State and rollback").
 
     Args:
         state_pool: ``[S, HV, Dk, Dv]`` float32 (modified in place).
         slots: ``[B]`` int64.
-        k: ``[B, W, HK, Dk]``; v: ``[B, W, HV, Dv]``; g, beta: ``[B, W, HV]``: the values the
-            tree forward used (float32).
-        path: ``[B, W]`` int64 node indices, root first; entries at ``>= n_accept[b]`` ignored.
+        conv_out, a, b, A, dt_bias, key_heads, head_k_dim: the layer's inputs of the tree forward
+            (as :func:`pool_gdn_tree`).
+        path: ``[B, W]`` int64 node indices, root first; entries at ``>= n_accept[r]`` ignored.
         n_accept: ``[B]`` int64 path lengths (``k + 1 >= 1``).
     """
-    hk, hv = k.shape[2], v.shape[2]
-    reps = hv // hk
-    for b in range(slots.shape[0]):
-        s = int(slots[b])
+    q, k, v = gdn_qkv(conv_out, key_heads, head_k_dim)
+    g, beta = gdn_gates(a, b, A, dt_bias)
+    reps = v.shape[2] // k.shape[2]
+    for r in range(slots.shape[0]):
+        s = int(slots[r])
         state = state_pool[s]
-        for d in range(int(n_accept[b])):
-            j = int(path[b, d])
-            state = gdn_update(state, k[b, j].repeat(reps, 1), v[b, j], g[b, j], beta[b, j])
+        for d in range(int(n_accept[r])):
+            j = int(path[r, d])
+            state = gdn_update(state, k[r, j].repeat(reps, 1), v[r, j], g[r, j], beta[r, j])
         state_pool[s] = state
 
 
@@ -260,6 +296,18 @@ def pool_conv_tree(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor
     rows = torch.cat([window, (km1 + torch.arange(w, device=x.device)).expand(bsz, w)[..., None]], dim=-1)
     windows = buf.gather(1, rows.reshape(bsz, -1, 1).expand(-1, -1, c)).reshape(bsz, w, km1 + 1, c)
     return (windows * weight.t()).sum(2)
+
+
+def pool_conv_silu(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, window: torch.Tensor,
+                   weight: torch.Tensor, commit: bool = False) -> torch.Tensor:
+    """``silu(pool_conv_tree(...))``; with ``commit`` (each row a chain committed whole) the rows'
+    conv states then become their last ``K - 1`` inputs (:func:`pool_conv_commit` with the last
+    node). Returns ``[B, W, C]`` in ``x``'s dtype."""
+    out = F.silu(pool_conv_tree(x, conv_pool, slots, window, weight))
+    if commit:
+        last = torch.full((x.shape[0],), x.shape[1] - 1, dtype=torch.long, device=x.device)
+        pool_conv_commit(x, conv_pool, slots, window, last)
+    return out
 
 
 def pool_conv_commit(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, window: torch.Tensor,

@@ -65,7 +65,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.gated_delta import fla as fla_kernels
-from kernels.gated_delta import causal_conv_tree, conv_state_after, gdn_update, l2norm, recurrent_gated_delta_rule, tree_gated_delta_rule
+from kernels.gated_delta import causal_conv_tree, conv_state_after, gdn_gates, gdn_qkv, gdn_update, recurrent_gated_delta_rule, tree_gated_delta_rule
 from target_service.gguf_loader import GGUFError, GGUFFile, open_gguf, vocab_size
 from target_service.models.kv_cache import KVCache
 from kernels.activation import silu_mul
@@ -226,17 +226,18 @@ class SessionHybrid(SessionKV):
     def __init__(self, cache: HybridCache, mask: torch.Tensor, parents: list[int] | None, rollback: str):
         super().__init__(cache, mask)
         self.parents, self.rollback = parents, rollback
-        self.gdn: dict[int, GDNScratch] = {}
+        self.scratch: dict[int, GDNScratch] = {}
 
-    def conv(self, layer: int, conv_in: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        self.gdn[layer] = GDNScratch(conv_in=conv_in)
-        return causal_conv_tree(conv_in, self.cache.conv[layer], weight, self.parents)
-
-    def recurrence(self, layer: int, q, k, v, g, beta) -> torch.Tensor:
+    def gdn(self, layer: int, conv_in, a, b, lw, key_heads: int, head_k_dim: int) -> torch.Tensor:
+        """A GDN layer's token mixing from its raw projections: causal conv along the tree + SiLU,
+        q/k/v split and L2 norms, gates, recurrence -> ``[T, HV, Dv]`` float32."""
+        scratch = self.scratch[layer] = GDNScratch(conv_in=conv_in)
+        conv_out = F.silu(causal_conv_tree(conv_in, self.cache.conv[layer], lw["conv"], self.parents))
+        q, k, v = gdn_qkv(conv_out, key_heads, head_k_dim)
+        g, beta = gdn_gates(a, b, lw["a"], lw["dt_bias"])
         reps = v.shape[1] // q.shape[1]
         q, k = q.repeat(1, reps, 1), k.repeat(1, reps, 1)  # tiled value heads: head j reads key head j mod Hk
         state = self.cache.recurrent[layer]
-        scratch = self.gdn[layer]
         if self.parents is None:
             # prefill: chunked fla kernel on CUDA when installed, the reference recurrence otherwise
             chunked = fla_kernels.chunk_gated_delta_rule if fla_kernels.available(q.device) else recurrent_gated_delta_rule
@@ -352,38 +353,16 @@ class Qwen35Model:
         o = backend.attend(i, q, k, v, 1.0 / math.sqrt(c.head_dim), cos, sin) * torch.sigmoid(gate)
         return F.linear(o, lw["o"])
 
-    def _gdn_inputs(self, lw, h):
-        """Projections of a GDN layer: pre-conv ``[q|k|v]``, ``z``, ``beta``, ``g``."""
-        c = self.cfg
-        hv = c.linear_num_value_heads
-        proj = F.linear(h, lw["in_proj"])
-        cc, vd = c.conv_channels, hv * c.linear_value_head_dim
-        conv_in, z = proj[:, :cc], proj[:, cc : cc + vd]
-        b, a = proj[:, cc + vd : cc + vd + hv], proj[:, cc + vd + hv :]
-        beta = torch.sigmoid(b.float())
-        g = lw["a"] * F.softplus(a.float() + lw["dt_bias"])
-        return conv_in, z, beta, g
-
-    def _gdn_qkv(self, conv_out: torch.Tensor):
-        """Split the activated conv output into float32 ``q`` (scaled), ``k`` per key head
-        (``[T, Hk, Dk]``) and ``v`` per value head (``[T, HV, Dv]``)."""
-        c = self.cfg
-        t = conv_out.shape[0]
-        hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-        x = conv_out.float()
-        q = x[:, : hk * dk].reshape(t, hk, dk)
-        k = x[:, hk * dk : 2 * hk * dk].reshape(t, hk, dk)
-        v = x[:, 2 * hk * dk :].reshape(t, hv, dv)
-        return l2norm(q) / math.sqrt(dk), l2norm(k), v
-
     def _gdn(self, i: int, lw, h, backend) -> torch.Tensor:
         c = self.cfg
         t = h.shape[0]
-        conv_in, z, beta, g = self._gdn_inputs(lw, h)
-        conv_out = F.silu(backend.conv(i, conv_in, lw["conv"]))
-        q, k, v = self._gdn_qkv(conv_out)
-        o = backend.recurrence(i, q, k, v, g, beta)
-        o = gated_rms_norm(o, z.reshape(t, c.linear_num_value_heads, c.linear_value_head_dim), lw["ssm_norm"], c.rms_eps)
+        hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
+        proj = F.linear(h, lw["in_proj"])                     # [q|k|v pre-conv | z | b | a]
+        cc, vd = c.conv_channels, hv * dv
+        conv_in, z = proj[:, :cc], proj[:, cc : cc + vd]
+        b, a = proj[:, cc + vd : cc + vd + hv], proj[:, cc + vd + hv :]
+        o = backend.gdn(i, conv_in, a, b, lw, c.linear_num_key_heads, c.linear_key_head_dim)
+        o = gated_rms_norm(o, z.reshape(t, hv, dv), lw["ssm_norm"], c.rms_eps)
         return F.linear(o.reshape(t, -1), lw["out"])
 
     def layers_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend,
@@ -393,10 +372,10 @@ class Qwen35Model:
         Args:
             x: ``[N, H]`` embeddings; cos, sin: ``[N, rope_dim]`` rotary tables of the rows.
             backend: where the state lives. Attention: ``attend(layer, q [N, Hq, D], k, v [N, Hkv, D],
-                scale, cos, sin) -> [N, Hq * D]`` (rotary applied by the backend); GDN: ``conv(layer, conv_in [N, C], weight [C, K]) -> [N, C]``
-                (before the SiLU) and ``recurrence(layer, q [N, Hk, Dk], k [N, Hk, Dk], v [N, HV, Dv],
-                g [N, HV], beta [N, HV]) -> [N, HV, Dv]`` float32 (value head ``j`` reads key head
-                ``j mod Hk``). :class:`SessionHybrid` for one session's cache;
+                scale, cos, sin) -> [N, Hq * D]`` (rotary applied by the backend); GDN:
+                ``gdn(layer, conv_in [N, C], a [N, HV], b [N, HV], layer_weights, Hk, Dk) -> [N, HV, Dv]``
+                float32: conv + SiLU, q/k/v split with L2 norms, gates and the recurrence (value
+                head ``j`` reads key head ``j mod Hk``). :class:`SessionHybrid` for one session's cache;
                 ``target_service.pooled.PoolBackend`` for the GPU engine's pool.
             taps: layers whose outputs to return.
 
@@ -445,7 +424,7 @@ class Qwen35Model:
         cos, sin = rope_cos_sin(positions, c.rope_dim, c.rope_theta)
         backend = SessionHybrid(cache, mask, parents, self.rollback)
         x, feats = self.layers_forward(self.embed[tokens], cos, sin, backend, feature_layers)
-        out = HybridForwardOutput(logits=None, new_k=backend.new_k, new_v=backend.new_v, gdn=backend.gdn,
+        out = HybridForwardOutput(logits=None, new_k=backend.new_k, new_v=backend.new_v, gdn=backend.scratch,
                                   features=None, prefill=parents is None)
         if feature_layers:
             out.features = torch.cat([feats[i] for i in feature_layers], dim=-1)

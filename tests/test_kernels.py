@@ -1,0 +1,139 @@
+"""Triton kernels against their plain-PyTorch references on fresh random inputs, on the CPU through
+Triton's interpreter (tests/conftest.py sets ``TRITON_INTERPRET=1`` without CUDA; with CUDA the
+same tests run the compiled kernels on the GPU). Small shapes: the interpreter runs each program
+in Python.
+
+Tolerances: relative error ``||out - ref|| / ||ref||`` below 1e-5 in float32 (different reduction
+order only: float32 dots are IEEE, no tf32) and 2e-3 in float16 (the interpreter's bfloat16 ``dot``
+is broken, so bf16 runs in tests/test_batched_engine_gpu.py on a GPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def rand_tree(gen: torch.Generator, b: int, w: int, pad: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random parents (with some padded nodes: parent -1 past the root) and ancestor bit masks."""
+    parents = torch.full((b, w), -1, dtype=torch.long)
+    anc = torch.zeros(b, w, dtype=torch.long)
+    for r in range(b):
+        bits = []
+        for i in range(w):
+            p = -1 if i == 0 or torch.rand(1, generator=gen).item() < pad else int(torch.randint(0, i, (1,), generator=gen))
+            parents[r, i] = p
+            bits.append((1 << i) | (bits[p] if p >= 0 else 0))
+        anc[r] = torch.tensor([x - (1 << 64) if x >= 1 << 63 else x for x in bits])
+    return parents.to(DEV), anc.to(DEV)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("b,w,hq,hkv,d,causal,splits", [(2, 5, 6, 2, 16, False, 1), (3, 7, 4, 1, 32, False, 3),
+                                                          (2, 9, 4, 2, 16, True, 2), (1, 64, 2, 1, 16, False, 2)])
+def test_pool_attention(dtype, b, w, hq, hkv, d, causal, splits):
+    from kernels.attention import reference
+    from kernels.attention import triton as tri
+
+    gen = torch.Generator().manual_seed(b * w + d)
+    s, r = 4, 160
+    k = torch.randn(s, r, hkv, d, generator=gen).to(DEV, dtype)
+    v = torch.randn(s, r, hkv, d, generator=gen).to(DEV, dtype)
+    q = torch.randn(b, w, hq, d, generator=gen).to(DEV, dtype)
+    slots = torch.randperm(s, generator=gen)[:b].to(DEV)
+    lengths = torch.randint(0, r - w, (b,), generator=gen).to(DEV)
+    _, anc = rand_tree(gen, b, w, pad=0.0)
+    ref = reference.pool_attention(q.float(), k.float(), v.float(), slots, lengths, anc, 0.3, causal)
+    out = tri.pool_attention(q, k, v, slots, lengths, anc, 0.3, causal, splits=splits)
+    assert rel(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("b,w,hk,hv,dk", [(2, 6, 2, 4, 16), (3, 9, 1, 2, 16)])
+def test_gated_delta_kernels(dtype, b, w, hk, hv, dk):
+    """Tree conv + SiLU, the tree recurrence from raw projections, a committed chain (conv and
+    recurrent state written), and the commit along a path."""
+    from kernels.gated_delta import reference as R
+    from kernels.gated_delta import triton as T
+
+    gen = torch.Generator().manual_seed(w * hv)
+    c, kk, s = 2 * hk * dk + hv * dk, 4, 5
+    proj = torch.randn(b * w, c + 2 * hv + 3, generator=gen).to(DEV, dtype)   # a projection's column slices
+    x = proj[:, :c].reshape(b, w, c)
+    a, bb = proj[:, c : c + hv].reshape(b, w, hv), proj[:, c + hv : c + 2 * hv].reshape(b, w, hv)
+    A = (-2 * torch.rand(hv, generator=gen)).to(DEV)
+    dtb = torch.randn(hv, generator=gen).to(DEV)
+    state = (torch.randn(s, hv, dk, dk, generator=gen) * 0.1).to(DEV)
+    conv = torch.randn(s, kk - 1, c, generator=gen).to(DEV, dtype)
+    weight = torch.randn(c, kk, generator=gen).to(DEV, dtype)
+    slots = torch.randperm(s, generator=gen)[:b].to(DEV)
+    parents, anc = rand_tree(gen, b, w)
+    win = R.conv_window_index(parents, kk)
+    c_ref = R.pool_conv_silu(x, conv.clone(), slots, win, weight)
+    assert rel(T.pool_conv_silu(x, conv.clone(), slots, win, weight), c_ref) < TOL[dtype]
+    o_ref = R.pool_gdn_tree(c_ref, a, bb, A, dtb, state.clone(), slots, parents, anc, False, hk, dk)
+    assert rel(T.pool_gdn_tree(c_ref, a, bb, A, dtb, state.clone(), slots, parents, anc, False, hk, dk), o_ref) < 1e-5
+    chain = (torch.arange(w, device=DEV) - 1).expand(b, w).contiguous()
+    cwin = R.conv_window_index(chain, kk)
+    for n in (1, w):                                       # fewer and more nodes than the conv window
+        cr, ct, sr, st = conv.clone(), conv.clone(), state.clone(), state.clone()
+        xc = x[:, :n]
+        out_r = R.pool_conv_silu(xc, cr, slots, cwin[:, :n].contiguous(), weight, commit=True)
+        out_t = T.pool_conv_silu(xc, ct, slots, cwin[:, :n].contiguous(), weight, commit=True)
+        assert rel(out_t, out_r) < TOL[dtype] and torch.equal(ct, cr)
+        R.pool_gdn_tree(out_r, a[:, :n], bb[:, :n], A, dtb, sr, slots, chain[:, :n].contiguous(), None, True, hk, dk)
+        T.pool_gdn_tree(out_r, a[:, :n], bb[:, :n], A, dtb, st, slots, chain[:, :n].contiguous(), None, True, hk, dk)
+        assert rel(st, sr) < 1e-5
+    path = torch.stack([torch.randperm(w, generator=gen) for _ in range(b)]).to(DEV)
+    n_acc = torch.randint(1, w + 1, (b,), generator=gen).to(DEV)
+    sr, st = state.clone(), state.clone()
+    R.pool_gdn_commit(sr, slots, c_ref, a, bb, A, dtb, path, n_acc, hk, dk)
+    T.pool_gdn_commit(st, slots, c_ref, a, bb, A, dtb, path, n_acc, hk, dk)
+    assert rel(st, sr) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_norms_swiglu_rope(dtype):
+    from kernels.activation import reference as AR
+    from kernels.activation import triton as AT
+    from kernels.norm import reference as NR
+    from kernels.norm import triton as NT
+    from kernels.rope import reference as RR
+    from kernels.rope import triton as RT
+    from target_service.models.layers import rope_table
+
+    gen = torch.Generator().manual_seed(7)
+    x, d, w = (torch.randn(*sh, generator=gen).to(DEV, dtype) for sh in ((5, 3, 48), (5, 3, 48), (48,)))
+    assert rel(NT.rms_norm(x, w, 1e-6), NR.rms_norm(x, w, 1e-6)) < TOL[dtype]
+    for got, want in zip(NT.add_rms_norm(x, d, w, 1e-6), NR.add_rms_norm(x, d, w, 1e-6)):
+        assert rel(got, want) < TOL[dtype]
+    qg = torch.randn(5, 3, 32, generator=gen).to(DEV, dtype)               # per-head norm of a strided view
+    assert rel(NT.rms_norm(qg[..., :16], w[:16], 1e-6), NR.rms_norm(qg[..., :16], w[:16], 1e-6)) < TOL[dtype]
+    o, z = torch.randn(4, 6, 32, generator=gen).to(DEV), torch.randn(4, 6, 32, generator=gen).to(DEV, dtype)
+    assert rel(NT.gated_rms_norm(o, z, w[:32], 1e-6), NR.gated_rms_norm(o, z, w[:32], 1e-6)) < TOL[dtype]
+    gu = torch.randn(7, 80, generator=gen).to(DEV, dtype)
+    assert rel(AT.silu_mul(gu), AR.silu_mul(gu)) < TOL[dtype]
+    for dim, r in ((16, 16), (32, 8)):
+        b, wd, hq, hkv = 2, 3, 4, 2
+        qkv = torch.randn(b * wd, (hq + 2 * hkv) * dim, generator=gen).to(DEV, dtype)
+        q = qkv[:, : hq * dim].reshape(-1, hq, dim)
+        k = qkv[:, hq * dim : (hq + hkv) * dim].reshape(-1, hkv, dim)
+        v = qkv[:, (hq + hkv) * dim :].reshape(-1, hkv, dim)
+        cos, sin = rope_table(100, r, 10000.0, DEV)
+        pos = torch.randint(0, 100, (b * wd,), generator=gen).to(DEV)
+        pools = [torch.zeros(4, 12, hkv, dim, device=DEV, dtype=dtype) for _ in range(4)]
+        slots = torch.tensor([3, 1], device=DEV)
+        rows = torch.arange(b * wd, device=DEV).reshape(b, wd) + 2
+        out_r = RR.rope_store(q, k, v, cos[pos], sin[pos], pools[0], pools[1], slots, rows)
+        out_t = RT.rope_store(q, k, v, cos[pos], sin[pos], pools[2], pools[3], slots, rows)
+        assert rel(out_t, out_r) < TOL[dtype] and rel(pools[2], pools[0]) < TOL[dtype] and torch.equal(pools[3], pools[1])
