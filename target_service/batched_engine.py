@@ -227,7 +227,18 @@ class BatchedEngine:
             if not self.cuda_graphs:  # eager: still compile the kernels now, not at the first request
                 r.layout.fill_padding(r.host_np, self.pool.spare)
                 r.run()
+        self._warm_prefill()
         return len(shapes)
+
+    def _warm_prefill(self) -> None:
+        """Compile the prefill path's kernels now (a long and a short chunk in a scratch session),
+        so the first request's time to first token does not pay Triton / fla JIT."""
+        if not self.cuda or self.pool.free == 0:
+            return
+        s = Sampling.checked(0.0, 0, 0.0, 0)
+        for n in (min(self.prefill_chunk, self.max_context - 1), 3):
+            self.prefill("__warmup__", [i % self.cfg.vocab_size for i in range(n)], s, list(self.taps))
+            self.release(["__warmup__"])
 
     def _ensure_taps(self, layers: list[int]) -> None:
         missing = set(layers) - set(self.taps)

@@ -135,7 +135,7 @@ def bench_engine(path: str, name: str, reps: int = 5, hf: bool = False, max_cont
     log(f"[{name}] loaded {out['params'] / 1e9:.3f}B params, {wbytes / 2**30:.2f} GiB bf16 in {out['load_s']:.1f} s; "
         f"copy {bw / 1e12:.2f} TB/s -> floor {out['floor_tok_s']:.0f} tok/s")
     taps = [1, max(1, model.cfg.num_layers // 2), model.cfg.num_layers - 3] if g.architecture == "llama" else []
-    engine = BatchedEngine(model, max_sessions=16, max_context=max_context, max_tree_width=64, max_tree_depth=32,
+    engine = BatchedEngine(model, max_sessions=16, max_context=max_context, max_tree_width=64, max_tree_depth=63,
                            feature_layers=taps, batch_buckets=batch_buckets, width_buckets=width_buckets, max_step_tokens=1024)
     pool_bytes = engine.pool.nbytes
     before = torch.cuda.memory_allocated()

@@ -28,6 +28,7 @@ import torch
 
 from kernels import attention as attn_ops
 from kernels import gated_delta as gdn_ops
+from kernels.gated_delta import fla
 from kernels.sampling import filter_thresholds, sample_tokens
 from kernels.rope import rope_store
 from kernels.sampling.accept import accept_trees
@@ -37,6 +38,9 @@ from kernels.sampling.accept import accept_trees
 _NODE_FIELDS = ("tokens", "parents", "depth", "ancestors")
 _ROW_FIELDS = ("n_nodes", "slots", "lengths", "seeds", "top_k", "inv_temperature", "top_p")
 _FLOAT_FIELDS = ("inv_temperature", "top_p")
+#: prefill chunks at least this long run their GDN recurrence through fla-core's chunked kernel
+#: (when installed; CUDA) instead of the sequential one
+FLA_MIN_CHUNK = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,12 +182,26 @@ class PoolBackend:
         x = conv_in.reshape(*bw, -1)
         a3, b3 = a.reshape(*bw, -1), b.reshape(*bw, -1)
         conv_out = gdn_ops.pool_conv_silu(x, pool.conv[j], st.slots, st.window, lw["conv"], commit=self.commit_chain)
+        if self.causal and self.w >= FLA_MIN_CHUNK and fla.available(x.device):
+            return self._fla_chunk(j, conv_out, a3, b3, lw, key_heads, head_k_dim)
         o = gdn_ops.pool_gdn_tree(conv_out, a3, b3, lw["a"], lw["dt_bias"], pool.recurrent[j], st.slots, st.parents,
                                   st.ancestors, self.commit_chain, key_heads, head_k_dim)
         if not self.commit_chain:
             self.saved[layer] = (conv_out, a3, b3, lw["a"], lw["dt_bias"], key_heads, head_k_dim)
             self.saved_conv[layer] = x
         return o.reshape(self.b * self.w, *o.shape[2:])
+
+    def _fla_chunk(self, j: int, conv_out, a, b, lw, key_heads: int, head_k_dim: int) -> torch.Tensor:
+        """A long prefill chunk through fla-core's chunked kernel (eager prefill only, one row):
+        the committed state in, the state after the chunk back into the pool."""
+        q, k, v = gdn_ops.gdn_qkv(conv_out[0], key_heads, head_k_dim)
+        g, beta = gdn_ops.gdn_gates(a[0], b[0], lw["a"], lw["dt_bias"])
+        reps = v.shape[1] // q.shape[1]
+        state = self.pool.recurrent[j]
+        slot = self.st.slots[:1]
+        o, final = fla.chunk_gated_delta_rule(q.repeat(1, reps, 1), k.repeat(1, reps, 1), v, g, beta, state[slot][0])
+        state[slot] = final[None]
+        return o
 
     def commit(self, path: torch.Tensor, n_accept: torch.Tensor) -> None:
         """Commit each row's accepted path (``path[b, :n_accept[b]]``, root first): K/V rows of
