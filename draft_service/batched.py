@@ -19,7 +19,7 @@ of the batch is affected):
 Items of one batch are served in order: a session may appear several times (each item sees the
 rows its earlier items appended).
 
-**The batched engine** (DESIGN.md, "The GPU engine"; the draft-side counterpart of
+**The batched engine** (docs/ARCHITECTURE.md, "The GPU path"; the draft-side counterpart of
 :class:`target_service.batched_engine.BatchedEngine`):
 
 * a context pool allocated once (:class:`target_service.pool.StatePool`): K and V

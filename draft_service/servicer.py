@@ -1,7 +1,7 @@
 """gRPC ``dflash_grpc.v1.DraftService``: a thin map from the v1 contract onto a drafter engine run
 by a :class:`target_service.step_loop.StepLoop`.
 
-Per ``ProposeItem`` (DESIGN.md "One speculative step", step 1):
+Per ``ProposeItem`` (docs/ARCHITECTURE.md, "One speculative step", step 1):
 
 1. decode ``features`` (``[rows, N*H]``, bf16/f16/f32 raw bytes; unset = 0 rows);
 2. check ``committed_length == rows held + rows`` for the session (created on first sight);

@@ -1,4 +1,4 @@
-"""Train a DFlash drafter for a target GGUF (the DFlash recipe, DESIGN.md "Models" / "Training").
+"""Train a DFlash drafter for a target GGUF (the DFlash recipe; docs/ARCHITECTURE.md, "Models").
 
     python -m draft_service.train [--target T.gguf] --out-dir runs/dflash [--output drafter.gguf]
         [--time-budget-min 8] [--layers 2] [--block-size 16] [--steps 4000] ...

@@ -5,7 +5,7 @@ token, parent -1); every other node ``i`` has a token and a parent ``0 <= parent
 depth is one more than its parent's, and the node stands at position ``L + depth``.
 
 * :func:`build_chain`: the greedy chain, one child per node (argmax of each depth).
-* :func:`build_tree`: DDTree (DESIGN.md "Tree builder"): best-first over the per-depth top-K
+* :func:`build_tree`: DDTree (docs/ARCHITECTURE.md, "Token trees"): best-first over the per-depth top-K
   candidates, scored by the summed log-probability of the path, seeded with the top-1 chain,
   stopped at a node budget. It takes the logits or a precomputed per-depth top-K table
   (:class:`TopK`: the batched drafter's one device-to-host copy per step).
@@ -82,7 +82,7 @@ def build_tree(root_token: int, logits: "torch.Tensor | TopK", budget: int, top_
     The drafter gives one distribution per depth (block diffusion predicts every position of the
     block at once, so a depth's candidates do not depend on the parent's token). The candidates at
     depth ``d`` are that depth's top-``top_k`` tokens; a node's score is the sum of its path's
-    log-probabilities. Best-first search (DESIGN.md, "Tree builder"): the heap is seeded with the
+    log-probabilities. Best-first search (docs/ARCHITECTURE.md, "Token trees"): the heap is seeded with the
     top-1 chain; popping a node adds it to the tree and pushes its next sibling (the next-ranked
     token at its depth, same parent) and its first child (the top token one depth down); nodes
     are popped until the tree has ``budget`` non-root nodes. Scores only fall along a path, so a
@@ -129,7 +129,8 @@ def _best_first(root_token: int, table: TopK, budget: int, k: int) -> tuple[list
     ``(-score, d, push order, r, parent score, parent tree index or -1 for "the chain node one
     depth up")``; the top-1 chain is seeded first (scores = prefix sums of the rank-0 log-probs),
     so a chain node's first child is never pushed again. Popping pushes the next sibling, then the
-    first child, as in DESIGN.md; ties go to the shallower node, then the earlier push.
+    first child, as in docs/ARCHITECTURE.md, "Token trees"; ties go to the shallower node, then
+    the earlier push.
     """
     lp = _rows(table.logprobs, k, float)  # [D][k] Python floats
     tok = _rows(table.tokens, k, int)

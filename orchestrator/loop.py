@@ -1,4 +1,4 @@
-"""The speculative loop of one request (DESIGN.md, "One speculative step").
+"""The speculative loop of one request (docs/ARCHITECTURE.md, "One speculative step").
 
     prefill -> root
     repeat: draft a tree from root (drafter, or root-only without one) -> verify on the target

@@ -1,6 +1,6 @@
 """The public ``GenerationService``: validates requests, runs the speculative loop, streams text.
 
-Status codes (DESIGN.md, Errors): INVALID_ARGUMENT for an empty prompt, token ids outside the
+Status codes (docs/ARCHITECTURE.md, "Errors"): INVALID_ARGUMENT for an empty prompt, token ids outside the
 vocabulary, bad sampling values or options; FAILED_PRECONDITION when the configured drafter was
 built for another target; RESOURCE_EXHAUSTED when the target has no free slot or the prompt
 does not fit; UNAVAILABLE when the target is down. A failing drafter is never an error: the

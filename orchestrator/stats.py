@@ -1,4 +1,5 @@
-"""Acceptance statistics: per request and global (DESIGN.md, step 4: tau = k + 1 per verify)."""
+"""Acceptance statistics: per request and global (tau = k + 1 per verify: docs/ARCHITECTURE.md,
+"One speculative step")."""
 
 from __future__ import annotations
 

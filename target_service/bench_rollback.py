@@ -9,8 +9,9 @@ one verify step over a tree of ``T`` nodes whose accepted path has ``n = k + 1``
 * ``gather``: the tree recurrence keeps all ``T`` node states; commit copies the path end's.
 * ``recompute``: the tree recurrence keeps each node's ``(k, v, g, beta)``; commit re-runs the
   ``n`` path updates from the committed state.
-* ``snapshot``: DESIGN.md's first option, for reference: snapshot the committed state, let the
-  tree recurrence overwrite it, restore the snapshot, then replay the path (``n`` updates).
+* ``snapshot``: the first option of docs/ARCHITECTURE.md, "State and rollback", for reference:
+  snapshot the committed state, let the tree recurrence overwrite it, restore the snapshot, then
+  replay the path (``n`` updates).
 
 Bytes are the state traffic a fused kernel would have to move per step and layer (a state is
 ``HV * Dk * Dv * 4`` bytes): gather writes ``T`` states in the forward and reads + writes one at

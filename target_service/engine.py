@@ -4,9 +4,9 @@ A session owns a KV cache (its slot), the root token (the last emitted token, no
 cache), its sampling settings and the target layers whose outputs the drafter wants. All state
 changes of a session go through :meth:`TargetEngine.prefill` and :meth:`TargetEngine.verify`,
 which validate their input completely before touching anything: a rejected request leaves the
-session exactly as it was (DESIGN.md, Errors).
+session exactly as it was (docs/ARCHITECTURE.md, "Errors").
 
-One verify step (DESIGN.md, "One speculative step", steps 2-4):
+One verify step (docs/ARCHITECTURE.md, "One speculative step", steps 2-4):
 
 1. forward every tree node over the committed cache with the ancestor mask (nothing written);
 2. the target's choice at every node (argmax, or Gumbel-max sample keyed by position);

@@ -10,7 +10,8 @@ padded rows of a batch, so a padded row never touches a live session:
 * ``conv``: ``[GDN layers, slots + 1, K - 1, C]`` in the model dtype (qwen35).
 
 Addresses never move (CUDA graphs captured over them stay valid); a slot is zeroed when it is
-handed to a session (stale state from its previous session must not leak; DESIGN lesson).
+handed to a session (stale state from its previous session must not leak; docs/ARCHITECTURE.md,
+"State and rollback").
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ class TreeTensors:
         parents: ``[T]`` int64 (root: -1).
         depth: ``[T]`` int64.
         ancestors: ``[T, T]`` bool, ``ancestors[i, j]`` = ``j`` is ``i`` or one of its ancestors
-            (the attention mask of the tree part, DESIGN.md step 2).
+            (the attention mask of the tree part; docs/ARCHITECTURE.md, "One speculative step", step 2).
         max_depth: deepest node's depth (host int, known before the forward).
         depth_host: the depths as host ints (positions for the sampler need no device read).
     """

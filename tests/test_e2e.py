@@ -1,7 +1,7 @@
 """End to end: the three services as real processes on loopback, talked to over gRPC.
 
 Covers the lossless checks of the end-to-end issue (speculative output == target-only output ==
-transformers greedy decoding of the same GGUF), seeded sampling, the statuses of DESIGN.md
+transformers greedy decoding of the same GGUF), seeded sampling, the statuses of docs/ARCHITECTURE.md,
 "Errors" that the public API can produce (each followed by a correct request), a drafter built
 for another target (FAILED_PRECONDITION), and the draft service dying mid-request (fallback).
 The module's tests run in file order; the last ones stop services on purpose.

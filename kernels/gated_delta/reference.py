@@ -9,7 +9,7 @@ with state ``S`` of shape ``[Dk, Dv]``::
     S   <- S + k_t u_t^T
     o_t  = S^T (q_t / sqrt(Dk))
 
-Token trees (DESIGN.md, "State and rollback"): each node's state is its *parent's* state updated
+Token trees (docs/ARCHITECTURE.md, "State and rollback"): each node's state is its *parent's* state updated
 with the node's ``(k, v, g, beta)``; node 0's parent is the committed state. Each node's conv
 window is its own input and its ancestors' (reaching into the committed conv state near the
 root). Nothing here mutates the committed state.

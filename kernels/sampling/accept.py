@@ -1,6 +1,6 @@
 """The acceptance walk of a batch of verified token trees, on device tensors of fixed shape.
 
-The batched, graph-safe form of :func:`kernels.sampling.reference.accept_path` (DESIGN step 3 in
+The batched, graph-safe form of :func:`kernels.sampling.reference.accept_path` (step 3 in
 docs/ARCHITECTURE.md, "One speculative step"): no host reads, no data-dependent shapes, so it runs
 inside the GPU engine's CUDA graphs; on CPU tensors it is the same code.
 """

@@ -10,7 +10,7 @@ SC'11) with counter ``(token, p mod 2**32, p div 2**32, 0)`` and key ``(seed mod
 seed div 2**32)``. Because it depends only on the position, the target's choice at every tree
 node equals the choice autoregressive decoding would make after the same prefix, so the
 speculative walk emits exactly the target-only sample stream for the same seed, and the output
-distribution is the target's whatever the drafter proposes (DESIGN.md, step 3). Being counter
+distribution is the target's whatever the drafter proposes (docs/ARCHITECTURE.md, "Sampling"). Being counter
 based, the noise needs no host RNG and no state: any device computes any entry on its own, and
 ``kernels.sampling.triton`` computes it inside the sampling kernel.
 
@@ -482,8 +482,8 @@ def accept_path(
     A non-root node ``i`` with parent ``p`` *matches* when ``tree_tokens[i] == choice[p]`` (the
     target, at ``p``, chose ``i``'s token). A node is on the accepted path when it and all of its
     ancestors match; the path ends at the deepest such node (the lowest index among equals, i.e.
-    the first matching sibling). This is the walk of DESIGN.md step 3 done with tensor ops: no
-    host synchronisation.
+    the first matching sibling). This is the walk of step 3 of docs/ARCHITECTURE.md, "One
+    speculative step", done with tensor ops: no host synchronisation.
 
     Args:
         tree_tokens: ``[T]`` int64 node tokens (node 0 = root).

@@ -1,6 +1,6 @@
 """Conversions between torch tensors / Python values and the v1 wire messages.
 
-Features travel as raw bytes with a dtype and a shape (DESIGN.md, performance rules), never as
+Features travel as raw bytes with a dtype and a shape (docs/ARCHITECTURE.md, "The services"), never as
 lists of floats. Errors are raised as :class:`WireError` (mapped to INVALID_ARGUMENT by servers).
 """
 

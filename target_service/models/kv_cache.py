@@ -3,8 +3,8 @@
 
 Per attention layer ``[Hkv, capacity, D]``, rows ``[0, length)`` valid. Capacity grows in steps of
 ``stride`` rows up to ``max_length``; new storage is zeroed so no uninitialised memory is ever read
-(DESIGN.md, lessons). Rows are appended through ``index_copy_`` with a row-index tensor, not through
-a view whose offset moves every step.
+(docs/ARCHITECTURE.md, "State and rollback"). Rows are appended through ``index_copy_`` with a
+row-index tensor, not through a view whose offset moves every step.
 """
 
 from __future__ import annotations

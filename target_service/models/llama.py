@@ -4,7 +4,7 @@ One forward serves prefill and tree verify: ``T`` new tokens at given positions 
 committed KV cache ``[0, L)`` and, among themselves, to what ``mask`` allows (causal for a prefill
 chunk, ancestors for a token tree). The forward never writes the cache: it returns the new
 tokens' K/V, and :meth:`LlamaModel.commit` copies the accepted rows into place. So the committed
-state is untouched until the accepted path is known (DESIGN.md, "State and rollback"), and
+state is untouched until the accepted path is known (docs/ARCHITECTURE.md, "State and rollback"), and
 rollback of a llama model is simply not copying the rejected rows.
 
 GGUF facts (llama.cpp ``convert_hf_to_gguf.py``, ``LlamaModel.permute``): the rows of

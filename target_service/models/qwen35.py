@@ -19,8 +19,8 @@ way by transformers' ``integrations/gguf/gguf_conversion_mapping.py::_qwen35``):
   Qwen3.5's interleaved mrope equal to plain rope); output times ``sigmoid(gate)``.
 * ``block_count`` includes ``nextn_predict_layers`` MTP blocks, which are skipped.
 
-State and rollback (DESIGN.md): a forward never writes the session's state. Prefill (``parents
-is None``) runs the chain and returns the final recurrent state and conv tail, which
+State and rollback (docs/ARCHITECTURE.md, "State and rollback"): a forward never writes the
+session's state. Prefill (``parents is None``) runs the chain and returns the final recurrent state and conv tail, which
 :meth:`Qwen35Model.commit` installs. Verify over a tree returns per-node values and
 :meth:`commit` builds the state of the accepted path; two strategies are implemented:
 
