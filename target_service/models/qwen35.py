@@ -20,8 +20,8 @@ way by transformers' ``integrations/gguf/gguf_conversion_mapping.py::_qwen35``):
 * ``block_count`` includes ``nextn_predict_layers`` MTP blocks, which are skipped.
 
 State and rollback (docs/ARCHITECTURE.md, "State and rollback"): a forward never writes the
-session's state. Prefill (``parents is None``) runs the chain and returns the final recurrent state and conv tail, which
-:meth:`Qwen35Model.commit` installs. Verify over a tree returns per-node values and
+session's state. Prefill (``parents is None``) runs the chain and returns the final recurrent
+state and conv tail, which :meth:`Qwen35Model.commit` installs. Verify over a tree returns per-node values and
 :meth:`commit` builds the state of the accepted path; two strategies are implemented:
 
 * ``"gather"``: the tree forward keeps every node's recurrent state ``[T, HV, Dk, Dv]`` and
