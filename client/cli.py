@@ -1,4 +1,5 @@
-"""The ``dflash-grpc`` command line: ``serve``, ``generate``, ``stats``, ``info``, ``demo``.
+"""The ``dflash-grpc`` command line: ``serve``, ``generate``, ``stats``, ``info``, ``demo``, ``bench``,
+``train``, ``evaluate``.
 
 ::
 

@@ -1,7 +1,8 @@
 """Draft service: the DFlash drafter, per-session drafter contexts, tree building, gRPC servicer.
 
 Modules: :mod:`draft_service.drafter` (the model), :mod:`draft_service.gguf_io` (drafter files),
-:mod:`draft_service.init_random` (random drafters), :mod:`draft_service.tree` (chains),
+:mod:`draft_service.init_random` (random drafters), :mod:`draft_service.tree` (chains and DDTrees),
+:mod:`draft_service.batched` (the reference and the batched GPU draft engines),
 :mod:`draft_service.servicer` (``DraftService``), ``python -m draft_service`` (the server).
 """
 

@@ -76,10 +76,16 @@ class _Runner:
         self.host = torch.zeros(self.layout.size, dtype=torch.long, pin_memory=cuda)
         self.host_np = self.host.numpy()
         self.dev = torch.zeros(self.layout.size, dtype=torch.long, device=engine.device) if cuda else self.host
+        # the results (int64) and the tapped features (model dtype) share one byte buffer, so the
+        # step ends with one device-to-host copy
         n_ints = batch * width + 2 * batch
         feat = engine.feature_width
-        self.out_ints = torch.zeros(n_ints, dtype=torch.long, pin_memory=cuda)
-        self.out_feats = torch.zeros(batch, width, feat, dtype=engine.dtype, pin_memory=cuda) if feat else None
+        item = torch.empty(0, dtype=engine.dtype).element_size()
+        nbytes = n_ints * 8 + batch * width * feat * item
+        self.out_host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=cuda)
+        self.out_dev = torch.zeros(nbytes, dtype=torch.uint8, device=engine.device) if cuda else self.out_host
+        self.out_ints, self.out_feats = self._views(self.out_host, n_ints, batch, width, feat)
+        self._dev_ints, self._dev_feats = self._views(self.out_dev, n_ints, batch, width, feat)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.splits = default_splits(batch, engine.cfg.num_kv_heads, width, engine.cfg.num_heads // engine.cfg.num_kv_heads,
                                      engine.max_context) if cuda else 1
@@ -90,9 +96,16 @@ class _Runner:
             self.dev.copy_(self.host, non_blocking=True)
         st = StepTensors.from_buffer(self.layout, self.dev, e.conv_kernel)
         out = run_step(e.model, e.pool, st, e.rope, e.taps, self.splits)
-        self.out_ints.copy_(out.ints, non_blocking=True)
-        if self.out_feats is not None:
-            self.out_feats.copy_(out.features, non_blocking=True)
+        self._dev_ints.copy_(out.ints)
+        if self._dev_feats is not None:
+            self._dev_feats.copy_(out.features)
+        if self.out_dev is not self.out_host:
+            self.out_host.copy_(self.out_dev, non_blocking=True)
+
+    def _views(self, buf: torch.Tensor, n_ints: int, batch: int, width: int, feat: int):
+        ints = buf[: n_ints * 8].view(torch.long)
+        feats = buf[n_ints * 8 :].view(self.engine.dtype).reshape(batch, width, feat) if feat else None
+        return ints, feats
 
     def capture(self, pool_handle) -> None:
         """Warm up (compiles Triton kernels, pays autotuning) and capture the step as a graph,
@@ -128,7 +141,8 @@ class BatchedEngine:
         max_tree_width, max_tree_depth: most nodes / deepest node of a verified tree.
         feature_layers: target layers whose outputs are tapped for the drafter; a session asking
             for others extends the set (and recaptures the graphs, logged).
-        memory_budget: bytes for the pool (``None``: whatever ``max_sessions`` needs).
+        memory_budget: bytes for the pool, spare slot included (``None``: whatever
+            ``max_sessions`` needs).
         cuda_graphs: capture and replay steps as CUDA graphs (CUDA only).
         batch_buckets, width_buckets: step shapes on CUDA (padded to the smallest that fits).
         max_step_tokens: most nodes of one step (``B x W``); larger batches are split into steps.
@@ -160,7 +174,7 @@ class BatchedEngine:
         shape = PoolShape.of(self.cfg, self.max_context, self.max_tree_width)
         slots = max_sessions
         if memory_budget is not None:
-            slots = min(slots, memory_budget // shape.slot_bytes(self.dtype))
+            slots = min(slots, memory_budget // shape.slot_bytes(self.dtype) - 1)   # the spare slot is paid too
             if slots < 1:
                 raise ResourceExhausted(f"a memory budget of {memory_budget} bytes holds no session slot "
                                         f"({shape.slot_bytes(self.dtype)} bytes each)")

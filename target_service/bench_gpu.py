@@ -1,7 +1,8 @@
-"""GPU benchmark of the target engine, with same-run baselines (``tools/gpu_bench.sh`` runs it).
+"""GPU benchmark of the target engine, with same-run baselines (``tools/gpu_run.sh bench`` runs it).
 
     python -m target_service.bench_gpu engine --model M.gguf --name NAME --out NAME.json [--hf]
     python -m target_service.bench_gpu report --dir DIR --out DIR/RESULTS.md
+    python -m target_service.bench_gpu env --out DIR/env.json
 
 ``engine`` measures, on one CUDA device, in this order (each a median over repeats, with the
 spread):

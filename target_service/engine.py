@@ -275,7 +275,7 @@ class TargetEngine:
 
     def start_prefill(self, session_id: str, prompt: list[int], sampling: Sampling, feature_layers: list[int]) -> "PrefillJob":
         """A prefill the step loop runs with :meth:`run_prefill` (this engine prefills whole, in
-        its own chunks, on the first call). Raises what :meth:`prefill` raises, at once."""
+        its own chunks, on the first call; what :meth:`prefill` raises comes from there)."""
         return PrefillJob(session_id, prompt, sampling, list(feature_layers))
 
     def run_prefill(self, job: "PrefillJob", budget: int) -> int:

@@ -18,7 +18,7 @@ from dflash_grpc.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dflash_grpc.wire import tensor_to_proto
 from target_service.engine import Sampling
 from target_service.errors import EngineError, InvalidArgument
-from target_service.step_loop import StepLoop
+from target_service.step_loop import BatchResult, StepLoop
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     bad[i] = InvalidArgument("item has no tree")
                     continue
                 items.append((item.session_id, list(item.tree.tokens), list(item.tree.parents)))
-            done = self.loop.batch(items)
+            try:
+                done = self.loop.batch(items)
+            except BaseException as e:  # noqa: BLE001 - the step itself failed: each item says why
+                done = BatchResult([e] * len(items), 0.0, len(items), 0.0)
             outs = iter(done.results)
             results = []
             for i, item in enumerate(request.items):

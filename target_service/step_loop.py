@@ -8,8 +8,8 @@ oldest prompt first, so a long prompt never stalls the other sessions for more t
 
 Used by both services: the target's engine (:class:`target_service.engine.TargetEngine` or
 :class:`target_service.batched_engine.BatchedEngine`) and the draft service's engine, through the
-``verify_batch`` / ``start_prefill`` / ``run_prefill`` methods (a draft engine uses only
-``verify_batch``, for its proposals).
+``verify_batch`` / ``start_prefill`` / ``run_prefill`` methods (a draft engine has no prefill:
+its batch method is ``propose_batch``).
 """
 
 from __future__ import annotations

@@ -207,10 +207,10 @@ def test_memory_budget_sets_slots(smollm_model):
     from target_service.pool import PoolShape
 
     per = PoolShape.of(smollm_model.cfg, 128, 8).slot_bytes(smollm_model.dtype)
-    engine = BatchedEngine(smollm_model, max_sessions=10, max_context=128, max_tree_width=8, memory_budget=3 * per + 1)
+    engine = BatchedEngine(smollm_model, max_sessions=10, max_context=128, max_tree_width=8, memory_budget=4 * per + 1)
     assert engine.max_sessions == 3 and engine.pool.slots == 3
     with pytest.raises(ResourceExhausted):
-        BatchedEngine(smollm_model, max_sessions=10, max_context=128, max_tree_width=8, memory_budget=per - 1)
+        BatchedEngine(smollm_model, max_sessions=10, max_context=128, max_tree_width=8, memory_budget=2 * per - 1)
 
 
 def test_step_loop_batches_concurrent_requests_and_interleaves_prefill(smollm_model, prompts):

@@ -3,6 +3,8 @@
 #
 #   bash tools/gpu_run.sh stage            # keep the carried .stage/ parts in /tmp/stage and start the
 #                                          # llama.cpp build in the background (survives while warm)
+#   bash tools/gpu_run.sh smoke            # without SmolLM2: kernel and hybrid-engine GPU tests, the engine
+#                                          # benchmark and kernel profile on synthetic models
 #   bash tools/gpu_run.sh checks           # GPU tests (pytest -m gpu) -> $OUT/gpu-tests.txt
 #   bash tools/gpu_run.sh bench [MODELS]   # the benchmark of benchmarks/gpu/ -> $OUT/*.json, RESULTS.md
 #   bash tools/gpu_run.sh all [MODELS]     # checks, then bench
@@ -125,5 +127,5 @@ case ${1:-all} in
   checks) cmd_checks ;;
   bench) shift; cmd_bench "$@" ;;
   all) shift; cmd_checks; cmd_bench "$@" ;;
-  *) echo "usage: $0 stage|checks|bench|all [models]" >&2; exit 2 ;;
+  *) echo "usage: $0 stage|smoke|checks|bench|all [models]" >&2; exit 2 ;;
 esac

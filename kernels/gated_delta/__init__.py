@@ -1,5 +1,6 @@
 """Gated DeltaNet ops: recurrence (chain and tree) and causal conv (reference in ``reference.py``),
-and their pooled, batched forms for the GPU engine (recurrences also in Triton, ``triton.py``)."""
+and their pooled, batched forms for the GPU engine (conv + SiLU, tree recurrence and commit also
+in Triton, ``triton.py``, picked per call)."""
 
 from kernels.dispatch import use_triton
 from kernels.gated_delta import reference

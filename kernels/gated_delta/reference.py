@@ -147,8 +147,8 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 # The functions below act on a batch of sessions whose committed state lives in a pool
 # (``state_pool[slot]``, ``conv_pool[slot]``; docs/ARCHITECTURE.md, "The GPU path"). Every
 # per-step value is a tensor, so :func:`conv_window_index`, :func:`pool_conv_tree` and
-# :func:`pool_conv_commit` are graph-safe as they are; the two recurrences have Triton versions
-# in ``kernels/gated_delta/triton.py`` (these references loop on the host).
+# :func:`pool_conv_commit` are graph-safe as they are; the conv + SiLU and the two recurrences
+# have Triton versions in ``kernels/gated_delta/triton.py`` (these references loop on the host).
 
 
 def gdn_gates(a: torch.Tensor, b: torch.Tensor, A: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

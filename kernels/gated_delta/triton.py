@@ -146,6 +146,9 @@ def _conv_kernel(x_ptr, pool_ptr, slots_ptr, win_ptr, w_ptr, out_ptr, W, C, sxb,
         old = tl.load(base_pool + r[:, None] * spr + cols[None, :], mask=m2 & (r < KM1)[:, None], other=0.0)
         new = tl.load(xb + (r - KM1)[:, None] * sx + cols[None, :], mask=m2 & (r >= KM1)[:, None], other=0.0)
         xl = tl.load(xb + (W - 1) * sx + cols, mask=cm, other=0.0)
+        # the rows just read may be the rows about to be written, by other threads of this program
+        # (the 2-D and 1-D tensors are laid out differently): all reads land before any write
+        tl.debug_barrier()
         tl.store(base_pool + t[:, None] * spr + cols[None, :], (old + new).to(pool_ptr.dtype.element_ty), mask=m2)
         tl.store(base_pool + (KM1 - 1) * spr + cols, xl.to(pool_ptr.dtype.element_ty), mask=cm)
 

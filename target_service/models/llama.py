@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from kernels.attention import tree_attention
 from kernels.activation import silu_mul
+from kernels.linear import linear
 from kernels.norm import add_rms_norm, rms_norm
 from target_service.models.layers import apply_rope_rows, rope_cos_sin
 from target_service.gguf_loader import GGUFError, GGUFFile, open_gguf, vocab_size
@@ -226,20 +227,20 @@ class LlamaModel:
         feats = {}
         h = rms_norm(x, self.layers[0]["attn_norm"], c.rms_eps)
         for i, lw in enumerate(self.layers):
-            qkv = F.linear(h, lw["qkv"])
+            qkv = linear(h, lw["qkv"])
             q = qkv[:, :q_size].reshape(n, c.num_heads, c.head_dim)
             k = qkv[:, q_size : q_size + kv_size].reshape(n, c.num_kv_heads, c.head_dim)
             v = qkv[:, q_size + kv_size :].reshape(n, c.num_kv_heads, c.head_dim)
-            x, h = add_rms_norm(x, F.linear(backend.attend(i, q, k, v, scale, cos, sin), lw["o"]), lw["ffn_norm"], c.rms_eps)
+            x, h = add_rms_norm(x, linear(backend.attend(i, q, k, v, scale, cos, sin), lw["o"]), lw["ffn_norm"], c.rms_eps)
             nxt = self.layers[i + 1]["attn_norm"] if i + 1 < len(self.layers) else self.norm
-            x, h = add_rms_norm(x, F.linear(silu_mul(F.linear(h, lw["gate_up"])), lw["down"]), nxt, c.rms_eps)
+            x, h = add_rms_norm(x, linear(silu_mul(linear(h, lw["gate_up"])), lw["down"]), nxt, c.rms_eps)
             if i in want:
                 feats[i] = x
         return h, feats
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[N, V]`` of final normed hidden rows ``h`` ``[N, H]`` (LM head)."""
-        return F.linear(h, self.lm_head).float()
+        return linear(h, self.lm_head, torch.float32)
 
     @torch.no_grad()
     def forward(

@@ -69,6 +69,7 @@ from kernels.gated_delta import causal_conv_tree, conv_state_after, gdn_gates, g
 from target_service.gguf_loader import GGUFError, GGUFFile, open_gguf, vocab_size
 from target_service.models.kv_cache import KVCache
 from kernels.activation import silu_mul
+from kernels.linear import linear
 from kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
 from target_service.models.layers import rope_cos_sin
 from target_service.models.llama import SessionKV
@@ -287,7 +288,7 @@ class Qwen35Model:
             }
             if cfg.is_attention(i):
                 lw.update(
-                    q=w(p + "attn_q.weight"), kv=torch.cat([w(p + "attn_k.weight"), w(p + "attn_v.weight")]).contiguous(),
+                    qkv=torch.cat([w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")]).contiguous(),
                     o=w(p + "attn_output.weight"), q_norm=w(p + "attn_q_norm.weight"), k_norm=w(p + "attn_k_norm.weight"),
                 )
             else:
@@ -344,26 +345,27 @@ class Qwen35Model:
     def _attention(self, i: int, lw, h, cos, sin, backend) -> torch.Tensor:
         c = self.cfg
         t = h.shape[0]
-        qg = F.linear(h, lw["q"]).reshape(t, c.num_heads, 2 * c.head_dim)
+        qkv = linear(h, lw["qkv"])                             # [query|gate per head | k | v]
+        nq, nkv = 2 * c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        qg = qkv[:, :nq].reshape(t, c.num_heads, 2 * c.head_dim)
         q, gate = qg[..., : c.head_dim], qg[..., c.head_dim :].reshape(t, c.num_heads * c.head_dim)
-        kv = F.linear(h, lw["kv"])
-        k = kv[:, : c.num_kv_heads * c.head_dim].reshape(t, c.num_kv_heads, c.head_dim)
-        v = kv[:, c.num_kv_heads * c.head_dim :].reshape(t, c.num_kv_heads, c.head_dim)
+        k = qkv[:, nq : nq + nkv].reshape(t, c.num_kv_heads, c.head_dim)
+        v = qkv[:, nq + nkv :].reshape(t, c.num_kv_heads, c.head_dim)
         q, k = rms_norm(q, lw["q_norm"], c.rms_eps), rms_norm(k, lw["k_norm"], c.rms_eps)
         o = backend.attend(i, q, k, v, 1.0 / math.sqrt(c.head_dim), cos, sin) * torch.sigmoid(gate)
-        return F.linear(o, lw["o"])
+        return linear(o, lw["o"])
 
     def _gdn(self, i: int, lw, h, backend) -> torch.Tensor:
         c = self.cfg
         t = h.shape[0]
         hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
-        proj = F.linear(h, lw["in_proj"])                     # [q|k|v pre-conv | z | b | a]
+        proj = linear(h, lw["in_proj"])                     # [q|k|v pre-conv | z | b | a]
         cc, vd = c.conv_channels, hv * dv
         conv_in, z = proj[:, :cc], proj[:, cc : cc + vd]
         b, a = proj[:, cc + vd : cc + vd + hv], proj[:, cc + vd + hv :]
         o = backend.gdn(i, conv_in, a, b, lw, c.linear_num_key_heads, c.linear_key_head_dim)
         o = gated_rms_norm(o, z.reshape(t, hv, dv), lw["ssm_norm"], c.rms_eps)
-        return F.linear(o.reshape(t, -1), lw["out"])
+        return linear(o.reshape(t, -1), lw["out"])
 
     def layers_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend,
                        taps: list[int] | tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -392,14 +394,14 @@ class Qwen35Model:
             mix = self._attention(i, lw, h, cos, sin, backend) if c.is_attention(i) else self._gdn(i, lw, h, backend)
             x, h = add_rms_norm(x, mix, lw["post_norm"], c.rms_eps)
             nxt = self.layers[i + 1]["attn_norm"] if i + 1 < len(self.layers) else self.norm
-            x, h = add_rms_norm(x, F.linear(silu_mul(F.linear(h, lw["gate_up"])), lw["down"]), nxt, c.rms_eps)
+            x, h = add_rms_norm(x, linear(silu_mul(linear(h, lw["gate_up"])), lw["down"]), nxt, c.rms_eps)
             if i in want:
                 feats[i] = x
         return h, feats
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[N, V]`` of final normed hidden rows ``h`` ``[N, H]``."""
-        return F.linear(h, self.lm_head).float()
+        return linear(h, self.lm_head, torch.float32)
 
     # ------------------------------------------------------------------ API
     @torch.no_grad()
