@@ -137,3 +137,18 @@ def test_norms_swiglu_rope(dtype):
         out_r = RR.rope_store(q, k, v, cos[pos], sin[pos], pools[0], pools[1], slots, rows)
         out_t = RT.rope_store(q, k, v, cos[pos], sin[pos], pools[2], pools[3], slots, rows)
         assert rel(out_t, out_r) < TOL[dtype] and rel(pools[2], pools[0]) < TOL[dtype] and torch.equal(pools[3], pools[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 70), (5, 300, 64), (16, 33, 512)])
+def test_skinny_linear(dtype, m, n, k):
+    from kernels.linear import reference
+    from kernels.linear import triton as tri
+
+    gen = torch.Generator().manual_seed(m * n)
+    x = torch.randn(m, k, generator=gen).to(DEV, dtype)
+    w = torch.randn(n, k, generator=gen).to(DEV, dtype)
+    assert rel(tri.linear(x, w), reference.linear(x, w)) < TOL[dtype]
+    # float32 out is the input-dtype result widened, exactly as F.linear(...).float()
+    assert torch.equal(tri.linear(x, w, torch.float32).to(dtype), tri.linear(x, w))
+    assert rel(tri.linear(x, w, torch.float32), reference.linear(x, w, torch.float32)) < TOL[dtype]
