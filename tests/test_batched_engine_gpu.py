@@ -171,7 +171,9 @@ def test_qwen35_streams_equal_cpu_reference(q35_gpu):
     ref = TargetEngine(m, max_sessions=2, max_context=512, max_tree_width=32, max_tree_depth=10)
     n = 32
     want = [ar_stream(ref, "r", p, s, n, [1, 5])[0] for p in prompts]
-    on, off = _engines(q35_gpu["cuda"], feature_layers=[1, 5], prefill_chunk=64)
+    # prefill chunks of 48 stay below FLA_MIN_CHUNK: fla-core's chunked kernel computes in tf32 and
+    # is held to a tolerance (tests/test_qwen35_gpu.py), not to token equality
+    on, off = _engines(q35_gpu["cuda"], feature_layers=[1, 5], prefill_chunk=48)
     assert speculative_streams(on, prompts, s, want, n, layers=[1, 5])[0] == want
     assert speculative_streams(off, prompts, s, want, n, layers=[1, 5])[0] == want
     on16, off16 = _engines(q35_gpu["cuda-bf16"])

@@ -32,9 +32,9 @@ llamacpp_build_bg() {
   # build once per machine, in its own session so it outlives this call
   if [ -d .peer ] && [ ! -e /tmp/llbuild.started ]; then
     touch /tmp/llbuild.started
-    setsid nohup bash -c "nice -n 10 bash .peer/llamacpp-bench.sh .peer/llama.cpp.tar.gz > /tmp/llbuild.log 2>&1; touch /tmp/llbuild.done" \
+    rm -rf /tmp/peer && cp -r .peer /tmp/peer
+    setsid nohup bash -c "nice -n 10 bash /tmp/peer/llamacpp-bench.sh /tmp/peer/llama.cpp.tar.gz > /tmp/llbuild.log 2>&1; touch /tmp/llbuild.done" \
       > /dev/null 2>&1 < /dev/null &
-    cp -r .peer /tmp/peer
   fi
 }
 
@@ -51,10 +51,24 @@ smollm() {
   echo "$f"
 }
 
+synth_bg() {
+  # the synthetic Qwen3.5 files, written in the background while the machine stays warm; their
+  # 49152-row vocabulary (SmolLM2's size) padded from a small BPE tokenizer, since SmolLM2's own
+  # file may not have arrived yet (token text does not matter to random weights)
+  if [ ! -e /tmp/synth.started ]; then
+    touch /tmp/synth.started
+    python3 -c "from tests.tiny_models import write_tiny_llama; write_tiny_llama('$M/tok.gguf')"
+    setsid nohup bash -c "for p in 0.8b 4b 9b; do python3 -m target_service.synth --arch qwen35 --preset \$p --dtype bf16 \
+      --vocab-size 49152 --vocab-from $M/tok.gguf --out $M/q35-\$p-bf16.gguf --no-progress --threads 8 \
+      && touch $M/q35-\$p-bf16.done; done > /tmp/synth.log 2>&1" > /dev/null 2>&1 < /dev/null &
+  fi
+}
+
 cmd_stage() {
   cp .stage/part-* "$STAGE"/ 2>/dev/null; ls -la "$STAGE"
-  llamacpp_build_bg
   install_wheels
+  llamacpp_build_bg
+  synth_bg
 }
 
 cmd_smoke() {
@@ -101,7 +115,10 @@ cmd_bench() {
         files+=("$smol") ;;
       q35-*)
         local p=${m#q35-} f=$M/$m-bf16.gguf
-        [ -s "$f" ] || python3 -m target_service.synth --arch qwen35 --preset "$p" --dtype bf16 --vocab-size 0 \
+        if [ -e /tmp/synth.started ]; then
+          for _ in $(seq 1 120); do [ -e "$M/$m-bf16.done" ] && break; sleep 5; done
+        fi
+        [ -e "$M/$m-bf16.done" ] || python3 -m target_service.synth --arch qwen35 --preset "$p" --dtype bf16 --vocab-size 0 \
           --vocab-from "$smol" --out "$f" --no-progress --threads "$(nproc)"
         local hf=--hf; [ "$p" = 9b ] && hf=""          # transformers' GGUF load of 9B alone takes minutes
         python3 -m target_service.bench_gpu engine --model "$f" --name "qwen35-$p-bf16" $hf --out "$OUT/qwen35-$p-bf16.json"
@@ -119,6 +136,7 @@ cmd_bench() {
     echo "llama.cpp build missing: $(tail -5 /tmp/llbuild.log 2>/dev/null)" | tee -a "$OUT/llamacpp.err"
   fi
   python3 -m target_service.bench_gpu report --dir "$OUT" --out "$OUT/RESULTS.md" --command "bash tools/gpu_run.sh bench $want"
+  cp /tmp/synth.log /tmp/llbuild.log "$OUT"/ 2>/dev/null
 }
 
 case ${1:-all} in
