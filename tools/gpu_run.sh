@@ -96,8 +96,11 @@ cmd_checks() {
   export DFLASH_MODEL=$smol
   nvidia-smi -L | tee "$OUT/device.txt"
   python3 -c "import torch, triton, grpc; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'grpc', grpc.__version__)" | tee -a "$OUT/device.txt"
-  python3 -m pytest -q -m gpu -p no:cacheprovider -x --timeout 900 tests/test_batched_engine_gpu.py tests/test_sampler_kernels.py \
-    tests/test_draft_batched.py tests/test_qwen35_gpu.py 2>&1 | tee "$OUT/gpu-tests.txt"
+  # kernels against their references on CUDA (the CPU runs them under the interpreter), then every
+  # test marked gpu
+  python3 -m pytest -q -p no:cacheprovider --timeout 900 tests/test_kernels.py 2>&1 | tee "$OUT/gpu-tests.txt"
+  python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 900 tests/test_batched_engine_gpu.py tests/test_sampler_kernels.py \
+    tests/test_draft_batched.py tests/test_qwen35_gpu.py 2>&1 | tee -a "$OUT/gpu-tests.txt"
 }
 
 cmd_bench() {
