@@ -362,10 +362,9 @@ class _Runner:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.splits = 1
         if cuda:
-            from kernels.attention.triton import default_splits
+            from kernels.attention import default_splits
 
-            self.splits = default_splits(batch, c.num_kv_heads, c.block_size, c.num_heads // c.num_kv_heads,
-                                         engine.max_context)
+            self.splits = default_splits(engine.pool.shape.rows)
 
     def view(self, name: str) -> np.ndarray:
         return self.host_np[_FIELDS.index(name)]

@@ -25,7 +25,7 @@ import time
 import numpy as np
 import torch
 
-from kernels.attention.triton import default_splits
+from kernels.attention import default_splits
 from target_service.engine import PrefillJob, PrefillOutcome, Sampling, VerifyOutcome
 from target_service.errors import EngineError, InvalidArgument, ResourceExhausted, SessionNotFound
 from target_service.models.layers import rope_table
@@ -87,8 +87,7 @@ class _Runner:
         self.out_ints, self.out_feats = self._views(self.out_host, n_ints, batch, width, feat)
         self._dev_ints, self._dev_feats = self._views(self.out_dev, n_ints, batch, width, feat)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.splits = default_splits(batch, engine.cfg.num_kv_heads, width, engine.cfg.num_heads // engine.cfg.num_kv_heads,
-                                     engine.max_context) if cuda else 1
+        self.splits = default_splits(engine.max_context + engine.max_tree_width) if cuda else 1
 
     def body(self) -> None:
         e = self.engine

@@ -38,12 +38,12 @@ def ar_stream(engine, sid, prompt, sampling, n, layers=LAYERS):
     return toks, torch.cat(feats) if layers else None
 
 
-def oracle_tree(rng: random.Random, root: int, truth: list[int], vocab: int) -> tuple[list[int], list[int]]:
-    """A draft from the true continuation, corrupted at random, with decoy siblings."""
+def oracle_tree(rng: random.Random, root: int, truth: list[int], vocab: int, decoys: bool = True) -> tuple[list[int], list[int]]:
+    """A draft from the true continuation, corrupted at random, with decoy siblings (or a chain)."""
     tokens, parents = [root], [-1]
     for d, tok in enumerate(truth):
         parent = len(tokens) - 1 if d else 0
-        if rng.random() < 0.5:
+        if decoys and rng.random() < 0.5:
             tokens.append(rng.randrange(vocab))
             parents.append(parent)
         tokens.append(tok if rng.random() > 0.2 else rng.randrange(vocab))
@@ -51,7 +51,7 @@ def oracle_tree(rng: random.Random, root: int, truth: list[int], vocab: int) -> 
     return tokens, parents
 
 
-def speculative_streams(engine, prompts, sampling, refs, n, seed=0, layers=LAYERS):
+def speculative_streams(engine, prompts, sampling, refs, n, seed=0, layers=LAYERS, decoys=True):
     """Decode every prompt at once, one batched verify per step, with oracle trees."""
     rng = random.Random(seed)
     got, feats = [], []
@@ -63,7 +63,7 @@ def speculative_streams(engine, prompts, sampling, refs, n, seed=0, layers=LAYER
         items = []
         for i, g in enumerate(got):
             truth = refs[i][len(g) : len(g) + rng.randint(0, 7)]
-            items.append((f"s{i}", *oracle_tree(rng, g[-1], truth, engine.cfg.vocab_size)))
+            items.append((f"s{i}", *oracle_tree(rng, g[-1], truth, engine.cfg.vocab_size, decoys)))
         for i, r in enumerate(engine.verify_batch(items)):
             assert not isinstance(r, Exception), r
             got[i] += r.accepted_tokens + [r.bonus_token]

@@ -1,9 +1,21 @@
 """Attention ops: ``tree_attention`` (one session, reference) and ``pool_attention`` (a batch of
 trees over the GPU engine's pool: reference in ``reference.py``, Triton in ``triton.py``)."""
 
+import math
+
 from kernels.attention import reference
 from kernels.attention.reference import tree_attention
 from kernels.dispatch import use_triton
+
+#: keys per split of the key range in the Triton kernel (fixed absolute chunks, so a query's
+#: result does not depend on the step's width; kernels/attention/triton.py)
+CHUNK = 256
+
+
+def default_splits(max_rows: int) -> int:
+    """Key-range splits of an engine whose sessions hold at most ``max_rows`` pool rows
+    (``max_context + max_width``): one per :data:`CHUNK` keys, the same for every step shape."""
+    return max(1, math.ceil(max_rows / CHUNK))
 
 
 def pool_attention(q, k_pool, v_pool, slots, lengths, ancestors, scale, causal=False, splits=1):
@@ -16,4 +28,4 @@ def pool_attention(q, k_pool, v_pool, slots, lengths, ancestors, scale, causal=F
     return reference.pool_attention(q, k_pool, v_pool, slots, lengths, ancestors, scale, causal)
 
 
-__all__ = ["pool_attention", "tree_attention"]
+__all__ = ["CHUNK", "default_splits", "pool_attention", "tree_attention"]

@@ -5,28 +5,34 @@ lengths, slots, masks, is read from tensors in the kernel; no host synchronisati
 Layout (flash-decoding, Dao et al. "Flash-Decoding for long-context inference", 2023; online
 softmax of Milakov & Gimelshein 2018): one program per (batch row, kv head, block of query rows,
 split of the key range). Query rows are the ``W x G`` pairs (node, query head of the kv head's
-group), node-major, so all query heads sharing a kv head read each K/V tile once. The key range
-``[0, L_b + W)`` is cut into ``splits`` equal chunks (rounded to the key block); with one split
-the program normalises and writes the output, otherwise each split writes its normalised partial
-output and log-sum-exp and :func:`_combine_kernel` merges them. ``splits`` is a launch parameter
-chosen by the caller from the batch shape (more splits when few programs would run), so long
-contexts at batch 1 still use many SMs.
+group), node-major, so all query heads sharing a kv head read each K/V tile once. The key range is
+cut into chunks of :data:`CHUNK` keys at fixed absolute positions (``splits`` of them, the last
+one taking the rest); with one split the program normalises and writes the output, otherwise each
+split writes its normalised partial output and log-sum-exp and :func:`_combine_kernel` merges
+them, so long contexts at batch 1 still use many SMs.
+
+Width invariance: a tree step's blocks of query rows are 16 high whatever its width, and the
+chunking depends only on absolute key positions, so a query computes exactly what it computes in
+a step of another width: a chain node verified at depth ``d`` gets bit for bit the result of the
+autoregressive step at the same position (speculative decoding stays token-identical to
+target-only decoding in bf16; tests/test_batched_engine_gpu.py). Causal prefill chunks use taller
+blocks (they are not compared with anything).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
+
+from kernels.attention import CHUNK, default_splits  # noqa: F401 (re-exported)
 
 
 @triton.jit
 def _pool_attention_kernel(
     q_ptr, k_ptr, v_ptr, slots_ptr, lengths_ptr, anc_ptr, out_ptr, part_ptr, lse_ptr,
     sm_scale,
-    W, G, HKV, SPLITS,
+    W, G, HKV, SPLITS, CHUNK,
     sqb, sqw, sqh,                 # q strides (last dim contiguous)
     sks, skr, skh,                 # pool strides (same for k and v)
     sob, sow, soh,                 # out strides
@@ -53,9 +59,10 @@ def _pool_attention_kernel(
     else:
         anc = tl.load(anc_ptr + b * W + w, mask=row_ok, other=0)
         total = L + W
-    chunk = tl.cdiv(tl.cdiv(L + W, SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, total)
+    lo = split * CHUNK
+    hi = tl.minimum(lo + CHUNK, total)
+    if split == SPLITS - 1:
+        hi = total
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -123,16 +130,8 @@ def _combine_kernel(part_ptr, lse_ptr, out_ptr, HQ, W, SPLITS, sob, sow, soh,
     tl.store(out_ptr + b * sob + w * sow + head * soh + d, out.to(out_ptr.dtype.element_ty))
 
 
-def default_splits(batch: int, kv_heads: int, width: int, group: int, max_context: int, sms: int = 132) -> int:
-    """Key-range splits for a launch: enough programs to cover about two waves of ``sms``
-    multiprocessors, at most one split per 256 keys of ``max_context`` and at most 32."""
-    m_blocks = math.ceil(width * group / _block_m(width * group))
-    programs = batch * kv_heads * m_blocks
-    return int(max(1, min(32, max(1, max_context // 256), math.ceil(2 * sms / programs))))
-
-
-def _block_m(rows: int) -> int:
-    return int(min(64, max(16, triton.next_power_of_2(rows))))
+def _block_m(rows: int, causal: bool) -> int:
+    return int(min(64, max(16, triton.next_power_of_2(rows)))) if causal else 16
 
 
 def pool_attention(
@@ -147,7 +146,7 @@ def pool_attention(
     splits: int = 1,
 ) -> torch.Tensor:
     """Triton version of ``kernels.attention.reference.pool_attention`` (same arguments and
-    result); ``splits``: key-range splits (see :func:`default_splits`). float32 inputs use IEEE
+    result); ``splits``: key-range splits of :data:`CHUNK` keys (see :func:`default_splits`). float32 inputs use IEEE
     float32 dots (no tf32), so they match the reference to float32 rounding.
 
     Raises:
@@ -165,7 +164,7 @@ def pool_attention(
     g = hq // hkv
     assert q.stride(-1) == 1 and k_pool.stride(-1) == 1 and k_pool.stride() == v_pool.stride()
     out = torch.empty(bsz, w, hq, d, device=q.device, dtype=q.dtype)
-    block_m = _block_m(w * g)
+    block_m = _block_m(w * g, causal)
     block_n = 64 if d <= 64 else (32 if d <= 128 else 16)
     if q.dtype == torch.float32:
         block_n = min(block_n, 32)
@@ -177,9 +176,10 @@ def pool_attention(
         part = lse = out
     anc = ancestors if ancestors is not None else lengths
     grid = (bsz * hkv, triton.cdiv(w * g, block_m), splits)
+    slots, lengths, anc = slots.contiguous(), lengths.contiguous(), anc.contiguous()
     _pool_attention_kernel[grid](
         q, k_pool, v_pool, slots, lengths, anc, out, part, lse, float(scale),
-        w, g, hkv, splits,
+        w, g, hkv, splits, CHUNK if splits > 1 else 1 << 30,
         q.stride(0), q.stride(1), q.stride(2),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         out.stride(0), out.stride(1), out.stride(2),

@@ -187,7 +187,8 @@ def pool_gdn_tree(conv_out, a, b, A, dt_bias, state_pool: torch.Tensor, slots: t
     hv, dk, dv = state_pool.shape[1], state_pool.shape[2], state_pool.shape[3]
     bv = _block_v(dv)
     out = torch.empty(bsz, w, hv, dv, device=conv_out.device, dtype=torch.float32)
-    anc = ancestors if ancestors is not None else parents
+    parents, slots = parents.contiguous(), slots.contiguous()
+    anc = ancestors.contiguous() if ancestors is not None else parents
     _tree_kernel[(bsz, hv, dv // bv)](conv_out, a, b, A, dt_bias, state_pool, slots, parents, anc, out,
                                        w, key_heads, hv, c, a.stride(1), dk ** -0.5,
                                        DK=dk, DV=dv, BV=bv, COMMIT=bool(commit), num_warps=4)
@@ -198,6 +199,7 @@ def pool_gdn_commit(state_pool: torch.Tensor, slots: torch.Tensor, conv_out, a, 
                     n_accept: torch.Tensor, key_heads: int, head_k_dim: int) -> None:
     """Triton version of ``kernels.gated_delta.reference.pool_gdn_commit`` (same arguments)."""
     conv_out, a, b = _layout(conv_out, a, b, state_pool, head_k_dim)
+    path, n_accept = path.contiguous(), n_accept.contiguous()
     bsz, w, c = conv_out.shape
     hv, dk, dv = state_pool.shape[1], state_pool.shape[2], state_pool.shape[3]
     bv = _block_v(dv)

@@ -1,7 +1,9 @@
-"""Skinny linear projection in Triton for the decode and small verify steps (``M <= 16`` rows):
-one program per block of output features streams its rows of ``w`` once, tensor-core dot
-against all ``M`` rows of ``x`` (padded to 16), float32 accumulation, one rounding to the output
-dtype. At ``M = 1`` a projection is a pure read of the weight matrix; cuBLAS's general kernels
+"""Skinny linear projection in Triton for the decode and small verify steps (``M <= 64`` rows):
+one program per (block of output features, block of 16 rows) streams its rows of ``w``,
+tensor-core dot against its 16 rows of ``x``, float32 accumulation, one rounding to the output
+dtype. Each row's result is computed the same way whatever ``M`` is (same instruction shape,
+same accumulation order), so a decode step and a verify step give the same projection of the
+same row, which keeps speculative decoding token-identical to target-only decoding. At ``M = 1`` a projection is a pure read of the weight matrix; cuBLAS's general kernels
 pay launch and ramp-up latency that dominates the small matrices of 0.1-1B models (the profile
 in benchmarks/gpu/ counts it). Same contract as ``kernels.linear.reference.linear``; larger ``M``
 goes to cuBLAS (``kernels.linear.linear``).
@@ -13,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 16
+MAX_ROWS = 64
 
 
 @triton.jit
@@ -22,7 +24,7 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
     """``y = x @ w^T`` for one block of output features; the result is rounded to ``x``'s dtype
     first (as ``F.linear`` rounds it) and then stored in ``y``'s dtype."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     nm = rn < N
     mm = rm < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -60,7 +62,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None 
     ieee = x.dtype == torch.float32
     block_n = 16 if n <= 4096 else (32 if n <= 16384 else 64)
     block_k = 128 if ieee else 256
-    _skinny_kernel[(triton.cdiv(n, block_n),)](x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
+    _skinny_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, 16))](x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
                                                 BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee,
                                                 num_warps=4, num_stages=3)
     return y.reshape(*x.shape[:-1], n)

@@ -52,4 +52,4 @@ def accept_trees(
     slot = torch.where(in_path, depth, w)                              # path node at its depth
     path = torch.zeros(bsz, w + 1, dtype=torch.long, device=tokens.device)
     path.scatter_(1, slot, idx.expand(bsz, w))
-    return path[:, :w], n_accept, choice.gather(1, end)[:, 0]
+    return path[:, :w].contiguous(), n_accept, choice.gather(1, end)[:, 0]
