@@ -218,32 +218,29 @@ def test_gpu_forward_logits_match_cpu_reference(q35_gpu, smollm_model, smollm_gp
 
 
 def test_one_host_sync_per_step_and_no_hidden_syncs(smollm_gpu, smollm_tokenizer):
-    """verify_batch synchronises with the GPU exactly once per step (CUDA sync debug mode turns
-    any other synchronising call into an error)."""
+    """verify_batch synchronises with the GPU exactly once per step: CUDA's sync debug mode warns
+    on every synchronising call (the step's own stream synchronize included), and there must be
+    one per step."""
+    import warnings
+
     from target_service.engine import Sampling
 
     eng, _ = _engines(smollm_gpu[torch.bfloat16], feature_layers=[1, 7])
     eng.capture()
     s = Sampling.checked(0.7, 20, 0.9, seed=1)
     roots = [eng.prefill(f"s{i}", smollm_tokenizer.encode("Hello there"), s, [1, 7]).first_token for i in range(3)]
-    calls = []
-    orig = torch.cuda.Stream.synchronize
-
-    def counting(self):
-        calls.append(1)
-        return orig(self)
-
-    torch.cuda.Stream.synchronize = counting
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for step in range(5):
-            items = [(f"s{i}", [roots[i], 5, 6, 7], [-1, 0, 1, 0]) for i in range(3)]
-            res = eng.verify_batch(items)
-            roots = [r.bonus_token for r in res]
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.Stream.synchronize = orig
-    assert len(calls) == 5 and eng.steps >= 5
+    steps = 5
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                res = eng.verify_batch([(f"s{i}", [roots[i], 5, 6, 7], [-1, 0, 1, 0]) for i in range(3)])
+                roots = [r.bonus_token for r in res]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in rec if "synchroniz" in str(w.message)]
+    assert len(syncs) == steps, [str(w.message)[:120] for w in syncs]
     assert eng.captures == len(eng.buckets())
 
 
