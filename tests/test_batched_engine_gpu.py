@@ -239,7 +239,7 @@ def test_one_host_sync_per_step_and_no_hidden_syncs(smollm_gpu, smollm_tokenizer
                 roots = [r.bonus_token for r in res]
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in rec if "synchroniz" in str(w.message)]
+    syncs = [w for w in rec if "called a synchronizing CUDA operation" in str(w.message)]   # not the mode's own notice
     assert len(syncs) == steps, [str(w.message)[:120] for w in syncs]
     assert eng.captures == len(eng.buckets())
 
