@@ -281,7 +281,8 @@ def commit_timing(engine, width: int = 16, reps: int = 20) -> dict:
     return _stats(times[2:])
 
 
-_FAMILIES = (("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90_", "cublas", "splitk")),
+_FAMILIES = (("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90_", "cublas", "splitk", "_skinny")),
+             ("gdn conv (ours)", ("_conv_kernel",)),
              ("attention (ours)", ("_pool_attention", "_combine")), ("gated delta (ours)", ("_tree_kernel", "_commit_kernel")),
              ("norms (ours)", ("_rms_kernel",)), ("rope+kv (ours)", ("_rope_store",)), ("swiglu (ours)", ("_silu_mul",)),
              ("sampler (ours)", ("sample", "threshold", "philox", "_argmax", "_reduce")),
@@ -431,6 +432,14 @@ def report(d: str, out_path: str, command: str = "") -> str:
         ratio = vb[16]["device_ms"]["median"] / vb[1]["device_ms"]["median"] if 16 in vb and 1 in vb else 0
         cm = r.get("commit_ms", {})
         L.append(f"| {name} | " + " | ".join(cells) + f" | {ratio:.2f}x | {cm.get('median', float('nan')):.3f} |")
+    L += ["", "## Kernel profile of one eager step (PyTorch profiler; kernels, device microseconds per family)", "",
+          "| model | width | kernels | device us | by family (count x, us) |", "|---|---|---|---|---|"]
+    for name, r in engines.items():
+        for w, pr in sorted(r.get("profile", {}).items(), key=lambda kv: int(kv[0])):
+            if "families" not in pr:
+                continue
+            fams = ", ".join(f"{k} {v['count']}x {v['us']:.0f}" for k, v in pr["families"].items())
+            L.append(f"| {name} | {w} | {pr['kernels']} | {pr['device_us']:.0f} | {fams} |")
     L += ["", "## Memory (GiB)", "", "| model | weights | state pool | graph pools + step buffers | prefill scratch peak | peak allocated |",
           "|---|---|---|---|---|---|"]
     for name, r in engines.items():

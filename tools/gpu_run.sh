@@ -52,14 +52,13 @@ smollm() {
 }
 
 synth_bg() {
-  # the synthetic Qwen3.5 files, written in the background while the machine stays warm; their
-  # 49152-row vocabulary (SmolLM2's size) padded from a small BPE tokenizer, since SmolLM2's own
-  # file may not have arrived yet (token text does not matter to random weights)
+  # the synthetic Qwen3.5 files (SmolLM2's tokenizer and vocabulary, as --vocab-size 0 says),
+  # written in the background while the GPU tests run; llama.cpp needs a real tokenizer to load them
+  local smol=$1
   if [ ! -e /tmp/synth.started ]; then
     touch /tmp/synth.started
-    python3 -c "from tests.tiny_models import write_tiny_llama; write_tiny_llama('$M/tok.gguf')"
     setsid nohup bash -c "for p in 0.8b 4b 9b; do python3 -m target_service.synth --arch qwen35 --preset \$p --dtype bf16 \
-      --vocab-size 49152 --vocab-from $M/tok.gguf --out $M/q35-\$p-bf16.gguf --no-progress --threads 8 \
+      --vocab-size 0 --vocab-from $smol --out $M/q35-\$p-bf16.gguf --no-progress --threads 8 \
       && touch $M/q35-\$p-bf16.done; done > /tmp/synth.log 2>&1" > /dev/null 2>&1 < /dev/null &
   fi
 }
@@ -68,7 +67,6 @@ cmd_stage() {
   cp .stage/part-* "$STAGE"/ 2>/dev/null; ls -la "$STAGE"
   install_wheels
   llamacpp_build_bg
-  synth_bg
 }
 
 cmd_smoke() {
@@ -94,6 +92,7 @@ cmd_checks() {
   install_wheels
   local smol; smol=$(smollm) || exit 1
   export DFLASH_MODEL=$smol
+  synth_bg "$smol"
   nvidia-smi -L | tee "$OUT/device.txt"
   python3 -c "import torch, triton, grpc; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'grpc', grpc.__version__)" | tee -a "$OUT/device.txt"
   # kernels against their references on CUDA (the CPU runs them under the interpreter), then every
