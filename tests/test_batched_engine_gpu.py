@@ -1,6 +1,6 @@
 """On a GPU: the batched engine's CUDA path (Triton kernels, CUDA graphs) against the plain-PyTorch
-reference. Skipped without CUDA (CI); ``tools/gpu_checks.sh`` runs them on an H100/H200 and
-commits the output under benchmarks/gpu/.
+reference. Skipped without CUDA (CI); ``bash tools/gpu_run.sh checks`` runs them on an H100/H200;
+the output is committed as benchmarks/gpu/gpu-tests.txt.
 
 Tolerances: kernels alone on fresh random inputs, float32, against the reference in float32:
 relative error 1e-5 (no tf32 anywhere: float32 dots are IEEE); bf16 inputs: 2e-2 (bf16
