@@ -494,13 +494,7 @@ class BatchedDrafter:
 
     def release(self, session_ids: Sequence[str]) -> int:
         """Drop sessions and free their slots; unknown ids are ignored. Returns how many were live."""
-        n = 0
-        for sid in session_ids:
-            s = self.sessions.pop(sid, None)
-            if s is not None:
-                self.pool.release(s.slot)
-                n += 1
-        return n
+        return self.pool.release_sessions(self.sessions, session_ids)
 
     # ------------------------------------------------------------------ shapes
     def buckets(self) -> list[int]:

@@ -44,7 +44,7 @@ from draft_service.batched import BatchedDrafter, DraftItem, ReferenceDrafterEng
 from draft_service.drafter import DFlashDrafter
 from target_service.errors import EngineError, InvalidArgument
 from target_service.servicer import item_status
-from target_service.step_loop import BatchResult, StepLoop
+from target_service.step_loop import StepLoop, run_items
 
 logger = logging.getLogger(__name__)
 
@@ -241,22 +241,9 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
         """One result per item, in order; the items that decode go to the engine as one batch."""
-        items, bad = [], {}
-        for i, item in enumerate(request.items):
-            try:
-                items.append(decode_item(item))
-            except EngineError as e:
-                bad[i] = e
-        done = BatchResult([], 0.0, 0, 0.0)
-        if items:
-            try:
-                done = self.loop.batch(items)
-            except Exception as e:  # noqa: BLE001 - the engine's step broke: every item gets its status
-                done = BatchResult([e] * len(items), 0.0, len(items), 0.0)
-        outs = iter(done.results)
+        outs, done = run_items(self.loop, request.items, decode_item)
         results = []
-        for i, item in enumerate(request.items):
-            out = bad.get(i) or next(outs)
+        for item, out in zip(request.items, outs):
             if isinstance(out, BaseException):
                 results.append(draft_pb2.ProposeResult(session_id=item.session_id, status=item_status(out)))
             else:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from kernels.attention import default_splits
-from target_service.engine import PrefillJob, PrefillOutcome, Sampling, VerifyOutcome
+from target_service.engine import PrefillJob, PrefillOutcome, Sampling, VerifyOutcome, check_prompt
 from target_service.errors import EngineError, InvalidArgument, ResourceExhausted, SessionNotFound
 from target_service.models.layers import rope_table
 from target_service.pool import PoolShape, StatePool
@@ -273,13 +273,7 @@ class BatchedEngine:
 
     def release(self, session_ids: list[str]) -> int:
         """Drop sessions and free their slots; unknown ids are ignored. Returns how many were live."""
-        n = 0
-        for sid in session_ids:
-            s = self.sessions.pop(sid, None)
-            if s is not None:
-                self.pool.release(s.slot)
-                n += 1
-        return n
+        return self.pool.release_sessions(self.sessions, session_ids)
 
     # ------------------------------------------------------------------ prefill
     def start_prefill(self, session_id: str, prompt: list[int], sampling: Sampling, feature_layers: list[int]) -> PrefillJob:
@@ -291,19 +285,7 @@ class BatchedEngine:
                 session id already live.
             ResourceExhausted: no free slot, or prompt longer than ``max_context - 1``.
         """
-        if not session_id:
-            raise InvalidArgument("session_id is empty")
-        if not prompt:
-            raise InvalidArgument("prompt is empty")
-        arr = np.asarray(prompt, dtype=np.int64)
-        bad = np.flatnonzero((arr < 0) | (arr >= self.cfg.vocab_size))
-        if bad.size:
-            raise InvalidArgument(f"prompt[{bad[0]}] = {prompt[bad[0]]} is outside the vocabulary [0, {self.cfg.vocab_size})")
-        for i in feature_layers:
-            if not 0 <= i < self.cfg.num_layers:
-                raise InvalidArgument(f"feature layer {i} outside [0, {self.cfg.num_layers})")
-        if len(prompt) >= self.max_context:
-            raise ResourceExhausted(f"prompt of {len(prompt)} tokens leaves no room in a context of {self.max_context}")
+        check_prompt(session_id, prompt, feature_layers, self.cfg, self.max_context)
         if session_id in self.sessions:
             raise InvalidArgument(f"session {session_id!r} already exists")
         slot = self.pool.acquire()

@@ -22,6 +22,7 @@ import random
 import threading
 import time
 
+import numpy as np
 import torch
 
 from kernels.sampling import accept_path, select_tokens
@@ -32,6 +33,29 @@ log = logging.getLogger(__name__)
 
 #: Prompt rows per prefill forward (bounds the attention score matrix).
 PREFILL_CHUNK = 256
+
+
+def check_prompt(session_id: str, prompt: list[int], feature_layers: list[int], cfg, max_context: int) -> None:
+    """The checks of a new session that need no engine state (both engines run them first).
+
+    Raises:
+        InvalidArgument: empty session id or prompt, a token outside ``[0, cfg.vocab_size)``, a
+            feature layer outside ``[0, cfg.num_layers)``.
+        ResourceExhausted: the prompt leaves no room in ``max_context``.
+    """
+    if not session_id:
+        raise InvalidArgument("session_id is empty")
+    if not prompt:
+        raise InvalidArgument("prompt is empty")
+    arr = np.asarray(prompt, dtype=np.int64)
+    bad = np.flatnonzero((arr < 0) | (arr >= cfg.vocab_size))
+    if bad.size:
+        raise InvalidArgument(f"prompt[{bad[0]}] = {prompt[bad[0]]} is outside the vocabulary [0, {cfg.vocab_size})")
+    for i in feature_layers:
+        if not 0 <= i < cfg.num_layers:
+            raise InvalidArgument(f"feature layer {i} outside [0, {cfg.num_layers})")
+    if len(prompt) >= max_context:
+        raise ResourceExhausted(f"prompt of {len(prompt)} tokens leaves no room in a context of {max_context}")
 
 
 @dataclasses.dataclass
@@ -144,17 +168,6 @@ class TargetEngine:
         self.forwards = 0
 
     # ------------------------------------------------------------------ helpers
-    def _check_tokens(self, tokens: list[int], what: str) -> None:
-        v = self.cfg.vocab_size
-        for i, t in enumerate(tokens):
-            if not 0 <= t < v:
-                raise InvalidArgument(f"{what}[{i}] = {t} is outside the vocabulary [0, {v})")
-
-    def _check_layers(self, layers: list[int]) -> None:
-        for i in layers:
-            if not 0 <= i < self.cfg.num_layers:
-                raise InvalidArgument(f"feature layer {i} outside [0, {self.cfg.num_layers})")
-
     def _select(self, session: Session, logits: torch.Tensor, next_positions: list[int]) -> torch.Tensor:
         s = session.sampling
         return select_tokens(logits, next_positions, s.temperature, s.top_k, s.top_p, s.seed)
@@ -175,14 +188,7 @@ class TargetEngine:
                 session id already live.
             ResourceExhausted: no free slot, or prompt longer than ``max_context - 1``.
         """
-        if not session_id:
-            raise InvalidArgument("session_id is empty")
-        if not prompt:
-            raise InvalidArgument("prompt is empty")
-        self._check_tokens(prompt, "prompt")
-        self._check_layers(feature_layers)
-        if len(prompt) >= self.max_context:
-            raise ResourceExhausted(f"prompt of {len(prompt)} tokens leaves no room in a context of {self.max_context}")
+        check_prompt(session_id, prompt, feature_layers, self.cfg, self.max_context)
         with self._lock:
             if session_id in self.sessions:
                 raise InvalidArgument(f"session {session_id!r} already exists")

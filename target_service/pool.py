@@ -122,6 +122,17 @@ class StatePool:
             raise ValueError(f"slot {slot} is not held")
         self._free.append(slot)
 
+    def release_sessions(self, sessions: dict, session_ids) -> int:
+        """Drop ``session_ids`` from ``sessions`` (id -> an object with ``slot``) and give their slots
+        back; unknown ids are ignored. Returns how many were live."""
+        n = 0
+        for sid in session_ids:
+            s = sessions.pop(sid, None)
+            if s is not None:
+                self.release(s.slot)
+                n += 1
+        return n
+
     def zero(self, slot: int) -> None:
         """Zero every tensor of ``slot``."""
         for t in (self.k, self.v, self.recurrent, self.conv):

@@ -18,7 +18,7 @@ from dflash_grpc.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dflash_grpc.wire import tensor_to_proto
 from target_service.engine import Sampling
 from target_service.errors import EngineError, InvalidArgument
-from target_service.step_loop import BatchResult, StepLoop
+from target_service.step_loop import StepLoop, run_items
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,12 @@ def item_status(e: BaseException | None) -> common_pb2.ItemStatus:
         return common_pb2.ItemStatus(code=0)
     code, msg = status_of(e)
     return common_pb2.ItemStatus(code=code.value[0], message=msg)
+
+
+def _decode_verify_item(item: target_pb2.VerifyItem) -> tuple[str, list[int], list[int]]:
+    if not item.HasField("tree"):
+        raise InvalidArgument("item has no tree")
+    return item.session_id, list(item.tree.tokens), list(item.tree.parents)
 
 
 def _features_proto(t: torch.Tensor | None) -> common_pb2.Tensor | None:
@@ -95,20 +101,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def Verify(self, request_iterator, context):
         for request in request_iterator:
-            items, bad = [], {}
-            for i, item in enumerate(request.items):
-                if not item.HasField("tree"):
-                    bad[i] = InvalidArgument("item has no tree")
-                    continue
-                items.append((item.session_id, list(item.tree.tokens), list(item.tree.parents)))
-            try:
-                done = self.loop.batch(items)
-            except BaseException as e:  # noqa: BLE001 - the step itself failed: each item says why
-                done = BatchResult([e] * len(items), 0.0, len(items), 0.0)
-            outs = iter(done.results)
+            outs, done = run_items(self.loop, request.items, _decode_verify_item)
             results = []
-            for i, item in enumerate(request.items):
-                out = bad.get(i) or next(outs)
+            for item, out in zip(request.items, outs):
                 if isinstance(out, BaseException):
                     results.append(target_pb2.VerifyResult(session_id=item.session_id, status=item_status(out)))
                     continue

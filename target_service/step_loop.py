@@ -192,6 +192,28 @@ class StepLoop:
                     fut.set_exception(SessionNotFound(f"session {job.session_id!r} was released during its prefill"))
 
 
+def run_items(loop: "StepLoop", items: list, decode: Callable[[Any], Any]) -> tuple[list, BatchResult]:
+    """What a servicer does with a stream message: ``decode`` each item (an
+    :class:`EngineError` it raises becomes that item's outcome), run the decoded ones as one batch
+    on ``loop``, and return ``(outcomes, batch)``: one outcome per item in order (a result or an
+    exception; a failed step gives every batched item its exception) and the batch's timing."""
+    decoded, outcomes = [], []
+    for item in items:
+        try:
+            decoded.append(decode(item))
+            outcomes.append(None)
+        except EngineError as e:
+            outcomes.append(e)
+    done = BatchResult([], 0.0, 0, 0.0)
+    if decoded:
+        try:
+            done = loop.batch(decoded)
+        except Exception as e:  # noqa: BLE001 - the step itself failed: each item says why
+            done = BatchResult([e] * len(decoded), 0.0, len(decoded), 0.0)
+    it = iter(done.results)
+    return [o if o is not None else next(it) for o in outcomes], done
+
+
 def _settle(fut: Future, fn: Callable[[], Any]) -> None:
     try:
         fut.set_result(fn())
@@ -199,4 +221,4 @@ def _settle(fut: Future, fn: Callable[[], Any]) -> None:
         fut.set_exception(e)
 
 
-__all__ = ["BatchResult", "EngineError", "StepLoop"]
+__all__ = ["BatchResult", "EngineError", "StepLoop", "run_items"]

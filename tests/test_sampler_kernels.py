@@ -24,6 +24,7 @@ import torch
 from kernels.sampling import filtered_logprobs, select_tokens
 from kernels.sampling import reference as ref
 from kernels.sampling import triton as tri
+from tests.test_sampling import chi_square_p
 
 # Triton's interpreter converts 1-element arrays to loop bounds with a numpy deprecation warning.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -63,22 +64,6 @@ def py_philox(ctr, key, rounds=10):
         x = [((p1 >> 32) ^ x[1] ^ k[0]) & M32, p1 & M32, ((p0 >> 32) ^ x[3] ^ k[1]) & M32, p0 & M32]
         k = [(k[0] + 0x9E3779B9) & M32, (k[1] + 0xBB67AE85) & M32]
     return x
-
-
-def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """p-value of Pearson's chi-square test of ``counts`` against ``probs`` (cells with expected
-    count < 5 pooled), as in tests/test_sampling.py."""
-    n = counts.sum().item()
-    expected = probs.double() * n
-    small = expected < 5
-    obs = torch.cat([counts[~small].double(), counts[small].double().sum().reshape(1)])
-    exp = torch.cat([expected[~small], expected[small].sum().reshape(1)])
-    if exp[-1] == 0:
-        assert obs[-1] == 0, "a token of probability 0 was sampled"
-        obs, exp = obs[:-1], exp[:-1]
-    stat = ((obs - exp) ** 2 / exp).sum()
-    df = obs.numel() - 1
-    return float(1 - torch.distributions.Chi2(torch.tensor(float(df), dtype=torch.float64)).cdf(stat))
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

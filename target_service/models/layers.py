@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from kernels.activation import silu_mul
+from kernels.linear import linear
+from kernels.norm import add_rms_norm
 from kernels.norm.reference import rms_norm  # noqa: F401 (the reference; models call kernels.norm)
 
 
@@ -58,3 +61,10 @@ def rope_table(max_positions: int, rope_dim: int, theta: float, device: torch.de
     gives exactly what :func:`apply_rope` uses (it computes in float32)."""
     cos, sin = rope_cos_sin(torch.arange(max_positions, device=device), rope_dim, theta)
     return cos.float(), sin.float()
+
+
+def mlp_then_norm(x: torch.Tensor, h: torch.Tensor, lw: dict, next_norm: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SwiGLU MLP of a decoder layer on its normed input ``h`` (``lw["gate_up"]`` ``[2F, H]``,
+    ``lw["down"]`` ``[H, F]``), its residual add to ``x``, and the next norm (the next layer's
+    input norm, or the output norm), fused: returns ``(x + mlp(h), next_norm(x + mlp(h)))``."""
+    return add_rms_norm(x, linear(silu_mul(linear(h, lw["gate_up"])), lw["down"]), next_norm, eps)

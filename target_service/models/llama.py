@@ -24,10 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import tree_attention
-from kernels.activation import silu_mul
 from kernels.linear import linear
 from kernels.norm import add_rms_norm, rms_norm
-from target_service.models.layers import apply_rope_rows, rope_cos_sin
+from target_service.models.layers import apply_rope_rows, mlp_then_norm, rope_cos_sin
 from target_service.gguf_loader import GGUFError, GGUFFile, open_gguf, vocab_size
 from target_service.models.kv_cache import KVCache
 
@@ -232,8 +231,7 @@ class LlamaModel:
             k = qkv[:, q_size : q_size + kv_size].reshape(n, c.num_kv_heads, c.head_dim)
             v = qkv[:, q_size + kv_size :].reshape(n, c.num_kv_heads, c.head_dim)
             x, h = add_rms_norm(x, linear(backend.attend(i, q, k, v, scale, cos, sin), lw["o"]), lw["ffn_norm"], c.rms_eps)
-            nxt = self.layers[i + 1]["attn_norm"] if i + 1 < len(self.layers) else self.norm
-            x, h = add_rms_norm(x, linear(silu_mul(linear(h, lw["gate_up"])), lw["down"]), nxt, c.rms_eps)
+            x, h = mlp_then_norm(x, h, lw, self.layers[i + 1]["attn_norm"] if i + 1 < len(self.layers) else self.norm, c.rms_eps)
             if i in want:
                 feats[i] = x
         return h, feats

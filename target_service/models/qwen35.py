@@ -68,10 +68,9 @@ from kernels.gated_delta import fla as fla_kernels
 from kernels.gated_delta import causal_conv_tree, conv_state_after, gdn_gates, gdn_qkv, gdn_update, recurrent_gated_delta_rule, tree_gated_delta_rule
 from target_service.gguf_loader import GGUFError, GGUFFile, open_gguf, vocab_size
 from target_service.models.kv_cache import KVCache
-from kernels.activation import silu_mul
 from kernels.linear import linear
 from kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
-from target_service.models.layers import rope_cos_sin
+from target_service.models.layers import mlp_then_norm, rope_cos_sin
 from target_service.models.llama import SessionKV
 
 log = logging.getLogger(__name__)
@@ -393,8 +392,7 @@ class Qwen35Model:
         for i, lw in enumerate(self.layers):
             mix = self._attention(i, lw, h, cos, sin, backend) if c.is_attention(i) else self._gdn(i, lw, h, backend)
             x, h = add_rms_norm(x, mix, lw["post_norm"], c.rms_eps)
-            nxt = self.layers[i + 1]["attn_norm"] if i + 1 < len(self.layers) else self.norm
-            x, h = add_rms_norm(x, linear(silu_mul(linear(h, lw["gate_up"])), lw["down"]), nxt, c.rms_eps)
+            x, h = mlp_then_norm(x, h, lw, self.layers[i + 1]["attn_norm"] if i + 1 < len(self.layers) else self.norm, c.rms_eps)
             if i in want:
                 feats[i] = x
         return h, feats
