@@ -42,7 +42,7 @@ from dflash_grpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from dflash_grpc.wire import WireError, tensor_from_proto, tree_to_proto
 from draft_service.batched import BatchedDrafter, DraftItem, ReferenceDrafterEngine
 from draft_service.drafter import DFlashDrafter
-from target_service.errors import EngineError, InvalidArgument
+from target_service.errors import InvalidArgument
 from target_service.servicer import item_status
 from target_service.step_loop import StepLoop, run_items
 

@@ -75,6 +75,7 @@ class _Runner:
         cuda = engine.device.type == "cuda"
         self.host = torch.zeros(self.layout.size, dtype=torch.long, pin_memory=cuda)
         self.host_np = self.host.numpy()
+        self.views = self.layout.host_views(self.host_np)       # built once: packed every step
         self.dev = torch.zeros(self.layout.size, dtype=torch.long, device=engine.device) if cuda else self.host
         # the results (int64) and the tapped features (model dtype) share one byte buffer, so the
         # step ends with one device-to-host copy
@@ -420,7 +421,7 @@ class BatchedEngine:
         w = max(len(item[2]) for item in group)
         runner = self._runner(self._bucket(b, self.batch_buckets), self._bucket(w, self.width_buckets))
         lay = runner.layout
-        v = lay.host_views(runner.host_np)
+        v = runner.views
         for r, (_, s, tokens, parents, depth, bits) in enumerate(group):
             n = len(tokens)
             v["tokens"][r, :n] = tokens
@@ -429,7 +430,7 @@ class BatchedEngine:
             v["ancestors"][r, :n] = bits
             v["n_nodes"][r], v["slots"][r], v["lengths"][r] = n, s.slot, s.length
             self._fill_sampling(v, r, s)
-        lay.fill_padding(runner.host_np, self.pool.spare, first_row=b)
+        lay.fill_padding(runner.host_np, self.pool.spare, first_row=b, views=v)
         runner.run()
         self.steps += 1
         self.forwards += 1
@@ -451,23 +452,3 @@ class BatchedEngine:
                 feats = self._session_features(runner.out_feats[r, :n], s).clone()
             outs.append(VerifyOutcome(nodes, [tokens[j] for j in nodes[1:]], s.root, s.length, feats))
         return outs
-
-    # ------------------------------------------------------------------ reporting
-    def memory_report(self) -> dict[str, int]:
-        """Bytes of the weights, the pool and (CUDA) the allocator's current and peak use."""
-        m = self.model
-        weights = sum(t.numel() * t.element_size() for t in _weights(m))
-        out = {"weights": weights, "pool": self.pool.nbytes}
-        if self.cuda:
-            out["allocated"] = torch.cuda.memory_allocated(self.device)
-            out["peak"] = torch.cuda.max_memory_allocated(self.device)
-        return out
-
-
-def _weights(model) -> list[torch.Tensor]:
-    seen, out = set(), []
-    for t in [model.embed, model.lm_head, model.norm] + [x for lw in model.layers for x in lw.values()]:
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out

@@ -107,6 +107,16 @@ class _Timer:
         self._cls.run = self._orig
 
 
+def _weights(model) -> list[torch.Tensor]:
+    """The model's weight tensors, each once (a tied LM head is the embedding)."""
+    seen, out = set(), []
+    for t in [model.embed, model.lm_head, model.norm] + [x for lw in model.layers for x in lw.values()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
 def bench_engine(path: str, name: str, reps: int = 5, hf: bool = False, max_context: int = 2048,
                  batch_buckets=(1, 4, 16), width_buckets=(1, 4, 8, 16, 32, 64), log=print) -> dict:
     """Everything ``engine`` measures for one GGUF (module docstring); returns a JSON-able dict."""
@@ -127,8 +137,6 @@ def bench_engine(path: str, name: str, reps: int = 5, hf: bool = False, max_cont
     out["arch"] = g.architecture
     out["load_s"] = time.perf_counter() - t0
     weights = torch.cuda.memory_allocated() - base
-    from target_service.batched_engine import _weights
-
     wbytes = sum(t.numel() * t.element_size() for t in _weights(model))
     out["weight_bytes"] = wbytes
     out["params"] = sum(t.numel() for t in _weights(model))

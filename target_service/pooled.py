@@ -80,10 +80,11 @@ class StepLayout:
             v[name] = a.reshape(self.batch, self.width) if name in _NODE_FIELDS else a
         return v
 
-    def fill_padding(self, buf: np.ndarray, spare_slot: int, first_row: int = 0) -> None:
+    def fill_padding(self, buf: np.ndarray, spare_slot: int, first_row: int = 0,
+                     views: dict[str, np.ndarray] | None = None) -> None:
         """Make rows ``first_row..`` padding (root-only greedy trees in the spare slot) and every
         node past ``n_nodes`` of the real rows inert (parent -1, depth 0, itself as only ancestor)."""
-        v = self.host_views(buf)
+        v = views if views is not None else self.host_views(buf)   # a runner keeps its views
         self_bit = (np.ones(self.width, dtype=np.uint64) << np.arange(self.width, dtype=np.uint64)).view(np.int64)
         r = slice(first_row, None)
         v["n_nodes"][r] = 1

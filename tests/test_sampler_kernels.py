@@ -14,7 +14,6 @@ Every test is deterministic (fixed seeds).
 
 from __future__ import annotations
 
-import math
 import random
 
 import numpy as np

@@ -35,8 +35,6 @@ oracle); :func:`accept_path` (the tree walk).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 # Philox-4x32 round multipliers and Weyl key increments (Salmon et al. 2011, Random123).

@@ -21,7 +21,6 @@ import logging
 import math
 
 import torch
-import torch.nn.functional as F
 
 from kernels.attention import tree_attention
 from kernels.linear import linear
