@@ -161,8 +161,9 @@ class PoolBackend:
     def __init__(self, pool, st: StepTensors, commit_chain: bool, causal: bool = False, splits: int = 1):
         self.pool, self.st = pool, st
         self.commit_chain, self.causal, self.splits = commit_chain, causal, splits
-        self.saved: dict[int, tuple[torch.Tensor, ...]] = {}
-        self.saved_conv: dict[int, torch.Tensor] = {}
+        #: per GDN layer of a tree step, what its commit needs: pre-conv inputs, conv output,
+        #: raw gates, layer weights, key heads and head dim
+        self.saved: dict[int, tuple] = {}
         self.b, self.w = st.tokens.shape
 
     def attend(self, layer: int, q, k, v, scale: float, cos, sin) -> torch.Tensor:
@@ -188,8 +189,7 @@ class PoolBackend:
         o = gdn_ops.pool_gdn_tree(conv_out, a3, b3, lw["a"], lw["dt_bias"], pool.recurrent[j], st.slots, st.parents,
                                   st.ancestors, self.commit_chain, key_heads, head_k_dim)
         if not self.commit_chain:
-            self.saved[layer] = (conv_out, a3, b3, lw["a"], lw["dt_bias"], key_heads, head_k_dim)
-            self.saved_conv[layer] = x
+            self.saved[layer] = (x, conv_out, a3, b3, lw, key_heads, head_k_dim)
         return o.reshape(self.b * self.w, *o.shape[2:])
 
     def _fla_chunk(self, j: int, conv_out, a, b, lw, key_heads: int, head_k_dim: int) -> torch.Tensor:
@@ -213,11 +213,10 @@ class PoolBackend:
         for t in (pool.k, pool.v):
             t[:, s, st.rows] = t[:, s, src]
         last = path.gather(1, (n_accept - 1).clamp(min=0)[:, None])[:, 0]
-        for layer, (conv_out, a, b, A, dt_bias, hk, dk) in self.saved.items():
-            gdn_ops.pool_gdn_commit(pool.recurrent[pool.gdn_index[layer]], st.slots, conv_out, a, b, A, dt_bias,
-                                    path, n_accept, hk, dk)
-        for layer, x in self.saved_conv.items():
-            gdn_ops.pool_conv_commit(x, pool.conv[pool.gdn_index[layer]], st.slots, st.window, last)
+        for layer, (x, conv_out, a, b, lw, hk, dk) in self.saved.items():
+            j = pool.gdn_index[layer]
+            gdn_ops.pool_gdn_commit(pool.recurrent[j], st.slots, conv_out, a, b, lw["a"], lw["dt_bias"], path, n_accept, hk, dk)
+            gdn_ops.pool_conv_commit(x, pool.conv[j], st.slots, st.window, last)
 
 
 # ----------------------------------------------------------------------------------- the step
