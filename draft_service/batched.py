@@ -669,15 +669,6 @@ class BatchedDrafter:
             write_context(self.drafter, self.pool, slots, torch.tensor([start + c0], device=dev), f[None])
             self.eager_rows += f.shape[0]
 
-    # ------------------------------------------------------------------ reporting
-    def memory_report(self) -> dict[str, int]:
-        """Bytes of the context pool and (CUDA) the allocator's current and peak use."""
-        out = {"pool": self.pool.nbytes}
-        if self.cuda:
-            out["allocated"] = torch.cuda.memory_allocated(self.device)
-            out["peak"] = torch.cuda.max_memory_allocated(self.device)
-        return out
-
 
 __all__ = ["BATCH_BUCKETS", "BatchedDrafter", "DraftItem", "ProposeOutcome", "ReferenceDrafterEngine",
            "all_finite", "check_item", "draft_step", "write_context"]
