@@ -1,28 +1,156 @@
-"""Prometheus metrics of the orchestrator (served on ``--metrics-port`` when given)."""
+"""Prometheus metrics of the orchestrator (served on ``--metrics-port`` when given).
+
+Three kinds of call feed them:
+
+* :func:`observe_request`, once per finished request: requests, prompt and generated tokens,
+  request wall time;
+* :func:`observe_verify`, once per item of every verify step: the speculative-decoding counters
+  (named like vLLM's ``spec_decode_*`` metrics), acceptance length, forwards, autoregressive steps;
+* :func:`observe_tick`, :func:`set_queue_depth`, :func:`set_active_sessions`,
+  :func:`observe_fallback`, :func:`observe_admission`: the batching scheduler, per tick or event.
+
+The per-step functions run on the scheduler thread every tick, so they only bump pre-resolved
+metric children (a label lookup happens once per label value, then is cached here).
+
+Useful queries::
+
+    rate(dflash_generated_tokens_total[1m])                                   # tokens/s
+    rate(dflash_spec_decode_num_accepted_tokens_total[1m])
+      / rate(dflash_spec_decode_num_draft_tokens_total[1m])                   # acceptance rate
+    rate(dflash_spec_decode_num_accepted_tokens_per_pos_total[5m])
+      / rate(dflash_spec_decode_num_drafted_per_pos_total[5m])                # by position
+    rate(dflash_acceptance_length_sum[1m]) / rate(dflash_acceptance_length_count[1m])  # tau
+    histogram_quantile(0.99, rate(dflash_scheduler_step_seconds_bucket{part="verify"}[1m]))
+"""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+import threading
 
+from prometheus_client import Counter, Gauge, Histogram
+
+# ------------------------------------------------------------------------------ per request
 REQUESTS = Counter("dflash_requests_total", "Generate requests by outcome (OK or a gRPC status name)", ["outcome"])
 GENERATED = Counter("dflash_generated_tokens_total", "Tokens emitted to clients")
 PROMPT = Counter("dflash_prompt_tokens_total", "Prompt tokens prefilled")
-DRAFT_TOKENS = Counter("dflash_draft_tokens_total", "Draft tokens sent to verify")
-ACCEPTED = Counter("dflash_accepted_tokens_total", "Draft tokens accepted")
-FORWARDS = Counter("dflash_target_forwards_total", "Target verify forwards")
-FALLBACKS = Counter("dflash_draft_fallbacks_total", "Requests that went on without the drafter after it failed")
-TAU = Histogram("dflash_acceptance_length", "Tokens emitted per verify forward (tau)", buckets=[1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32])
+REQUEST_SECONDS = Histogram(
+    "dflash_request_duration_seconds", "Wall time of a finished Generate request, seconds",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 600),
+)
+
+# ------------------------------------------------------------------------------ per verify item
+NUM_DRAFTS = Counter("dflash_spec_decode_num_drafts_total", "Verify items that carried a draft tree (draft_nodes > 0)")
+NUM_DRAFT_TOKENS = Counter("dflash_spec_decode_num_draft_tokens_total", "Draft tokens (non-root tree nodes) sent to verify")
+NUM_ACCEPTED = Counter("dflash_spec_decode_num_accepted_tokens_total", "Draft tokens accepted by verify")
+ACCEPTED_PER_POS = Counter("dflash_spec_decode_num_accepted_tokens_per_pos_total",
+                           "Draft tokens accepted at tree depth position+1 (position 0 = first draft token)", ["position"])
+DRAFTED_PER_POS = Counter("dflash_spec_decode_num_drafted_per_pos_total",
+                          "Drafts whose tree reached depth position+1 (denominator of the per-position acceptance)", ["position"])
+TAU = Histogram("dflash_acceptance_length", "Tokens emitted per verify forward of one session (tau = accepted + 1)",
+                buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32))
+FORWARDS = Counter("dflash_target_forwards_total", "Verify items run by the target (one session's share of a forward)")
+AR_STEPS = Counter("dflash_autoregressive_steps_total", "Verify items without a draft (plain autoregressive steps)")
+
+# ------------------------------------------------------------------------------ scheduler
+BATCH = Histogram("dflash_scheduler_batch_size", "Verify items per scheduler tick",
+                  buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256))
+STEP_SECONDS = Histogram(
+    "dflash_scheduler_step_seconds", "Seconds of one scheduler tick, split by part (draft, verify, overhead)", ["part"],
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+QUEUE_DEPTH = Gauge("dflash_queue_depth", "Requests admitted and waiting for a session")
+ACTIVE_SESSIONS = Gauge("dflash_active_sessions", "Requests decoding now (one target session each)")
+FALLBACKS = Counter("dflash_draft_fallbacks_total", "Times the drafter failed and sessions went on without it, by reason", ["reason"])
+ADMISSIONS = Counter("dflash_admissions_total", "Admission decisions on new requests (admitted, queued, rejected)", ["outcome"])
+
+_STEP_DRAFT = STEP_SECONDS.labels(part="draft")
+_STEP_VERIFY = STEP_SECONDS.labels(part="verify")
+_STEP_OVERHEAD = STEP_SECONDS.labels(part="overhead")
+#: cached children of the per-position counters, index = position
+_ACC_POS: list = []
+_DRAFTED_POS: list = []
+_GROW = threading.Lock()
+_FALLBACK: dict = {}
+_ADMISSION: dict = {}
+
+
+def _positions(cache: list, counter: Counter, n: int) -> list:
+    """``cache`` grown to at least ``n`` children of ``counter`` (label ``position`` = index)."""
+    if len(cache) < n:
+        with _GROW:
+            while len(cache) < n:
+                cache.append(counter.labels(position=str(len(cache))))
+    return cache
 
 
 def observe_request(s) -> None:
-    """Add one finished request's :class:`orchestrator.stats.AcceptanceStats`."""
+    """Count one finished request (an :class:`orchestrator.stats.AcceptanceStats`): one OK request,
+    its prompt tokens, its generated tokens and its wall time (``wall_time_s``, seconds).
+
+    Draft and acceptance counters are not touched here: :func:`observe_verify` counts them per step.
+    """
     REQUESTS.labels(outcome="OK").inc()
     GENERATED.inc(s.generated_tokens)
     PROMPT.inc(s.prompt_tokens)
-    DRAFT_TOKENS.inc(s.draft_tokens)
-    ACCEPTED.inc(s.accepted_tokens)
-    FORWARDS.inc(s.target_forwards)
-    FALLBACKS.inc(s.draft_fallbacks)
-    for tau, count in enumerate(s.acceptance_length_histogram):
-        for _ in range(count):
-            TAU.observe(tau)
+    REQUEST_SECONDS.observe(s.wall_time_s)
+
+
+def observe_verify(draft_nodes: int, tree_depth: int, accepted: int) -> None:
+    """Count one session's item of a verify step.
+
+    Args:
+        draft_nodes: non-root nodes of the tree sent (draft tokens); 0 is an autoregressive step.
+        tree_depth: depth of the deepest node (positions ``0..tree_depth-1`` were drafted).
+        accepted: draft tokens accepted (positions ``0..accepted-1``); tokens emitted = ``accepted + 1``.
+    """
+    FORWARDS.inc()
+    TAU.observe(accepted + 1)
+    if draft_nodes <= 0:
+        AR_STEPS.inc()
+        return
+    NUM_DRAFTS.inc()
+    NUM_DRAFT_TOKENS.inc(draft_nodes)
+    if accepted:
+        NUM_ACCEPTED.inc(accepted)
+        for c in _positions(_ACC_POS, ACCEPTED_PER_POS, accepted)[:accepted]:
+            c.inc()
+    for c in _positions(_DRAFTED_POS, DRAFTED_PER_POS, tree_depth)[:tree_depth]:
+        c.inc()
+
+
+def observe_tick(batch: int, draft_s: float, verify_s: float, overhead_s: float) -> None:
+    """Count one scheduler tick that ran ``batch`` verify items; its time split into the Propose
+    round trip (``draft_s``), the Verify round trip (``verify_s``) and the rest (``overhead_s``),
+    all in seconds (``dflash_scheduler_step_seconds{part=...}``)."""
+    BATCH.observe(batch)
+    _STEP_DRAFT.observe(draft_s)
+    _STEP_VERIFY.observe(verify_s)
+    _STEP_OVERHEAD.observe(overhead_s)
+
+
+def set_queue_depth(n: int) -> None:
+    """Requests admitted and waiting for a session now (a count)."""
+    QUEUE_DEPTH.set(n)
+
+
+def set_active_sessions(n: int) -> None:
+    """Requests decoding now (a count)."""
+    ACTIVE_SESSIONS.set(n)
+
+
+def observe_fallback(reason: str) -> None:
+    """Count one draft fallback (the drafter failed; sessions went on autoregressively), by
+    ``reason`` (a short fixed word, e.g. a gRPC status name: it becomes a label value)."""
+    c = _FALLBACK.get(reason)
+    if c is None:
+        c = _FALLBACK[reason] = FALLBACKS.labels(reason=reason)
+    c.inc()
+
+
+def observe_admission(outcome: str) -> None:
+    """Count one admission decision on a new request: ``admitted`` (a session at once),
+    ``queued`` (waits for one) or ``rejected`` (queue full: RESOURCE_EXHAUSTED)."""
+    c = _ADMISSION.get(outcome)
+    if c is None:
+        c = _ADMISSION[outcome] = ADMISSIONS.labels(outcome=outcome)
+    c.inc()

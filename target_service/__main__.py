@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-step-tokens", type=int, default=1024, help="most tree nodes in one batched step")
     p.add_argument("--prefill-budget", type=int, default=512, help="prompt tokens prefilled per step-loop tick")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="Prometheus metrics HTTP port on --host: step time, batch size, pool use (0: off)")
     p.add_argument("--log-level", default=None)
     args = p.parse_args(argv)
     serving.setup_logging(args.log_level)
@@ -149,6 +151,10 @@ def main(argv: list[str] | None = None) -> None:
     log.info("target loaded", extra={"model": info.model_name, "seconds": round(time.monotonic() - t0, 2)})
     loop = StepLoop(engine, prefill_budget=args.prefill_budget, name="target")
     servicer = TargetServicer(loop, info)
+    if args.metrics_port:
+        from dflash_grpc.service_metrics import serve_metrics
+
+        serve_metrics(args.metrics_port, args.host, loop, "target")
 
     def add(server):
         target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
