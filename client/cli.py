@@ -14,7 +14,9 @@
     dflash-grpc evaluate --help                  # = python -m draft_service.evaluate
 
 A failed gRPC call prints ``error: <CODE>: <details>`` on stderr and exits with status 2; a
-service that dies or does not come up exits with status 1.
+service that does not come up exits with status 1. ``serve`` restarts a service that dies once
+up (``service 'draft' exited with code -9; restarting (restart 1)`` on stderr), with backoff, and
+exits with status 1 when one crashes more than 5 times in 60 s (``--no-restart``: at the first).
 """
 
 from __future__ import annotations
@@ -112,6 +114,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-args", default="", help="extra flags for the target service only (one string)")
     p.add_argument("--draft-args", default="", help="extra flags for the draft service only (one string)")
     p.add_argument("--orchestrator-args", default="", help="extra flags for the orchestrator only (one string)")
+    p.add_argument("--no-restart", action="store_true",
+                   help="stop every service when one dies (default: restart it, at most 5 times in 60 s)")
     p.set_defaults(func=_cmd_serve, pass_through=True)
 
     p = sub.add_parser("generate", parents=[conn, gen], help="stream a completion from a running server")
@@ -335,9 +339,16 @@ def _cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
             with _running(group):
                 group.wait_healthy(args.startup_timeout, on_ready=ready)
                 print(f"ready: dflash-grpc generate --address {services[-1].address} PROMPT  (Ctrl-C stops)", flush=True)
-                while (dead := group.poll()) is None:
-                    time.sleep(0.5)
-                raise ServiceExited(dead, group.returncode(dead))
+                if args.no_restart:
+                    while (dead := group.poll()) is None:
+                        time.sleep(0.5)
+                    raise ServiceExited(dead, group.returncode(dead))
+
+                def restarted(svc: Service, n: int) -> None:
+                    print(f"service {svc.name!r} restarted (pid {group.procs[svc.name].pid})", file=sys.stderr, flush=True)
+
+                group.supervise(on_restart=restarted)  # returns only once the group is stopped
+                return 0
         except KeyboardInterrupt:
             print("stopped", file=sys.stderr)
             return 0

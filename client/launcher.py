@@ -10,7 +10,11 @@ Typical use::
     services = dflash_services(model, drafter, ports=free_ports(3))
     with ServiceGroup(services) as group:      # start(); stop() on exit
         group.wait_healthy(timeout=600)
-        ...
+        group.supervise()                      # restart crashed services until Ctrl-C
+
+:meth:`ServiceGroup.supervise` restarts a service whose process exits (same command line), with
+exponential backoff, and gives up (stops the group, raises :class:`RestartBudgetExhausted`) when
+one crashes too often.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Service", "ServiceExited", "ServiceGroup", "dflash_services", "free_ports"]
+__all__ = ["RestartBudgetExhausted", "RestartPolicy", "Service", "ServiceExited", "ServiceGroup", "dflash_services",
+           "free_ports"]
 
 
 @dataclass
@@ -46,6 +51,34 @@ class ServiceExited(RuntimeError):
         super().__init__(f"service {name!r} {how}")
         self.name = name
         self.returncode = returncode
+
+
+class RestartBudgetExhausted(ServiceExited):
+    """A service crashed more often than :class:`RestartPolicy` allows; the group was stopped."""
+
+    def __init__(self, name: str, returncode: int | None, restarts: int, window: float):
+        super().__init__(name, returncode)
+        self.args = (f"{self.args[0]} and was restarted {restarts} times in the last {window:g} s; giving up",)
+        self.restarts = restarts
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How :meth:`ServiceGroup.supervise` restarts a crashed service.
+
+    The n-th restart within ``window`` seconds waits ``min(max_backoff, backoff * 2**(n-1))``
+    seconds first; a service that would need more than ``max_restarts`` restarts within
+    ``window`` seconds is not restarted: the group stops.
+    """
+
+    backoff: float = 0.5
+    max_backoff: float = 10.0
+    max_restarts: int = 5
+    window: float = 60.0
+
+    def delay(self, n: int) -> float:
+        """Seconds to wait before the ``n``-th recent restart (n >= 1)."""
+        return min(self.max_backoff, self.backoff * 2 ** max(0, n - 1))
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -139,27 +172,102 @@ class ServiceGroup:
         self.forward_output = forward_output
         self.procs: dict[str, subprocess.Popen] = {}
         self._readers: list[threading.Thread] = []
+        #: restarts done by :meth:`supervise`, per service
+        self.restarts: dict[str, int] = {s.name: 0 for s in services}
+        self._lock = threading.Lock()   # start/restart vs stop
+        self._stopping = False
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
         """Start every service (in order, without waiting for health). Idempotent per service."""
-        for svc in self.services:
-            if svc.name in self.procs:
+        with self._lock:
+            self._stopping = False
+            for svc in self.services:
+                if svc.name not in self.procs:
+                    self._spawn(svc)
+
+    def _spawn(self, svc: Service) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            svc.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **svc.env},
+            start_new_session=True,
+            text=True,
+            errors="replace",
+        )
+        self.procs[svc.name] = proc
+        t = threading.Thread(target=self._pump, args=(proc,), name=f"pump-{svc.name}", daemon=True)
+        t.start()
+        self._readers.append(t)
+        return proc
+
+    def restart(self, name: str) -> subprocess.Popen | None:
+        """Start service ``name`` again with the same command line (stopping the old process
+        first if it still runs); None when the group is stopping."""
+        svc = next(s for s in self.services if s.name == name)
+        old = self.procs.get(name)
+        if old is not None and old.poll() is None:
+            _signal_group(old, signal.SIGTERM)
+            try:
+                old.wait(timeout=self.grace)
+            except subprocess.TimeoutExpired:
+                _signal_group(old, signal.SIGKILL)
+                old.wait()
+        with self._lock:
+            if self._stopping:
+                return None
+            return self._spawn(svc)
+
+    def supervise(
+        self,
+        stop: threading.Event | None = None,
+        *,
+        policy: RestartPolicy | None = None,
+        on_restart: Callable[[Service, int], None] | None = None,
+        poll_interval: float = 0.2,
+    ) -> None:
+        """Watch the services until ``stop`` is set (or the group is stopped); restart any that
+        exits, with the same command line.
+
+        Each restart prints ``service 'NAME' exited with code C; restarting (restart N)`` on
+        stderr (N counts this service's restarts since the group started), waits the policy's
+        backoff, starts the service again and calls ``on_restart(service, N)``. Clients
+        reconnect by themselves (gRPC channels do).
+
+        Raises:
+            RestartBudgetExhausted: a service crashed more than ``policy.max_restarts`` times
+                within ``policy.window`` seconds; every service has been stopped.
+        """
+        policy = policy or RestartPolicy()
+        stop = stop or threading.Event()
+        recent: dict[str, list[float]] = {s.name: [] for s in self.services}
+        while not stop.is_set() and not self._stopping:
+            dead = self.poll()
+            if dead is None:
+                stop.wait(poll_interval)
                 continue
-            proc = subprocess.Popen(
-                svc.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **svc.env},
-                start_new_session=True,
-                text=True,
-                errors="replace",
-            )
-            self.procs[svc.name] = proc
-            t = threading.Thread(target=self._pump, args=(proc,), name=f"pump-{svc.name}", daemon=True)
-            t.start()
-            self._readers.append(t)
+            code = self.returncode(dead)
+            now = time.monotonic()
+            times = [t for t in recent[dead] if now - t < policy.window]
+            if len(times) >= policy.max_restarts:
+                self.stop()
+                raise RestartBudgetExhausted(dead, code, len(times), policy.window)
+            times.append(now)
+            recent[dead] = times
+            self.restarts[dead] = n = self.restarts.get(dead, 0) + 1
+            self._say(f"service {dead!r} exited with code {code}; restarting (restart {n})")
+            if stop.wait(policy.delay(len(times))) or self._stopping:
+                return
+            if self.restart(dead) is None:
+                return
+            if on_restart is not None:
+                on_restart(next(s for s in self.services if s.name == dead), n)
+
+    @staticmethod
+    def _say(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
 
     def _pump(self, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
@@ -216,6 +324,8 @@ class ServiceGroup:
         Idempotent. Returns the exit status of each service.
         """
         grace = self.grace if grace is None else grace
+        with self._lock:
+            self._stopping = True
         running = [(n, p) for n, p in reversed(self.procs.items()) if p.poll() is None]
         for _, proc in running:
             _signal_group(proc, signal.SIGTERM)

@@ -3,7 +3,7 @@
     python -m draft_service [--drafter D.gguf] [--target T.gguf] [--host 127.0.0.1] [--port 50053]
         [--device cpu] [--dtype auto] [--engine auto] [--no-cuda-graphs] [--gpu-memory-bytes N]
         [--batch-buckets 1,2,4,...] [--max-top-k 8] [--max-sessions 64] [--max-context N]
-        [--max-workers 16] [--metrics-port 0] [--log-level WARNING]
+        [--max-workers N] [--session-idle-timeout 300] [--metrics-port 0] [--log-level WARNING]
 
 ``--target`` defaults to :func:`target_service.default_model_path`; ``--drafter`` to
 :func:`draft_service.default_drafter_path` for that target (a cached random drafter when none is
@@ -50,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-sessions", type=int, default=64)
     ap.add_argument("--max-context", type=int, default=None,
                     help="rows per session (default: the target's context length; the batched engine caps that default at 4096)")
-    ap.add_argument("--max-workers", type=int, default=16, help="gRPC worker threads")
+    ap.add_argument("--max-workers", type=int, default=None,
+                    help="gRPC worker threads for streams (one per open Propose stream; default: session slots + 16); "
+                    "8 more are kept for unary calls")
+    ap.add_argument("--session-idle-timeout", type=float, default=300.0, metavar="SECONDS",
+                    help="release a session unused for this long (its Release was lost); 0 = never (default 300)")
     ap.add_argument("--metrics-port", type=int, default=0,
                     help="Prometheus metrics HTTP port on --host: step time, batch size, pool use (0: off)")
     ap.add_argument("--log-level", default=None, help="default WARNING (or DFLASH_LOG_LEVEL)")
@@ -84,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     log.info("drafter ready", extra={"engine": type(servicer.engine).__name__, "graph_captures": servicer.engine.captures,
                                      "max_sessions": servicer.max_sessions, "seconds": round(time.monotonic() - t0, 2)})
+    servicer.loop.idle_timeout = args.session_idle_timeout  # read by the loop thread at each look
 
     if args.metrics_port:
         from dflash_grpc.service_metrics import serve_metrics
@@ -94,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
         return [SERVICE_NAME]
 
-    server, health, port = make_server(add, f"{args.host}:{args.port}", max_workers=args.max_workers)
+    max_workers = args.max_workers or servicer.max_sessions + 16
+    server, health, port = make_server(add, f"{args.host}:{args.port}", max_workers=max_workers)
     serve_forever(server, health, "draft", port)
     servicer.close()
     return 0

@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-depth", type=int, default=0, help="default draft depth (0: block_size - 1)")
     p.add_argument("--target-wait", type=float, default=120.0, help="seconds to wait for the target at start")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics HTTP port (0: off)")
+    p.add_argument("--max-workers", type=int, default=None,
+                   help="gRPC worker threads (one per open Generate stream; default: max sessions + max queue + 16); "
+                   "8 more are kept for unary calls")
     p.add_argument("--log-level", default=None)
     args = p.parse_args(argv)
     serving.setup_logging(args.log_level)
@@ -50,7 +53,8 @@ def main(argv: list[str] | None = None) -> None:
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
         return ["dflash_grpc.v1.GenerationService"]
 
-    server, health, port = serving.make_server(add, f"{args.host}:{args.port}")
+    max_workers = args.max_workers or (getattr(args, "max_sessions", 0) or 64) + getattr(args, "max_queue", 256) + 16
+    server, health, port = serving.make_server(add, f"{args.host}:{args.port}", max_workers=max_workers)
     serving.serve_forever(server, health, "orchestrator", port)
 
 

@@ -132,6 +132,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--width-buckets", type=_ints, default=None, help="tree width buckets (default 1,4,8,16,32,64)")
     p.add_argument("--max-step-tokens", type=int, default=1024, help="most tree nodes in one batched step")
     p.add_argument("--prefill-budget", type=int, default=512, help="prompt tokens prefilled per step-loop tick")
+    p.add_argument("--session-idle-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="release a session unused for this long (its Release was lost); 0 = never (default 300)")
+    p.add_argument("--max-workers", type=int, default=None,
+                   help="gRPC worker threads for streams (one per open Verify stream; default: session slots + 16); "
+                   "8 more are kept for unary calls")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="Prometheus metrics HTTP port on --host: step time, batch size, pool use (0: off)")
@@ -149,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
                                 batch_buckets=args.batch_buckets, width_buckets=args.width_buckets,
                                 max_step_tokens=args.max_step_tokens)
     log.info("target loaded", extra={"model": info.model_name, "seconds": round(time.monotonic() - t0, 2)})
-    loop = StepLoop(engine, prefill_budget=args.prefill_budget, name="target")
+    loop = StepLoop(engine, prefill_budget=args.prefill_budget, name="target", idle_timeout=args.session_idle_timeout)
     servicer = TargetServicer(loop, info)
     if args.metrics_port:
         from dflash_grpc.service_metrics import serve_metrics
@@ -160,7 +165,8 @@ def main(argv: list[str] | None = None) -> None:
         target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
         return ["dflash_grpc.v1.TargetService"]
 
-    server, health, port = serving.make_server(add, f"{args.host}:{args.port}")
+    max_workers = args.max_workers or engine.max_sessions + 16
+    server, health, port = serving.make_server(add, f"{args.host}:{args.port}", max_workers=max_workers)
     serving.serve_forever(server, health, "target", port)
     loop.stop()
 

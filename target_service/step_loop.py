@@ -6,6 +6,12 @@ every queued verify item, from every request, runs as one ``engine.verify_batch`
 batching: requests join and leave between ticks); then prefill chunks run under a token budget,
 oldest prompt first, so a long prompt never stalls the other sessions for more than one chunk.
 
+Idle sessions are reaped: with ``idle_timeout > 0`` the loop notes when each session id was last
+used (a batch item or prefill naming it), and, at most every ``reap_interval`` seconds, releases
+through ``engine.release`` the sessions unused for longer than ``idle_timeout`` (a client whose
+Release was lost must not hold a slot forever). A session whose prefill is in progress is never
+idle.
+
 Used by both services: the target's engine (:class:`target_service.engine.TargetEngine` or
 :class:`target_service.batched_engine.BatchedEngine`) and the draft service's engine, through the
 ``verify_batch`` / ``start_prefill`` / ``run_prefill`` methods (a draft engine has no prefill:
@@ -58,9 +64,14 @@ class StepLoop:
         name: thread name prefix.
         batch_method: the engine method that runs a batch (``verify_batch`` for a target engine,
             ``propose_batch`` for a draft engine).
+        idle_timeout: seconds after which an unused session is released (0 = never); may be
+            changed later (``loop.idle_timeout = ...``).
+        reap_interval: most seconds between two looks for idle sessions (at most ``idle_timeout``).
+        clock: the monotonic clock of the idle times (tests inject a fake one).
     """
 
-    def __init__(self, engine, prefill_budget: int = 512, name: str = "engine", batch_method: str = "verify_batch"):
+    def __init__(self, engine, prefill_budget: int = 512, name: str = "engine", batch_method: str = "verify_batch",
+                 idle_timeout: float = 0.0, reap_interval: float = 5.0, clock: Callable[[], float] = time.monotonic):
         self.engine = engine
         self._batch_fn = getattr(engine, batch_method)
         self.prefill_budget = max(1, int(prefill_budget))
@@ -73,6 +84,13 @@ class StepLoop:
         self.items = 0
         self.busy_s = 0.0
         self.prefill_tokens = 0
+        self.idle_timeout = float(idle_timeout)
+        self.reap_interval = float(reap_interval)
+        self.clock = clock
+        #: sessions released for being idle
+        self.reaped = 0
+        self._last_used: dict[str, float] = {}   # session id -> clock() of its last item / prefill
+        self._next_reap: float | None = None
         self._thread.start()
 
     # ------------------------------------------------------------------ submitting
@@ -106,7 +124,19 @@ class StepLoop:
 
     def release(self, session_ids: list[str]) -> int:
         """``engine.release(session_ids)`` on the loop thread."""
-        return self.call(lambda: self.engine.release(list(session_ids)))
+        ids = list(session_ids)
+
+        def release() -> int:
+            for sid in ids:
+                self._last_used.pop(sid, None)
+            return self.engine.release(ids)
+
+        return self.call(release)
+
+    def reap(self) -> list[str]:
+        """Release the sessions idle for longer than ``idle_timeout`` now (on the loop thread, as
+        the loop does by itself every ``reap_interval``); returns their ids."""
+        return self.call(self._reap_idle)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread after the current tick; queued work fails with RuntimeError."""
@@ -130,6 +160,7 @@ class StepLoop:
         while not self._stop.is_set():
             try:
                 self._tick(self._take())
+                self._maybe_reap()
             except Exception:  # noqa: BLE001 - the loop must survive a bug in one tick
                 log.exception("step loop tick failed")
         for w in self._take():
@@ -137,16 +168,22 @@ class StepLoop:
 
     def _tick(self, work: list[_Work]) -> None:
         batches = []
+        now = self.clock() if work else 0.0
         for w in work:
             if w.kind == "batch":
                 batches.append(w)
+                for item in w.payload:
+                    self._touch(_session_of(item), now)
             elif w.kind == "call":
                 _settle(w.future, w.payload)
             elif w.kind == "prefill":
                 try:
-                    self._prefills.append((self.engine.start_prefill(*w.payload), w.future))
+                    job = self.engine.start_prefill(*w.payload)
                 except BaseException as e:  # noqa: BLE001
                     w.future.set_exception(e)
+                    continue
+                self._prefills.append((job, w.future))
+                self._touch(_session_of(job) or _session_of(w.payload), now)
         if batches:
             self._run_batches(batches)
         self._run_prefills()
@@ -180,16 +217,79 @@ class StepLoop:
             except BaseException as e:  # noqa: BLE001
                 self._prefills.popleft()
                 self.engine.release([job.session_id])
+                self._last_used.pop(job.session_id, None)
                 fut.set_exception(e)
                 continue
             self.prefill_tokens += n
             budget -= max(n, 1)
             if job.outcome is not None or n == 0:
                 self._prefills.popleft()
+                self._touch(job.session_id, self.clock())
                 if job.outcome is not None:
                     fut.set_result(job.outcome)
                 else:
                     fut.set_exception(SessionNotFound(f"session {job.session_id!r} was released during its prefill"))
+
+
+    # ------------------------------------------------------------------ idle sessions
+    def _touch(self, session_id: str | None, now: float) -> None:
+        if session_id:
+            self._last_used[session_id] = now
+
+    def _maybe_reap(self) -> None:
+        """:meth:`_reap_idle` when ``idle_timeout`` is set and ``reap_interval`` has passed."""
+        timeout = self.idle_timeout
+        if timeout <= 0:
+            return
+        now = self.clock()
+        if self._next_reap is not None and now < self._next_reap:
+            return
+        self._next_reap = now + min(self.reap_interval, timeout)
+        self._reap_idle()
+
+    def _reap_idle(self) -> list[str]:
+        """Release (``engine.release``) the sessions unused for more than ``idle_timeout``
+        seconds; loop thread only. Sessions the engine holds but the loop has not seen (opened
+        another way) start their idle time now; released ones are forgotten."""
+        timeout = self.idle_timeout
+        if timeout <= 0:
+            return []
+        now = self.clock()
+        live = getattr(self.engine, "sessions", None)
+        if live is not None:
+            live = set(live)
+            for sid in [s for s in self._last_used if s not in live]:
+                del self._last_used[sid]
+            for sid in live:
+                self._last_used.setdefault(sid, now)
+        for job, _ in self._prefills:  # a prefill in progress is use
+            self._touch(job.session_id, now)
+        idle = [(sid, now - t) for sid, t in self._last_used.items() if now - t > timeout]
+        if not idle:
+            return []
+        ids = [sid for sid, _ in idle]
+        for sid in ids:
+            del self._last_used[sid]
+        try:
+            self.engine.release(ids)
+        except Exception:  # noqa: BLE001 - keep serving; the ids are forgotten either way
+            log.exception("releasing idle sessions failed", extra={"sessions": len(ids)})
+            return []
+        for sid, idle_s in idle:
+            self.reaped += 1
+            log.info("reaped idle session", extra={"session_id": sid, "idle_s": round(idle_s, 1),
+                                                   "idle_timeout_s": timeout})
+        return ids
+
+
+def _session_of(item) -> str | None:
+    """The session id an item, prefill job or ``start_prefill`` arguments name: a
+    ``session_id`` attribute (:class:`draft_service.batched.DraftItem`, prefill jobs) or the
+    first field of a tuple (a verify item ``(session_id, tokens, parents)``)."""
+    sid = getattr(item, "session_id", None)
+    if sid is None and isinstance(item, (tuple, list)) and item and isinstance(item[0], str):
+        sid = item[0]
+    return sid if isinstance(sid, str) else None
 
 
 def run_items(loop: "StepLoop", items: list, decode: Callable[[Any], Any]) -> tuple[list, BatchResult]:

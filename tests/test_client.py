@@ -485,7 +485,7 @@ def test_cli_demo(monkeypatch, capsys):
     assert "speedup:        2.50x" in err and "token ids identical: yes" in err
 
 
-def test_cli_serve_stops_when_a_service_dies(monkeypatch, capsys):
+def test_cli_serve_no_restart_stops_when_a_service_dies(monkeypatch, capsys):
     services = _dummies(2)
     _stand_ins(monkeypatch, services)
     groups = []
@@ -497,7 +497,7 @@ def test_cli_serve_stops_when_a_service_dies(monkeypatch, capsys):
         threading.Timer(0.5, os.kill, (self.procs["svc1"].pid, signal.SIGKILL)).start()
 
     monkeypatch.setattr(ServiceGroup, "wait_healthy", wait_then_kill)
-    assert main(["serve", "--grace", "5"]) == 1
+    assert main(["serve", "--grace", "5", "--no-restart"]) == 1
     out, err = capsys.readouterr()
     assert "svc0" in out and "svc1" in out and "ready:" in out
     assert "error: service 'svc1' was killed by signal 9" in err

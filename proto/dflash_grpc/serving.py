@@ -54,10 +54,78 @@ def setup_logging(level: str | None = None) -> None:
     root.setLevel(level)
 
 
+#: Worker threads :func:`make_server` keeps for unary calls on top of ``max_workers``.
+UNARY_WORKERS = 8
+
+
+class _StreamLimit(grpc.ServerInterceptor):
+    """At most ``limit`` streaming RPCs at a time; one more is answered RESOURCE_EXHAUSTED at once.
+
+    A streaming RPC holds a worker thread for its whole life and grpc has no per-method pools,
+    so without this cap long-lived streams could take every worker and leave unary calls
+    (health checks, Info, Release) queued behind them.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._free = threading.BoundedSemaphore(limit)
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or not (handler.request_streaming or handler.response_streaming):
+            return handler
+        method = handler_call_details.method
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(self._gen(handler.stream_stream, method),
+                                                         handler.request_deserializer, handler.response_serializer)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(self._gen(handler.unary_stream, method),
+                                                        handler.request_deserializer, handler.response_serializer)
+        return grpc.stream_unary_rpc_method_handler(self._call(handler.stream_unary, method),
+                                                    handler.request_deserializer, handler.response_serializer)
+
+    def _enter(self, context, method: str) -> Callable[[], None]:
+        if not self._free.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{method}: all {self.limit} stream workers are busy; retry later")
+        lock, held = threading.Lock(), [True]
+
+        def release() -> None:
+            with lock:
+                if held[0]:
+                    held[0] = False
+                    self._free.release()
+
+        context.add_callback(release)   # however the RPC ends
+        return release
+
+    def _gen(self, behavior, method):
+        def run(request, context):
+            release = self._enter(context, method)
+            try:
+                yield from behavior(request, context)
+            finally:
+                release()
+
+        return run
+
+    def _call(self, behavior, method):
+        def run(request_iterator, context):
+            release = self._enter(context, method)
+            try:
+                return behavior(request_iterator, context)
+            finally:
+                release()
+
+        return run
+
+
 def make_server(
     add_servicers: Callable[[grpc.Server], Iterable[str]],
     address: str,
     max_workers: int = 16,
+    *,
+    unary_workers: int = UNARY_WORKERS,
 ) -> tuple[grpc.Server, health.HealthServicer, int]:
     """Create, bind and start a gRPC server with health checking and reflection.
 
@@ -65,7 +133,14 @@ def make_server(
         add_servicers: called with the server; registers servicers and returns their full
             service names (e.g. ``"dflash_grpc.v1.TargetService"``).
         address: ``host:port``; port 0 picks a free port.
-        max_workers: thread-pool size (one thread per in-flight RPC, streams included).
+        max_workers: worker threads for RPCs, streams included; a streaming RPC holds one for
+            its whole life, so size it for the streams expected at once (e.g. one per session).
+            At most ``max_workers`` streaming RPCs run at a time; one more is refused with
+            RESOURCE_EXHAUSTED.
+        unary_workers: threads added to the pool that streams cannot take, so unary calls
+            (health, Info, Release, ...) are answered however many streams are open. Beyond
+            ``max_workers + unary_workers`` RPCs in flight the server answers
+            RESOURCE_EXHAUSTED instead of queueing (``maximum_concurrent_rpcs``).
 
     Returns:
         ``(server, health_servicer, bound_port)``; every service is marked SERVING.
@@ -73,7 +148,10 @@ def make_server(
     Raises:
         RuntimeError: the address could not be bound.
     """
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
+    max_workers, unary_workers = max(1, int(max_workers)), max(0, int(unary_workers))
+    pool = max_workers + unary_workers
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=pool), options=GRPC_OPTIONS,
+                         interceptors=[_StreamLimit(max_workers)], maximum_concurrent_rpcs=pool)
     names = list(add_servicers(server))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
