@@ -36,6 +36,7 @@ from typing import Any
 
 import grpc
 import grpc.aio
+from dflash_grpc.transport import GRPC_OPTIONS, TlsConfig, TlsError, open_aio_channel, open_channel
 from dflash_grpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "NotFoundError",
     "ResourceExhaustedError",
     "ServiceInfo",
+    "TlsConfig",
     "UnavailableError",
     "build_request",
     "from_rpc_error",
@@ -65,13 +67,20 @@ __all__ = [
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
-# Same limits as ``dflash_grpc.wire.GRPC_OPTIONS`` (256 MiB per message). Copied rather than
-# imported: ``dflash_grpc.wire`` imports torch, which the SDK does not need.
-_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-_CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-]
+# The project's message-size limits (``dflash_grpc.transport``, torch-free): at most 256 MiB per
+# message sent or received, set explicitly on every channel; a larger one fails the call with
+# RESOURCE_EXHAUSTED (:class:`ResourceExhaustedError`).
+_CHANNEL_OPTIONS = GRPC_OPTIONS
+
+
+def _tls_config(tls: bool, ca: str | None, cert: str | None, key: str | None, server_name: str | None) -> TlsConfig | None:
+    """The channel TLS of :class:`Client`'s TLS arguments (None: plaintext); files read now."""
+    if not (tls or ca or cert or key or server_name):
+        return None
+    try:
+        return TlsConfig(cert=cert, key=key, ca=ca, server_name=server_name).check()
+    except TlsError as e:
+        raise InvalidArgumentError(str(e)) from e
 
 
 # --------------------------------------------------------------------------------------------
@@ -639,14 +648,27 @@ class Client:
         address: ``host:port`` of the orchestrator.
         timeout: default deadline of every call, in seconds (None: no deadline). A per-call
             ``timeout`` overrides it; an expired deadline raises :class:`DeadlineExceededError`.
+        tls: connect over TLS (implied by any ``tls_*`` argument). Default: plaintext.
+        tls_ca: PEM file of the CA the server's certificate must chain to (None: the system's roots).
+        tls_cert, tls_key: PEM files of a client certificate and its key, for a server that
+            requires mutual TLS (give both).
+        tls_server_name: name the server's certificate is checked against instead of the
+            address's host (e.g. a certificate for ``orchestrator.internal`` reached by IP).
 
+    Messages are limited to 256 MiB each way (a larger one: :class:`ResourceExhaustedError`).
     Use as a context manager, or call :meth:`close`.
+
+    Raises:
+        InvalidArgumentError: only one of ``tls_cert`` / ``tls_key``, or a TLS file that cannot be read.
     """
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = None):
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = None, *, tls: bool = False,
+                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                 tls_server_name: str | None = None):
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.tls = _tls_config(tls, tls_ca, tls_cert, tls_key, tls_server_name)
+        self._channel = open_channel(address, self.tls)
         self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
 
     def _deadline(self, timeout: float | None) -> float | None:
@@ -765,19 +787,22 @@ class AsyncClient:
     """asyncio client of the ``GenerationService``, with the API of :class:`Client`.
 
     The channel is opened on first use, inside the running event loop. Use as an async
-    context manager, or ``await client.close()``.
+    context manager, or ``await client.close()``. Arguments (TLS included) are those of :class:`Client`.
     """
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = None):
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = None, *, tls: bool = False,
+                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                 tls_server_name: str | None = None):
         self.address = address
         self.timeout = timeout
+        self.tls = _tls_config(tls, tls_ca, tls_cert, tls_key, tls_server_name)
         self._channel: grpc.aio.Channel | None = None
         self._stub_: generation_pb2_grpc.GenerationServiceStub | None = None
 
     @property
     def _stub(self) -> generation_pb2_grpc.GenerationServiceStub:
         if self._stub_ is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+            self._channel = open_aio_channel(self.address, self.tls)
             self._stub_ = generation_pb2_grpc.GenerationServiceStub(self._channel)
         return self._stub_
 

@@ -76,6 +76,13 @@ def _build_parser() -> argparse.ArgumentParser:
     conn = argparse.ArgumentParser(add_help=False)
     conn.add_argument("--address", default=DEFAULT_ADDRESS, help="orchestrator host:port (default %(default)s)")
     conn.add_argument("--timeout", type=float, default=None, help="deadline of each call, seconds")
+    t = conn.add_argument_group("TLS (default: plaintext)")
+    t.add_argument("--tls", action="store_true", help="connect over TLS, trusting the system's CAs (implied by --tls-*)")
+    t.add_argument("--tls-ca", default=None, metavar="PEM", help="trust this CA for the server's certificate")
+    t.add_argument("--tls-cert", default=None, metavar="PEM", help="client certificate, for a server requiring mutual TLS")
+    t.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
+    t.add_argument("--tls-server-name", default=None, metavar="NAME",
+                   help="name the server's certificate is checked against (default: the host of --address)")
 
     gen = argparse.ArgumentParser(add_help=False)
     g = gen.add_argument_group("generation")
@@ -116,7 +123,12 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--orchestrator-args", default="", help="extra flags for the orchestrator only (one string)")
     p.add_argument("--no-restart", action="store_true",
                    help="stop every service when one dies (default: restart it, at most 5 times in 60 s)")
-    p.set_defaults(func=_cmd_serve, pass_through=True)
+    p.add_argument("--tls-dir", default=None, metavar="DIR",
+                   help="mutual TLS between every service and its callers, with DIR's ca.pem, server.pem, server-key.pem "
+                   "(the services) and client.pem, client-key.pem (the orchestrator's and clients' certificate)")
+    p.add_argument("--tls-server-name", default=None, metavar="NAME",
+                   help="--tls-dir: the name server.pem carries, when it is not the --host")
+    p.set_defaults(func=_serve_tls, pass_through=True)
 
     p = sub.add_parser("generate", parents=[conn, gen], help="stream a completion from a running server")
     p.add_argument("prompt", nargs="?", help="prompt text, or - to read it from stdin")
@@ -184,6 +196,13 @@ def _gen_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 # Client commands
 
 
+def _client(args: argparse.Namespace) -> Client:
+    """The SDK client of the connection flags (``--address``, ``--timeout``, ``--tls*``)."""
+    return Client(args.address, timeout=args.timeout, tls=getattr(args, "tls", False), tls_ca=getattr(args, "tls_ca", None),
+                  tls_cert=getattr(args, "tls_cert", None), tls_key=getattr(args, "tls_key", None),
+                  tls_server_name=getattr(args, "tls_server_name", None))
+
+
 def _read_prompt(args: argparse.Namespace) -> str:
     if (args.prompt is None) == (args.prompt_file is None):
         raise CommandError("give exactly one of PROMPT (- for stdin) or --prompt-file")
@@ -222,7 +241,7 @@ def _cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
         kwargs["messages"] = [{"role": "user", "content": prompt}]
     else:
         kwargs["prompt"] = prompt
-    with Client(args.address, timeout=args.timeout) as c:
+    with _client(args) as c:
         if args.json:
             r = c.generate(**kwargs)
             obj = {
@@ -240,14 +259,14 @@ def _cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _cmd_stats(args: argparse.Namespace, extra: list[str]) -> int:
-    with Client(args.address, timeout=args.timeout) as c:
+    with _client(args) as c:
         stats = c.stats()
     print(json.dumps(stats.to_dict(), indent=2) if args.json else stats.format())
     return 0
 
 
 def _cmd_info(args: argparse.Namespace, extra: list[str]) -> int:
-    with Client(args.address, timeout=args.timeout) as c:
+    with _client(args) as c:
         info = c.info()
     print(json.dumps(info.to_dict(), indent=2) if args.json else info.format())
     return 0
@@ -313,6 +332,35 @@ def _signals_ignored() -> Iterator[None]:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _serve_tls(args: argparse.Namespace, extra: list[str]) -> int:
+    """``serve --tls-dir DIR``: every service serves mutual TLS (server.pem, client certificates
+    checked against ca.pem); the orchestrator presents client.pem to the target and draft services,
+    and so does this process's health check. Then :func:`_cmd_serve`."""
+    if args.tls_dir is None:
+        if args.tls_server_name is not None:
+            raise CommandError("--tls-server-name needs --tls-dir")
+        return _cmd_serve(args, extra)
+    from dflash_grpc import serving
+    from dflash_grpc.transport import TlsConfig, TlsError
+
+    server = TlsConfig.from_dir(args.tls_dir, "server")
+    client = TlsConfig.from_dir(args.tls_dir, "client", server_name=args.tls_server_name)
+    try:
+        server.check()
+        serving.set_client_tls(client)  # reads the files
+    except TlsError as e:
+        raise CommandError(f"--tls-dir: {e}") from None
+    extra = [*extra, "--tls-cert", server.cert, "--tls-key", server.key, "--tls-client-ca", server.ca]
+    peer = ["--peer-tls-ca", client.ca, "--peer-tls-cert", client.cert, "--peer-tls-key", client.key]
+    if args.tls_server_name:
+        peer += ["--peer-tls-server-name", args.tls_server_name]
+    args.orchestrator_args = f"{shlex.join(peer)} {args.orchestrator_args}"
+    name = f" --tls-server-name {shlex.quote(args.tls_server_name)}" if args.tls_server_name else ""
+    print(f"mutual TLS: clients need --tls-ca {shlex.quote(client.ca)} --tls-cert {shlex.quote(client.cert)} "
+          f"--tls-key {shlex.quote(client.key)}{name}", file=sys.stderr, flush=True)
+    return _cmd_serve(args, extra)
 
 
 def _cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:

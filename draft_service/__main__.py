@@ -58,9 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metrics-port", type=int, default=0,
                     help="Prometheus metrics HTTP port on --host: step time, batch size, pool use (0: off)")
     ap.add_argument("--log-level", default=None, help="default WARNING (or DFLASH_LOG_LEVEL)")
-    args = ap.parse_args(argv)
+    from dflash_grpc.serving import add_tls_flags, make_server, serve_forever, server_tls_from_args, setup_logging
 
-    from dflash_grpc.serving import make_server, serve_forever, setup_logging
+    add_tls_flags(ap)
+    args = ap.parse_args(argv)
+    tls = server_tls_from_args(args, ap)  # before loading: a bad flag fails at once
 
     setup_logging(args.log_level)
 
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         return [SERVICE_NAME]
 
     max_workers = args.max_workers or servicer.max_sessions + 16
-    server, health, port = make_server(add, f"{args.host}:{args.port}", max_workers=max_workers)
+    server, health, port = make_server(add, f"{args.host}:{args.port}", max_workers=max_workers, tls=tls)
     serve_forever(server, health, "draft", port)
     servicer.close()
     return 0

@@ -34,7 +34,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="gRPC worker threads (one per open Generate stream; default: max sessions + max queue + 16); "
                    "8 more are kept for unary calls")
     p.add_argument("--log-level", default=None)
+    serving.add_tls_flags(p, peers=True)
     args = p.parse_args(argv)
+    tls = serving.server_tls_from_args(args, p)
+    serving.set_client_tls(serving.peer_tls_from_args(args, p))  # channels to the target and draft services
     serving.setup_logging(args.log_level)
     target = TargetPeer(args.target)
     target.wait_info(args.target_wait)
@@ -54,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         return ["dflash_grpc.v1.GenerationService"]
 
     max_workers = args.max_workers or (getattr(args, "max_sessions", 0) or 64) + getattr(args, "max_queue", 256) + 16
-    server, health, port = serving.make_server(add, f"{args.host}:{args.port}", max_workers=max_workers)
+    server, health, port = serving.make_server(add, f"{args.host}:{args.port}", max_workers=max_workers, tls=tls)
     serving.serve_forever(server, health, "orchestrator", port)
 
 

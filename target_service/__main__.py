@@ -141,7 +141,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--metrics-port", type=int, default=0,
                    help="Prometheus metrics HTTP port on --host: step time, batch size, pool use (0: off)")
     p.add_argument("--log-level", default=None)
+    serving.add_tls_flags(p)
     args = p.parse_args(argv)
+    tls = serving.server_tls_from_args(args, p)  # before loading: a bad flag fails at once
     serving.setup_logging(args.log_level)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         return ["dflash_grpc.v1.TargetService"]
 
     max_workers = args.max_workers or engine.max_sessions + 16
-    server, health, port = serving.make_server(add, f"{args.host}:{args.port}", max_workers=max_workers)
+    server, health, port = serving.make_server(add, f"{args.host}:{args.port}", max_workers=max_workers, tls=tls)
     serving.serve_forever(server, health, "target", port)
     loop.stop()
 

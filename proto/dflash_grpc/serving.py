@@ -1,12 +1,22 @@
 """Server and channel plumbing shared by the three services.
 
 Every server gets the standard gRPC health service (``grpc.health.v1``), server reflection, the
-project's message-size limits, and structured logging. Logs are quiet by default (WARNING);
-``DFLASH_LOG_LEVEL`` or ``--log-level`` raises them.
+project's message-size limits (:data:`dflash_grpc.transport.GRPC_OPTIONS`: 256 MiB per message
+both ways; larger: RESOURCE_EXHAUSTED), optional TLS / mutual TLS, and structured logging. Logs
+are quiet by default (WARNING); ``DFLASH_LOG_LEVEL`` or ``--log-level`` raises them.
+
+TLS (:class:`TlsConfig`, PEM file paths): ``make_server(..., tls=TlsConfig(cert, key, ca))``
+serves TLS, and with ``ca`` requires client certificates signed by it. Channels of this process
+(:func:`channel`, :func:`wait_healthy`, the orchestrator's peers) follow one process-wide setting,
+:func:`set_client_tls`. The services' flags (:func:`add_tls_flags`): ``--tls-cert``,
+``--tls-key``, ``--tls-client-ca``, ``--insecure`` and, for a service that calls others,
+``--peer-tls-ca``, ``--peer-tls-cert``, ``--peer-tls-key``, ``--peer-tls-server-name``. A
+service refuses a non-loopback ``--host`` without TLS unless ``--insecure`` is given.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -15,13 +25,18 @@ import sys
 import threading
 import time
 from concurrent import futures
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from dflash_grpc.wire import GRPC_OPTIONS
+from dflash_grpc.transport import GRPC_OPTIONS, TlsConfig, TlsError, is_loopback, open_channel
+
+__all__ = [
+    "GRPC_OPTIONS", "TlsConfig", "TlsError", "add_tls_flags", "channel", "client_tls", "is_loopback", "make_server",
+    "peer_tls_from_args", "serve_forever", "server_tls_from_args", "set_client_tls", "setup_logging", "wait_healthy",
+]
 
 
 class JsonFormatter(logging.Formatter):
@@ -120,14 +135,50 @@ class _StreamLimit(grpc.ServerInterceptor):
         return run
 
 
+class _MalformedRequestIsInvalidArgument(grpc.ServerInterceptor):
+    """Decode the request of unary-request methods inside the handler, so that bytes that are not
+    the method's message fail with INVALID_ARGUMENT (grpcio's own decoding failure is INTERNAL,
+    "Exception deserializing request!"). Streaming requests are left to grpcio."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+
+        def decode(raw: bytes, context: grpc.ServicerContext):
+            try:
+                return parse(raw)
+            except Exception as e:  # protobuf's DecodeError, or a UTF-8 error in a string field
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {e}")
+
+        if handler.response_streaming:
+            behavior = handler.unary_stream
+
+            def unary_stream(raw, context):
+                yield from behavior(decode(raw, context), context)
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, response_serializer=handler.response_serializer)
+        behavior = handler.unary_unary
+
+        def unary_unary(raw, context):
+            return behavior(decode(raw, context), context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, response_serializer=handler.response_serializer)
+
+
 def make_server(
     add_servicers: Callable[[grpc.Server], Iterable[str]],
     address: str,
     max_workers: int = 16,
     *,
     unary_workers: int = UNARY_WORKERS,
+    tls: TlsConfig | None = None,
 ) -> tuple[grpc.Server, health.HealthServicer, int]:
     """Create, bind and start a gRPC server with health checking and reflection.
+
+    Messages are limited to 256 MiB each way (:data:`GRPC_OPTIONS`; larger: RESOURCE_EXHAUSTED).
+    A unary request that does not decode as its method's message is INVALID_ARGUMENT.
 
     Args:
         add_servicers: called with the server; registers servicers and returns their full
@@ -141,22 +192,26 @@ def make_server(
             (health, Info, Release, ...) are answered however many streams are open. Beyond
             ``max_workers + unary_workers`` RPCs in flight the server answers
             RESOURCE_EXHAUSTED instead of queueing (``maximum_concurrent_rpcs``).
+        tls: serve TLS with ``tls.cert`` / ``tls.key``; with ``tls.ca`` also require client
+            certificates signed by it (mutual TLS). None: plaintext.
 
     Returns:
         ``(server, health_servicer, bound_port)``; every service is marked SERVING.
 
     Raises:
         RuntimeError: the address could not be bound.
+        TlsError: ``tls`` has no certificate, or a file cannot be read.
     """
+    credentials = tls.server_credentials() if tls is not None else None
     max_workers, unary_workers = max(1, int(max_workers)), max(0, int(unary_workers))
     pool = max_workers + unary_workers
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=pool), options=GRPC_OPTIONS,
-                         interceptors=[_StreamLimit(max_workers)], maximum_concurrent_rpcs=pool)
+                         interceptors=[_StreamLimit(max_workers), _MalformedRequestIsInvalidArgument()], maximum_concurrent_rpcs=pool)
     names = list(add_servicers(server))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(address)
+    port = server.add_secure_port(address, credentials) if credentials is not None else server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"could not bind {address}")
     server.start()
@@ -179,19 +234,46 @@ def serve_forever(server: grpc.Server, health_servicer: health.HealthServicer, n
     server.stop(grace=5).wait()
 
 
-def channel(address: str) -> grpc.Channel:
-    """Insecure channel to ``address`` with the project's message-size limits."""
-    return grpc.insecure_channel(address, options=GRPC_OPTIONS)
+_client_tls: TlsConfig | None = None
+_UNSET: Any = object()
 
 
-def wait_healthy(address: str, timeout: float = 60.0, service: str = "") -> None:
+def set_client_tls(tls: TlsConfig | None) -> None:
+    """Set the TLS of every channel this process opens with :func:`channel` (and so of
+    :func:`wait_healthy` and the orchestrator's peers): None (the default) is plaintext.
+
+    Call it once at start, before channels are opened (open channels keep their setting).
+
+    Raises:
+        TlsError: a file of ``tls`` cannot be read.
+    """
+    global _client_tls
+    _client_tls = tls.check() if tls is not None else None
+
+
+def client_tls() -> TlsConfig | None:
+    """The process-wide channel TLS set by :func:`set_client_tls` (None: plaintext)."""
+    return _client_tls
+
+
+def channel(address: str, *, tls: TlsConfig | None = _UNSET) -> grpc.Channel:
+    """Channel to ``address`` with the project's message-size limits (:data:`GRPC_OPTIONS`).
+
+    TLS per ``tls`` if given (None: plaintext), else per :func:`set_client_tls`.
+    """
+    return open_channel(address, _client_tls if tls is _UNSET else tls)
+
+
+def wait_healthy(address: str, timeout: float = 60.0, service: str = "", *, tls: TlsConfig | None = _UNSET) -> None:
     """Poll the standard health service at ``address`` until it reports SERVING.
+
+    The channel is :func:`channel`'s (``tls`` as there).
 
     Raises:
         TimeoutError: not SERVING within ``timeout`` seconds.
     """
     deadline = time.monotonic() + timeout
-    with channel(address) as ch:
+    with channel(address, tls=tls) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             try:
@@ -203,3 +285,74 @@ def wait_healthy(address: str, timeout: float = 60.0, service: str = "") -> None
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{address} not healthy after {timeout:.0f} s")
             time.sleep(0.2)
+
+
+# --------------------------------------------------------------------------------------------
+# Command-line flags of the services
+
+
+def add_tls_flags(parser: argparse.ArgumentParser, peers: bool = False) -> None:
+    """Add the TLS flags of a service to ``parser`` (one argument group).
+
+    Serving: ``--tls-cert``, ``--tls-key``, ``--tls-client-ca`` (mutual TLS) and ``--insecure``.
+    With ``peers`` (a service that calls others): ``--peer-tls-ca``, ``--peer-tls-cert``,
+    ``--peer-tls-key``, ``--peer-tls-server-name``. Read them back with
+    :func:`server_tls_from_args` and :func:`peer_tls_from_args`.
+    """
+    g = parser.add_argument_group("TLS (plaintext by default, allowed on loopback only)")
+    g.add_argument("--tls-cert", default=None, metavar="PEM", help="serve TLS with this certificate (chain)")
+    g.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
+    g.add_argument("--tls-client-ca", default=None, metavar="PEM",
+                   help="mutual TLS: require client certificates signed by this CA")
+    g.add_argument("--insecure", action="store_true",
+                   help="allow plaintext on a non-loopback --host (anyone on the network can call and read it)")
+    if peers:
+        g.add_argument("--peer-tls-ca", default=None, metavar="PEM",
+                       help="connect to the target/draft services over TLS, trusting this CA")
+        g.add_argument("--peer-tls-cert", default=None, metavar="PEM",
+                       help="client certificate presented to the services (mutual TLS)")
+        g.add_argument("--peer-tls-key", default=None, metavar="PEM", help="private key of --peer-tls-cert")
+        g.add_argument("--peer-tls-server-name", default=None, metavar="NAME",
+                       help="name the services' certificates are checked against (default: the address's host)")
+
+
+def server_tls_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> TlsConfig | None:
+    """The serving TLS of :func:`add_tls_flags`'s flags (None: plaintext), files read now.
+
+    Exits through ``parser.error`` (status 2, a clear message) when the flags are incomplete, a
+    file cannot be read, or ``args.host`` is not a loopback address while TLS is off and
+    ``--insecure`` is not given.
+    """
+    if args.tls_cert is None and args.tls_key is None:
+        if args.tls_client_ca is not None:
+            parser.error("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")
+        if not is_loopback(args.host) and not args.insecure:
+            parser.error(
+                f"--host {args.host} is not a loopback address: serve TLS there (--tls-cert and --tls-key, plus "
+                "--tls-client-ca for mutual TLS) or pass --insecure to accept plaintext on the network"
+            )
+        return None
+    if args.tls_cert is None or args.tls_key is None:
+        parser.error("--tls-cert and --tls-key go together")
+    try:
+        return TlsConfig(cert=args.tls_cert, key=args.tls_key, ca=args.tls_client_ca).check()
+    except TlsError as e:
+        parser.error(str(e))
+
+
+def peer_tls_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> TlsConfig | None:
+    """The peers' channel TLS of :func:`add_tls_flags`'s ``--peer-tls-*`` flags (None: plaintext).
+
+    Any ``--peer-tls-*`` flag turns TLS on (without ``--peer-tls-ca``: the system's roots).
+    Exits through ``parser.error`` when the flags are incomplete or a file cannot be read.
+    """
+    flags = (args.peer_tls_ca, args.peer_tls_cert, args.peer_tls_key, args.peer_tls_server_name)
+    if all(f is None for f in flags):
+        return None
+    if (args.peer_tls_cert is None) != (args.peer_tls_key is None):
+        parser.error("--peer-tls-cert and --peer-tls-key go together")
+    try:
+        return TlsConfig(cert=args.peer_tls_cert, key=args.peer_tls_key, ca=args.peer_tls_ca,
+                         server_name=args.peer_tls_server_name).check()
+    except TlsError as e:
+        parser.error(str(e))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from dflash_grpc.transport import GRPC_OPTIONS, MAX_MESSAGE_BYTES  # noqa: F401  (re-exported)
 from dflash_grpc.v1 import common_pb2
 
 _TO_WIRE = {
@@ -17,14 +18,11 @@ _TO_WIRE = {
 }
 _FROM_WIRE = {v: k for k, v in _TO_WIRE.items()}
 
-#: Default per-message limit for every channel and server of the project (bytes). Prompt
-#: features are ``rows * N * hidden * 2`` bytes and pass the 4 MiB gRPC default easily.
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+#: ``MAX_MESSAGE_BYTES`` (256 MiB) and ``GRPC_OPTIONS`` (that limit for sending and receiving) are
+#: defined in :mod:`dflash_grpc.transport` (torch-free, shared with the SDK) and re-exported here:
+#: every server and channel of the project sets them explicitly; a larger message fails its call
+#: with RESOURCE_EXHAUSTED. Prompt features are ``rows * N * hidden * 2`` bytes and pass the
+#: 4 MiB gRPC default easily.
 
 
 class WireError(ValueError):
