@@ -58,6 +58,7 @@ __all__ = [
     "ModelInfo",
     "NotFoundError",
     "ResourceExhaustedError",
+    "SchedulerStatus",
     "ServiceInfo",
     "TlsConfig",
     "UnavailableError",
@@ -405,12 +406,35 @@ class DrafterStatus:
 
 
 @dataclass
+class SchedulerStatus:
+    """The orchestrator's batching scheduler now (proto ``SchedulerStatus``; all 0 from a server
+    without one)."""
+
+    active_sessions: int = 0
+    queued_requests: int = 0
+    max_sessions: int = 0
+    max_queue: int = 0
+    ticks: int = 0
+    mean_batch: float = 0.0
+    tree_budget_now: int = 0
+    drafting: bool = False
+    draft_fallbacks: int = 0
+
+    @classmethod
+    def from_proto(cls, msg: generation_pb2.SchedulerStatus) -> SchedulerStatus:
+        """Build from a ``SchedulerStatus`` message."""
+        return cls(**_fields_from_proto(cls, msg))
+
+
+@dataclass
 class ServiceInfo:
-    """What the orchestrator serves: the target model, the drafter's state, the server version."""
+    """What the orchestrator serves: the target model, the drafter's state, the server version
+    and its scheduler's state now."""
 
     target: ModelInfo
     drafter: DrafterStatus
     version: str = ""
+    scheduler: SchedulerStatus = field(default_factory=SchedulerStatus)
 
     @classmethod
     def from_proto(cls, msg: generation_pb2.ServiceInfo) -> ServiceInfo:
@@ -419,6 +443,7 @@ class ServiceInfo:
             target=ModelInfo.from_proto(msg.target),
             drafter=DrafterStatus.from_proto(msg.drafter),
             version=msg.version,
+            scheduler=SchedulerStatus.from_proto(msg.scheduler),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -442,6 +467,11 @@ class ServiceInfo:
             lines.append(f"          {d.model.format()}")
         if d.detail:
             lines.append(f"          {d.detail}")
+        s = self.scheduler
+        if s.max_sessions or s.ticks:
+            lines.append(f"scheduler: {s.active_sessions}/{s.max_sessions} sessions, {s.queued_requests}/{s.max_queue} queued, "
+                         f"{s.ticks} ticks, mean batch {s.mean_batch:.2f}, tree budget {s.tree_budget_now}, "
+                         f"drafting {'yes' if s.drafting else 'no'}, fallbacks {s.draft_fallbacks}")
         return "\n".join(lines)
 
 

