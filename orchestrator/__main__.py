@@ -8,6 +8,7 @@ import logging
 from dflash_grpc import serving
 from dflash_grpc.v1 import draft_pb2, generation_pb2_grpc
 from orchestrator.peers import DraftPeer, TargetPeer
+from orchestrator.scheduler import Scheduler
 from orchestrator.servicer import GenerationServicer
 from target_service import default_model_path
 from target_service.tokenizer import GGUFTokenizer
@@ -28,6 +29,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tree-budget", type=int, default=16, help="default draft tree budget (0: chain)")
     p.add_argument("--draft-top-k", type=int, default=4, help="default candidates per depth (1: chain)")
     p.add_argument("--max-depth", type=int, default=0, help="default draft depth (0: block_size - 1)")
+    p.add_argument("--max-sessions", type=int, default=0,
+                   help="most requests decoding at once (0: the target's session slots)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="most requests waiting for a session; beyond it RESOURCE_EXHAUSTED at once")
+    p.add_argument("--step-nodes", type=int, default=0,
+                   help="verify nodes per tick shared by the batch: trees shrink as the batch grows "
+                   "(0: 512 on a CUDA target, 64 on a CPU one)")
+    p.add_argument("--step-timeout", type=float, default=120.0,
+                   help="seconds a Propose or Verify may take before the peer counts as failed")
+    p.add_argument("--draft-history-mib", type=float, default=64.0,
+                   help="feature history kept per request to resume drafting after a drafter restart (MiB)")
     p.add_argument("--target-wait", type=float, default=120.0, help="seconds to wait for the target at start")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics HTTP port (0: off)")
     p.add_argument("--max-workers", type=int, default=None,
@@ -44,7 +56,12 @@ def main(argv: list[str] | None = None) -> None:
     draft = DraftPeer(args.draft)
     tokenizer = GGUFTokenizer.from_gguf(args.model or default_model_path())
     tree = draft_pb2.TreeParams(budget=args.tree_budget, top_k=args.draft_top_k, max_depth=args.max_depth)
-    servicer = GenerationServicer(target, draft, tokenizer, args.max_tokens, tree)
+    info = target.info()
+    max_sessions = min(args.max_sessions or info.max_sessions, info.max_sessions or args.max_sessions or 8)
+    step_nodes = args.step_nodes or (512 if info.device.startswith("cuda") else 64)
+    scheduler = Scheduler(target, draft, max_sessions=max_sessions, max_queue=args.max_queue, step_nodes=step_nodes,
+                          step_timeout=args.step_timeout, history_bytes=int(args.draft_history_mib * (1 << 20)))
+    servicer = GenerationServicer(target, draft, tokenizer, args.max_tokens, tree, scheduler)
     if draft.state() is not None and draft.state().target_fingerprint != servicer.target_info.model_fingerprint:
         log.error("drafter does not match the target; speculative requests will fail with FAILED_PRECONDITION")
     if args.metrics_port:
@@ -56,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
         return ["dflash_grpc.v1.GenerationService"]
 
-    max_workers = args.max_workers or (getattr(args, "max_sessions", 0) or 64) + getattr(args, "max_queue", 256) + 16
+    max_workers = args.max_workers or max_sessions + args.max_queue + 16
     server, health, port = serving.make_server(add, f"{args.host}:{args.port}", max_workers=max_workers, tls=tls)
     serving.serve_forever(server, health, "orchestrator", port)
 

@@ -1,7 +1,8 @@
 """Clients of the target and draft services as the orchestrator uses them.
 
-A request keeps one bidirectional Verify stream (and one Propose stream) open for its whole
-life; each step sends one message and reads one reply (:class:`StreamCall`).
+The scheduler (:mod:`orchestrator.scheduler`) keeps one bidirectional Verify stream and one
+Propose stream open for the whole process; each tick sends one message carrying every active
+request's item and reads one reply (:class:`StreamCall`).
 """
 
 from __future__ import annotations
@@ -21,26 +22,12 @@ log = logging.getLogger(__name__)
 _END = object()
 
 
-class ItemError(Exception):
-    """A per-item failure reported inside a stream reply (``ItemStatus``)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-
-
 def status_code(value: int) -> grpc.StatusCode:
     """``grpc.StatusCode`` of a numeric code (unknown numbers map to UNKNOWN)."""
     for c in grpc.StatusCode:
         if c.value[0] == value:
             return c
     return grpc.StatusCode.UNKNOWN
-
-
-def check_item(status: common_pb2.ItemStatus) -> None:
-    """Raise :class:`ItemError` when an item's status is not OK."""
-    if status.code:
-        raise ItemError(status_code(status.code), status.message)
 
 
 class StreamCall:
@@ -53,10 +40,23 @@ class StreamCall:
         self._q: queue.Queue = queue.Queue()
         self._responses = method(iter(self._q.get, _END), timeout=timeout)
 
-    def exchange(self, request):
-        """Send ``request`` and wait for its reply."""
+    def exchange(self, request, timeout: float | None = None):
+        """Send ``request`` and wait for its reply.
+
+        Args:
+            timeout: seconds to wait for the reply; past it the stream is cancelled and the
+                ``grpc.RpcError`` (CANCELLED) raised, so a hung peer cannot hang the caller.
+        """
         self._q.put(request)
-        return next(self._responses)
+        if timeout is None:
+            return next(self._responses)
+        timer = threading.Timer(timeout, self._responses.cancel)
+        timer.daemon = True
+        timer.start()
+        try:
+            return next(self._responses)
+        finally:
+            timer.cancel()
 
     def close(self) -> None:
         """Half-close and cancel the stream (idempotent)."""
@@ -65,7 +65,7 @@ class StreamCall:
 
 
 class TargetPeer:
-    """The target service: Info (cached), Prefill, a Verify stream per request, Release."""
+    """The target service: Info (cached), the Verify stream, Prefill and Release stubs."""
 
     def __init__(self, address: str):
         self.address = address
@@ -89,18 +89,8 @@ class TargetPeer:
                     raise
                 time.sleep(0.25)
 
-    def prefill(self, item: target_pb2.PrefillItem, timeout: float | None) -> target_pb2.PrefillResult:
-        return self.stub.Prefill(target_pb2.PrefillRequest(items=[item]), timeout=timeout).results[0]
-
     def verify_stream(self, timeout: float | None) -> StreamCall:
         return StreamCall(self.stub.Verify, timeout)
-
-    def release(self, session_id: str) -> None:
-        """Best-effort release (errors are logged, never raised)."""
-        try:
-            self.stub.Release(common_pb2.ReleaseRequest(session_ids=[session_id]), timeout=5.0)
-        except grpc.RpcError as e:
-            log.warning("target release failed", extra={"session": session_id, "code": str(e.code())})
 
     def close(self) -> None:
         self.channel.close()
@@ -109,52 +99,77 @@ class TargetPeer:
 class DraftPeer:
     """The draft service, whose absence or failure never fails a request.
 
-    :meth:`state` re-reads Info at most every ``retry_s`` seconds while the drafter is
-    unreachable, so a drafter started (or restarted) later is picked up.
+    :meth:`state` answers from a cache. While the drafter is unreachable (never reached, or
+    :meth:`mark_failed` after a failure) a background thread probes its Info with exponential
+    backoff, from ``min_backoff_s`` doubling up to ``max_backoff_s``, so a drafter started or
+    restarted later is picked up within that time.
     """
 
-    def __init__(self, address: str | None, retry_s: float = 5.0):
+    def __init__(self, address: str | None, max_backoff_s: float = 5.0, min_backoff_s: float = 0.25):
         self.address = address
-        self.retry_s = retry_s
+        self.max_backoff_s = max_backoff_s
+        self.min_backoff_s = min_backoff_s
         self.channel = serving.channel(address) if address else None
         self.stub = draft_pb2_grpc.DraftServiceStub(self.channel) if self.channel else None
         self._info: draft_pb2.DrafterInfo | None = None
-        self._checked = 0.0
+        self._layers: list[int] | None = None
         self._lock = threading.Lock()
+        self._failed = threading.Event()
+        self._probing: threading.Thread | None = None
+        self._closed = threading.Event()
         self.detail = "no draft service configured" if not address else "not contacted yet"
+        if self.stub is not None:
+            self._probe()  # one synchronous look at start, then the background thread
+            self._probing = threading.Thread(target=self._watch, name="draft-probe", daemon=True)
+            self._probing.start()
+
+    def _probe(self) -> bool:
+        try:
+            info = self.stub.Info(draft_pb2.DrafterInfoRequest(), timeout=2.0)
+        except grpc.RpcError as e:
+            self.detail = f"unreachable: {e.code().name}"
+            return False
+        with self._lock:
+            self._info = info
+            self._layers = list(info.target_layer_ids)
+            self.detail = "ok"
+        return True
+
+    def _watch(self) -> None:
+        backoff = self.min_backoff_s
+        while not self._closed.is_set():
+            if self._info is None:
+                if self._probe():
+                    log.warning("draft service reachable again", extra={"address": self.address})
+                    backoff = self.min_backoff_s
+                    continue
+                self._closed.wait(backoff)
+                backoff = min(self.max_backoff_s, backoff * 2)
+            else:
+                self._failed.wait(1.0)
+                self._failed.clear()
 
     def state(self) -> draft_pb2.DrafterInfo | None:
-        """The drafter's Info if it is reachable now, else ``None``."""
-        if self.stub is None:
-            return None
-        with self._lock:
-            if self._info is None and time.monotonic() - self._checked >= self.retry_s:
-                self._checked = time.monotonic()
-                try:
-                    self._info = self.stub.Info(draft_pb2.DrafterInfoRequest(), timeout=2.0)
-                    self.detail = "ok"
-                except grpc.RpcError as e:
-                    self.detail = f"unreachable: {e.code().name}"
-            return self._info
+        """The drafter's Info if it is reachable now (cached), else ``None``; never blocks."""
+        return self._info
+
+    def layers(self) -> list[int] | None:
+        """The target layers the drafter reads (from its last Info), or None if never reached."""
+        self.state()
+        return self._layers
 
     def mark_failed(self, why: str) -> None:
-        """Forget the cached Info after a failure, so the next request re-checks the drafter."""
+        """Forget the cached Info after a failure; the background thread probes again."""
         with self._lock:
             self._info = None
-            self._checked = time.monotonic()
             self.detail = why
+        self._failed.set()
 
     def propose_stream(self, timeout: float | None) -> StreamCall:
         return StreamCall(self.stub.Propose, timeout)
 
-    def release(self, session_id: str) -> None:
-        if self.stub is None:
-            return
-        try:
-            self.stub.Release(common_pb2.ReleaseRequest(session_ids=[session_id]), timeout=2.0)
-        except grpc.RpcError:
-            pass
-
     def close(self) -> None:
+        self._closed.set()
+        self._failed.set()
         if self.channel:
             self.channel.close()

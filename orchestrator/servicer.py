@@ -1,10 +1,12 @@
-"""The public ``GenerationService``: validates requests, runs the speculative loop, streams text.
+"""The public ``GenerationService``: validates requests, hands them to the batching scheduler
+(:mod:`orchestrator.scheduler`), streams text.
 
-Status codes (docs/ARCHITECTURE.md, "Errors"): INVALID_ARGUMENT for an empty prompt, token ids outside the
-vocabulary, bad sampling values or options; FAILED_PRECONDITION when the configured drafter was
-built for another target; RESOURCE_EXHAUSTED when the target has no free slot or the prompt
-does not fit; UNAVAILABLE when the target is down. A failing drafter is never an error: the
-request continues autoregressively (a warning in the log and ``draft_fallbacks`` counted).
+Status codes (docs/ARCHITECTURE.md, "Errors"): INVALID_ARGUMENT for an empty prompt, token ids
+outside the vocabulary, bad sampling values or options, or a number past its bound
+(:data:`LIMITS`); FAILED_PRECONDITION when the configured drafter was built for another target;
+RESOURCE_EXHAUSTED when the prompt does not fit the context or the server's queue is full;
+UNAVAILABLE when the target is down. A failing drafter is never an error: the request continues
+autoregressively (a warning in the log and ``draft_fallbacks`` counted).
 """
 
 from __future__ import annotations
@@ -19,13 +21,19 @@ import grpc
 from dflash_grpc.v1 import common_pb2, draft_pb2, generation_pb2, generation_pb2_grpc
 from orchestrator import metrics
 from orchestrator.detok import TextStream
-from orchestrator.loop import DraftPlan, speculative_tokens
-from orchestrator.peers import DraftPeer, ItemError, TargetPeer
-from orchestrator.stats import AcceptanceStats, GlobalStats
+from orchestrator.peers import DraftPeer, TargetPeer
+from orchestrator.scheduler import FINISH_CONTEXT, FINISH_EOS, Failure, Rejected, Request, Scheduler
+from orchestrator.stats import GlobalStats
 
 log = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
+
+#: Bounds of client-supplied numbers (beyond them: INVALID_ARGUMENT). ``max_tokens`` is further
+#: bounded by the target's context, prompts by the context and the message size.
+LIMITS = {"tree_budget": 1024, "top_k": 1024, "max_depth": 1024, "stop_strings": 16, "stop_chars": 1024,
+          "request_id_chars": 128, "chat_messages": 1024}
+_FINISH = {FINISH_EOS: generation_pb2.FINISH_REASON_EOS, FINISH_CONTEXT: generation_pb2.FINISH_REASON_CONTEXT}
 
 
 class RequestError(Exception):
@@ -51,7 +59,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     """
 
     def __init__(self, target: TargetPeer, draft: DraftPeer, tokenizer, default_max_tokens: int = 256,
-                 tree: draft_pb2.TreeParams | None = None, request_timeout: float | None = None):
+                 tree: draft_pb2.TreeParams | None = None, scheduler: Scheduler | None = None):
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
@@ -60,7 +68,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise ValueError("the orchestrator's tokenizer does not match the target's (fingerprints differ)")
         self.default_max_tokens = default_max_tokens
         self.tree = tree or draft_pb2.TreeParams()
-        self.request_timeout = request_timeout
+        self.scheduler = scheduler or Scheduler(target, draft, max_sessions=self.target_info.max_sessions or 8)
         self.stats = GlobalStats()
 
     # ------------------------------------------------------------------ validation
@@ -102,21 +110,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if not (0.0 <= s.top_p <= 1.0):
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"top_p must be in [0, 1], got {s.top_p}")
 
-    def _plan(self, req: generation_pb2.GenerateRequest) -> DraftPlan:
+    def _plan(self, req: generation_pb2.GenerateRequest) -> tuple[bool, draft_pb2.TreeParams]:
+        """Whether the request may draft, and its tree (defaults overridden by the request)."""
         spec = req.speculative
         tree = draft_pb2.TreeParams()
         tree.CopyFrom(self.tree)
         for field, name in (("tree_budget", "budget"), ("top_k", "top_k"), ("max_depth", "max_depth")):
             if spec.HasField(field):
                 value = getattr(spec, field)
-                if value < 0:
-                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"speculative.{field} must be >= 0, got {value}")
+                if not 0 <= value <= LIMITS[field]:
+                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"speculative.{field} must be in [0, {LIMITS[field]}], got {value}")
                 setattr(tree, name, value)
-        if spec.HasField("enabled") and not spec.enabled:
-            return DraftPlan(None, tree)
+        if (spec.HasField("enabled") and not spec.enabled) or self.draft.address is None:
+            return False, tree
         info = self.draft.state()
         if info is None:
-            return DraftPlan(None, tree)
+            return True, tree  # unreachable now: autoregressive until it is back
         if info.target_fingerprint != self.target_info.model_fingerprint:
             raise RequestError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -126,68 +135,71 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             )
         if info.model.vocab_size != self.target_info.vocab_size:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "drafter vocabulary differs from the target's")
-        return DraftPlan(info, tree)
+        return True, tree
+
+    def _check_bounds(self, req: generation_pb2.GenerateRequest) -> int:
+        """Bound the request's own numbers; returns its ``max_tokens`` (default applied)."""
+        limit = self.target_info.max_context
+        if not 0 <= req.max_tokens <= limit:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"max_tokens must be in [0, {limit}] (the context), got {req.max_tokens}")
+        if len(req.stop) > LIMITS["stop_strings"] or any(len(x) > LIMITS["stop_chars"] for x in req.stop):
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"at most {LIMITS['stop_strings']} stop strings of at most {LIMITS['stop_chars']} characters")
+        if len(req.request_id) > LIMITS["request_id_chars"]:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"request_id longer than {LIMITS['request_id_chars']} characters")
+        if req.WhichOneof("input") == "chat" and len(req.chat.messages) > LIMITS["chat_messages"]:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"more than {LIMITS['chat_messages']} chat messages")
+        return req.max_tokens or self.default_max_tokens
 
     # ------------------------------------------------------------------ RPCs
     def Generate(self, request, context):
         t0 = time.monotonic()
-        stats = AcceptanceStats(requests=1)
         try:
             self._check_sampling(request.sampling)
-            if request.max_tokens < 0:
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"max_tokens must be >= 0, got {request.max_tokens}")
+            max_tokens = self._check_bounds(request)
             prompt = self._prompt_ids(request)
-            plan = self._plan(request)
+            speculative, tree = self._plan(request)
         except RequestError as e:
             metrics.REQUESTS.labels(outcome=e.code.name).inc()
             context.abort(e.code, str(e))
-        max_tokens = request.max_tokens or self.default_max_tokens
+        rid = "".join(c for c in request.request_id if c.isalnum() or c in "-_.") or "req"
+        req = Request(session_id=f"{rid}-{uuid.uuid4().hex[:12]}", prompt=prompt, sampling=request.sampling,
+                      max_tokens=max_tokens, tree=tree, speculative=speculative,
+                      eos=frozenset() if request.ignore_eos else frozenset(self.tokenizer.eos_token_ids))
+        stats = req.stats
         stats.prompt_tokens = len(prompt)
-        session_id = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
+        try:
+            self.scheduler.submit(req)
+        except Rejected as e:
+            metrics.REQUESTS.labels(outcome=e.code.name).inc()
+            context.abort(e.code, str(e))
+        # a client that goes away (cancel, deadline) frees the sessions on the next tick
+        context.add_callback(lambda: self.scheduler.close(req, Failure(grpc.StatusCode.CANCELLED, "cancelled")))
         text = TextStream(self.tokenizer.decode, list(request.stop))
-        eos = set() if request.ignore_eos else set(self.tokenizer.eos_token_ids)
         finish = generation_pb2.FINISH_REASON_LENGTH
         first = True
-        gen = speculative_tokens(self.target, self.draft, plan, session_id, prompt, request.sampling, max_tokens,
-                                 self.target_info, stats, timeout=self.request_timeout)
         try:
-            for step in gen:
-                if not context.is_active():
-                    metrics.REQUESTS.labels(outcome="CANCELLED").inc()
-                    return
-                room = max_tokens - stats.generated_tokens
-                new = step[:room]
-                for i, tok in enumerate(new):
-                    if tok in eos:
-                        new = new[:i]
-                        finish = generation_pb2.FINISH_REASON_EOS
-                        break
-                stats.generated_tokens += len(new)
-                delta = text.push(new)
+            while True:
+                event = req.events.get()
+                if isinstance(event, Failure):
+                    metrics.REQUESTS.labels(outcome=event.code.name).inc()
+                    if event.code == grpc.StatusCode.CANCELLED:
+                        return
+                    context.abort(event.code, event.message)
+                stats.generated_tokens += len(event.tokens)
+                delta = text.push(event.tokens)
+                if event.finish in _FINISH:
+                    finish = _FINISH[event.finish]
                 if text.stopped:
                     finish = generation_pb2.FINISH_REASON_STOP
-                done = finish != generation_pb2.FINISH_REASON_LENGTH or text.stopped or stats.generated_tokens >= max_tokens
-                if delta or new or first:
-                    yield generation_pb2.GenerateResponse(text=delta, token_ids=new, prompt_tokens=len(prompt) if first else 0)
+                done = event.finish is not None or text.stopped
+                if delta or event.tokens or first:
+                    yield generation_pb2.GenerateResponse(text=delta, token_ids=event.tokens, prompt_tokens=len(prompt) if first else 0)
                     first = False
                 if done:
                     break
-        except ItemError as e:
-            if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "context full" in str(e):
-                finish = generation_pb2.FINISH_REASON_CONTEXT
-            else:
-                metrics.REQUESTS.labels(outcome=e.code.name).inc()
-                context.abort(e.code, f"target: {e}")
-        except grpc.RpcError as e:
-            code = e.code()
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-                msg = f"target service: {e.details()}"
-            else:
-                msg = f"target service error: {e.details()}"
-            metrics.REQUESTS.labels(outcome=code.name).inc()
-            context.abort(code, msg)
         finally:
-            gen.close()
+            self.scheduler.close(req)
         stats.wall_time_s = time.monotonic() - t0
         self.stats.add(stats)
         metrics.observe_request(stats)
@@ -207,4 +219,4 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         )
         if info is not None:
             status.model.CopyFrom(info.model)
-        return generation_pb2.ServiceInfo(target=self.target_info, drafter=status, version=VERSION)
+        return generation_pb2.ServiceInfo(target=self.target_info, drafter=status, version=VERSION, scheduler=self.scheduler.status())

@@ -201,20 +201,24 @@ def test_deadline_and_cancel_free_the_slot(api, services):
     assert len(res.token_ids) == 5
 
 
-def test_no_free_slot_is_resource_exhausted(services, smollm_path):
+def test_no_free_slot_waits_in_the_queue(services, smollm_path):
+    """Slots held by another client: a request waits in the queue (no error) and runs once they free."""
+    import threading
+
     with serving.channel(services[1]["target"]) as ch:
         stub = target_pb2_grpc.TargetServiceStub(ch)
         ids = [f"hog{i}" for i in range(3)]
         for sid in ids:
             stub.Prefill(target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(session_id=sid, prompt_tokens=[1, 2])]), timeout=30)
-        try:
-            with sdk.Client(services[1]["orchestrator"], timeout=60) as c:
-                with pytest.raises(sdk.ResourceExhaustedError):
-                    c.generate(prompt="hello", max_tokens=3)
-        finally:
+        out = {}
+        with sdk.Client(services[1]["orchestrator"], timeout=120) as c:
+            t = threading.Thread(target=lambda: out.setdefault("r", c.generate(prompt="hello", max_tokens=3, ignore_eos=True)))
+            t.start()
+            time.sleep(1.5)
+            assert "r" not in out, "ran although every target slot was held"
             stub.Release(common_pb2.ReleaseRequest(session_ids=ids), timeout=30)
-    with sdk.Client(services[1]["orchestrator"], timeout=60) as c:
-        assert len(c.generate(prompt="hello", max_tokens=3, ignore_eos=True).token_ids) == 3
+            t.join(60)
+        assert len(out["r"].token_ids) == 3
 
 
 def test_mismatched_drafter_is_failed_precondition(services, smollm_path, tmp_path):

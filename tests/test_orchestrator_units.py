@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.detok import TextStream
-from orchestrator.loop import trim_tree
+from orchestrator.scheduler import trim_tree
 from orchestrator.stats import AcceptanceStats
 
 

@@ -1,0 +1,578 @@
+"""The orchestrator's batching scheduler (docs/ARCHITECTURE.md, "Serving many sessions").
+
+One thread runs every request of the process. Each tick it gathers one item per active request
+into **one** ``ProposeRequest`` (over one Propose stream to the draft service) and **one**
+``VerifyRequest`` (over one Verify stream to the target), then hands every request its tokens::
+
+    queue --admit--> prefill (unary, asynchronous) --> active --tick--> tokens to the handler
+                                                          ^     |
+                                                          +-----+  until EOS, max_tokens, stop
+                                                                   string, cancel, deadline
+
+Requests join and leave between ticks (continuous batching). A request's tokens do not depend
+on its batch: each item is verified against its own session, the target's batched step is
+batch-invariant, and the tree (whose size does depend on the batch) never changes the tokens,
+only how many arrive per step.
+
+Admission: at most ``max_sessions`` requests hold a session; up to ``max_queue`` more wait
+(oldest first); beyond that :meth:`Scheduler.submit` raises :class:`Rejected`
+(RESOURCE_EXHAUSTED) at once. When the target refuses a prefill for want of a slot (slots held
+by another client), the request goes back to the head of the queue.
+
+Faults: a drafter failure (RPC error, or an item error) never fails a request: the tick goes on
+with root-only trees (plain autoregressive decoding) and the drafter is probed again with
+backoff (:class:`orchestrator.peers.DraftPeer`). Each request keeps the features of its
+committed rows (up to ``history_bytes``), so when the drafter is back, its sessions are
+re-created from that history and speculation resumes. A target failure ends every request of
+the batch with UNAVAILABLE after the tokens already delivered; the Verify stream is re-opened
+on the next tick, so a restarted target serves new requests.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+import time
+
+import grpc
+
+from dflash_grpc.v1 import common_pb2, draft_pb2, generation_pb2, target_pb2
+from orchestrator import metrics
+from orchestrator.peers import DraftPeer, StreamCall, TargetPeer, status_code
+from orchestrator.stats import AcceptanceStats
+
+log = logging.getLogger(__name__)
+
+FINISH_EOS, FINISH_LENGTH, FINISH_CONTEXT = "eos", "length", "context"
+
+
+class Rejected(Exception):
+    """A request the scheduler will not take (queue full); ``code`` is its gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclasses.dataclass
+class Tokens:
+    """Event to a request's handler: new tokens; ``finish`` set on the last one."""
+
+    tokens: list[int]
+    finish: str | None = None
+
+
+@dataclasses.dataclass
+class Failure:
+    """Event to a request's handler: the request ended with this status."""
+
+    code: grpc.StatusCode
+    message: str
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One Generate call as the scheduler runs it.
+
+    Args:
+        session_id: the session's id on both services (unique per request).
+        prompt: prompt token ids (already validated: in the vocabulary, shorter than the context).
+        sampling: the target's sampling parameters.
+        max_tokens: most tokens to emit (the prefill token included).
+        tree: the tree the request asks for (``budget`` 0 = chain).
+        speculative: the request allows drafting.
+        eos: token ids that end the request (not emitted).
+    """
+
+    session_id: str
+    prompt: list[int]
+    sampling: common_pb2.SamplingParams
+    max_tokens: int
+    tree: draft_pb2.TreeParams
+    speculative: bool = True
+    eos: frozenset = frozenset()
+    stats: AcceptanceStats = dataclasses.field(default_factory=lambda: AcceptanceStats(requests=1))
+    events: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
+    # runtime state, owned by the scheduler thread
+    root: int = -1
+    length: int = 0                 # L: committed rows on the target
+    emitted: int = 0
+    on_target: bool = False         # the target holds a session for it
+    on_drafter: bool = False        # the drafter may hold a session for it
+    draft_synced: bool = False      # the drafter holds rows [0, L) of it
+    history: list = dataclasses.field(default_factory=list)  # committed rows' features, in order
+    history_bytes: int = 0
+    history_complete: bool = True   # history holds every committed row (else no resync)
+    sent: int = 0                   # history entries the drafter has
+    t_first: float = 0.0
+    enqueued: float = dataclasses.field(default_factory=time.monotonic)
+    closed: bool = False            # the handler is done with it (finished, cancelled, failed)
+    ended: bool = False             # the scheduler sent its last event
+
+
+def trim_tree(tokens: list[int], parents: list[int], max_depth: int) -> tuple[list[int], list[int]]:
+    """Drop the nodes deeper than ``max_depth`` (their subtrees too), re-indexing parents.
+
+    Nodes come in topological order, so a kept node's parent is kept and already re-indexed.
+    """
+    depth = [0] * len(tokens)
+    new_index = [-1] * len(tokens)
+    out_t, out_p = [], []
+    for i, (tok, par) in enumerate(zip(tokens, parents)):
+        depth[i] = 0 if i == 0 else depth[par] + 1
+        if depth[i] <= max_depth and (i == 0 or new_index[par] >= 0):
+            new_index[i] = len(out_t)
+            out_t.append(tok)
+            out_p.append(-1 if i == 0 else new_index[par])
+    return out_t, out_p
+
+
+def tree_depth(parents: list[int]) -> int:
+    """Depth of the deepest node of a tree given by parent indices (root: 0)."""
+    depth = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    return max(depth)
+
+
+def join_features(parts: list[common_pb2.Tensor]) -> common_pb2.Tensor | None:
+    """The rows of ``parts`` in order, as one wire tensor (same dtype and width; None if empty)."""
+    parts = [p for p in parts if p.data]
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    if any(p.dtype != first.dtype or list(p.shape[1:]) != list(first.shape[1:]) for p in parts):
+        raise ValueError("feature tensors of different layouts")
+    rows = sum(p.shape[0] for p in parts)
+    return common_pb2.Tensor(dtype=first.dtype, shape=[rows, *first.shape[1:]], data=b"".join(p.data for p in parts))
+
+
+def adaptive_budget(batch: int, step_nodes: int, min_nodes: int = 2) -> int:
+    """Draft nodes per request for a tick of ``batch`` requests: ``step_nodes // batch - 1``.
+
+    The target's verify step costs about one decode step while its ``B x W`` nodes stay within
+    what the device does in one weight read; past that, a larger tree costs more than its extra
+    accepted tokens gain. So the tick's node budget is shared: each request's tree gets at most
+    ``step_nodes // batch`` nodes (root included). Below ``min_nodes`` draft nodes per request
+    the tick does not draft at all (0): a drafter call that buys under ~1 token per request
+    loses to plain decoding. Measured: ``benchmarks/gpu/concurrency.md``.
+    """
+    per = step_nodes // max(1, batch) - 1
+    return per if per >= min_nodes else 0
+
+
+class Scheduler:
+    """Runs every request of the orchestrator in ticks of one Propose and one Verify.
+
+    Args:
+        target: the target peer (its Info gives ``max_context``, tree width/depth caps).
+        draft: the draft peer (may have no address).
+        max_sessions: most requests holding a target session at once.
+        max_queue: most requests waiting for a session; beyond it :meth:`submit` rejects.
+        step_nodes: verify nodes per tick shared by the batch (:func:`adaptive_budget`).
+        step_timeout: seconds a Propose or Verify exchange may take before the peer is
+            treated as failed.
+        history_bytes: most bytes of feature history kept per request for drafter resync.
+    """
+
+    def __init__(self, target: TargetPeer, draft: DraftPeer, *, max_sessions: int, max_queue: int = 256,
+                 step_nodes: int = 256, step_timeout: float = 120.0, history_bytes: int = 64 << 20):
+        self.target = target
+        self.draft = draft
+        self.info = target.info()
+        self.max_sessions = max(1, int(max_sessions))
+        self.max_queue = max(0, int(max_queue))
+        self.step_nodes = max(1, int(step_nodes))
+        self.step_timeout = step_timeout
+        self.history_bytes = history_bytes
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._queue: collections.deque[Request] = collections.deque()
+        self._prefilling: list[tuple[Request, grpc.Future]] = []
+        self._active: list[Request] = []
+        self._slot_wait_until = 0.0
+        self._releasing = 0  # target sessions whose Release has not been answered: their slots are not free yet
+        self._verify: StreamCall | None = None
+        self._propose: StreamCall | None = None
+        self._stop = threading.Event()
+        self.ticks = 0
+        self.batched_items = 0
+        self.fallbacks = 0
+        self.budget_now = 0
+        self.drafting = False
+        self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ handler side
+    def submit(self, req: Request) -> None:
+        """Queue ``req``; its handler then reads ``req.events``.
+
+        Raises:
+            Rejected: RESOURCE_EXHAUSTED when ``max_queue`` requests already wait, or the
+                scheduler is stopped (UNAVAILABLE).
+        """
+        with self._lock:
+            if self._stop.is_set():
+                raise Rejected(grpc.StatusCode.UNAVAILABLE, "orchestrator is shutting down")
+            held = len(self._active) + len(self._prefilling)
+            if len(self._queue) >= self.max_queue and (held >= self.max_sessions or self._queue):
+                metrics.observe_admission("rejected")
+                raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"server busy: {held} sessions decoding and {len(self._queue)} requests waiting "
+                               f"(--max-sessions {self.max_sessions}, --max-queue {self.max_queue})")
+            self._queue.append(req)
+            metrics.observe_admission("queued" if held >= self.max_sessions else "admitted")
+            metrics.set_queue_depth(len(self._queue))
+        self._wake.set()
+
+    def close(self, req: Request, why: Failure | None = None) -> None:
+        """The handler is done with ``req`` (finished, cancelled or past its deadline): its
+        sessions are released on the next tick. ``why`` is sent to the handler (to wake it)."""
+        if req.closed:
+            return
+        req.closed = True
+        if why is not None:
+            self._end(req, why)
+        self._wake.set()
+
+    def status(self) -> generation_pb2.SchedulerStatus:
+        """What the scheduler is doing now (``ServiceInfo.scheduler``)."""
+        with self._lock:
+            queued, held = len(self._queue), len(self._active) + len(self._prefilling)
+        return generation_pb2.SchedulerStatus(
+            active_sessions=held, queued_requests=queued, max_sessions=self.max_sessions, max_queue=self.max_queue,
+            ticks=self.ticks, mean_batch=self.batched_items / self.ticks if self.ticks else 0.0,
+            tree_budget_now=self.budget_now, drafting=self.drafting, draft_fallbacks=self.fallbacks)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """End every request (UNAVAILABLE), release their sessions and stop the thread."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ scheduler thread
+    def _end(self, req: Request, event) -> None:
+        if not req.ended:
+            req.ended = True
+            req.events.put(event)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._drop_closed()
+                self._admit()
+                self._collect_prefills()
+                batch = [r for r in self._active if not r.closed]
+                if not batch:
+                    self._wake.wait(0.05 if self._prefilling or self._queue else 1.0)
+                    self._wake.clear()
+                    continue
+                self._tick(batch)
+            except Exception as e:  # noqa: BLE001 - a bug here must not hang every client
+                log.exception("scheduler tick failed")
+                for r in self._active:
+                    self._end(r, Failure(grpc.StatusCode.INTERNAL, f"orchestrator error: {type(e).__name__}: {e}"))
+                    r.closed = True
+        # shutting down
+        with self._lock:
+            waiting = list(self._queue) + [r for r, _ in self._prefilling] + self._active
+            self._queue.clear()
+        for r in waiting:
+            self._end(r, Failure(grpc.StatusCode.UNAVAILABLE, "orchestrator is shutting down"))
+            r.closed = True
+        self._drop_closed()
+        for call in (self._verify, self._propose):
+            if call is not None:
+                call.close()
+
+    def _drop_closed(self) -> None:
+        """Forget closed requests; release their sessions on both services (one call each)."""
+        with self._lock:
+            gone = [r for r in self._queue if r.closed]
+            if gone:
+                self._queue = collections.deque(r for r in self._queue if not r.closed)
+                metrics.set_queue_depth(len(self._queue))
+        gone += [r for r in self._active if r.closed]
+        if not gone:
+            return
+        self._active = [r for r in self._active if not r.closed]
+        self._release([r for r in gone if r.on_target], [r for r in gone if r.on_drafter])
+        for r in gone:
+            r.on_target = r.on_drafter = False
+        self._slot_wait_until = 0.0  # a slot may be free now
+        metrics.set_active_sessions(len(self._active) + len(self._prefilling))
+
+    def _release(self, on_target: list[Request], on_drafter: list[Request]) -> None:
+        def logged(what):
+            def done(f):
+                if f.exception() is not None:
+                    log.warning("release failed", extra={"peer": what, "code": str(f.exception().code())})
+            return done
+
+        if on_target:
+            n = len(on_target)
+            with self._lock:
+                self._releasing += n
+
+            def freed(f, n=n):
+                with self._lock:
+                    self._releasing -= n
+                logged("target")(f)
+                self._wake.set()
+
+            f = self.target.stub.Release.future(common_pb2.ReleaseRequest(session_ids=[r.session_id for r in on_target]), timeout=5.0)
+            f.add_done_callback(freed)
+        if on_drafter and self.draft.stub is not None:
+            ids = [r.session_id for r in on_drafter]
+            self.draft.stub.Release.future(common_pb2.ReleaseRequest(session_ids=ids), timeout=2.0)
+
+    def _admit(self) -> None:
+        """Start prefills for queued requests while sessions are free (oldest first)."""
+        if time.monotonic() < self._slot_wait_until:
+            return
+        while True:
+            with self._lock:
+                if not self._queue or len(self._active) + len(self._prefilling) + self._releasing >= self.max_sessions:
+                    return
+                req = self._queue.popleft()
+                metrics.set_queue_depth(len(self._queue))
+            layers = []
+            if req.speculative and self.draft.address is not None:
+                layers = self.draft.layers()
+                if layers is None:  # the drafter was never reachable: no features, no drafting later
+                    layers, req.history_complete = [], False
+            item = target_pb2.PrefillItem(session_id=req.session_id, prompt_tokens=req.prompt, sampling=req.sampling,
+                                          feature_layer_ids=layers)
+            fut = self.target.stub.Prefill.future(target_pb2.PrefillRequest(items=[item]), timeout=self.step_timeout + len(req.prompt) / 50)
+            fut.add_done_callback(lambda _f: self._wake.set())
+            self._prefilling.append((req, fut))
+            metrics.set_active_sessions(len(self._active) + len(self._prefilling))
+
+    def _collect_prefills(self) -> None:
+        still = []
+        requeue = []
+        for req, fut in self._prefilling:
+            if not fut.done():
+                still.append((req, fut))
+                continue
+            try:
+                res = fut.result().results[0]
+            except grpc.RpcError as e:
+                code, details = e.code(), e.details() or ""
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "slot" in details and not req.closed:
+                    requeue.append(req)  # the target's slots are held by another client: wait
+                    continue
+                if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                    code = grpc.StatusCode.UNAVAILABLE
+                self._end(req, Failure(code, f"target service: {details}"))
+                req.closed = True
+                continue
+            req.on_target = True
+            if req.closed:
+                self._release([req], [])
+                req.on_target = False
+                continue
+            req.root, req.length = res.first_token, res.committed_length
+            req.t_first = time.monotonic()
+            if req.speculative and self.draft.address is not None and res.features.data:
+                self._keep(req, res.features)
+            self._active.append(req)
+            self._emit(req, [req.root])
+        self._prefilling = still
+        if requeue:
+            with self._lock:
+                self._queue.extendleft(reversed(requeue))
+                metrics.set_queue_depth(len(self._queue))
+            self._slot_wait_until = time.monotonic() + 0.25
+        metrics.set_active_sessions(len(self._active) + len(self._prefilling))
+
+    def _keep(self, req: Request, features: common_pb2.Tensor) -> None:
+        """Append the rows of ``features`` (just committed) to the request's history."""
+        if not features.data:
+            return
+        req.history.append(features)
+        req.history_bytes += len(features.data)
+        while req.history_bytes > self.history_bytes and req.sent > 0:
+            # rows the drafter already has: drop them; a resync is no longer possible
+            req.history_bytes -= len(req.history[0].data)
+            req.history.pop(0)
+            req.sent -= 1
+            req.history_complete = False
+
+    def _emit(self, req: Request, tokens: list[int], finish: str | None = None) -> None:
+        """Send ``tokens`` to the handler, cut at EOS and ``max_tokens`` (which end the request)."""
+        for i, tok in enumerate(tokens):
+            if tok in req.eos:
+                tokens, finish = tokens[:i], FINISH_EOS
+                break
+        room = req.max_tokens - req.emitted
+        if len(tokens) >= room:
+            tokens = tokens[:room]
+            finish = finish or FINISH_LENGTH
+        req.emitted += len(tokens)
+        req.stats.decode_time_s = time.monotonic() - req.t_first
+        if finish is not None:
+            self._end(req, Tokens(tokens, finish))
+            req.closed = True
+        elif tokens:
+            req.events.put(Tokens(tokens))
+
+    def _drafter(self) -> draft_pb2.DrafterInfo | None:
+        """The drafter's Info when it is usable for this target now, else None."""
+        info = self.draft.state()
+        if info is None:
+            return None
+        if info.target_fingerprint != self.info.model_fingerprint or info.model.vocab_size != self.info.vocab_size:
+            return None
+        return info
+
+    def _tick(self, batch: list[Request]) -> None:
+        t0 = time.perf_counter()
+        budget = adaptive_budget(len(batch), self.step_nodes)
+        self.budget_now = budget
+        drafter = self._drafter() if budget > 0 else None
+        self.drafting = drafter is not None
+        trees: dict[int, tuple[list[int], list[int]]] = {}
+        draft_s = 0.0
+        if drafter is not None:
+            trees, draft_s = self._propose_trees(batch, drafter, budget)
+        t1 = time.perf_counter()
+        items = []
+        for i, r in enumerate(batch):
+            tokens, parents = trees.get(i, ([r.root], [-1]))
+            items.append(target_pb2.VerifyItem(session_id=r.session_id, tree=common_pb2.TokenTree(tokens=tokens, parents=parents)))
+        try:
+            if self._verify is None:
+                self._verify = self.target.verify_stream(None)
+            reply = self._verify.exchange(target_pb2.VerifyRequest(items=items), self.step_timeout)
+        except grpc.RpcError as e:
+            self._verify_failed(batch, e)
+            return
+        verify_s = time.perf_counter() - t1
+        for i, (r, res) in enumerate(zip(batch, reply.results)):
+            r.stats.verify_time_s += verify_s
+            r.stats.verify_compute_s += reply.compute_s
+            if res.status.code:
+                self._verify_item_failed(r, status_code(res.status.code), res.status.message)
+                continue
+            tokens, parents = trees.get(i, ([r.root], [-1]))
+            k = len(res.accepted_tokens)
+            depth = tree_depth(parents)
+            r.stats.record_step(depth, len(tokens) - 1, k)
+            metrics.observe_verify(len(tokens) - 1, depth, k)
+            r.root, r.length = res.bonus_token, res.committed_length
+            if r.speculative and self.draft.address is not None:
+                self._keep(r, res.features)
+            self._emit(r, list(res.accepted_tokens) + [res.bonus_token])
+        self.ticks += 1
+        self.batched_items += len(batch)
+        metrics.observe_tick(len(batch), draft_s, verify_s, time.perf_counter() - t0 - draft_s - verify_s)
+
+    def _propose_trees(self, batch: list[Request], drafter: draft_pb2.DrafterInfo,
+                       budget: int) -> tuple[dict[int, tuple[list[int], list[int]]], float]:
+        """One Propose for every request that drafts this tick; their trimmed trees by batch index."""
+        block = drafter.model.block_size or 1
+        width_cap = self.info.max_tree_width or 1
+        depth_cap = self.info.max_tree_depth or 10**9
+        items, who = [], []
+        for i, r in enumerate(batch):
+            if not r.speculative:
+                continue
+            max_depth = min(block - 1, self.info.max_context - r.length - 1, r.max_tokens - r.emitted - 1, depth_cap,
+                            r.tree.max_depth or 10**9)
+            if max_depth <= 0:
+                continue
+            if not r.draft_synced:
+                if not r.history_complete:
+                    continue  # the drafter lost this session and its history was dropped
+                r.sent = 0
+            features = join_features(r.history[r.sent:])
+            tree = draft_pb2.TreeParams(top_k=r.tree.top_k, max_depth=max_depth,
+                                        budget=min(r.tree.budget, budget) if r.tree.budget else 0)
+            if not r.tree.budget:  # a chain: its length is the node budget
+                tree.max_depth = min(max_depth, budget)
+            items.append(draft_pb2.ProposeItem(session_id=r.session_id, features=features, root_token=r.root,
+                                               committed_length=r.length, tree=tree))
+            who.append(i)
+        if not items:
+            return {}, 0.0
+        t0 = time.perf_counter()
+        try:
+            if self._propose is None:
+                self._propose = self.draft.propose_stream(None)
+            reply = self._propose.exchange(draft_pb2.ProposeRequest(items=items), self.step_timeout)
+        except grpc.RpcError as e:
+            self._draft_failed([batch[i] for i in who], e)
+            return {}, time.perf_counter() - t0
+        draft_s = time.perf_counter() - t0
+        trees = {}
+        for i, item, res in zip(who, items, reply.results):
+            r = batch[i]
+            r.on_drafter = True
+            r.stats.draft_time_s += draft_s
+            r.stats.draft_compute_s += reply.compute_s
+            if res.status.code:
+                log.warning("drafter refused an item; this step goes on without a tree",
+                            extra={"session": r.session_id, "code": status_code(res.status.code).name, "error": res.status.message[:200]})
+                r.draft_synced = False
+                self._release([], [r])  # its next Propose re-creates the session from the history
+                r.stats.draft_fallbacks += 1
+                self.fallbacks += 1
+                metrics.observe_fallback("draft_item_error")
+                continue
+            r.draft_synced = True
+            r.sent = len(r.history)
+            tokens, parents = trim_tree(list(res.tree.tokens), list(res.tree.parents), item.tree.max_depth)
+            tokens, parents = tokens[:width_cap], parents[:width_cap]  # topological order: a prefix is a tree
+            if tokens and tokens[0] == r.root:
+                trees[i] = (tokens, parents)
+        return trees, draft_s
+
+    def _draft_failed(self, asked: list[Request], e: grpc.RpcError) -> None:
+        """The Propose call failed: every request goes on root-only; those that asked for a tree
+        count a fallback; the drafter's sessions are gone (re-created from history later)."""
+        code = e.code()
+        log.warning("draft service failed; decoding goes on without it", extra={"code": code.name, "error": str(e.details())[:200]})
+        if self._propose is not None:
+            self._propose.close()
+            self._propose = None
+        self.draft.mark_failed(f"failed: {code.name}")
+        for r in asked:
+            r.stats.draft_fallbacks += 1
+        for r in self._active:
+            r.draft_synced = False
+            r.on_drafter = False
+        self.fallbacks += 1
+        metrics.observe_fallback("draft_unavailable")
+
+    def _verify_failed(self, batch: list[Request], e: grpc.RpcError) -> None:
+        code = e.code()
+        if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+            msg = f"target service did not answer within {self.step_timeout:.0f} s"
+            code = grpc.StatusCode.UNAVAILABLE
+        else:
+            msg = f"target service: {e.details()}"
+        log.warning("verify failed", extra={"code": code.name, "error": msg[:200], "batch": len(batch)})
+        if self._verify is not None:
+            self._verify.close()
+            self._verify = None
+        for r in batch:
+            self._end(r, Failure(code, msg))
+            r.closed = True
+            if code == grpc.StatusCode.UNAVAILABLE:
+                r.on_target = False  # the target is gone: nothing to release there
+
+    def _verify_item_failed(self, r: Request, code: grpc.StatusCode, message: str) -> None:
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "context" in message:
+            self._emit(r, [], FINISH_CONTEXT)
+            return
+        if code == grpc.StatusCode.NOT_FOUND:
+            code, message = grpc.StatusCode.UNAVAILABLE, f"the target lost this session (restarted?): {message}"
+            r.on_target = False
+        self._end(r, Failure(code, f"target: {message}"))
+        r.closed = True
