@@ -24,6 +24,7 @@ from orchestrator.detok import TextStream
 from orchestrator.peers import DraftPeer, TargetPeer
 from orchestrator.scheduler import FINISH_CONTEXT, FINISH_EOS, Failure, Rejected, Request, Scheduler
 from orchestrator.stats import GlobalStats
+from target_service.engine import MIN_TEMPERATURE
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def _check_sampling(s: common_pb2.SamplingParams) -> None:
         if not (math.isfinite(s.temperature) and s.temperature >= 0):
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"temperature must be finite and >= 0, got {s.temperature}")
+        if 0.0 < s.temperature < MIN_TEMPERATURE:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {s.temperature}")
         if s.top_k < 0:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"top_k must be >= 0, got {s.top_k}")
         if not (0.0 <= s.top_p <= 1.0):
