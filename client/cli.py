@@ -184,6 +184,8 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="write a PNG: acceptance by draft position, tokens/s against concurrency (needs matplotlib)")
     p.add_argument("--address", default=None,
                    help="bench this running orchestrator (host:port) instead of starting the services")
+    for svc in ("target", "draft", "orchestrator"):
+        p.add_argument(f"--{svc}-args", default="", help=f"extra flags for the {svc} service only (one string)")
     p.set_defaults(func=_cmd_bench, pass_through=True)
     return parser
 
@@ -499,7 +501,9 @@ def _cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
         result = measure(args.address)
     else:
         model, drafter = _model_paths(args)
-        services = dflash_services(model, drafter, ports=free_ports(3), device=args.device, log_level=args.log_level, extra=extra)
+        services = dflash_services(model, drafter, ports=free_ports(3), device=args.device, log_level=args.log_level, extra=extra,
+                                   target_args=shlex.split(args.target_args), draft_args=shlex.split(args.draft_args),
+                                   orchestrator_args=shlex.split(args.orchestrator_args))
         with _sigterm_interrupts(), _running(ServiceGroup(services, grace=args.grace)) as group:
             group.wait_healthy(args.startup_timeout)
             result = measure(services[-1].address)

