@@ -39,27 +39,38 @@ class StreamCall:
     def __init__(self, method, timeout: float | None = None):
         self._q: queue.Queue = queue.Queue()
         self._responses = method(iter(self._q.get, _END), timeout=timeout)
+        self._deadline = float("inf")  # of the exchange in flight (monotonic s), watched by one thread
+        self._closed = threading.Event()
+        self._watchdog: threading.Thread | None = None
+
+    def _watch(self) -> None:
+        while not self._closed.wait(0.25):
+            if time.monotonic() > self._deadline:
+                self._responses.cancel()
+                return
 
     def exchange(self, request, timeout: float | None = None):
         """Send ``request`` and wait for its reply.
 
         Args:
-            timeout: seconds to wait for the reply; past it the stream is cancelled and the
-                ``grpc.RpcError`` (CANCELLED) raised, so a hung peer cannot hang the caller.
+            timeout: seconds to wait for the reply; past it (checked every 0.25 s) the stream is
+                cancelled and the ``grpc.RpcError`` (CANCELLED) raised, so a hung peer cannot hang
+                the caller.
         """
+        if timeout is not None:
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(target=self._watch, name="stream-watchdog", daemon=True)
+                self._watchdog.start()
+            self._deadline = time.monotonic() + timeout
         self._q.put(request)
-        if timeout is None:
-            return next(self._responses)
-        timer = threading.Timer(timeout, self._responses.cancel)
-        timer.daemon = True
-        timer.start()
         try:
             return next(self._responses)
         finally:
-            timer.cancel()
+            self._deadline = float("inf")
 
     def close(self) -> None:
         """Half-close and cancel the stream (idempotent)."""
+        self._closed.set()
         self._q.put(_END)
         self._responses.cancel()
 

@@ -152,18 +152,73 @@ def join_features(parts: list[common_pb2.Tensor]) -> common_pb2.Tensor | None:
     return common_pb2.Tensor(dtype=first.dtype, shape=[rows, *first.shape[1:]], data=b"".join(p.data for p in parts))
 
 
-def adaptive_budget(batch: int, step_nodes: int, min_nodes: int = 2) -> int:
-    """Draft nodes per request for a tick of ``batch`` requests: ``step_nodes // batch - 1``.
+def adaptive_budget(batch: int, step_nodes: int, want: int = 15, min_nodes: int = 2) -> int:
+    """Draft nodes per request for a tick of ``batch`` requests.
 
     The target's verify step costs about one decode step while its ``B x W`` nodes stay within
     what the device does in one weight read; past that, a larger tree costs more than its extra
-    accepted tokens gain. So the tick's node budget is shared: each request's tree gets at most
-    ``step_nodes // batch`` nodes (root included). Below ``min_nodes`` draft nodes per request
-    the tick does not draft at all (0): a drafter call that buys under ~1 token per request
-    loses to plain decoding. Measured: ``benchmarks/gpu/concurrency.md``.
+    accepted tokens gain. So the tick's node budget is shared: each request's tree (root
+    included) gets at most ``step_nodes // batch`` nodes and at most ``want + 1``, rounded down
+    to a power of two, the target's width buckets (1, 4, 8, 16, 32, 64): a 17-node tree would
+    be padded to 32. Below ``min_nodes`` draft nodes per request the tick does not draft (0).
+
+    Returns:
+        draft nodes per request (tree budget, root excluded), or 0: no drafting this tick.
     """
-    per = step_nodes // max(1, batch) - 1
-    return per if per >= min_nodes else 0
+    nodes = min(step_nodes // max(1, batch), want + 1)
+    if nodes < 1:
+        return 0
+    nodes = 1 << (nodes.bit_length() - 1)
+    return nodes - 1 if nodes - 1 >= min_nodes else 0
+
+
+class SpecPolicy:
+    """Chooses, per tick, between drafting and plain decoding from measured throughput.
+
+    Tokens never depend on the choice (both are lossless), only speed does: at a large batch a
+    drafting tick can cost more than the extra tokens it brings (drafter forward, bigger
+    verify, per-item host work). For each batch bucket (powers of two) the policy keeps an
+    exponential average of tokens emitted per second of tick for both modes and drafts when its
+    average is at least plain decoding's; every ``explore``-th tick of a bucket it runs the other
+    mode, so both averages stay current.
+
+    Args:
+        explore: one tick in ``explore`` runs the mode not preferred (0: never explore; always draft).
+        alpha: weight of the newest tick in the averages.
+    """
+
+    def __init__(self, explore: int = 16, alpha: float = 0.2):
+        self.explore = explore
+        self.alpha = alpha
+        self.rate: dict[tuple[int, bool], float] = {}
+        self._ticks: dict[int, int] = {}
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        return 1 << (max(1, batch).bit_length() - 1)
+
+    def draft(self, batch: int) -> bool:
+        """Whether this tick of ``batch`` requests should draft."""
+        if not self.explore:
+            return True
+        b = self.bucket(batch)
+        n = self._ticks[b] = self._ticks.get(b, 0) + 1
+        spec, plain = self.rate.get((b, True)), self.rate.get((b, False))
+        if spec is None:
+            return True
+        if plain is None:
+            return n % 4 != 0  # measure plain decoding early
+        prefer = spec >= plain
+        return (not prefer) if n % self.explore == 0 else prefer
+
+    def record(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A tick of ``batch`` requests emitted ``tokens`` in ``seconds``."""
+        if seconds <= 0:
+            return
+        key = (self.bucket(batch), drafted)
+        r = tokens / seconds
+        old = self.rate.get(key)
+        self.rate[key] = r if old is None else old + self.alpha * (r - old)
 
 
 class Scheduler:
@@ -178,10 +233,12 @@ class Scheduler:
         step_timeout: seconds a Propose or Verify exchange may take before the peer is
             treated as failed.
         history_bytes: most bytes of feature history kept per request for drafter resync.
+        policy: when to draft (default: :class:`SpecPolicy`, measured per batch bucket).
     """
 
     def __init__(self, target: TargetPeer, draft: DraftPeer, *, max_sessions: int, max_queue: int = 256,
-                 step_nodes: int = 256, step_timeout: float = 120.0, history_bytes: int = 64 << 20):
+                 step_nodes: int = 256, step_timeout: float = 120.0, history_bytes: int = 64 << 20,
+                 policy: SpecPolicy | None = None):
         self.target = target
         self.draft = draft
         self.info = target.info()
@@ -196,7 +253,9 @@ class Scheduler:
         self._prefilling: list[tuple[Request, grpc.Future]] = []
         self._active: list[Request] = []
         self._slot_wait_until = 0.0
+        self.policy = policy or SpecPolicy()
         self._releasing = 0  # target sessions whose Release has not been answered: their slots are not free yet
+        self._draft_releasing = 0  # the same on the drafter
         self._verify: StreamCall | None = None
         self._propose: StreamCall | None = None
         self._stop = threading.Event()
@@ -328,8 +387,16 @@ class Scheduler:
             f = self.target.stub.Release.future(common_pb2.ReleaseRequest(session_ids=[r.session_id for r in on_target]), timeout=5.0)
             f.add_done_callback(freed)
         if on_drafter and self.draft.stub is not None:
-            ids = [r.session_id for r in on_drafter]
-            self.draft.stub.Release.future(common_pb2.ReleaseRequest(session_ids=ids), timeout=2.0)
+            n = len(on_drafter)
+            with self._lock:
+                self._draft_releasing += n
+
+            def draft_freed(f, n=n):
+                with self._lock:
+                    self._draft_releasing -= n
+
+            f = self.draft.stub.Release.future(common_pb2.ReleaseRequest(session_ids=[r.session_id for r in on_drafter]), timeout=2.0)
+            f.add_done_callback(draft_freed)
 
     def _admit(self) -> None:
         """Start prefills for queued requests while sessions are free (oldest first)."""
@@ -433,9 +500,9 @@ class Scheduler:
 
     def _tick(self, batch: list[Request]) -> None:
         t0 = time.perf_counter()
-        budget = adaptive_budget(len(batch), self.step_nodes)
+        budget = adaptive_budget(len(batch), self.step_nodes, want=1 << 30)  # the cap; each tree: _propose_trees
         self.budget_now = budget
-        drafter = self._drafter() if budget > 0 else None
+        drafter = self._drafter() if budget > 0 and self.policy.draft(len(batch)) else None
         self.drafting = drafter is not None
         trees: dict[int, tuple[list[int], list[int]]] = {}
         draft_s = 0.0
@@ -454,6 +521,7 @@ class Scheduler:
             self._verify_failed(batch, e)
             return
         verify_s = time.perf_counter() - t1
+        emitted = sum(r.emitted for r in batch)
         for i, (r, res) in enumerate(zip(batch, reply.results)):
             r.stats.verify_time_s += verify_s
             r.stats.verify_compute_s += reply.compute_s
@@ -471,6 +539,8 @@ class Scheduler:
             self._emit(r, list(res.accepted_tokens) + [res.bonus_token])
         self.ticks += 1
         self.batched_items += len(batch)
+        if drafter is not None or budget > 0:  # a tick that could have drafted: it measures its mode
+            self.policy.record(len(batch), bool(trees), sum(r.emitted for r in batch) - emitted, time.perf_counter() - t0)
         metrics.observe_tick(len(batch), draft_s, verify_s, time.perf_counter() - t0 - draft_s - verify_s)
 
     def _propose_trees(self, batch: list[Request], drafter: draft_pb2.DrafterInfo,
@@ -479,10 +549,17 @@ class Scheduler:
         block = drafter.model.block_size or 1
         width_cap = self.info.max_tree_width or 1
         depth_cap = self.info.max_tree_depth or 10**9
+        # the drafter's slots: sessions it holds for us, those being released, then new ones
+        with self._lock:
+            room = (drafter.model.max_sessions or 10**9) - sum(r.on_drafter for r in self._active) - self._draft_releasing
         items, who = [], []
         for i, r in enumerate(batch):
             if not r.speculative:
                 continue
+            if not r.on_drafter:
+                if room <= 0:
+                    continue  # no drafter slot free: this request decodes plainly this tick
+                room -= 1
             max_depth = min(block - 1, self.info.max_context - r.length - 1, r.max_tokens - r.emitted - 1, depth_cap,
                             r.tree.max_depth or 10**9)
             if max_depth <= 0:
@@ -492,10 +569,13 @@ class Scheduler:
                     continue  # the drafter lost this session and its history was dropped
                 r.sent = 0
             features = join_features(r.history[r.sent:])
-            tree = draft_pb2.TreeParams(top_k=r.tree.top_k, max_depth=max_depth,
-                                        budget=min(r.tree.budget, budget) if r.tree.budget else 0)
-            if not r.tree.budget:  # a chain: its length is the node budget
-                tree.max_depth = min(max_depth, budget)
+            tree = draft_pb2.TreeParams(top_k=r.tree.top_k, max_depth=max_depth)
+            if r.tree.budget:
+                tree.budget = adaptive_budget(len(batch), self.step_nodes, want=r.tree.budget)
+            else:  # a chain: its length is the node budget
+                tree.max_depth = adaptive_budget(len(batch), self.step_nodes, want=max_depth, min_nodes=1)
+            if not (tree.budget or tree.max_depth) or (r.tree.budget and not tree.budget):
+                continue
             items.append(draft_pb2.ProposeItem(session_id=r.session_id, features=features, root_token=r.root,
                                                committed_length=r.length, tree=tree))
             who.append(i)

@@ -78,14 +78,23 @@ def test_info_reports_both_services(api):
 
 
 def test_lossless_greedy_against_target_only_and_transformers(api, smollm_tokenizer, hf_smollm):
+    from concurrent.futures import ThreadPoolExecutor
+
     prompts = PROMPTS[:20]
     mismatches = []
     drafted = accepted = 0
+    # every request at once: the orchestrator batches and queues them (3 target slots), and a
+    # request's tokens must not depend on what else is in its batch
+    pool = ThreadPoolExecutor(8)
+    calls = {}
     for text in prompts:
         ids = smollm_tokenizer.encode(text)
-        spec = api.generate(tokens=ids, max_tokens=N_TOKENS, ignore_eos=True)
-        ar = api.generate(tokens=ids, max_tokens=N_TOKENS, ignore_eos=True, speculative=False)
+        calls[text] = (pool.submit(api.generate, tokens=ids, max_tokens=N_TOKENS, ignore_eos=True),
+                       pool.submit(api.generate, tokens=ids, max_tokens=N_TOKENS, ignore_eos=True, speculative=False))
+    for text in prompts:
+        ids = smollm_tokenizer.encode(text)
         hf = _hf_greedy(hf_smollm, ids, N_TOKENS)
+        spec, ar = calls[text][0].result(), calls[text][1].result()
         assert len(spec.token_ids) == N_TOKENS and spec.finish_reason == "length"
         assert spec.token_ids == ar.token_ids, f"speculative != target-only for {text!r}"
         assert ar.stats.drafts == 0 and ar.stats.autoregressive_steps == N_TOKENS - 1
@@ -94,6 +103,7 @@ def test_lossless_greedy_against_target_only_and_transformers(api, smollm_tokeni
         if ar.token_ids != hf:
             mismatches.append(text)
         assert spec.text == smollm_tokenizer.decode(spec.token_ids)
+    pool.shutdown()
     assert not mismatches, f"differs from transformers greedy: {mismatches}"
     assert drafted > 0, "the drafter was never used"
     assert accepted > 0, "the trained drafter should have tokens accepted (commit paths exercised)"
