@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import logging
 
 from dflash_grpc import serving

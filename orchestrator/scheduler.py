@@ -254,6 +254,7 @@ class Scheduler:
         self._active: list[Request] = []
         self._slot_wait_until = 0.0
         self.policy = policy or SpecPolicy()
+        self._last_tick: tuple[int, bool, int, float] | None = None  # batch, drafted, tokens, start
         self._releasing = 0  # target sessions whose Release has not been answered: their slots are not free yet
         self._draft_releasing = 0  # the same on the drafter
         self._verify: StreamCall | None = None
@@ -328,6 +329,7 @@ class Scheduler:
                 self._collect_prefills()
                 batch = [r for r in self._active if not r.closed]
                 if not batch:
+                    self._last_tick = None  # an idle wait is not the previous tick's cost
                     self._wake.wait(0.05 if self._prefilling or self._queue else 1.0)
                     self._wake.clear()
                     continue
@@ -500,6 +502,12 @@ class Scheduler:
 
     def _tick(self, batch: list[Request]) -> None:
         t0 = time.perf_counter()
+        if self._last_tick is not None:
+            # the previous tick's rate, from its start to this one's: the host work between ticks
+            # (handlers, admission, releases) is part of what a mode costs
+            b, drafted, tokens, start = self._last_tick
+            self.policy.record(b, drafted, tokens, t0 - start)
+            self._last_tick = None
         budget = adaptive_budget(len(batch), self.step_nodes, want=1 << 30)  # the cap; each tree: _propose_trees
         self.budget_now = budget
         drafter = self._drafter() if budget > 0 and self.policy.draft(len(batch)) else None
@@ -539,8 +547,8 @@ class Scheduler:
             self._emit(r, list(res.accepted_tokens) + [res.bonus_token])
         self.ticks += 1
         self.batched_items += len(batch)
-        if drafter is not None or budget > 0:  # a tick that could have drafted: it measures its mode
-            self.policy.record(len(batch), bool(trees), sum(r.emitted for r in batch) - emitted, time.perf_counter() - t0)
+        if budget > 0:  # a tick that could have drafted measures its mode (recorded at the next tick)
+            self._last_tick = (len(batch), bool(trees), sum(r.emitted for r in batch) - emitted, t0)
         metrics.observe_tick(len(batch), draft_s, verify_s, time.perf_counter() - t0 - draft_s - verify_s)
 
     def _propose_trees(self, batch: list[Request], drafter: draft_pb2.DrafterInfo,

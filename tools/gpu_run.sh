@@ -150,7 +150,7 @@ cmd_concurrency() {
   nvidia-smi -L | tee "$OUT/device.txt"
   python3 -m client.cli bench --device cuda --model "$smol" --prompts 16 --max-tokens 128 --configs ar,tree:16:4 \
     --concurrency "${CONCURRENCY:-1,4,16,32,64}" --requests-per-stream "${REQUESTS_PER_STREAM:-2}" \
-    --orchestrator-args "${ORCH_ARGS:-}" --json "$OUT/concurrency.json" --out "$OUT/concurrency.txt"
+    --orchestrator-args="${ORCH_ARGS:-}" --json "$OUT/concurrency.json" --out "$OUT/concurrency.txt"
 }
 
 case ${1:-all} in
