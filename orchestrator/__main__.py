@@ -9,7 +9,7 @@ import logging
 from dflash_grpc import serving
 from dflash_grpc.v1 import draft_pb2, generation_pb2_grpc
 from orchestrator.peers import DraftPeer, TargetPeer
-from orchestrator.scheduler import Scheduler, SpecPolicy
+from orchestrator.scheduler import Scheduler
 from orchestrator.servicer import GenerationServicer
 from target_service import default_model_path
 from target_service.tokenizer import GGUFTokenizer
@@ -37,8 +37,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--step-nodes", type=int, default=0,
                    help="verify nodes per tick shared by the batch: trees shrink as the batch grows "
                    "(0: 512 on a CUDA target, 64 on a CPU one)")
-    p.add_argument("--always-draft", action="store_true",
-                   help="draft on every tick (default: per batch size, draft only while it measures faster than plain decoding)")
     p.add_argument("--step-timeout", type=float, default=120.0,
                    help="seconds a Propose or Verify may take before the peer counts as failed")
     p.add_argument("--draft-history-mib", type=float, default=64.0,
@@ -63,8 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     max_sessions = min(args.max_sessions or info.max_sessions, info.max_sessions or args.max_sessions or 8)
     step_nodes = args.step_nodes or (512 if info.device.startswith("cuda") else 64)
     scheduler = Scheduler(target, draft, max_sessions=max_sessions, max_queue=args.max_queue, step_nodes=step_nodes,
-                          step_timeout=args.step_timeout, history_bytes=int(args.draft_history_mib * (1 << 20)),
-                          policy=SpecPolicy(explore=0) if args.always_draft else None)
+                          step_timeout=args.step_timeout, history_bytes=int(args.draft_history_mib * (1 << 20)))
     servicer = GenerationServicer(target, draft, tokenizer, args.max_tokens, tree, scheduler)
     if draft.state() is not None and draft.state().target_fingerprint != servicer.target_info.model_fingerprint:
         log.error("drafter does not match the target; speculative requests will fail with FAILED_PRECONDITION")

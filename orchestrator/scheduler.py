@@ -172,55 +172,6 @@ def adaptive_budget(batch: int, step_nodes: int, want: int = 15, min_nodes: int 
     return nodes - 1 if nodes - 1 >= min_nodes else 0
 
 
-class SpecPolicy:
-    """Chooses, per tick, between drafting and plain decoding from measured throughput.
-
-    Tokens never depend on the choice (both are lossless), only speed does: at a large batch a
-    drafting tick can cost more than the extra tokens it brings (drafter forward, bigger
-    verify, per-item host work). For each batch bucket (powers of two) the policy keeps an
-    exponential average of tokens emitted per second of tick for both modes and drafts when its
-    average is at least plain decoding's; every ``explore``-th tick of a bucket it runs the other
-    mode, so both averages stay current.
-
-    Args:
-        explore: one tick in ``explore`` runs the mode not preferred (0: never explore; always draft).
-        alpha: weight of the newest tick in the averages.
-    """
-
-    def __init__(self, explore: int = 16, alpha: float = 0.2):
-        self.explore = explore
-        self.alpha = alpha
-        self.rate: dict[tuple[int, bool], float] = {}
-        self._ticks: dict[int, int] = {}
-
-    @staticmethod
-    def bucket(batch: int) -> int:
-        return 1 << (max(1, batch).bit_length() - 1)
-
-    def draft(self, batch: int) -> bool:
-        """Whether this tick of ``batch`` requests should draft."""
-        if not self.explore:
-            return True
-        b = self.bucket(batch)
-        n = self._ticks[b] = self._ticks.get(b, 0) + 1
-        spec, plain = self.rate.get((b, True)), self.rate.get((b, False))
-        if spec is None:
-            return True
-        if plain is None:
-            return n % 4 != 0  # measure plain decoding early
-        prefer = spec >= plain
-        return (not prefer) if n % self.explore == 0 else prefer
-
-    def record(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
-        """A tick of ``batch`` requests emitted ``tokens`` in ``seconds``."""
-        if seconds <= 0:
-            return
-        key = (self.bucket(batch), drafted)
-        r = tokens / seconds
-        old = self.rate.get(key)
-        self.rate[key] = r if old is None else old + self.alpha * (r - old)
-
-
 class Scheduler:
     """Runs every request of the orchestrator in ticks of one Propose and one Verify.
 
@@ -233,12 +184,10 @@ class Scheduler:
         step_timeout: seconds a Propose or Verify exchange may take before the peer is
             treated as failed.
         history_bytes: most bytes of feature history kept per request for drafter resync.
-        policy: when to draft (default: :class:`SpecPolicy`, measured per batch bucket).
     """
 
     def __init__(self, target: TargetPeer, draft: DraftPeer, *, max_sessions: int, max_queue: int = 256,
-                 step_nodes: int = 256, step_timeout: float = 120.0, history_bytes: int = 64 << 20,
-                 policy: SpecPolicy | None = None):
+                 step_nodes: int = 256, step_timeout: float = 120.0, history_bytes: int = 64 << 20):
         self.target = target
         self.draft = draft
         self.info = target.info()
@@ -253,8 +202,6 @@ class Scheduler:
         self._prefilling: list[tuple[Request, grpc.Future]] = []
         self._active: list[Request] = []
         self._slot_wait_until = 0.0
-        self.policy = policy or SpecPolicy()
-        self._last_tick: tuple[int, bool, int, float] | None = None  # batch, drafted, tokens, start
         self._releasing = 0  # target sessions whose Release has not been answered: their slots are not free yet
         self._draft_releasing = 0  # the same on the drafter
         self._verify: StreamCall | None = None
@@ -329,7 +276,6 @@ class Scheduler:
                 self._collect_prefills()
                 batch = [r for r in self._active if not r.closed]
                 if not batch:
-                    self._last_tick = None  # an idle wait is not the previous tick's cost
                     self._wake.wait(0.05 if self._prefilling or self._queue else 1.0)
                     self._wake.clear()
                     continue
@@ -502,15 +448,9 @@ class Scheduler:
 
     def _tick(self, batch: list[Request]) -> None:
         t0 = time.perf_counter()
-        if self._last_tick is not None:
-            # the previous tick's rate, from its start to this one's: the host work between ticks
-            # (handlers, admission, releases) is part of what a mode costs
-            b, drafted, tokens, start = self._last_tick
-            self.policy.record(b, drafted, tokens, t0 - start)
-            self._last_tick = None
         budget = adaptive_budget(len(batch), self.step_nodes, want=1 << 30)  # the cap; each tree: _propose_trees
         self.budget_now = budget
-        drafter = self._drafter() if budget > 0 and self.policy.draft(len(batch)) else None
+        drafter = self._drafter() if budget > 0 else None
         self.drafting = drafter is not None
         trees: dict[int, tuple[list[int], list[int]]] = {}
         draft_s = 0.0
@@ -529,7 +469,6 @@ class Scheduler:
             self._verify_failed(batch, e)
             return
         verify_s = time.perf_counter() - t1
-        emitted = sum(r.emitted for r in batch)
         for i, (r, res) in enumerate(zip(batch, reply.results)):
             r.stats.verify_time_s += verify_s
             r.stats.verify_compute_s += reply.compute_s
@@ -547,8 +486,6 @@ class Scheduler:
             self._emit(r, list(res.accepted_tokens) + [res.bonus_token])
         self.ticks += 1
         self.batched_items += len(batch)
-        if budget > 0:  # a tick that could have drafted measures its mode (recorded at the next tick)
-            self._last_tick = (len(batch), bool(trees), sum(r.emitted for r in batch) - emitted, t0)
         metrics.observe_tick(len(batch), draft_s, verify_s, time.perf_counter() - t0 - draft_s - verify_s)
 
     def _propose_trees(self, batch: list[Request], drafter: draft_pb2.DrafterInfo,

@@ -83,18 +83,3 @@ def test_adaptive_budget_shares_the_tick_in_width_buckets():
     # below two draft nodes per request the tick does not draft
     assert adaptive_budget(200, 512, want=16) == 0
     assert adaptive_budget(64, 64, want=16) == 0
-
-
-def test_spec_policy_prefers_the_faster_mode_and_keeps_exploring():
-    from orchestrator.scheduler import SpecPolicy
-
-    p = SpecPolicy(explore=8)
-    assert p.draft(16)  # nothing measured: draft
-    p.record(16, True, 100, 0.1)  # drafting: 1000 tok/s
-    modes = [p.draft(16) for _ in range(4)]
-    assert False in modes  # plain decoding gets measured early
-    p.record(16, False, 100, 0.05)  # plain: 2000 tok/s at this batch size
-    picks = [p.draft(16) for _ in range(32)]
-    assert picks.count(False) > picks.count(True) > 0  # prefers plain, still explores drafting
-    assert p.draft(1)  # another batch bucket has its own measurements
-    assert SpecPolicy(explore=0).draft(64)
