@@ -202,8 +202,7 @@ class Scheduler:
         self._prefilling: list[tuple[Request, grpc.Future]] = []
         self._active: list[Request] = []
         self._slot_wait_until = 0.0
-        self._releasing = 0  # target sessions whose Release has not been answered: their slots are not free yet
-        self._draft_releasing = 0  # the same on the drafter
+        self._releasing = {"target": 0, "draft": 0}  # sessions whose Release is unanswered: slots not free yet
         self._verify: StreamCall | None = None
         self._propose: StreamCall | None = None
         self._stop = threading.Event()
@@ -315,36 +314,25 @@ class Scheduler:
         metrics.set_active_sessions(len(self._active) + len(self._prefilling))
 
     def _release(self, on_target: list[Request], on_drafter: list[Request]) -> None:
-        def logged(what):
-            def done(f):
-                if f.exception() is not None:
-                    log.warning("release failed", extra={"peer": what, "code": str(f.exception().code())})
-            return done
-
-        if on_target:
-            n = len(on_target)
+        """Release sessions on the target and the drafter (one asynchronous call each). Until a
+        call is answered its sessions count as held (``_releasing``), so admission never sends a
+        prefill or a Propose past a service's slots while the release is in flight."""
+        for peer, stub, reqs, timeout in (("target", self.target.stub, on_target, 5.0),
+                                          ("draft", self.draft.stub, on_drafter, 2.0)):
+            if not reqs or stub is None:
+                continue
+            n = len(reqs)
             with self._lock:
-                self._releasing += n
+                self._releasing[peer] += n
 
-            def freed(f, n=n):
+            def freed(f, peer=peer, n=n):
                 with self._lock:
-                    self._releasing -= n
-                logged("target")(f)
+                    self._releasing[peer] -= n
+                if f.exception() is not None:
+                    log.warning("release failed", extra={"peer": peer, "code": str(f.exception().code())})
                 self._wake.set()
 
-            f = self.target.stub.Release.future(common_pb2.ReleaseRequest(session_ids=[r.session_id for r in on_target]), timeout=5.0)
-            f.add_done_callback(freed)
-        if on_drafter and self.draft.stub is not None:
-            n = len(on_drafter)
-            with self._lock:
-                self._draft_releasing += n
-
-            def draft_freed(f, n=n):
-                with self._lock:
-                    self._draft_releasing -= n
-
-            f = self.draft.stub.Release.future(common_pb2.ReleaseRequest(session_ids=[r.session_id for r in on_drafter]), timeout=2.0)
-            f.add_done_callback(draft_freed)
+            stub.Release.future(common_pb2.ReleaseRequest(session_ids=[r.session_id for r in reqs]), timeout=timeout).add_done_callback(freed)
 
     def _admit(self) -> None:
         """Start prefills for queued requests while sessions are free (oldest first)."""
@@ -352,7 +340,7 @@ class Scheduler:
             return
         while True:
             with self._lock:
-                if not self._queue or len(self._active) + len(self._prefilling) + self._releasing >= self.max_sessions:
+                if not self._queue or len(self._active) + len(self._prefilling) + self._releasing["target"] >= self.max_sessions:
                     return
                 req = self._queue.popleft()
                 metrics.set_queue_depth(len(self._queue))
@@ -496,7 +484,7 @@ class Scheduler:
         depth_cap = self.info.max_tree_depth or 10**9
         # the drafter's slots: sessions it holds for us, those being released, then new ones
         with self._lock:
-            room = (drafter.model.max_sessions or 10**9) - sum(r.on_drafter for r in self._active) - self._draft_releasing
+            room = (drafter.model.max_sessions or 10**9) - sum(r.on_drafter for r in self._active) - self._releasing["draft"]
         items, who = [], []
         for i, r in enumerate(batch):
             if not r.speculative:

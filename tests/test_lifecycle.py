@@ -15,7 +15,6 @@ import logging
 import os
 import signal
 import sys
-import textwrap
 import threading
 import time
 
@@ -28,6 +27,7 @@ from client.launcher import RestartBudgetExhausted, RestartPolicy, Service, Serv
 from dflash_grpc.serving import make_server
 from target_service.errors import ResourceExhausted, SessionNotFound
 from target_service.step_loop import StepLoop
+from tests.test_client import MINI_SERVER
 
 
 class FakeClock:
@@ -451,27 +451,8 @@ def test_stop_ends_supervision_without_restarts():
     assert not t.is_alive() and not errors and restarted == []
 
 
-HEALTH_SERVER = textwrap.dedent(
-    """
-    import signal, sys, threading
-    from concurrent import futures
-    import grpc
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-    port = sys.argv[1]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    hs = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    server.start()
-    hs.set("", health_pb2.HealthCheckResponse.SERVING)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    print(f"READY svc port={port}", flush=True)
-    stop.wait()
-    server.stop(grace=1).wait()
-    """
-)
+# a child that serves the gRPC health service until SIGTERM (test_client's mini server)
+HEALTH_SERVER = MINI_SERVER + 'serve("svc", sys.argv[1])\n'
 
 
 def _health_services(n: int) -> list[Service]:
