@@ -158,17 +158,18 @@ def adaptive_budget(batch: int, step_nodes: int, want: int = 15, min_nodes: int 
     The target's verify step costs about one decode step while its ``B x W`` nodes stay within
     what the device does in one weight read; past that, a larger tree costs more than its extra
     accepted tokens gain. So the tick's node budget is shared: each request's tree (root
-    included) gets at most ``step_nodes // batch`` nodes and at most ``want + 1``, rounded down
-    to a power of two, the target's width buckets (1, 4, 8, 16, 32, 64): a 17-node tree would
-    be padded to 32. Below ``min_nodes`` draft nodes per request the tick does not draft (0).
+    included) gets its own ``want + 1`` nodes as long as they fit its share, ``step_nodes //
+    batch`` rounded down to a power of two (the target's width buckets 1, 4, 8, 16, 32, 64, so a
+    capped tree is never padded). Below ``min_nodes`` draft nodes per request the tick does not
+    draft (0).
 
     Returns:
         draft nodes per request (tree budget, root excluded), or 0: no drafting this tick.
     """
-    nodes = min(step_nodes // max(1, batch), want + 1)
-    if nodes < 1:
+    share = step_nodes // max(1, batch)
+    if share < 1:
         return 0
-    nodes = 1 << (nodes.bit_length() - 1)
+    nodes = min(want + 1, 1 << (share.bit_length() - 1))
     return nodes - 1 if nodes - 1 >= min_nodes else 0
 
 

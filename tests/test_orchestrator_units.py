@@ -74,12 +74,13 @@ def test_trim_tree_drops_deep_nodes_and_reindexes():
 def test_adaptive_budget_shares_the_tick_in_width_buckets():
     from orchestrator.scheduler import adaptive_budget
 
-    # one request: its own budget, rounded down to a power-of-two tree (17 nodes would pad to 32)
-    assert adaptive_budget(1, 512, want=16) == 15
+    # one request: its own budget while it fits the share
+    assert adaptive_budget(1, 512, want=16) == 16
     assert adaptive_budget(1, 512, want=31) == 31
-    # the tick's 512 nodes shared: 64 requests get 8-node trees, 32 get 16
+    # the tick's 512 nodes shared in power-of-two widths: 64 requests get 8-node trees, 32 get 16
     assert adaptive_budget(64, 512, want=16) == 7
     assert adaptive_budget(32, 512, want=16) == 15
+    assert adaptive_budget(20, 512, want=31) == 15
     # below two draft nodes per request the tick does not draft
     assert adaptive_budget(200, 512, want=16) == 0
     assert adaptive_budget(64, 64, want=16) == 0
