@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import logging
+import sys
 
 from dflash_grpc import serving
 from dflash_grpc.v1 import draft_pb2, generation_pb2_grpc
-from orchestrator.peers import DraftPeer, TargetPeer
+from orchestrator.peers import DraftPeer, TargetPeer, drafter_mismatch
 from orchestrator.scheduler import Scheduler
 from orchestrator.servicer import GenerationServicer
 from target_service import default_model_path
@@ -67,8 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     scheduler = Scheduler(target, draft, max_sessions=max_sessions, max_queue=args.max_queue, step_nodes=step_nodes,
                           step_timeout=args.step_timeout, history_bytes=int(args.draft_history_mib * (1 << 20)))
     servicer = GenerationServicer(target, draft, tokenizer, args.max_tokens, tree, scheduler)
-    if draft.state() is not None and draft.state().target_fingerprint != servicer.target_info.model_fingerprint:
-        log.error("drafter does not match the target; speculative requests will fail with FAILED_PRECONDITION")
+    if draft.state() is not None and drafter_mismatch(draft.state(), info) is not None:
+        log.error("drafter does not match the target; speculative requests will fail with FAILED_PRECONDITION",
+                  extra={"why": drafter_mismatch(draft.state(), info)})
     if args.metrics_port:
         from prometheus_client import start_http_server
 

@@ -30,6 +30,18 @@ def status_code(value: int) -> grpc.StatusCode:
     return grpc.StatusCode.UNKNOWN
 
 
+def drafter_mismatch(info: draft_pb2.DrafterInfo, target: common_pb2.ModelInfo, address: str | None = None) -> str | None:
+    """Why the drafter of ``info`` cannot draft for ``target`` (None: it can): it was built for
+    another target (fingerprints differ) or its vocabulary differs."""
+    if info.target_fingerprint != target.model_fingerprint:
+        at = f" at {address}" if address else ""
+        return (f"the drafter{at} was built for target {info.target_fingerprint[:12]}, "
+                f"not for the served target {target.model_fingerprint[:12]}")
+    if info.model.vocab_size != target.vocab_size:
+        return "drafter vocabulary differs from the target's"
+    return None
+
+
 class StreamCall:
     """One open bidirectional stream used as a sequence of request/reply exchanges.
 
@@ -166,7 +178,6 @@ class DraftPeer:
 
     def layers(self) -> list[int] | None:
         """The target layers the drafter reads (from its last Info), or None if never reached."""
-        self.state()
         return self._layers
 
     def mark_failed(self, why: str) -> None:

@@ -41,7 +41,7 @@ import grpc
 
 from dflash_grpc.v1 import common_pb2, draft_pb2, generation_pb2, target_pb2
 from orchestrator import metrics
-from orchestrator.peers import DraftPeer, StreamCall, TargetPeer, status_code
+from orchestrator.peers import DraftPeer, StreamCall, TargetPeer, drafter_mismatch, status_code
 from orchestrator.stats import AcceptanceStats
 
 log = logging.getLogger(__name__)
@@ -223,10 +223,11 @@ class Scheduler:
             Rejected: RESOURCE_EXHAUSTED when ``max_queue`` requests already wait, or the
                 scheduler is stopped (UNAVAILABLE).
         """
+        req.speculative = req.speculative and self.draft.address is not None  # no drafter configured: plain
         with self._lock:
             if self._stop.is_set():
                 raise Rejected(grpc.StatusCode.UNAVAILABLE, "orchestrator is shutting down")
-            held = len(self._active) + len(self._prefilling)
+            held = self._held()
             if len(self._queue) >= self.max_queue and (held >= self.max_sessions or self._queue):
                 metrics.observe_admission("rejected")
                 raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -247,10 +248,14 @@ class Scheduler:
             self._end(req, why)
         self._wake.set()
 
+    def _held(self) -> int:
+        """Requests holding (or opening) a target session."""
+        return len(self._active) + len(self._prefilling)
+
     def status(self) -> generation_pb2.SchedulerStatus:
         """What the scheduler is doing now (``ServiceInfo.scheduler``)."""
         with self._lock:
-            queued, held = len(self._queue), len(self._active) + len(self._prefilling)
+            queued, held = len(self._queue), self._held()
         return generation_pb2.SchedulerStatus(
             active_sessions=held, queued_requests=queued, max_sessions=self.max_sessions, max_queue=self.max_queue,
             ticks=self.ticks, mean_batch=self.batched_items / self.ticks if self.ticks else 0.0,
@@ -312,7 +317,7 @@ class Scheduler:
         for r in gone:
             r.on_target = r.on_drafter = False
         self._slot_wait_until = 0.0  # a slot may be free now
-        metrics.set_active_sessions(len(self._active) + len(self._prefilling))
+        metrics.set_active_sessions(self._held())
 
     def _release(self, on_target: list[Request], on_drafter: list[Request]) -> None:
         """Release sessions on the target and the drafter (one asynchronous call each). Until a
@@ -341,12 +346,12 @@ class Scheduler:
             return
         while True:
             with self._lock:
-                if not self._queue or len(self._active) + len(self._prefilling) + self._releasing["target"] >= self.max_sessions:
+                if not self._queue or self._held() + self._releasing["target"] >= self.max_sessions:
                     return
                 req = self._queue.popleft()
                 metrics.set_queue_depth(len(self._queue))
             layers = []
-            if req.speculative and self.draft.address is not None:
+            if req.speculative:
                 layers = self.draft.layers()
                 if layers is None:  # the drafter was never reachable: no features, no drafting later
                     layers, req.history_complete = [], False
@@ -355,7 +360,7 @@ class Scheduler:
             fut = self.target.stub.Prefill.future(target_pb2.PrefillRequest(items=[item]), timeout=self.step_timeout + len(req.prompt) / 50)
             fut.add_done_callback(lambda _f: self._wake.set())
             self._prefilling.append((req, fut))
-            metrics.set_active_sessions(len(self._active) + len(self._prefilling))
+            metrics.set_active_sessions(self._held())
 
     def _collect_prefills(self) -> None:
         still = []
@@ -383,7 +388,7 @@ class Scheduler:
                 continue
             req.root, req.length = res.first_token, res.committed_length
             req.t_first = time.monotonic()
-            if req.speculative and self.draft.address is not None and res.features.data:
+            if req.speculative:
                 self._keep(req, res.features)
             self._active.append(req)
             self._emit(req, [req.root])
@@ -393,7 +398,7 @@ class Scheduler:
                 self._queue.extendleft(reversed(requeue))
                 metrics.set_queue_depth(len(self._queue))
             self._slot_wait_until = time.monotonic() + 0.25
-        metrics.set_active_sessions(len(self._active) + len(self._prefilling))
+        metrics.set_active_sessions(self._held())
 
     def _keep(self, req: Request, features: common_pb2.Tensor) -> None:
         """Append the rows of ``features`` (just committed) to the request's history."""
@@ -429,11 +434,7 @@ class Scheduler:
     def _drafter(self) -> draft_pb2.DrafterInfo | None:
         """The drafter's Info when it is usable for this target now, else None."""
         info = self.draft.state()
-        if info is None:
-            return None
-        if info.target_fingerprint != self.info.model_fingerprint or info.model.vocab_size != self.info.vocab_size:
-            return None
-        return info
+        return info if info is not None and drafter_mismatch(info, self.info) is None else None
 
     def _tick(self, batch: list[Request]) -> None:
         t0 = time.perf_counter()
@@ -444,7 +445,7 @@ class Scheduler:
         trees: dict[int, tuple[list[int], list[int]]] = {}
         draft_s = 0.0
         if drafter is not None:
-            trees, draft_s = self._propose_trees(batch, drafter, budget)
+            trees, draft_s = self._propose_trees(batch, drafter)
         t1 = time.perf_counter()
         items = []
         for i, r in enumerate(batch):
@@ -470,15 +471,15 @@ class Scheduler:
             r.stats.record_step(depth, len(tokens) - 1, k)
             metrics.observe_verify(len(tokens) - 1, depth, k)
             r.root, r.length = res.bonus_token, res.committed_length
-            if r.speculative and self.draft.address is not None:
+            if r.speculative:
                 self._keep(r, res.features)
             self._emit(r, list(res.accepted_tokens) + [res.bonus_token])
         self.ticks += 1
         self.batched_items += len(batch)
         metrics.observe_tick(len(batch), draft_s, verify_s, time.perf_counter() - t0 - draft_s - verify_s)
 
-    def _propose_trees(self, batch: list[Request], drafter: draft_pb2.DrafterInfo,
-                       budget: int) -> tuple[dict[int, tuple[list[int], list[int]]], float]:
+    def _propose_trees(self, batch: list[Request],
+                       drafter: draft_pb2.DrafterInfo) -> tuple[dict[int, tuple[list[int], list[int]]], float]:
         """One Propose for every request that drafts this tick; their trimmed trees by batch index."""
         block = drafter.model.block_size or 1
         width_cap = self.info.max_tree_width or 1
@@ -488,28 +489,24 @@ class Scheduler:
             room = (drafter.model.max_sessions or 10**9) - sum(r.on_drafter for r in self._active) - self._releasing["draft"]
         items, who = [], []
         for i, r in enumerate(batch):
-            if not r.speculative:
+            if not r.speculative or (not r.draft_synced and not r.history_complete):
+                continue  # not drafting, or the drafter lost this session and its history was dropped
+            max_depth = min(block - 1, self.info.max_context - r.length - 1, r.max_tokens - r.emitted - 1, depth_cap,
+                            r.tree.max_depth or 10**9)
+            # a tree's node budget, or a chain's length, within this request's share of the tick
+            nodes = adaptive_budget(len(batch), self.step_nodes, want=r.tree.budget or max_depth,
+                                    min_nodes=2 if r.tree.budget else 1) if max_depth > 0 else 0
+            if not nodes:
                 continue
             if not r.on_drafter:
                 if room <= 0:
                     continue  # no drafter slot free: this request decodes plainly this tick
                 room -= 1
-            max_depth = min(block - 1, self.info.max_context - r.length - 1, r.max_tokens - r.emitted - 1, depth_cap,
-                            r.tree.max_depth or 10**9)
-            if max_depth <= 0:
-                continue
             if not r.draft_synced:
-                if not r.history_complete:
-                    continue  # the drafter lost this session and its history was dropped
-                r.sent = 0
+                r.sent = 0  # (re-)create the drafter's session from the whole history
             features = join_features(r.history[r.sent:])
-            tree = draft_pb2.TreeParams(top_k=r.tree.top_k, max_depth=max_depth)
-            if r.tree.budget:
-                tree.budget = adaptive_budget(len(batch), self.step_nodes, want=r.tree.budget)
-            else:  # a chain: its length is the node budget
-                tree.max_depth = adaptive_budget(len(batch), self.step_nodes, want=max_depth, min_nodes=1)
-            if not (tree.budget or tree.max_depth) or (r.tree.budget and not tree.budget):
-                continue
+            tree = (draft_pb2.TreeParams(top_k=r.tree.top_k, max_depth=max_depth, budget=nodes) if r.tree.budget
+                    else draft_pb2.TreeParams(top_k=r.tree.top_k, max_depth=nodes))
             items.append(draft_pb2.ProposeItem(session_id=r.session_id, features=features, root_token=r.root,
                                                committed_length=r.length, tree=tree))
             who.append(i)
@@ -535,6 +532,7 @@ class Scheduler:
                             extra={"session": r.session_id, "code": status_code(res.status.code).name, "error": res.status.message[:200]})
                 r.draft_synced = False
                 self._release([], [r])  # its next Propose re-creates the session from the history
+                r.on_drafter = False
                 r.stats.draft_fallbacks += 1
                 self.fallbacks += 1
                 metrics.observe_fallback("draft_item_error")

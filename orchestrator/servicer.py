@@ -21,7 +21,7 @@ import grpc
 from dflash_grpc.v1 import common_pb2, draft_pb2, generation_pb2, generation_pb2_grpc
 from orchestrator import metrics
 from orchestrator.detok import TextStream
-from orchestrator.peers import DraftPeer, TargetPeer
+from orchestrator.peers import DraftPeer, TargetPeer, drafter_mismatch
 from orchestrator.scheduler import FINISH_CONTEXT, FINISH_EOS, Failure, Rejected, Request, Scheduler
 from orchestrator.stats import GlobalStats
 from target_service.engine import MIN_TEMPERATURE
@@ -129,15 +129,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         info = self.draft.state()
         if info is None:
             return True, tree  # unreachable now: autoregressive until it is back
-        if info.target_fingerprint != self.target_info.model_fingerprint:
-            raise RequestError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"the drafter at {self.draft.address} was built for target {info.target_fingerprint[:12]}, "
-                f"not for the served target {self.target_info.model_fingerprint[:12]}; "
-                "serve a matching drafter or disable speculation for this request",
-            )
-        if info.model.vocab_size != self.target_info.vocab_size:
-            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "drafter vocabulary differs from the target's")
+        why = drafter_mismatch(info, self.target_info, self.draft.address)
+        if why is not None:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"{why}; serve a matching drafter or disable speculation for this request")
         return True, tree
 
     def _check_bounds(self, req: generation_pb2.GenerateRequest) -> int:
@@ -216,7 +211,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         info = self.draft.state()
         status = generation_pb2.DrafterStatus(
             available=info is not None,
-            compatible=info is not None and info.target_fingerprint == self.target_info.model_fingerprint,
+            compatible=info is not None and drafter_mismatch(info, self.target_info) is None,
             address=self.draft.address or "",
             detail=self.draft.detail,
         )
