@@ -337,7 +337,6 @@ class DraftSession:
     session_id: str
     slot: int
     length: int = 0
-    last_used: float = dataclasses.field(default_factory=time.monotonic)
 
 
 _FIELDS = ("slots", "held", "n_rows", "roots")
@@ -637,11 +636,9 @@ class BatchedDrafter:
             for s in new:
                 self.pool.release(s.slot)
             raise
-        now = time.monotonic()
         outs = []
         for r, ((_, item, feats, depth), s) in enumerate(zip(part, sessions)):
             s.length += feats.shape[0]
-            s.last_used = now
             self.sessions[s.session_id] = s
             t0 = time.perf_counter()
             table = TopK(lp[r, :depth], tok[r, :depth])

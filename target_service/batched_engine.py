@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 
 import numpy as np
 import torch
@@ -52,7 +51,6 @@ class PoolSession:
     length: int = 0
     root: int = -1
     ready: bool = False
-    last_used: float = dataclasses.field(default_factory=time.monotonic)
 
     @property
     def inv_temperature(self) -> float:
@@ -325,7 +323,6 @@ class BatchedEngine:
         if last:
             first = choose(self.model.logits(x[-1:]), st, torch.full((1,), len(job.prompt), device=self.device), 1)
             s.root, s.ready = int(first[0]), True
-            s.last_used = time.monotonic()
             job.outcome = PrefillOutcome(s.root, s.length, torch.cat(job.state) if job.state else None)
         return n
 
@@ -439,14 +436,12 @@ class BatchedEngine:
         path = ints[:bw].reshape(lay.batch, lay.width)
         n_acc = ints[bw : bw + lay.batch]
         bonus = ints[bw + lay.batch :]
-        now = time.monotonic()
         outs = []
         for r, (_, s, tokens, *_rest) in enumerate(group):
             n = int(n_acc[r])
             nodes = path[r, :n].tolist()
             s.length += n
             s.root = int(bonus[r])
-            s.last_used = now
             feats = None
             if s.feature_layers and runner.out_feats is not None:
                 feats = self._session_features(runner.out_feats[r, :n], s).clone()

@@ -20,7 +20,6 @@ import dataclasses
 import logging
 import random
 import threading
-import time
 
 import numpy as np
 import torch
@@ -99,7 +98,6 @@ class Session:
     sampling: Sampling
     feature_layers: list[int]
     root: int = -1
-    last_used: float = dataclasses.field(default_factory=time.monotonic)
 
     @property
     def length(self) -> int:
@@ -271,7 +269,6 @@ class TargetEngine:
             path = order[:n]
             self.model.commit(session.cache, out, path)
             session.root = bonus_token
-            session.last_used = time.monotonic()
             features = out.features.index_select(0, path) if out.features is not None else None
             return VerifyOutcome(nodes, [tokens[i] for i in nodes[1:]], bonus_token, session.length, features)
 
