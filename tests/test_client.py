@@ -113,9 +113,9 @@ class FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
         )
 
 
-@pytest.fixture(scope="module")
-def fake():
-    servicer = FakeGeneration()
+def serve_fake_generation(servicer):
+    """Serve ``servicer`` as the GenerationService on a free loopback port (sets
+    ``servicer.address``); a generator for module fixtures: yields the servicer, then stops."""
 
     def add(server):
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
@@ -125,6 +125,11 @@ def fake():
     servicer.address = f"127.0.0.1:{port}"
     yield servicer
     server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def fake():
+    yield from serve_fake_generation(FakeGeneration())
 
 
 # --------------------------------------------------------------------------------------------

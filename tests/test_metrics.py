@@ -9,7 +9,6 @@ import sys
 import threading
 
 import pytest
-from dflash_grpc.serving import make_server
 from dflash_grpc.service_metrics import StepLoopCollector, pool_usage
 from dflash_grpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from prometheus_client import REGISTRY, CollectorRegistry
@@ -20,6 +19,7 @@ from client.cli import main
 from client.watch import render_frame, tokens_per_second
 from orchestrator import metrics
 from orchestrator.stats import AcceptanceStats as ServerStats
+from tests.test_client import serve_fake_generation
 
 
 def _value(name: str, **labels) -> float:
@@ -280,16 +280,7 @@ class _FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
 
 @pytest.fixture(scope="module")
 def fake():
-    servicer = _FakeGeneration()
-
-    def add(server):
-        generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
-        return ["dflash_grpc.v1.GenerationService"]
-
-    server, _, port = make_server(add, "127.0.0.1:0")
-    servicer.address = f"127.0.0.1:{port}"
-    yield servicer
-    server.stop(0)
+    yield from serve_fake_generation(_FakeGeneration())
 
 
 def test_info_scheduler(fake):
