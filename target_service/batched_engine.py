@@ -29,7 +29,7 @@ from target_service.engine import PrefillJob, PrefillOutcome, Sampling, VerifyOu
 from target_service.errors import EngineError, InvalidArgument, ResourceExhausted, SessionNotFound
 from target_service.models.layers import rope_table
 from target_service.pool import PoolShape, StatePool
-from target_service.pooled import StepLayout, StepTensors, choose, forward, run_step
+from target_service.pooled import StepLayout, StepTensors, choose, forward, prefill_step, run_step
 from target_service.tree import TreeError, analyze_tree
 
 log = logging.getLogger(__name__)
@@ -66,10 +66,12 @@ class PoolSession:
 
 
 class _Runner:
-    """Static buffers (and the CUDA graph) of one ``(B, W)`` step shape."""
+    """Static buffers (and the CUDA graph) of one ``(B, W)`` step shape, or with ``prefill`` of
+    one prefill chunk of exactly ``W`` prompt tokens (``B = 1``; the first int of the results is
+    the token chosen after the chunk, the features are the chunk's tapped rows)."""
 
-    def __init__(self, engine: "BatchedEngine", batch: int, width: int):
-        self.engine, self.layout = engine, StepLayout(batch, width)
+    def __init__(self, engine: "BatchedEngine", batch: int, width: int, prefill: bool = False):
+        self.engine, self.layout, self.prefill = engine, StepLayout(batch, width), prefill
         cuda = engine.device.type == "cuda"
         self.host = torch.zeros(self.layout.size, dtype=torch.long, pin_memory=cuda)
         self.host_np = self.host.numpy()
@@ -93,8 +95,9 @@ class _Runner:
         if self.dev is not self.host:
             self.dev.copy_(self.host, non_blocking=True)
         st = StepTensors.from_buffer(self.layout, self.dev, e.conv_kernel)
-        out = run_step(e.model, e.pool, st, e.rope, e.taps, self.splits)
-        self._dev_ints.copy_(out.ints)
+        out = prefill_step(e.model, e.pool, st, e.rope, e.taps) if self.prefill else \
+            run_step(e.model, e.pool, st, e.rope, e.taps, self.splits)
+        self._dev_ints[: out.ints.shape[0]].copy_(out.ints)
         if self._dev_feats is not None:
             self._dev_feats.copy_(out.features)
         if self.out_dev is not self.out_host:
@@ -183,6 +186,11 @@ class BatchedEngine:
         self.taps = sorted(set(feature_layers))
         self.sessions: dict[str, PoolSession] = {}
         self._runners: dict[tuple[int, int], _Runner] = {}
+        #: prefill chunk sizes replayed as graphs (CUDA graphs only): powers of two up to
+        #: ``prefill_chunk``; a prompt is cut into chunks of exactly these sizes, largest first,
+        #: so no chunk is padded (padding nodes of a chain would be committed)
+        self.prefill_buckets = tuple(1 << i for i in range(max(1, prefill_chunk).bit_length())) if self.cuda_graphs else ()
+        self._prefill_runners: dict[int, _Runner] = {}
         self._graph_pool = None
         #: graphs captured so far (recaptures after a tap change included), steps run, forwards
         self.captures = 0
@@ -218,6 +226,13 @@ class BatchedEngine:
                 self._capture(r)
         return r
 
+    def _prefill_runner(self, w: int) -> _Runner:
+        r = self._prefill_runners.get(w)
+        if r is None:
+            r = self._prefill_runners[w] = _Runner(self, 1, w, prefill=True)
+            self._capture(r)
+        return r
+
     def _capture(self, r: _Runner) -> None:
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
@@ -228,13 +243,17 @@ class BatchedEngine:
         """Build the runner of every bucket (largest first, so the shared graph memory pool is
         sized once) and, with CUDA graphs, capture it. Returns the number of runners.
         ``progress`` shows a tqdm bar (graph capture also pays Triton JIT compilation)."""
-        shapes = sorted(self.buckets(), key=lambda s: -s[0] * s[1])
+        shapes = [(b, w, False) for b, w in self.buckets()] + [(1, w, True) for w in self.prefill_buckets]
+        shapes.sort(key=lambda s: -s[0] * s[1])
         it = shapes
         if progress:
             from tqdm import tqdm
 
             it = tqdm(shapes, desc="capturing CUDA graphs" if self.cuda_graphs else "warming up", unit="graph")
-        for b, w in it:
+        for b, w, prefill in it:
+            if prefill:
+                self._prefill_runner(w)
+                continue
             r = self._runner(b, w)
             if not self.cuda_graphs:  # eager: still compile the kernels now, not at the first request
                 r.layout.fill_padding(r.host_np, self.pool.spare)
@@ -245,7 +264,7 @@ class BatchedEngine:
     def _warm_prefill(self) -> None:
         """Compile the prefill path's kernels now (a long and a short chunk in a scratch session),
         so the first request's time to first token does not pay Triton / fla JIT."""
-        if not self.cuda or self.pool.free == 0:
+        if not self.cuda or self.cuda_graphs or self.pool.free == 0:
             return
         s = Sampling.checked(0.0, 0, 0.0, 0)
         for n in (min(self.prefill_chunk, self.max_context - 1), 3):
@@ -257,9 +276,10 @@ class BatchedEngine:
         if not missing:
             return
         self.taps = sorted(set(self.taps) | missing)
-        if self._runners:
+        if self._runners or self._prefill_runners:
             log.warning("new feature layers requested: recapturing the step graphs", extra={"taps": self.taps})
             self._runners.clear()
+            self._prefill_runners.clear()
             self._graph_pool = None
 
     # ------------------------------------------------------------------ sessions
@@ -304,6 +324,8 @@ class BatchedEngine:
             return 0
         start = job.done
         n = max(1, min(budget, self.prefill_chunk, len(job.prompt) - start))
+        if self.prefill_buckets:
+            return self._run_prefill_graph(job, s, start, 1 << (n.bit_length() - 1))
         last = start + n == len(job.prompt)
         layout = StepLayout(1, n)
         buf = np.zeros(layout.size, dtype=np.int64)
@@ -323,6 +345,27 @@ class BatchedEngine:
         if last:
             first = choose(self.model.logits(x[-1:]), st, torch.full((1,), len(job.prompt), device=self.device), 1)
             s.root, s.ready = int(first[0]), True
+            job.outcome = PrefillOutcome(s.root, s.length, torch.cat(job.state) if job.state else None)
+        return n
+
+    def _run_prefill_graph(self, job: PrefillJob, s: PoolSession, start: int, n: int) -> int:
+        """:meth:`run_prefill` through the captured chunk of exactly ``n`` tokens (a power of two)."""
+        r = self._prefill_runner(n)
+        v = r.views
+        v["tokens"][0] = job.prompt[start : start + n]
+        v["parents"][0] = np.arange(-1, n - 1)
+        v["depth"][0] = np.arange(n)
+        v["ancestors"][0] = 0                        # causal chunks read no ancestor masks
+        v["n_nodes"][0], v["slots"][0], v["lengths"][0] = n, s.slot, start
+        self._fill_sampling(v, 0, s)
+        r.run()
+        self.forwards += 1
+        if self.taps:
+            job.state.append(self._session_features(r.out_feats[0], s).clone())
+        job.done = start + n
+        s.length = job.done
+        if job.done == len(job.prompt):
+            s.root, s.ready = int(r.out_ints[0]), True
             job.outcome = PrefillOutcome(s.root, s.length, torch.cat(job.state) if job.state else None)
         return n
 

@@ -233,14 +233,13 @@ def bench_engine(path: str, name: str, reps: int = 5, hf: bool = False, max_cont
         log(f"[{name}] commit of a 16-node verify: {out['commit_ms']['median']:.3f} ms (eager)")
     except Exception as e:  # noqa: BLE001 - report and go on
         out["commit_ms"] = {"error": repr(e)}
-    for w in (1, 16):
+    for key, kw in PROFILES.items():
         try:
-            out.setdefault("profile", {})[w] = profile_step(engine, w)
-            pr = out["profile"][w]
-            log(f"[{name}] eager W={w} step: {pr['kernels']} kernels, {pr['device_us'] / 1e3:.3f} ms device; "
+            out.setdefault("profile", {})[key] = pr = profile_step(engine, **kw)
+            log(f"[{name}] eager {key} step: {pr['kernels']} kernels, {pr['device_us'] / 1e3:.3f} ms device; "
                 + ", ".join(f"{k} {v['count']}x {v['us']:.0f}us" for k, v in pr["families"].items()))
         except Exception as e:  # noqa: BLE001
-            out.setdefault("profile", {})[w] = {"error": repr(e)}
+            out.setdefault("profile", {})[key] = {"error": repr(e)}
     out["memory"] = {"weights": weights, "pool": pool_bytes, "graph_pools_and_step_buffers": graph_bytes,
                      "prefill_scratch_peak": prefill_scratch, "peak_allocated": torch.cuda.max_memory_allocated()}
     del engine
@@ -306,20 +305,35 @@ def _family(name: str) -> str:
     return "other"
 
 
+#: the steps profiled per model (key -> profile_step arguments): an AR step, a width-16 chain and
+#: tree, and a 512-token prefill chunk
+PROFILES = {"1": dict(width=1), "16": dict(width=16), "tree16": dict(width=16, parents="tree"), "prefill512": dict(width=512, prefill=True)}
+
+
 @torch.no_grad()
-def profile_step(engine, width: int) -> dict:
-    """Kernels of one eager ``(1, width)`` step (a chain in the spare slot) under the PyTorch
-    profiler: count and device microseconds per kernel family, and the top kernels by time."""
+def profile_step(engine, width: int, parents: list[int] | None = None, prefill: bool = False) -> dict:
+    """Kernels of one eager ``(1, width)`` step in the spare slot (a chain, or the tree of
+    ``parents``; with ``prefill`` a prefill chunk of ``width`` tokens) under the PyTorch profiler:
+    count and device microseconds per kernel family, and the top kernels by time."""
     from torch.profiler import ProfilerActivity, profile
 
-    r = engine._runners.get((1, width)) or engine._runner(1, width)
+    from target_service.tree import analyze_tree
+
+    if parents == "tree":
+        parents = _tree_shape(width)
+    if prefill:
+        r = engine._prefill_runners.get(width) or engine._prefill_runner(width)
+    else:
+        r = engine._runners.get((1, width)) or engine._runner(1, width)
     lay = r.layout
     lay.fill_padding(r.host_np, engine.pool.spare)
     v = lay.host_views(r.host_np)
+    parents = parents or list(range(-1, width - 1))
+    depth, bits = (list(range(width)), [0] * width) if prefill else analyze_tree([0] * width, parents, 1, width)
     v["n_nodes"][0] = width
-    v["parents"][0] = list(range(-1, width - 1))
-    v["depth"][0] = list(range(width))
-    v["ancestors"][0] = [(1 << (i + 1)) - 1 if i < 63 else -1 for i in range(width)]
+    v["parents"][0] = parents
+    v["depth"][0] = depth
+    v["ancestors"][0] = bits
     r.body()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -443,7 +457,8 @@ def report(d: str, out_path: str, command: str = "") -> str:
     L += ["", "## Kernel profile of one eager step (PyTorch profiler; kernels, device microseconds per family)", "",
           "| model | width | kernels | device us | by family (count x, us) |", "|---|---|---|---|---|"]
     for name, r in engines.items():
-        for w, pr in sorted(r.get("profile", {}).items(), key=lambda kv: int(kv[0])):
+        order = list(PROFILES)
+        for w, pr in sorted(r.get("profile", {}).items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)):
             if "families" not in pr:
                 continue
             fams = ", ".join(f"{k} {v['count']}x {v['us']:.0f}" for k, v in pr["families"].items())

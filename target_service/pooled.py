@@ -256,6 +256,17 @@ def choose(logits: torch.Tensor, st: StepTensors, positions: torch.Tensor, width
     return sample_tokens(logits, inv, thr, node_rows(st.seeds, width), positions)
 
 
+def prefill_step(model, pool, st: StepTensors, rope, taps: list[int]) -> StepOutputs:
+    """One prefill chunk (``B = 1``, a chain of ``W`` prompt tokens committed whole, causal
+    attention); graph-safe. ``ints`` = ``[token chosen after the chunk]`` (meaningful after the
+    prompt's last chunk), ``features`` ``[1, W, F]`` the tapped rows or ``None``."""
+    w = st.tokens.shape[1]
+    x, feats, _ = forward(model, pool, st, rope, taps, commit_chain=True, causal=True)
+    first = choose(model.logits(x[-1:]), st, st.positions[:, -1] + 1, 1)
+    features = torch.cat([feats[i] for i in taps], dim=-1).reshape(1, w, -1) if taps else None
+    return StepOutputs(first.reshape(-1), features)
+
+
 def run_step(model, pool, st: StepTensors, rope, taps: list[int], splits: int = 1) -> StepOutputs:
     """One verify step of a ``(B, W)`` bucket (module docstring); graph-safe."""
     b, w = st.tokens.shape
