@@ -336,7 +336,7 @@ class BatchedEngine:
         v["n_nodes"][0], v["slots"][0], v["lengths"][0] = n, s.slot, start
         self._fill_sampling(v, 0, s)
         st = StepTensors.from_buffer(layout, torch.from_numpy(buf).to(self.device), self.conv_kernel)
-        x, feats, _ = forward(self.model, self.pool, st, self.rope, self.taps, commit_chain=True, causal=True)
+        x, feats, _ = forward(self.model, self.pool, st, self.rope, self.taps, commit_chain=True, causal=True, fla=True)
         self.forwards += 1
         if self.taps:
             job.state.append(self._session_features(torch.cat([feats[i] for i in self.taps], dim=-1), s).cpu())

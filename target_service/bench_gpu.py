@@ -178,6 +178,22 @@ def bench_engine(path: str, name: str, reps: int = 5, hf: bool = False, max_cont
     out["ttft_warm_s"] = _stats(ttft[1:])
     out["prefill512_tok_s"] = _stats([512 / x for x in ttft[1:]])
     prefill_scratch = torch.cuda.max_memory_allocated() - before_prefill
+    if engine.prefill_buckets:
+        # the eager prefill path (fla-core's chunked GDN kernel when installed) for comparison
+        buckets, engine.prefill_buckets, eager = engine.prefill_buckets, (), []
+        try:
+            for i in range(reps + 1):
+                p = rand(512)
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                engine.prefill(f"pe{i}", p, s, taps)
+                torch.cuda.synchronize()
+                eager.append(512 / (time.perf_counter() - t))
+                engine.release([f"pe{i}"])
+            out["prefill512_eager_tok_s"] = _stats(eager[1:])
+            log(f"[{name}] eager prefill {out['prefill512_eager_tok_s']['median']:.0f} tok/s")
+        finally:
+            engine.prefill_buckets = buckets
     log(f"[{name}] TTFT(512) cold {ttft[0] * 1e3:.1f} ms, warm {out['ttft_warm_s']['median'] * 1e3:.1f} ms, "
         f"prefill {out['prefill512_tok_s']['median']:.0f} tok/s")
 

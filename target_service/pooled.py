@@ -156,11 +156,13 @@ class PoolBackend:
             for :meth:`commit`.
         causal: attention mask of a prefill chunk (rows ``j <= i``) instead of ancestor masks.
         splits: key-range splits of the attention kernel.
+        fla: run long causal chunks' GDN recurrence through fla-core's chunked kernel when it is
+            installed (eager prefill only: it is not graph-safe); otherwise ``pool_gdn_tree``.
     """
 
-    def __init__(self, pool, st: StepTensors, commit_chain: bool, causal: bool = False, splits: int = 1):
+    def __init__(self, pool, st: StepTensors, commit_chain: bool, causal: bool = False, splits: int = 1, fla: bool = False):
         self.pool, self.st = pool, st
-        self.commit_chain, self.causal, self.splits = commit_chain, causal, splits
+        self.commit_chain, self.causal, self.splits, self.fla = commit_chain, causal, splits, fla
         #: per GDN layer of a tree step, what its commit needs: pre-conv inputs, conv output,
         #: raw gates, layer weights, key heads and head dim
         self.saved: dict[int, tuple] = {}
@@ -184,7 +186,7 @@ class PoolBackend:
         x = conv_in.reshape(*bw, -1)
         a3, b3 = a.reshape(*bw, -1), b.reshape(*bw, -1)
         conv_out = gdn_ops.pool_conv_silu(x, pool.conv[j], st.slots, st.window, lw["conv"], commit=self.commit_chain)
-        if self.causal and self.w >= FLA_MIN_CHUNK and fla.available(x.device):
+        if self.fla and self.causal and self.w >= FLA_MIN_CHUNK and fla.available(x.device):
             return self._fla_chunk(j, conv_out, a3, b3, lw, key_heads, head_k_dim)
         o = gdn_ops.pool_gdn_tree(conv_out, a3, b3, lw["a"], lw["dt_bias"], pool.recurrent[j], st.slots, st.parents,
                                   st.ancestors, self.commit_chain, key_heads, head_k_dim)
@@ -236,13 +238,13 @@ def node_rows(t: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def forward(model, pool, st: StepTensors, rope: tuple[torch.Tensor, torch.Tensor], taps: list[int], *,
-            commit_chain: bool, causal: bool = False, splits: int = 1):
+            commit_chain: bool, causal: bool = False, splits: int = 1, fla: bool = False):
     """Embed, run the layers over the pool, and return ``(hidden [B*W, H], taps {layer: [B*W, H]},
     backend)``."""
     tokens = st.tokens.reshape(-1)
     pos = st.positions.reshape(-1)
     cos, sin = rope[0][pos], rope[1][pos]
-    backend = PoolBackend(pool, st, commit_chain=commit_chain, causal=causal, splits=splits)
+    backend = PoolBackend(pool, st, commit_chain=commit_chain, causal=causal, splits=splits, fla=fla)
     x, feats = model.layers_forward(model.embed[tokens], cos, sin, backend, taps)
     return x, feats, backend
 
