@@ -39,6 +39,39 @@ def rand_tree(gen: torch.Generator, b: int, w: int, pad: float = 0.1) -> tuple[t
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_pool_attention_tree_node_equals_ar_step(dtype, splits):
+    """A tree node's attention is bit-identical to the target-only step at its position: the step
+    where its ancestors were committed, in depth order, at rows ``L .. L + depth - 1`` and the node
+    itself is the one new row (the kernel reads a node's ancestors in position order)."""
+    from kernels.attention import triton as tri
+
+    gen = torch.Generator().manual_seed(7)
+    hq, hkv, d, w, r = 4, 2, 16, 12, 700
+    k = torch.randn(2, r, hkv, d, generator=gen).to(DEV, dtype)
+    v = torch.randn(2, r, hkv, d, generator=gen).to(DEV, dtype)
+    q = torch.randn(1, w, hq, d, generator=gen).to(DEV, dtype)
+    parents, anc = rand_tree(gen, 1, w, pad=0.0)
+    L = 300                                  # the committed prefix crosses a 256-key split
+    slots = torch.tensor([0], device=DEV)
+    tree = tri.pool_attention(q, k, v, slots, torch.tensor([L], device=DEV), anc, 0.3, False, splits=splits)
+    par = parents[0].tolist()
+    for node in range(w):
+        path = [node]
+        while par[path[-1]] >= 0:
+            path.append(par[path[-1]])
+        path.reverse()                       # root .. node
+        k2, v2 = k.clone(), v.clone()
+        k2[1, :L], v2[1, :L] = k[0, :L], v[0, :L]
+        k2[1, L : L + len(path)] = k[0, L + torch.tensor(path)]
+        v2[1, L : L + len(path)] = v[0, L + torch.tensor(path)]
+        ar = tri.pool_attention(q[:, node : node + 1], k2, v2, torch.tensor([1], device=DEV),
+                                torch.tensor([L + len(path) - 1], device=DEV), torch.ones(1, 1, dtype=torch.long, device=DEV),
+                                0.3, False, splits=splits)
+        assert torch.equal(tree[0, node], ar[0, 0]), node
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("b,w,hq,hkv,d,causal,splits", [(2, 5, 6, 2, 16, False, 1), (3, 7, 4, 1, 32, False, 3),
                                                           (2, 9, 4, 2, 16, True, 2), (1, 64, 2, 1, 16, False, 2)])
 def test_pool_attention(dtype, b, w, hq, hkv, d, causal, splits):

@@ -3,20 +3,25 @@
 lengths, slots, masks, is read from tensors in the kernel; no host synchronisation).
 
 Layout (flash-decoding, Dao et al. "Flash-Decoding for long-context inference", 2023; online
-softmax of Milakov & Gimelshein 2018): one program per (batch row, kv head, block of query rows,
-split of the key range). Query rows are the ``W x G`` pairs (node, query head of the kv head's
-group), node-major, so all query heads sharing a kv head read each K/V tile once. The key range is
-cut into chunks of :data:`CHUNK` keys at fixed absolute positions (``splits`` of them, the last
-one taking the rest); with one split the program normalises and writes the output, otherwise each
-split writes its normalised partial output and log-sum-exp and :func:`_combine_kernel` merges
-them, so long contexts at batch 1 still use many SMs.
+softmax of Milakov & Gimelshein 2018): a tree step runs one program per (batch row, kv head, node,
+split of the key range), its query rows being the node's ``G`` query heads that share the kv head
+(so they read each K/V tile once); a causal prefill chunk runs one program per (batch row, kv
+head, block of node-major (node, head) rows, split). The key range is cut into chunks of
+:data:`CHUNK` keys at fixed absolute positions (``splits`` of them, the last one taking the
+rest); with one split the program normalises and writes the output, otherwise each split writes
+its normalised partial output and log-sum-exp and :func:`_combine_kernel` merges them, so long
+contexts at batch 1 still use many SMs.
 
-Width invariance: a tree step's blocks of query rows are 16 high whatever its width, and the
-chunking depends only on absolute key positions, so a query computes exactly what it computes in
-a step of another width: a chain node verified at depth ``d`` gets bit for bit the result of the
-autoregressive step at the same position (speculative decoding stays token-identical to
-target-only decoding in bf16; tests/test_batched_engine_gpu.py). Causal prefill chunks use taller
-blocks (they are not compared with anything).
+Width invariance: a tree node reads its keys in *position* order: the committed rows ``[0, L)``,
+then its ancestors by depth, the ancestor at depth ``e`` (the ``e``-th set bit of its ancestor
+mask, as parents precede children) in the column of position ``L + e``, although its K/V sit at
+scratch row ``L + index``. Tiles start at fixed absolute positions, so every score lands in the
+tile column it has in the target-only step at the node's position, and the softmax sums and the
+``P @ V`` accumulation run in the same order: a node verified in a tree of any width gets bit for
+bit the result of the autoregressive step (speculative decoding stays token-identical to
+target-only decoding in bf16; tests/test_kernels.py checks it on the GPU; Triton's CPU
+interpreter sums position-independently, so there it checks only the mapping). Causal prefill
+chunks use taller blocks (they are not compared with anything).
 """
 
 from __future__ import annotations
@@ -47,18 +52,28 @@ def _pool_attention_kernel(
     L = tl.load(lengths_ptr + b)
     slot = tl.load(slots_ptr + b)
 
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < W * G
-    w = rows // G
-    head = kvh * G + rows % G
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + b * sqb + w[:, None] * sqw + head[:, None] * sqh + d[None, :], mask=row_ok[:, None], other=0.0)
     if CAUSAL:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < W * G
+        w = rows // G
+        head = kvh * G + rows % G
         w_last = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, W * G - 1) // G
         total = L + w_last + 1                     # keys any row of this block can see
     else:
-        anc = tl.load(anc_ptr + b * W + w, mask=row_ok, other=0)
-        total = L + W
+        # one node per program (its G query heads): the node's ancestors are read in position
+        # order, the ancestor at depth e standing at position L + e as in target-only decoding
+        node = pid_m
+        r = tl.arange(0, BLOCK_M)
+        row_ok = r < G
+        w = tl.zeros([BLOCK_M], tl.int32) + node
+        head = kvh * G + r
+        jw = tl.arange(0, 64)
+        anc = tl.load(anc_ptr + b * W + node)
+        bit = ((anc >> jw.to(tl.int64)) & 1).to(tl.int32)
+        rank = tl.cumsum(bit, 0) - 1               # depth of ancestor j (where bit j is set)
+        total = L + tl.sum(bit, 0)                 # positions [0, L + depth + 1)
+    q = tl.load(q_ptr + b * sqb + w[:, None] * sqw + head[:, None] * sqh + d[None, :], mask=row_ok[:, None], other=0.0)
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, total)
     if split == SPLITS - 1:
@@ -71,26 +86,31 @@ def _pool_attention_kernel(
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
-        kt = tl.load(k_ptr + base + cols[None, :].to(tl.int64) * skr + d[:, None], mask=col_ok[None, :], other=0.0)
+        if CAUSAL:
+            krow = cols
+        else:
+            # position P >= L holds the ancestor of depth P - L, at scratch row L + its index
+            e = cols - L
+            hit = (bit[None, :] != 0) & (rank[None, :] == e[:, None])
+            krow = tl.where(e < 0, cols, L + tl.sum(tl.where(hit, jw[None, :], 0), 1))
+        kt = tl.load(k_ptr + base + krow[None, :].to(tl.int64) * skr + d[:, None], mask=col_ok[None, :], other=0.0)
         if IEEE:
             s = tl.dot(q, kt, input_precision="ieee")
         else:
             s = tl.dot(q, kt)
         s = s * sm_scale
-        j = cols - L
         if CAUSAL:
-            new_ok = j[None, :] <= w[:, None]
+            j = cols - L
+            visible = col_ok[None, :] & ((j[None, :] < 0) | (j[None, :] <= w[:, None]))
         else:
-            jj = tl.maximum(j, 0).to(tl.int64)
-            new_ok = ((anc[:, None] >> jj[None, :]) & 1) != 0
-        visible = col_ok[None, :] & ((j[None, :] < 0) | new_ok)
+            visible = col_ok[None, :] & row_ok[:, None]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        vt = tl.load(v_ptr + base + cols[:, None].to(tl.int64) * skr + d[None, :], mask=col_ok[:, None], other=0.0)
+        vt = tl.load(v_ptr + base + krow[:, None].to(tl.int64) * skr + d[None, :], mask=col_ok[:, None], other=0.0)
         if IEEE:
             pv = tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
         else:
@@ -164,7 +184,7 @@ def pool_attention(
     g = hq // hkv
     assert q.stride(-1) == 1 and k_pool.stride(-1) == 1 and k_pool.stride() == v_pool.stride()
     out = torch.empty(bsz, w, hq, d, device=q.device, dtype=q.dtype)
-    block_m = _block_m(w * g, causal)
+    block_m = _block_m(w * g, causal) if causal else max(16, triton.next_power_of_2(g))
     block_n = 64 if d <= 64 else (32 if d <= 128 else 16)
     if q.dtype == torch.float32:
         block_n = min(block_n, 32)
@@ -175,7 +195,7 @@ def pool_attention(
     else:
         part = lse = out
     anc = ancestors if ancestors is not None else lengths
-    grid = (bsz * hkv, triton.cdiv(w * g, block_m), splits)
+    grid = (bsz * hkv, triton.cdiv(w * g, block_m) if causal else w, splits)
     slots, lengths, anc = slots.contiguous(), lengths.contiguous(), anc.contiguous()
     _pool_attention_kernel[grid](
         q, k_pool, v_pool, slots, lengths, anc, out, part, lse, float(scale),
