@@ -160,6 +160,8 @@ def test_llama_streams_graphs_on_off_and_cpu_reference(smollm_model, smollm_gpu,
         # width invariance: a chain node is computed exactly as the autoregressive step at its
         # position, so chains stay token-identical to target-only decoding in bf16 too
         assert speculative_streams(on, prompts, s, ar, n, decoys=False)[0] == ar
+        # and so are trees: a node reads its ancestors in position order (kernels/attention/triton.py)
+        assert speculative_streams(on, prompts, s, ar, n, decoys=True, seed=5)[0] == ar
         assert on.captures == len(on._runners) > 1          # one graph per bucket used, captured once
 
 
@@ -180,7 +182,13 @@ def test_qwen35_streams_equal_cpu_reference(q35_gpu):
     assert speculative_streams(on, prompts, s, want, n, layers=[1, 5])[0] == want
     assert speculative_streams(off, prompts, s, want, n, layers=[1, 5])[0] == want
     on16, off16 = _engines(q35_gpu["cuda-bf16"])
-    assert speculative_streams(on16, prompts, s, want, n, layers=[])[0] == speculative_streams(off16, prompts, s, want, n, layers=[])[0]
+    got16 = speculative_streams(on16, prompts, s, want, n, layers=[])[0]
+    assert got16 == speculative_streams(off16, prompts, s, want, n, layers=[])[0]
+    # bf16: trees (oracle trees with decoy siblings) and chains are token-identical to the same
+    # engine's target-only decoding (width invariance of every kernel)
+    ar16 = [ar_stream(on16, "a", p, s, n, [])[0] for p in prompts]
+    assert speculative_streams(on16, prompts, s, ar16, n, layers=[], decoys=True, seed=3)[0] == ar16
+    assert speculative_streams(on16, prompts, s, ar16, n, layers=[], decoys=False)[0] == ar16
 
 
 def test_gpu_forward_logits_match_cpu_reference(q35_gpu, smollm_model, smollm_gpu):
