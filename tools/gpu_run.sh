@@ -5,6 +5,8 @@
 #                                          # llama.cpp build in the background (survives while warm)
 #   bash tools/gpu_run.sh smoke            # without SmolLM2: kernel and hybrid-engine GPU tests, the engine
 #                                          # benchmark and kernel profile on synthetic models
+#   bash tools/gpu_run.sh sweep            # without SmolLM2: kernel tests on CUDA, then the config sweeps
+#                                          # of the skinny linear and the GDN recurrence -> $OUT/sweep-*.json
 #   bash tools/gpu_run.sh checks           # GPU tests (pytest -m gpu) -> $OUT/gpu-tests.txt
 #   bash tools/gpu_run.sh bench [MODELS]   # the benchmark of benchmarks/gpu/ -> $OUT/*.json, RESULTS.md
 #   bash tools/gpu_run.sh all [MODELS]     # checks, then bench
@@ -91,6 +93,17 @@ PY
   python3 -m target_service.bench_gpu engine --model $M/q35-0.8b-v49k.gguf --name qwen35-0.8b-v49k --reps 2 --out "$OUT/smoke-q35.json"
 }
 
+cmd_sweep() {
+  # no SmolLM2 needed: kernel tests on CUDA, then the config sweeps of the skinny linear and the
+  # GDN recurrence -> $OUT/sweep-*.json
+  install_wheels
+  nvidia-smi -L | tee "$OUT/device.txt"
+  python3 -m pytest -q -p no:cacheprovider --timeout 900 tests/test_kernels.py tests/test_conv_kernels.py \
+    tests/test_gdn_kernels.py tests/test_linear_kernels.py 2>&1 | tail -30 | tee "$OUT/kernel-tests.txt"
+  [ -e tools/sweep_linear.py ] && timeout 300 python3 tools/sweep_linear.py --out "$OUT/sweep-linear.json" 2>&1 | tail -80 | tee "$OUT/sweep-linear.txt"
+  [ -e tools/sweep_gdn.py ] && timeout 300 python3 tools/sweep_gdn.py --out "$OUT/sweep-gdn.json" 2>&1 | tail -80 | tee "$OUT/sweep-gdn.txt"
+}
+
 cmd_checks() {
   install_wheels
   local smol; smol=$(smollm) || exit 1
@@ -156,6 +169,7 @@ cmd_concurrency() {
 case ${1:-all} in
   stage) cmd_stage ;;
   smoke) cmd_smoke ;;
+  sweep) cmd_sweep ;;
   checks) cmd_checks ;;
   bench) shift; cmd_bench "$@" ;;
   all) shift; cmd_checks; cmd_bench "$@" ;;
