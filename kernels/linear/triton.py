@@ -1,37 +1,191 @@
-"""Skinny linear projection in Triton for the decode and small verify steps (``M <= 64`` rows):
-one program per (block of output features, block of 16 rows) streams its rows of ``w``,
-tensor-core dot against its 16 rows of ``x``, float32 accumulation, one rounding to the output
-dtype. Each row's result is computed the same way whatever ``M`` is (same instruction shape,
-same accumulation order), so a decode step and a verify step give the same projection of the
-same row, which keeps speculative decoding token-identical to target-only decoding. At ``M = 1`` a projection is a pure read of the weight matrix; cuBLAS's general kernels
-pay launch and ramp-up latency that dominates the small matrices of 0.1-1B models (the profile
-in benchmarks/gpu/ counts it). Same contract as ``kernels.linear.reference.linear``; larger ``M``
-goes to cuBLAS (``kernels.linear.linear``).
+"""Skinny linear projection in Triton for the decode and small verify steps (``M <= 64`` rows).
+
+``y = x @ w^T`` with ``x`` ``[..., K]`` (``M`` rows in all), ``w`` ``[N, K]`` (contiguous last
+dim), ``y`` ``[..., N]``; float16 / bfloat16 (tensor-core dots) or float32 (IEEE float32 dots, no
+tf32). One program per (block of ``BLOCK_N`` output features, block of :data:`BLOCK_M` = 16 rows)
+streams its ``BLOCK_N`` rows of ``w`` in ``BLOCK_K`` slices, tensor-core dot against its 16 rows of
+``x``, float32 accumulation in ``K`` order, one rounding to ``x``'s dtype (as ``F.linear`` rounds)
+and then to the output dtype. At ``M = 1`` a projection is a pure read of the weight matrix;
+cuBLAS's general kernels pay launch and ramp-up latency that dominates the small matrices of
+0.1-1B models (the profile in benchmarks/gpu/ counts it). Same contract as
+``kernels.linear.reference.linear``; larger ``M`` goes to cuBLAS (``kernels.linear.linear``).
+
+**Bit-exactness across ``M``** (speculative decoding relies on it: verifying a width-16 tree must
+give, row for row, the bits a width-1 decode step gives, or greedy speculative decoding would not
+be token-identical to target-only decoding). A row's result depends only on its own values and on
+the kernel's tiling, never on the other rows or on ``M``:
+
+* the launch configuration (``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages``; ``BLOCK_M`` is
+  always 16) is a function of ``(N, K, dtype)`` only (:func:`config_for`), never of ``M``;
+* ``M`` is not specialised (``do_not_specialize``), so ``M = 1`` and ``M = 16`` run the same
+  compiled binary (Triton does specialise on 16-byte alignment of the pointers and strides; that
+  only changes how tiles are loaded, not the arithmetic);
+* each output element is one row of ``x`` against one row of ``w``: the dot instructions never
+  mix rows, padded rows are zeros that only reach their own (discarded) outputs, and the float32
+  accumulator of an element sees the same ``BLOCK_K`` slices in the same order whatever ``M`` is;
+  which program handles a row (the 1-D grid puts the row blocks of a weight block side by side,
+  so a 17-64-row call reads each weight byte from HBM once) changes nothing in that arithmetic.
+
+No split-K: splitting the ``K`` loop across programs would change the accumulation order with the
+number of splits and need atomics or a second pass; long-``K`` weights get bigger ``BLOCK_K`` /
+more stages / more warps from the config table instead.
+
+Changing a shape's config changes its rounding (a different ``BLOCK_K`` or warp split reorders the
+float32 sum); that is fine as long as every ``M`` uses the same one, which the rule above ensures
+within one process (all services of a deployment should share ``DFLASH_LINEAR_CONFIG``).
+
+**Config table.** :data:`CONFIGS` maps ``(N, K)`` to a :class:`Config` for 16-bit dtypes (fill it
+from ``tools/sweep_linear.py``'s JSON: it prints the lines to paste); shapes not in it get
+:func:`default_config` (the rule this kernel always used: ``BLOCK_N`` 16 / 32 / 64 for ``N`` up to
+4096 / 16384 / beyond, ``BLOCK_K`` 256, 4 warps, 3 stages). float32 always uses the rule with
+``BLOCK_K`` 128 (IEEE dots). ``DFLASH_LINEAR_CONFIG=path.json`` (the sweep's output, or any JSON
+with a ``"configs"`` list of ``{"N", "K", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}``)
+overrides the table entry by entry; a bad file raises at the first projection.
+
+**SwiGLU prologue.** ``linear(gu, w_down, prologue="swiglu")`` takes the ``[..., 2K]`` gate|up
+projection and computes ``silu(gate) * up`` on the tiles it loads, with
+``kernels.activation.triton.swiglu_tile`` (the helper ``silu_mul``'s kernel runs), before the dot:
+float32 silu rounded to the input dtype, float32 product rounded to the input dtype. The dot then
+sees exactly the tile ``silu_mul(gu)`` would have stored, with the same config (keyed by the
+weight's ``(N, K)``), so the fused result is bit-identical to ``linear(silu_mul(gu), w_down)`` and
+saves the ``silu_mul`` launch and its ``[M, K]`` round trip. (Compiled for sm_90 both kernels run
+the same instructions on each element: ``ex2.approx.f32``, ``div.full.f32``, ``cvt.rn`` to the
+dtype, a correctly rounded 16-bit multiply.) The prologue needs a second ``[16, BLOCK_K]`` shared
+memory tile; a config whose fused kernel does not fit the device falls back to ``silu_mul`` and the
+plain kernel with the same config (the same bits) and is remembered.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+from kernels.activation.triton import swiglu_tile
 
 MAX_ROWS = 64
+#: Rows per program (the tensor-core tile height); fixed, so it can never depend on ``M``.
+BLOCK_M = 16
+#: Environment variable naming a JSON file of configs that override :data:`CONFIGS`.
+CONFIG_ENV = "DFLASH_LINEAR_CONFIG"
+PROLOGUES = (None, "swiglu")
 
 
-@triton.jit
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Launch configuration of :func:`_skinny_kernel` for one ``(N, K, dtype)``.
+
+    Attributes:
+        block_n: output features per program (power of two, >= 16).
+        block_k: reduction slice per loop iteration (power of two, >= 16).
+        num_warps: warps per program (power of two).
+        num_stages: software-pipelining depth of the loads (>= 1).
+    """
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        def pow2(v: int) -> bool:
+            return isinstance(v, int) and v > 0 and v & (v - 1) == 0
+
+        if not (pow2(self.block_n) and self.block_n >= 16 and pow2(self.block_k) and self.block_k >= 16
+                and pow2(self.num_warps) and self.num_warps <= 32 and isinstance(self.num_stages, int) and self.num_stages >= 1):
+            raise ValueError(f"invalid linear config {self}: BLOCK_N, BLOCK_K powers of two >= 16, "
+                             "num_warps a power of two <= 32, num_stages >= 1")
+
+
+#: Tuned configs for 16-bit dtypes, ``(N, K) -> Config``. Empty until filled from an H200 run of
+#: ``tools/sweep_linear.py`` (paste the lines it prints); missing shapes use :func:`default_config`.
+CONFIGS: dict[tuple[int, int], Config] = {}
+
+
+def default_config(n: int, k: int, dtype: torch.dtype) -> Config:
+    """The fallback rule: ``BLOCK_N`` 16 / 32 / 64 for ``N`` <= 4096 / <= 16384 / larger (enough
+    programs for 132 SMs on small ``N``, fewer re-reads of ``x`` on the vocabulary projection),
+    ``BLOCK_K`` 256 (128 for float32), 4 warps, 3 stages."""
+    return Config(16 if n <= 4096 else (32 if n <= 16384 else 64), 128 if dtype == torch.float32 else 256, 4, 3)
+
+
+def _entry_config(e: dict, where: str) -> tuple[tuple[int, int], Config]:
+    try:
+        key = (int(e["N"]), int(e["K"]))
+        dt = str(e.get("dtype", "bfloat16")).replace("torch.", "")
+        if dt not in ("bfloat16", "float16", "bf16", "fp16", "16bit"):
+            raise ValueError(f"dtype {dt!r}: the table holds 16-bit configs only (float32 uses the rule)")
+        return key, Config(int(e["BLOCK_N"]), int(e["BLOCK_K"]), int(e["num_warps"]), int(e["num_stages"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: bad linear config entry {e!r}: {exc}") from exc
+
+
+@functools.lru_cache(maxsize=8)
+def load_config_file(path: str) -> dict[tuple[int, int], Config]:
+    """``(N, K) -> Config`` from a JSON file: an object with a ``"configs"`` list (the format
+    ``tools/sweep_linear.py --out`` writes), or the list itself. Cached per path.
+
+    Raises:
+        ValueError: unreadable file, bad JSON, or an entry missing a field / with invalid values.
+    """
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{CONFIG_ENV}={path}: {exc}") from exc
+    entries = data.get("configs") if isinstance(data, dict) else data
+    if not isinstance(entries, list):
+        raise ValueError(f"{CONFIG_ENV}={path}: expected a list of configs or an object with a 'configs' list")
+    return dict(_entry_config(e, path) for e in entries)
+
+
+def config_for(n: int, k: int, dtype: torch.dtype) -> Config:
+    """The launch config of an ``[N, K]`` weight in ``dtype``: float32 -> :func:`default_config`;
+    16-bit -> the ``DFLASH_LINEAR_CONFIG`` file's entry, else :data:`CONFIGS`' entry, else
+    :func:`default_config`. Never depends on the number of rows (module docstring)."""
+    if dtype == torch.float32:
+        return default_config(n, k, dtype)
+    path = os.environ.get(CONFIG_ENV)
+    if path:
+        cfg = load_config_file(path).get((n, k))
+        if cfg is not None:
+            return cfg
+    return CONFIGS.get((n, k)) or default_config(n, k, dtype)
+
+
+@triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                   SWIGLU: tl.constexpr):
     """``y = x @ w^T`` for one block of output features; the result is rounded to ``x``'s dtype
-    first (as ``F.linear`` rounds it) and then stored in ``y``'s dtype."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    first (as ``F.linear`` rounds it) and then stored in ``y``'s dtype. ``SWIGLU``: ``x`` is the
+    ``[M, 2K]`` gate|up tensor and the dot's left operand is ``swiglu_tile(gate, up)``."""
+    # 1-D grid, row blocks fastest: the (up to 4) programs that share a weight block run side by
+    # side, so a 17..64-row call reads each weight byte from HBM once (the others hit L2).
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid = tl.program_id(0)
+    rn = (pid // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
     nm = rn < N
     mm = rm < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         km = rk < K
-        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+        xp = x_ptr + rm[:, None] * sxm + rk[None, :]
+        xmask = mm[:, None] & km[None, :]
+        if SWIGLU:
+            g = tl.load(xp, mask=xmask, other=0.0).to(tl.float32)
+            u = tl.load(xp + K, mask=xmask, other=0.0).to(tl.float32)
+            x = swiglu_tile(g, u, x_ptr.dtype.element_ty)
+        else:
+            x = tl.load(xp, mask=xmask, other=0.0)
         w = tl.load(w_ptr + rn[:, None].to(tl.int64) * swn + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
         if IEEE:
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
@@ -41,16 +195,34 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
     tl.store(y_ptr + rm[:, None] * sym + rn[None, :], out, mask=mm[:, None] & nm[None, :])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
+           prologue: str | None = None, config: Config | None = None) -> torch.Tensor:
     """Triton version of ``kernels.linear.reference.linear`` for at most :data:`MAX_ROWS` rows
     (float32 inputs use IEEE float32 dots).
 
+    Args:
+        x: ``[..., K]`` (``[..., 2K]`` gate|up with ``prologue="swiglu"``), float16 / bfloat16 / float32.
+        weight: ``[N, K]``, same dtype, contiguous last dim.
+        out_dtype: dtype of ``y`` (default ``x``'s); the value is ``x``'s dtype result widened.
+        prologue: ``None`` or ``"swiglu"`` (module docstring).
+        config: launch config (default :func:`config_for` ``(N, K, dtype)``; benchmarks and tests only).
+
+    Returns:
+        ``[..., N]``.
+
     Raises:
-        ValueError: more than :data:`MAX_ROWS` rows, or ``weight`` without a contiguous last dim.
+        ValueError: more than :data:`MAX_ROWS` rows, an unknown prologue, mismatched ``K``, or
+            ``weight`` without a contiguous last dim.
     """
-    k = x.shape[-1]
+    if prologue not in PROLOGUES:
+        raise ValueError(f"prologue {prologue!r}: expected one of {PROLOGUES}")
+    swiglu = prologue == "swiglu"
+    kx = x.shape[-1]
+    k = kx // 2 if swiglu else kx
     n = weight.shape[0]
-    x2 = x.reshape(-1, k)
+    if weight.shape[-1] != k or (swiglu and kx % 2):
+        raise ValueError(f"x [..., {kx}] does not match weight {tuple(weight.shape)}" + (" with the swiglu prologue" if swiglu else ""))
+    x2 = x.reshape(-1, kx)
     m = x2.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"{m} rows: the skinny kernel takes at most {MAX_ROWS}")
@@ -59,10 +231,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None 
     if weight.stride(-1) != 1:
         raise ValueError("weight must have a contiguous last dim")
     y = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
-    ieee = x.dtype == torch.float32
-    block_n = 16 if n <= 4096 else (32 if n <= 16384 else 64)
-    block_k = 128 if ieee else 256
-    _skinny_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, 16))](x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
-                                                BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee,
-                                                num_warps=4, num_stages=3)
+    cfg = config or config_for(n, k, x.dtype)
+    if m and n:
+        if swiglu and (cfg, x.dtype) in _UNFUSABLE:
+            from kernels.activation.triton import silu_mul
+
+            x2, swiglu = silu_mul(x2), False
+        try:
+            _launch(x2, weight, y, m, n, k, cfg, swiglu)
+        except OutOfResources:
+            if not swiglu:
+                raise
+            # The prologue's extra gate/up tiles overflow shared memory with this config: run
+            # silu_mul and the plain kernel with the same config instead (the same bits, module
+            # docstring), and remember it.
+            from kernels.activation.triton import silu_mul
+
+            _UNFUSABLE.add((cfg, x.dtype))
+            _launch(silu_mul(x2), weight, y, m, n, k, cfg, False)
     return y.reshape(*x.shape[:-1], n)
+
+
+#: ``(Config, dtype)`` pairs whose SwiGLU-prologue kernel does not fit the device (see :func:`linear`).
+_UNFUSABLE: set = set()
+
+
+def _launch(x2, weight, y, m, n, k, cfg: Config, swiglu: bool) -> None:
+    _skinny_kernel[(triton.cdiv(n, cfg.block_n) * triton.cdiv(m, BLOCK_M),)](
+        x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=x2.dtype == torch.float32, SWIGLU=swiglu,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)

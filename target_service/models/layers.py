@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from kernels.activation import silu_mul
 from kernels.linear import linear
 from kernels.norm import add_rms_norm
 from kernels.norm.reference import rms_norm  # noqa: F401 (the reference; models call kernels.norm)
@@ -66,5 +65,9 @@ def rope_table(max_positions: int, rope_dim: int, theta: float, device: torch.de
 def mlp_then_norm(x: torch.Tensor, h: torch.Tensor, lw: dict, next_norm: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The SwiGLU MLP of a decoder layer on its normed input ``h`` (``lw["gate_up"]`` ``[2F, H]``,
     ``lw["down"]`` ``[H, F]``), its residual add to ``x``, and the next norm (the next layer's
-    input norm, or the output norm), fused: returns ``(x + mlp(h), next_norm(x + mlp(h)))``."""
-    return add_rms_norm(x, linear(silu_mul(linear(h, lw["gate_up"])), lw["down"]), next_norm, eps)
+    input norm, or the output norm), fused: returns ``(x + mlp(h), next_norm(x + mlp(h)))``.
+
+    ``silu(gate) * up`` is the down projection's ``swiglu`` prologue: fused into the skinny Triton
+    kernel where that runs (CUDA, <= 64 rows; bit-identical to ``silu_mul`` then ``linear``), and
+    ``kernels.activation.silu_mul`` then the projection everywhere else, as before."""
+    return add_rms_norm(x, linear(linear(h, lw["gate_up"]), lw["down"], prologue="swiglu"), next_norm, eps)
