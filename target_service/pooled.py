@@ -210,10 +210,7 @@ class PoolBackend:
         """Commit each row's accepted path (``path[b, :n_accept[b]]``, root first): K/V rows of
         every attention layer at once, then each GDN layer's recurrent and conv state."""
         st, pool = self.st, self.pool
-        s = st.slots[:, None]
-        src = st.lengths[:, None] + path
-        for t in (pool.k, pool.v):
-            t[:, s, st.rows] = t[:, s, src]
+        attn_ops.pool_kv_commit(pool.k, pool.v, st.slots, st.lengths, path, n_accept)
         last = path.gather(1, (n_accept - 1).clamp(min=0)[:, None])[:, 0]
         for layer, (x, conv_out, a, b, lw, hk, dk) in self.saved.items():
             j = pool.gdn_index[layer]

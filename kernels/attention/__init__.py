@@ -1,5 +1,7 @@
-"""Attention ops: ``tree_attention`` (one session, reference) and ``pool_attention`` (a batch of
-trees over the GPU engine's pool: reference in ``reference.py``, Triton in ``triton.py``)."""
+"""Attention ops: ``tree_attention`` (one session, reference), ``pool_attention`` (a batch of
+trees over the GPU engine's pool: reference in ``reference.py``, Triton in ``triton.py``) and
+``pool_kv_commit`` (a verify step's accepted K/V rows moved into place: reference in
+``reference.py``, Triton in ``kv_commit.py``)."""
 
 import math
 
@@ -28,4 +30,14 @@ def pool_attention(q, k_pool, v_pool, slots, lengths, ancestors, scale, causal=F
     return reference.pool_attention(q, k_pool, v_pool, slots, lengths, ancestors, scale, causal)
 
 
-__all__ = ["CHUNK", "default_splits", "pool_attention", "tree_attention"]
+def pool_kv_commit(k_pool, v_pool, slots, lengths, path, n_accept):
+    """:func:`kernels.attention.reference.pool_kv_commit` (all attention layers, K and V), run by
+    its Triton version (one launch, ``kv_commit.py``) on CUDA."""
+    if use_triton(k_pool):
+        from kernels.attention import kv_commit
+
+        return kv_commit.pool_kv_commit(k_pool, v_pool, slots, lengths, path, n_accept)
+    return reference.pool_kv_commit(k_pool, v_pool, slots, lengths, path, n_accept)
+
+
+__all__ = ["CHUNK", "default_splits", "pool_attention", "pool_kv_commit", "tree_attention"]

@@ -112,3 +112,27 @@ def pool_attention(
         probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
         out[b] = torch.einsum("kgwn,nkd->wkgd", probs, v).reshape(w, hq, d).to(q.dtype)
     return out
+
+
+def pool_kv_commit(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+                   path: torch.Tensor, n_accept: torch.Tensor) -> None:
+    """Move each row's accepted path to the front of its scratch rows, in every attention layer.
+
+    A verify step wrote node ``j`` of row ``b`` at pool row ``L_b + j`` (``L_b = lengths[b]``);
+    after acceptance, row ``L_b + d`` must hold the path's ``d``-th node: ``row L_b + d <- row
+    L_b + path[b, d]`` for **every** ``d < W``, K and V, all layers, slot ``slots[b]`` (all rows
+    are read before any is written). Rows ``d >= n_accept[b]`` also receive ``path[b, d]``'s row
+    (whatever the path holds there: :func:`kernels.sampling.accept.accept_trees` leaves ``0``, the
+    root); they lie past the new committed length and are scratch again.
+
+    Args:
+        k_pool, v_pool: ``[A, S, R, Hkv, D]`` all attention layers of the pool (modified in place).
+        slots, lengths: ``[B]`` int64.
+        path: ``[B, W]`` int64 node indices, root first (``path[b, d] >= d`` on the accepted part).
+        n_accept: ``[B]`` int64 (not needed by the move itself: see above).
+    """
+    s = slots[:, None]
+    rows = lengths[:, None] + torch.arange(path.shape[1], device=path.device)
+    src = lengths[:, None] + path
+    for t in (k_pool, v_pool):
+        t[:, s, rows] = t[:, s, src]

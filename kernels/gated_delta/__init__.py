@@ -1,20 +1,23 @@
-"""Gated DeltaNet ops: recurrence (chain and tree) and causal conv (reference in ``reference.py``),
-and their pooled, batched forms for the GPU engine (conv + SiLU, tree recurrence and commit also
-in Triton, ``triton.py``, picked per call)."""
+"""Gated DeltaNet ops: recurrence (chain and tree; reference in ``reference.py``) and their pooled,
+batched forms for the GPU engine (tree recurrence and commit also in Triton, ``triton.py``, picked
+per call). The layers' causal conv is the op package ``kernels.conv``, re-exported here."""
 
-from kernels.dispatch import use_triton
-from kernels.gated_delta import reference
-from kernels.gated_delta.reference import (
+from kernels.conv import (
     causal_conv_tree,
     conv_state_after,
     conv_window_index,
+    pool_conv_commit,
+    pool_conv_silu,
+    pool_conv_tree,
+)
+from kernels.dispatch import use_triton
+from kernels.gated_delta import reference
+from kernels.gated_delta.reference import (
     gdn_gates,
     gdn_qkv,
     gdn_step,
     gdn_update,
     l2norm,
-    pool_conv_commit,
-    pool_conv_tree,
     recurrent_gated_delta_rule,
     tree_gated_delta_rule,
 )
@@ -37,11 +40,6 @@ def pool_gdn_tree(conv_out, a, b, A, dt_bias, state_pool, slots, parents, ancest
 def pool_gdn_commit(state_pool, slots, conv_out, a, b, A, dt_bias, path, n_accept, key_heads, head_k_dim):
     """:func:`kernels.gated_delta.reference.pool_gdn_commit`, by its Triton version on CUDA."""
     return _impl(conv_out).pool_gdn_commit(state_pool, slots, conv_out, a, b, A, dt_bias, path, n_accept, key_heads, head_k_dim)
-
-
-def pool_conv_silu(x, conv_pool, slots, window, weight, commit=False):
-    """:func:`kernels.gated_delta.reference.pool_conv_silu`, by its Triton version on CUDA."""
-    return _impl(x).pool_conv_silu(x, conv_pool, slots, window, weight, commit)
 
 
 __all__ = [
