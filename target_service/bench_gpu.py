@@ -1,8 +1,10 @@
 """GPU benchmark of the target engine, with same-run baselines (``tools/gpu_run.sh bench`` runs it).
 
     python -m target_service.bench_gpu engine --model M.gguf --name NAME --out NAME.json [--hf]
-    python -m target_service.bench_gpu report --dir DIR --out DIR/RESULTS.md
+    python -m target_service.bench_gpu report --dir DIR --out DIR/RESULTS.md [--acceptance A.json]
     python -m target_service.bench_gpu env --out DIR/env.json
+    python -m target_service.bench_gpu drafter --model M.gguf --name NAME --out NAME.drafter.json [--drafter D.gguf]
+    python -m target_service.bench_gpu tree-vs-chain --engine NAME.json --acceptance A.json [--draft-ms 1.2]
 
 ``engine`` measures, on one CUDA device, in this order (each a median over repeats, with the
 spread):
@@ -19,11 +21,23 @@ spread):
   per batch bucket (1, 4, 16 sessions of 16-node trees): wall time of ``verify_batch`` and device
   time of the replay;
 * commit latency of a 16-node verify (eager, CUDA events around the commit alone);
+* the drafter's propose time at batch 1 (:func:`drafter_timing`, key ``draft_propose``; off with
+  ``--no-drafter``): the shipped drafter of the target when there is one, else a random-weight
+  drafter of the shipped drafter's shape built for this target (its cost, not its acceptance),
+  through :class:`draft_service.batched.BatchedDrafter` (CUDA graphs) for the chain and the
+  16/17/32/33-node trees: wall time of ``propose_batch`` (step, host sync, tree building) and
+  the device time of the replayed step (CUDA events);
 * with ``--hf``: transformers ``generate`` of 128 tokens from the same GGUF (bf16, greedy).
+
+``drafter`` runs only the drafter measurement, into ``NAME.drafter.json`` (``{"drafter_of":
+NAME, "draft_propose": ...}``), which ``report`` merges into the engine result of ``NAME``.
 
 ``report`` merges every ``*.json`` of a directory (engine results, ``llamacpp.jsonl`` from
 llama-bench, ``e2e.json`` from ``dflash-grpc bench``) into RESULTS.md with the ratios the issue's
-goals are stated in.
+goals are stated in, and with ``--acceptance`` (default ``benchmarks/tree_vs_chain/acceptance.json``
+when it exists; from ``tools/acceptance.py``) the section "Tree vs chain": per model,
+``tok/s = tau / (draft ms + verify ms)`` for autoregressive, chain and trees
+(:func:`tree_vs_chain`). ``tree-vs-chain`` prints that table for one engine result.
 """
 
 from __future__ import annotations
@@ -118,7 +132,8 @@ def _weights(model) -> list[torch.Tensor]:
 
 
 def bench_engine(path: str, name: str, reps: int = 5, hf: bool = False, max_context: int = 2048,
-                 batch_buckets=(1, 4, 16), width_buckets=(1, 4, 8, 16, 32, 64), log=print) -> dict:
+                 batch_buckets=(1, 4, 16), width_buckets=(1, 4, 8, 16, 32, 64), log=print,
+                 drafter: bool = True, drafter_path: str | None = None) -> dict:
     """Everything ``engine`` measures for one GGUF (module docstring); returns a JSON-able dict."""
     from target_service.batched_engine import BatchedEngine
     from target_service.engine import Sampling
@@ -260,6 +275,13 @@ def bench_engine(path: str, name: str, reps: int = 5, hf: bool = False, max_cont
                      "prefill_scratch_peak": prefill_scratch, "peak_allocated": torch.cuda.max_memory_allocated()}
     del engine
     torch.cuda.empty_cache()
+    if drafter:
+        try:
+            out["draft_propose"] = drafter_timing(path, drafter_path, log=lambda m: log(f"[{name}] {m}"))
+        except Exception as e:  # noqa: BLE001 - report and go on
+            out["draft_propose"] = {"error": repr(e)}
+            log(f"[{name}] drafter timing failed: {e!r}")
+        torch.cuda.empty_cache()
     if hf:
         try:
             del model
@@ -395,9 +417,267 @@ def hf_decode(path: str, n: int = N_AR, reps: int = 3) -> dict:
     return {"tok_s": _stats(runs), "load_s": load_s}
 
 
+# ------------------------------------------------------------------------------ tree vs chain
+#: the drafting configurations of the tree-vs-chain estimate, named as ``dflash-grpc bench`` and
+#: ``tools/acceptance.py`` name them: the chain (block size - 1 draft tokens), and DDTrees of
+#: BUDGET draft nodes (BUDGET + 1 with the root) with TOPK candidates per depth
+DRAFT_CONFIGS = ("chain", "tree:15:4", "tree:16:4", "tree:31:4", "tree:32:4")
+
+
+def _draft_params(config: str) -> tuple[int, int]:
+    """``(budget, top_k)`` of a configuration name (``chain``: ``(0, 1)``)."""
+    if config == "chain":
+        return 0, 1
+    _, budget, top_k = config.split(":")
+    return int(budget), int(top_k)
+
+
+@torch.no_grad()
+def drafter_timing(target_path: str, drafter_path: str | None = None, configs=DRAFT_CONFIGS, steps: int = 40,
+                   warmup: int = 5, rows_per_step: int = 4, prompt_rows: int = 64, device: str | None = None,
+                   cuda_graphs: bool = True, log=print) -> dict:
+    """Propose time of a drafter at batch 1, per drafting configuration, in process.
+
+    The drafter: ``drafter_path``, else the drafter shipped for the target (same fingerprint),
+    else a random-weight drafter of the shipped drafter's shape (3 layers, block 16, 5 target
+    layers) written for this target in a temporary directory (the cost of a drafter for it; it
+    accepts nothing). It runs in :class:`draft_service.batched.BatchedDrafter` (bf16, one batch
+    bucket, CUDA graphs on CUDA; float32 and eager on the CPU). Per configuration: one session
+    gets ``prompt_rows`` feature rows, then ``steps`` proposals of ``rows_per_step`` new rows each
+    (about what a verify commits), the tree as the orchestrator asks for it (depth ``B - 1``).
+    Timed after ``warmup`` proposals: ``wall_ms``, ``propose_batch`` from call to return (inputs
+    staged, the step, its host sync, the tree built on the host); ``device_ms``, CUDA events
+    around the engine's step (replay plus the host sync), CUDA only; ``tree_us``, the host tree
+    building alone.
+
+    Returns:
+        ``{"drafter", "source", "trained", "device", "block_size", "rows_per_step", "configs":
+        {name: {"nodes", "wall_ms", "device_ms", "tree_us"}}}`` (``_stats`` dicts; ``device_ms``
+        None off CUDA).
+    """
+    import shutil
+    import tempfile
+
+    from draft_service import batched as dbatched
+    from draft_service import shipped_drafter
+    from draft_service.batched import BatchedDrafter, DraftItem
+    from draft_service.drafter import DFlashDrafter
+    from draft_service.gguf_io import is_trained
+    from target_service.fingerprint import model_fingerprint
+    from target_service.gguf_loader import open_gguf
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = dev.type == "cuda"
+    g = open_gguf(target_path)
+    tmp = None
+    source = "given"
+    if drafter_path is None:
+        drafter_path = shipped_drafter(model_fingerprint(g))
+        source = "shipped"
+    try:
+        if drafter_path is None:
+            from draft_service.init_random import write_random_drafter
+
+            tmp = tempfile.mkdtemp(prefix="bench-drafter-")
+            drafter_path = os.path.join(tmp, "random-drafter.gguf")
+            write_random_drafter(g, drafter_path, layers=3, block_size=16, num_target_layers=5)
+            source = "random weights, the shipped drafter's shape (3 layers, block 16, 5 target layers)"
+        model = DFlashDrafter.from_gguf(drafter_path, g, device=dev, dtype=torch.bfloat16 if cuda else torch.float32)
+        trained = bool(is_trained(drafter_path))
+        name = os.path.basename(drafter_path)
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    c = model.config
+    rows_total = prompt_rows + (warmup + steps) * rows_per_step
+    engine = BatchedDrafter(model, max_sessions=1, max_context=rows_total + c.block_size, cuda_graphs=cuda_graphs,
+                            batch_buckets=(1,), append_rows=max(rows_per_step, c.block_size))
+    engine.capture()
+    times: list[float] = []
+    orig = dbatched._Runner.run
+
+    def timed_run(r):
+        if not cuda:
+            return orig(r)
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        res = orig(r)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+        return res
+
+    gen = torch.Generator().manual_seed(0)
+    out: dict = {"drafter": name, "source": source, "trained": trained, "device": str(dev), "block_size": c.block_size,
+                 "rows_per_step": rows_per_step, "configs": {}}
+    dbatched._Runner.run = timed_run
+    try:
+        for cfg in configs:
+            budget, top_k = _draft_params(cfg)
+            sid = f"draft-{cfg}"
+            L = 0
+            walls, trees, nodes = [], [], 0
+            times.clear()
+            for i in range(warmup + steps + 1):
+                n = prompt_rows if i == 0 else rows_per_step
+                feats = torch.randn(n, c.feature_size, generator=gen).to(model.dtype)
+                root = int(torch.randint(0, c.vocab_size, (1,), generator=gen))
+                L += n
+                item = DraftItem(sid, feats, root, L, budget=budget, top_k=top_k, max_depth=c.block_size - 1)
+                tree_s = engine.tree_s
+                if cuda:
+                    torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                (res,) = engine.propose_batch([item])
+                wall = time.perf_counter() - t0
+                if isinstance(res, BaseException):
+                    raise res
+                if i > warmup:  # the first call carries the prompt rows
+                    walls.append(wall * 1e3)
+                    trees.append((engine.tree_s - tree_s) * 1e6)
+                nodes = len(res.tokens)
+            engine.release([sid])
+            dev_times = times[-steps:] if cuda else []
+            out["configs"][cfg] = {"nodes": nodes, "wall_ms": _stats(walls), "tree_us": _stats(trees),
+                                   "device_ms": _stats(dev_times) if dev_times else None}
+            log(f"drafter {cfg}: {nodes} nodes, propose {out['configs'][cfg]['wall_ms']['median']:.3f} ms wall"
+                + (f", step {out['configs'][cfg]['device_ms']['median']:.3f} ms device" if dev_times else "")
+                + f", tree {out['configs'][cfg]['tree_us']['median']:.0f} us host")
+    finally:
+        dbatched._Runner.run = orig
+    del engine, model
+    return out
+
+
+def _nominal_nodes(config: str, block_size: int) -> int:
+    """Nodes of a configuration's full tree, root included (chain: the block size)."""
+    budget, _ = _draft_params(config)
+    return block_size if config == "chain" else budget + 1
+
+
+def _median(d, *keys):
+    """``d[k0][k1]...["median"]``, or None where a key is missing."""
+    for k in keys:
+        if not isinstance(d, dict) or d.get(k) is None:
+            return None
+        d = d[k]
+    return d.get("median") if isinstance(d, dict) else (d if isinstance(d, (int, float)) else None)
+
+
+def tree_vs_chain(engine: dict, acceptance: dict, draft_ms: "dict | float | None" = None, kind: str = "device_ms",
+                  prompt_set: str | None = None) -> dict:
+    """Estimated decode speed per drafting configuration at batch 1: ``tok/s = tau / (draft_ms +
+    verify_ms) * 1000``.
+
+    Args:
+        engine: a benchmark result of ``engine`` (:func:`bench_engine`): ``verify_width`` (per
+            width ``W``: ``chain`` and ``tree`` timings), ``ar_step_device_ms`` and, when
+            measured, ``draft_propose`` (:func:`drafter_timing`).
+        acceptance: ``tools/acceptance.py``'s JSON: per configuration ``tau`` and ``max_nodes``
+            (nodes of the full tree, root included; else taken from the name).
+        draft_ms: drafter milliseconds per step: one number for every configuration, or a dict
+            name -> ms; None: ``engine["draft_propose"]["configs"][name]["wall_ms"]``.
+        kind: ``device_ms`` (the replayed step, CUDA events) or ``wall_ms`` (``verify_batch``
+            with its host work) of the verify.
+        prompt_set: take tau of one prompt set (``by_set``, e.g. ``humaneval``) instead of all.
+
+    The verify of ``n`` nodes costs the measured step of the smallest measured width ``W >= n``
+    (the engine pads a step to its width bucket: 16 nodes run at ``W = 16``, 17 at ``W = 32``),
+    of the chain shape for the chain and the tree shape for trees (the chain's where the tree's
+    is missing). Autoregressive decoding: tau 1, no drafter, the AR step (``ar_step_device_ms``;
+    for ``wall_ms`` or when it is missing, the chain at ``W = 1``). Missing figures give None in
+    the row (``missing`` says which), never an exception.
+
+    Returns:
+        ``{"model", "kind", "draft_source", "rows": {name: {"tau", "nodes", "width", "shape",
+        "draft_ms", "verify_ms", "step_ms", "tok_s", "vs_ar", "vs_chain", "missing"}}}`` with
+        ``ar`` first, then the configurations of ``acceptance`` in order.
+    """
+    vw = {}
+    for w, entry in (engine.get("verify_width") or {}).items():
+        try:
+            vw[int(w)] = entry or {}
+        except (TypeError, ValueError):
+            continue
+    widths = sorted(vw)
+    prop = (engine.get("draft_propose") or {}).get("configs") or {}
+    if draft_ms is None:
+        source = (f"measured: {engine['draft_propose'].get('drafter', 'drafter')} ({engine['draft_propose'].get('source', '')})"
+                  if prop else "none")
+    elif isinstance(draft_ms, dict):
+        source = "given per configuration"
+    else:
+        source = f"given: {float(draft_ms):.3f} ms"
+
+    def drafter(name: str):
+        if draft_ms is None:
+            return _median(prop, name, "wall_ms")
+        if isinstance(draft_ms, dict):
+            v = draft_ms.get(name)
+            return float(v) if v is not None else None
+        return float(draft_ms)
+
+    def verify(nodes: int, shape: str):
+        width = next((w for w in widths if w >= nodes), None)
+        if width is None:
+            return None, None, shape
+        t = _median(vw[width], shape, kind)
+        if t is None and shape != "chain":
+            shape = "chain"
+            t = _median(vw[width], shape, kind)
+        return width, t, shape
+
+    ar_ms = _median(engine, "ar_step_device_ms") if kind == "device_ms" else None
+    if ar_ms is None:
+        ar_ms = _median(vw.get(1, {}), "chain", kind)
+    rows: dict = {}
+
+    def row(tau, nodes, width, shape, d, v):
+        missing = [k for k, x in (("tau", tau), ("draft_ms", d), ("verify_ms", v)) if x is None]
+        step = d + v if d is not None and v is not None else None
+        tok_s = tau / step * 1e3 if tau is not None and step else None
+        return {"tau": tau, "nodes": nodes, "width": width, "shape": shape, "draft_ms": d, "verify_ms": v,
+                "step_ms": step, "tok_s": tok_s, "vs_ar": None, "vs_chain": None, "missing": missing}
+
+    rows["ar"] = row(1.0, 1, 1, "ar", 0.0, ar_ms)
+    block = int(acceptance.get("block_size") or 16)
+    for name, c in (acceptance.get("configs") or {}).items():
+        if name == "ar" or not isinstance(c, dict):
+            continue
+        try:
+            nodes = int(c.get("max_nodes") or _nominal_nodes(name, block))
+        except ValueError:
+            continue  # a configuration name this estimate does not know
+        width, v, shape = verify(nodes, "chain" if name == "chain" else "tree")
+        tau = c.get("tau") if prompt_set is None else ((c.get("by_set") or {}).get(prompt_set) or {}).get("tau")
+        rows[name] = row(tau, nodes, width, shape, drafter(name), v)
+    ar_tok, chain_tok = rows["ar"]["tok_s"], rows.get("chain", {}).get("tok_s")
+    for r in rows.values():
+        if r["tok_s"] is not None:
+            r["vs_ar"] = r["tok_s"] / ar_tok if ar_tok else None
+            r["vs_chain"] = r["tok_s"] / chain_tok if chain_tok else None
+    return {"model": engine.get("name", ""), "kind": kind, "draft_source": source, "prompt_set": prompt_set or "all", "rows": rows}
+
+
+def format_tree_vs_chain(est: dict, markdown: bool = True) -> list[str]:
+    """The rows of :func:`tree_vs_chain` as a markdown table (lines)."""
+    def f(x, spec):
+        return "-" if x is None else format(x, spec)
+
+    lines = ["| config | nodes (width bucket) | tau | draft ms | verify ms | step ms | tok/s | vs AR | vs chain |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in est["rows"].items():
+        nodes = "1" if name == "ar" else f"{r['nodes']} (W={r['width'] if r['width'] is not None else '?'}, {r['shape']})"
+        lines.append(f"| {name} | {nodes} | {f(r['tau'], '.3f')} | {f(r['draft_ms'], '.3f')} | {f(r['verify_ms'], '.3f')} | "
+                     f"{f(r['step_ms'], '.3f')} | {f(r['tok_s'], '.0f')} | {f(r['vs_ar'], '.2f')}{'x' if r['vs_ar'] else ''} | "
+                     f"{f(r['vs_chain'], '.2f')}{'x' if r['vs_chain'] else ''} |")
+    return lines
+
+
 # ------------------------------------------------------------------------------------- report
 def _load_dir(d: str) -> tuple[dict, dict, dict | None, dict]:
     engines, llama, e2e, env = {}, {}, None, {}
+    drafters = {}
     for f in sorted(os.listdir(d)):
         p = os.path.join(d, f)
         if f == "e2e.json":
@@ -408,6 +688,8 @@ def _load_dir(d: str) -> tuple[dict, dict, dict | None, dict]:
             r = json.load(open(p))
             if "name" in r:
                 engines[r["name"]] = r
+            elif "drafter_of" in r:   # ``drafter``: merged into the engine result of that name
+                drafters[r["drafter_of"]] = r.get("draft_propose")
         elif f == "llamacpp.jsonl":
             for line in open(p):
                 line = line.strip()
@@ -417,11 +699,102 @@ def _load_dir(d: str) -> tuple[dict, dict, dict | None, dict]:
                 key = os.path.basename(r.get("model_filename", ""))
                 test = "pp512" if r.get("n_prompt") else "tg128"
                 llama.setdefault(key, {})[test] = {"avg_ts": r["avg_ts"], "stddev_ts": r.get("stddev_ts")}
+    for name, dp in drafters.items():
+        if name in engines and dp:
+            engines[name]["draft_propose"] = dp
     return engines, llama, e2e, env
 
 
-def report(d: str, out_path: str, command: str = "") -> str:
-    """RESULTS.md text from a results directory (module docstring)."""
+#: ``tools/acceptance.py``'s committed result (``report``'s default ``--acceptance``)
+DEFAULT_ACCEPTANCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                  "benchmarks", "tree_vs_chain", "acceptance.json")
+
+
+def _fallback_draft_ms(engines: dict, e2e: dict | None, configs) -> tuple[dict | None, str]:
+    """Drafter ms per configuration for an engine result without its own ``draft_propose``: the
+    shipped drafter's measured propose time from another result of the run, else the draft
+    service's compute per step of ``e2e.json`` (configurations it lacks: the mean of those it
+    has; the drafter's step hardly depends on the tree), else None."""
+    for r in engines.values():
+        dp = r.get("draft_propose") or {}
+        if dp.get("configs") and dp.get("source") == "shipped":
+            ms = {c: _median(dp["configs"], c, "wall_ms") for c in configs}
+            return {c: v for c, v in ms.items() if v is not None}, f"the shipped drafter's propose time, measured with {r['name']}"
+    got = {}
+    for c, v in ((e2e or {}).get("configs") or {}).items():
+        ms = (v.get("step_ms") or {}).get("draft_compute")
+        if ms:
+            got[c] = ms
+    if got:
+        mean = sum(got.values()) / len(got)
+        return ({c: got.get(c, mean) for c in configs},
+                "e2e.json: the draft service's compute per step with the shipped pair (" + ", ".join(sorted(got)) + "; others: their mean)")
+    return None, "none"
+
+
+def _tree_vs_chain_section(engines: dict, e2e: dict | None, acceptance: dict,
+                           path: str = "benchmarks/tree_vs_chain/acceptance.json") -> list[str]:
+    """The "Tree vs chain" section of RESULTS.md (:func:`tree_vs_chain` per engine result);
+    ``path``: the acceptance JSON's name in the text."""
+    cfgs = [c for c in acceptance.get("configs", {}) if c != "ar"]
+    lossless = "every output equal to target-only greedy decoding" if acceptance.get("all_lossless") else "NOT every output lossless"
+    set_text = ", ".join(f"{v} {k}" for k, v in (acceptance.get("prompt_sets") or {}).items())
+    L = ["", "## Tree vs chain (estimate: tok/s = tau / (draft ms + verify ms), batch 1)", "",
+         f"tau: the shipped SmolLM2 pair, greedy, in process on the CPU (`{acceptance.get('command', 'tools/acceptance.py')}`, "
+         f"`{path}`): {acceptance.get('prompts')} prompts ({set_text}), up to "
+         f"{acceptance.get('max_tokens')} new tokens each; {lossless}. The Qwen3.5 files are random weights, so their rows "
+         "assume a drafter that accepts like the shipped one. Verify: the measured device time of the width bucket the "
+         "tree pads to (chain shape for the chain, tree shape for trees; tree:N:K sends N + 1 nodes with the root, so "
+         "tree:16:4 runs at W=32). Draft: the drafter's propose time per step (source under each table). No gRPC, "
+         "queueing or orchestrator time (the end-to-end section has those).", ""]
+    sets = list(acceptance.get("prompt_sets") or {})
+    L += ["| config | tau | " + "".join(f"tau {s} | " for s in sets) + "steps | P(accept >= 1) | >= 2 | >= 4 | >= 8 |",
+          "|---|---|" + "---|" * len(sets) + "---|---|---|---|---|"]
+    for c, a in acceptance.get("configs", {}).items():
+        ge = a.get("accept_ge") or []
+        at = lambda d: f"{ge[d - 1]:.2f}" if len(ge) >= d else "-"  # noqa: E731
+        by = [((a.get("by_set") or {}).get(s) or {}).get("tau") for s in sets]
+        L.append(f"| {c} | {a.get('tau', 0):.3f} | " + "".join(f"{t:.3f} | " if t is not None else "- | " for t in by)
+                 + f"{a.get('steps', '-')} | {at(1)} | {at(2)} | {at(4)} | {at(8)} |")
+    drafts = {}
+    for name, r in engines.items():
+        draft, source = None, None
+        if not (r.get("draft_propose") or {}).get("configs"):
+            draft, source = _fallback_draft_ms(engines, e2e, cfgs)
+            if draft is None:
+                draft, source = 0.0, "no drafter time in this run: verify only (draft 0)"
+        drafts[name] = (draft, source)
+
+    def estimate(name: str, prompt_set: str | None) -> dict:
+        draft, source = drafts[name]
+        est = tree_vs_chain(engines[name], acceptance, draft, prompt_set=prompt_set)
+        if source:
+            est["draft_source"] = source
+        return est
+
+    summary = []
+    for prompt_set in [None] + sets:
+        summary += ["", f"Prompts: {prompt_set or 'all'}. Cells: estimated tok/s (x autoregressive).", "",
+                    "| model | AR tok/s | " + " | ".join(cfgs) + " | best tree / chain |", "|---|---|" + "---|" * (len(cfgs) + 1)]
+        for name in engines:
+            rows = estimate(name, prompt_set)["rows"]
+            chain = rows.get("chain", {}).get("tok_s")
+            trees = [v["tok_s"] for k, v in rows.items() if k.startswith("tree") and v["tok_s"]]
+            best = f"{max(trees) / chain:.2f}x" if trees and chain else "-"
+            cells = [f"{rows[c]['tok_s']:.0f} ({rows[c]['vs_ar']:.2f}x)" if c in rows and rows[c]["tok_s"] and rows[c]["vs_ar"] else "-"
+                     for c in cfgs]
+            ar = rows["ar"]["tok_s"]
+            summary.append(f"| {name} | {f'{ar:.0f}' if ar else '-'} | " + " | ".join(cells) + f" | {best} |")
+    per_model = []
+    for name in engines:
+        est = estimate(name, None)
+        per_model += ["", f"### {name} (all prompts)", "", f"Draft time: {est['draft_source']}.", ""] + format_tree_vs_chain(est)
+    return L + summary + per_model
+
+
+def report(d: str, out_path: str, command: str = "", acceptance: str | None = DEFAULT_ACCEPTANCE) -> str:
+    """RESULTS.md text from a results directory (module docstring); ``acceptance``: the JSON of
+    ``tools/acceptance.py`` for the "Tree vs chain" section (skipped when None or absent)."""
     engines, llama, e2e, env = _load_dir(d)
     L = ["# GPU benchmark", ""]
     if command:
@@ -494,6 +867,10 @@ def report(d: str, out_path: str, command: str = "") -> str:
             L.append(f"| {cname} | {c['tau']:.2f} | {c['tokens_per_second']:.1f} | {'yes' if c['lossless'] else 'NO'} | "
                      f"{sm.get('total', 0):.3f} | {sm.get('draft_compute', 0):.3f} | {sm.get('verify_compute', 0):.3f} | "
                      f"{sm.get('grpc_and_queue', 0):.3f} | {sm.get('orchestrator', 0):.3f} |")
+    if acceptance and os.path.exists(acceptance) and engines:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        shown = os.path.relpath(os.path.abspath(acceptance), root)
+        L += _tree_vs_chain_section(engines, e2e, json.load(open(acceptance)), shown if not shown.startswith("..") else acceptance)
     text = "\n".join(L) + "\n"
     with open(out_path, "w") as f:
         f.write(text)
@@ -511,24 +888,52 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--hf", action="store_true", help="also time transformers on the same file")
     e.add_argument("--reps", type=int, default=5)
     e.add_argument("--max-context", type=int, default=2048)
+    e.add_argument("--no-drafter", dest="drafter", action="store_false", help="skip the drafter's propose timing")
+    e.add_argument("--drafter", dest="drafter_path", default=None,
+                   help="drafter GGUF to time (default: the shipped one of the target, else a random one of its shape)")
+    dr = sub.add_parser("drafter", help="time only the drafter's proposals (NAME.drafter.json, merged by report)")
+    dr.add_argument("--model", required=True, help="target GGUF")
+    dr.add_argument("--name", required=True, help="the engine result's name this timing belongs to")
+    dr.add_argument("--out", required=True)
+    dr.add_argument("--drafter", dest="drafter_path", default=None)
     r = sub.add_parser("report", help="write RESULTS.md from a results directory")
     r.add_argument("--dir", required=True)
     r.add_argument("--out", required=True)
     r.add_argument("--command", default="")
+    r.add_argument("--acceptance", default=DEFAULT_ACCEPTANCE, help="tools/acceptance.py's JSON for 'Tree vs chain' (default %(default)s)")
+    t = sub.add_parser("tree-vs-chain", help="print the tree-vs-chain estimate of one engine result")
+    t.add_argument("--engine", required=True, help="an engine result JSON")
+    t.add_argument("--acceptance", default=DEFAULT_ACCEPTANCE)
+    t.add_argument("--draft-ms", type=float, default=None, help="drafter ms per step (default: the result's draft_propose)")
+    t.add_argument("--kind", choices=["device_ms", "wall_ms"], default="device_ms", help="verify time: device or wall")
+    t.add_argument("--set", dest="prompt_set", default=None, help="tau of one prompt set of the acceptance JSON (e.g. humaneval)")
     r = sub.add_parser("env", help="write env.json (device and versions)")
     r.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.cmd == "engine":
         try:
             res = bench_engine(args.model, args.name, reps=args.reps, hf=args.hf, max_context=args.max_context,
-                               log=lambda m: print(m, flush=True))
+                               log=lambda m: print(m, flush=True), drafter=args.drafter, drafter_path=args.drafter_path)
+        except Exception:
+            traceback.print_exc()
+            return 1
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    elif args.cmd == "drafter":
+        try:
+            res = {"drafter_of": args.name, "draft_propose": drafter_timing(args.model, args.drafter_path,
+                                                                             log=lambda m: print(f"[{args.name}] {m}", flush=True))}
         except Exception:
             traceback.print_exc()
             return 1
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
     elif args.cmd == "report":
-        print(report(args.dir, args.out, args.command))
+        print(report(args.dir, args.out, args.command, args.acceptance))
+    elif args.cmd == "tree-vs-chain":
+        est = tree_vs_chain(json.load(open(args.engine)), json.load(open(args.acceptance)), args.draft_ms, args.kind, args.prompt_set)
+        print(f"{est['model']}: prompts {est['prompt_set']}, verify {est['kind']}, draft time: {est['draft_source']}")
+        print("\n".join(format_tree_vs_chain(est)))
     else:
         import grpc
         import triton

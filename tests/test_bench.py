@@ -31,3 +31,93 @@ def test_merge_pools_histograms():
     assert m["tokens_per_second"] == pytest.approx(4.0)
     table = format_table({"prompts": 2, "max_tokens": 8, "configs": {"chain": {**m, "lossless": True}}})
     assert "chain" in table and "1.750" in table
+
+
+# ------------------------------------------------------------------ tree vs chain (bench_gpu)
+def _ms(x):
+    return {"median": x, "min": x, "max": x, "n": 1}
+
+
+def _engine(**extra):
+    return {"name": "m", "ar_step_device_ms": _ms(1.0),
+            "verify_width": {"1": {"chain": {"device_ms": _ms(1.0), "wall_ms": _ms(1.2)}},
+                             "4": {"chain": {"device_ms": _ms(1.1)}, "tree": {"device_ms": _ms(1.2)}},
+                             "16": {"chain": {"device_ms": _ms(1.5)}, "tree": {"device_ms": _ms(2.0)}},
+                             "32": {"chain": {"device_ms": _ms(2.5)}}},  # an older file: no tree at W=32
+            **extra}
+
+
+_ACCEPTANCE = {"block_size": 16, "all_lossless": True, "prompts": 2, "max_tokens": 8, "prompt_sets": {"humaneval": 2},
+               "configs": {"ar": {"tau": 1.0}, "chain": {"tau": 2.0, "max_nodes": 16, "accept_ge": [0.6, 0.3]},
+                           "tree:15:4": {"tau": 3.0, "max_nodes": 16}, "tree:16:4": {"tau": 3.1},
+                           "tree:32:4": {"tau": 3.5, "max_nodes": 33}}}
+
+
+def test_tree_vs_chain_estimate():
+    from target_service.bench_gpu import format_tree_vs_chain, tree_vs_chain
+
+    prop = {"drafter": "d.gguf", "source": "shipped",
+            "configs": {c: {"wall_ms": _ms(0.5)} for c in ("chain", "tree:15:4", "tree:16:4")}}
+    est = tree_vs_chain(_engine(draft_propose=prop), _ACCEPTANCE)
+    rows = est["rows"]
+    assert list(rows) == ["ar", "chain", "tree:15:4", "tree:16:4", "tree:32:4"]
+    assert rows["ar"]["tok_s"] == pytest.approx(1000.0)                       # tau 1 / 1.0 ms
+    assert rows["chain"]["tok_s"] == pytest.approx(2.0 / (0.5 + 1.5) * 1e3)   # chain W=16
+    t16 = rows["tree:15:4"]                                                   # 16 nodes: tree W=16
+    assert (t16["width"], t16["shape"], t16["verify_ms"]) == (16, "tree", 2.0)
+    assert t16["tok_s"] == pytest.approx(1200.0) and t16["vs_chain"] == pytest.approx(1.2) and t16["vs_ar"] == pytest.approx(1.2)
+    t17 = rows["tree:16:4"]                # no max_nodes: 17 from the name -> W=32, chain timing where the tree's is missing
+    assert (t17["nodes"], t17["width"], t17["shape"]) == (17, 32, "chain")
+    assert t17["tok_s"] == pytest.approx(3.1 / 3.0 * 1e3)
+    t33 = rows["tree:32:4"]                                                   # wider than any measured width, no draft time
+    assert t33["tok_s"] is None and t33["width"] is None and set(t33["missing"]) == {"draft_ms", "verify_ms"}
+    assert "d.gguf" in est["draft_source"]
+    table = "\n".join(format_tree_vs_chain(est))
+    assert "| tree:15:4 | 16 (W=16, tree) | 3.000 |" in table and "1200" in table and "1.20x" in table
+
+    # one draft time for all, and the verify's wall time
+    est = tree_vs_chain(_engine(), _ACCEPTANCE, draft_ms=1.0)
+    assert est["rows"]["chain"]["tok_s"] == pytest.approx(2.0 / 2.5 * 1e3)
+    assert est["rows"]["tree:32:4"]["missing"] == ["verify_ms"]
+    wall = tree_vs_chain(_engine(), _ACCEPTANCE, draft_ms={"chain": 1.0}, kind="wall_ms")
+    assert wall["rows"]["ar"]["tok_s"] == pytest.approx(1e3 / 1.2)          # no AR wall figure: the chain at W=1
+    assert wall["rows"]["chain"]["tok_s"] is None                            # no wall time at W=16
+
+    # older or broken files: no exception, empty figures
+    bare = tree_vs_chain({"name": "old"}, {"configs": {"chain": {"tau": 2.0}, "tree:x": {"tau": 1.0}}})
+    assert bare["rows"]["ar"]["tok_s"] is None and bare["rows"]["chain"]["tok_s"] is None and "tree:x" not in bare["rows"]
+    assert format_tree_vs_chain(bare)
+
+
+def test_tree_vs_chain_report_section(tmp_path):
+    import json
+
+    from target_service.bench_gpu import _load_dir, _tree_vs_chain_section
+
+    (tmp_path / "m.json").write_text(json.dumps(_engine()))
+    prop = {"source": "shipped", "drafter": "d.gguf", "configs": {"chain": {"wall_ms": _ms(0.5)}}}
+    (tmp_path / "m.drafter.json").write_text(json.dumps({"drafter_of": "m", "draft_propose": prop}))
+    engines, _, _, _ = _load_dir(str(tmp_path))
+    assert engines["m"]["draft_propose"] == prop                              # merged from NAME.drafter.json
+    text = "\n".join(_tree_vs_chain_section(engines, None, _ACCEPTANCE))
+    assert "## Tree vs chain" in text and "### m" in text and "| chain | 2.000 |" in text
+    assert "| m | 1000 | 1000 (1.00x) |" in text
+    # without a drafter timing: the draft service's compute of e2e.json (its mean for configs it lacks)
+    e2e = {"configs": {"chain": {"step_ms": {"draft_compute": 1.0}}, "tree:16:4": {"step_ms": {"draft_compute": 2.0}}}}
+    text = "\n".join(_tree_vs_chain_section({"m": _engine()}, e2e, _ACCEPTANCE))
+    assert "e2e.json" in text and "| chain | 16 (W=16, chain) | 2.000 | 1.000 | 1.500 | 2.500 | 800 |" in text
+    assert "| tree:15:4 | 16 (W=16, tree) | 3.000 | 1.500 |" in text
+
+
+def test_drafter_timing_on_cpu(tmp_path):
+    """The drafter measurement's code path (eager, float32 on the CPU: wall times only); a target
+    without a shipped drafter gets a random one of the shipped drafter's shape."""
+    from target_service.bench_gpu import drafter_timing
+    from tests.tiny_models import write_tiny_llama
+
+    target = str(tmp_path / "tiny.gguf")
+    write_tiny_llama(target, layers=6)
+    r = drafter_timing(target, configs=("chain", "tree:16:4"), steps=2, warmup=0, device="cpu", log=lambda m: None)
+    assert r["source"].startswith("random") and not r["trained"]
+    assert r["configs"]["chain"]["nodes"] == 16 and r["configs"]["tree:16:4"]["nodes"] == 17
+    assert r["configs"]["chain"]["wall_ms"]["n"] == 2 and r["configs"]["chain"]["device_ms"] is None
