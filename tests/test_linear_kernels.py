@@ -146,7 +146,9 @@ def test_dispatch_and_mlp_then_norm(monkeypatch):
 
 def test_config_table_and_override(monkeypatch, tmp_path):
     bf = torch.bfloat16
-    assert T.config_for(2560, 9216, bf) == T.default_config(2560, 9216, bf) == T.Config(16, 256, 4, 3)
+    assert T.default_config(2560, 9216, bf) == T.Config(16, 256, 4, 3)
+    assert T.config_for(2560, 9216, bf) == T.CONFIGS[(2560, 9216)]          # the tuned table
+    assert T.config_for(2560, 9217, bf) == T.default_config(2560, 9217, bf)  # absent: the rule
     assert T.config_for(8192, 1024, bf).block_n == 32 and T.config_for(248320, 1024, bf).block_n == 64
     assert T.config_for(1024, 1024, torch.float32) == T.Config(16, 128, 4, 3)
 
@@ -162,7 +164,7 @@ def test_config_table_and_override(monkeypatch, tmp_path):
     ]}))
     monkeypatch.setenv(T.CONFIG_ENV, str(path))
     assert T.config_for(2560, 9216, bf) == T.Config(32, 128, 2, 5)          # the file beats the table
-    assert T.config_for(2560, 4096, bf) == T.default_config(2560, 4096, bf)  # absent: the rule
+    assert T.config_for(2560, 4096, bf) == T.CONFIGS[(2560, 4096)]          # absent from the file: the table
 
     seen = []
     real = T._launch

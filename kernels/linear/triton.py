@@ -103,9 +103,31 @@ class Config:
                              "num_warps a power of two <= 32, num_stages >= 1")
 
 
-#: Tuned configs for 16-bit dtypes, ``(N, K) -> Config``. Empty until filled from an H200 run of
-#: ``tools/sweep_linear.py`` (paste the lines it prints); missing shapes use :func:`default_config`.
-CONFIGS: dict[tuple[int, int], Config] = {}
+#: Tuned configs for 16-bit dtypes, ``(N, K) -> Config``, from an H200 run of
+#: ``tools/sweep_linear.py`` (``bash tools/gpu_run.sh sweep``; ``benchmarks/gpu/sweep-linear.json``);
+#: missing shapes use :func:`default_config`.
+CONFIGS: dict[tuple[int, int], Config] = {
+    (24576, 4096): Config(64, 128, 2, 3),  # qwen35-9b:gate_upx32
+    (4096, 12288): Config(16, 128, 2, 4),  # qwen35-9b:downx32
+    (18432, 2560): Config(64, 128, 2, 3),  # qwen35-4b:gate_upx32
+    (12352, 4096): Config(64, 128, 2, 4),  # qwen35-9b:in_projx24
+    (248320, 4096): Config(128, 128, 4, 4),  # qwen35-9b:lm_headx1
+    (12352, 2560): Config(64, 128, 2, 4),  # qwen35-4b:in_projx24
+    (2560, 9216): Config(16, 128, 2, 4),  # qwen35-4b:downx32
+    (4096, 4096): Config(16, 256, 2, 5),  # qwen35-9b:ox8, qwen35-9b:outx24
+    (2560, 4096): Config(16, 512, 2, 3),  # qwen35-4b:ox8, qwen35-4b:outx24
+    (10240, 4096): Config(32, 128, 2, 4),  # qwen35-9b:qkvx8
+    (248320, 1024): Config(64, 128, 2, 3),  # qwen35-0.8b:lm_headx1
+    (10240, 2560): Config(64, 128, 2, 4),  # qwen35-4b:qkvx8
+    (7168, 1024): Config(32, 128, 2, 5),  # qwen35-0.8b:gate_upx24
+    (8224, 1024): Config(32, 128, 2, 5),  # qwen35-0.8b:in_projx18
+    (3072, 576): Config(16, 128, 2, 4),  # smollm2:gate_upx30
+    (1024, 2048): Config(16, 512, 2, 3),  # qwen35-0.8b:ox6, qwen35-0.8b:outx18
+    (5120, 1024): Config(32, 128, 2, 4),  # qwen35-0.8b:qkvx6
+    (49152, 576): Config(128, 64, 2, 3),  # smollm2:lm_headx1
+    (960, 576): Config(16, 128, 2, 5),  # smollm2:qkvx30
+    (576, 576): Config(16, 128, 2, 5),  # smollm2:ox30
+}
 
 
 def default_config(n: int, k: int, dtype: torch.dtype) -> Config:

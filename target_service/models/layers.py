@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.activation import silu_mul
 from kernels.linear import linear
 from kernels.norm import add_rms_norm
 from kernels.norm.reference import rms_norm  # noqa: F401 (the reference; models call kernels.norm)
@@ -67,7 +68,8 @@ def mlp_then_norm(x: torch.Tensor, h: torch.Tensor, lw: dict, next_norm: torch.T
     ``lw["down"]`` ``[H, F]``), its residual add to ``x``, and the next norm (the next layer's
     input norm, or the output norm), fused: returns ``(x + mlp(h), next_norm(x + mlp(h)))``.
 
-    ``silu(gate) * up`` is the down projection's ``swiglu`` prologue: fused into the skinny Triton
-    kernel where that runs (CUDA, <= 64 rows; bit-identical to ``silu_mul`` then ``linear``), and
-    ``kernels.activation.silu_mul`` then the projection everywhere else, as before."""
-    return add_rms_norm(x, linear(linear(h, lw["gate_up"]), lw["down"], prologue="swiglu"), next_norm, eps)
+    ``silu(gate) * up`` runs as its own kernel (``kernels.activation.silu_mul``) before the down
+    projection: the skinny kernel's fused ``swiglu`` prologue saves the launch but measured 3-4x
+    slower than the two kernels on an H200 (4B down projection: 100 vs 24 us at one row;
+    ``benchmarks/gpu/sweep-linear.json``), so it is not used here."""
+    return add_rms_norm(x, linear(silu_mul(linear(h, lw["gate_up"])), lw["down"]), next_norm, eps)
