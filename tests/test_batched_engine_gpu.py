@@ -162,7 +162,8 @@ def test_llama_streams_graphs_on_off_and_cpu_reference(smollm_model, smollm_gpu,
         assert speculative_streams(on, prompts, s, ar, n, decoys=False)[0] == ar
         # and so are trees: a node reads its ancestors in position order (kernels/attention/triton.py)
         assert speculative_streams(on, prompts, s, ar, n, decoys=True, seed=5)[0] == ar
-        assert on.captures == len(on._runners) > 1          # one graph per bucket used, captured once
+        # one graph per bucket used (steps and prefill chunks), captured once
+        assert on.captures == len(on._runners) + len(on._prefill_runners) and len(on._runners) > 1
 
 
 
@@ -181,9 +182,10 @@ def test_qwen35_streams_equal_cpu_reference(q35_gpu):
     on, off = _engines(q35_gpu["cuda"], feature_layers=[1, 5], prefill_chunk=48)
     assert speculative_streams(on, prompts, s, want, n, layers=[1, 5])[0] == want
     assert speculative_streams(off, prompts, s, want, n, layers=[1, 5])[0] == want
-    on16, off16 = _engines(q35_gpu["cuda-bf16"])
-    got16 = speculative_streams(on16, prompts, s, want, n, layers=[])[0]
-    assert got16 == speculative_streams(off16, prompts, s, want, n, layers=[])[0]
+    # bf16, graphs on: prefill chunks are graphs of power-of-two sizes with the GDN recurrence in
+    # pool_gdn_tree; graphs off: eager chunks through fla-core: the two prefills round differently,
+    # so bf16 streams are compared within one engine
+    on16 = _engines(q35_gpu["cuda-bf16"])[0]
     # bf16: trees (oracle trees with decoy siblings) and chains are token-identical to the same
     # engine's target-only decoding (width invariance of every kernel)
     ar16 = [ar_stream(on16, "a", p, s, n, [])[0] for p in prompts]
@@ -249,7 +251,7 @@ def test_one_host_sync_per_step_and_no_hidden_syncs(smollm_gpu, smollm_tokenizer
             torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in rec if "called a synchronizing CUDA operation" in str(w.message)]   # not the mode's own notice
     assert len(syncs) == steps, [str(w.message)[:120] for w in syncs]
-    assert eng.captures == len(eng.buckets())
+    assert eng.captures == len(eng.buckets()) + len(eng.prefill_buckets)
 
 
 def test_reused_slot_and_other_sessions_untouched_on_gpu(q35_gpu):
