@@ -177,35 +177,32 @@ def bench_engine(path: str, name: str, reps: int = 5, hf: bool = False, max_cont
     def rand(n):
         return torch.randint(0, vocab, (n,), generator=gen).tolist()
 
+    def prefill_times(prefix: str) -> list[float]:
+        """Seconds per 512-token prefill (+ the first token), cold first, then ``reps`` warm."""
+        times = []
+        for i in range(reps + 1):
+            p = rand(512)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            engine.prefill(f"{prefix}{i}", p, s, taps)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+            engine.release([f"{prefix}{i}"])
+        return times
+
     # time to first token (prefill of 512 + the first token), cold then warm; prefill throughput
     before_prefill = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    ttft = []
-    for i in range(reps + 1):
-        p = rand(512)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        engine.prefill(f"p{i}", p, s, taps)
-        torch.cuda.synchronize()
-        ttft.append(time.perf_counter() - t)
-        engine.release([f"p{i}"])
+    ttft = prefill_times("p")
     out["ttft_cold_s"] = ttft[0]
     out["ttft_warm_s"] = _stats(ttft[1:])
     out["prefill512_tok_s"] = _stats([512 / x for x in ttft[1:]])
     prefill_scratch = torch.cuda.max_memory_allocated() - before_prefill
     if engine.prefill_buckets:
         # the eager prefill path (fla-core's chunked GDN kernel when installed) for comparison
-        buckets, engine.prefill_buckets, eager = engine.prefill_buckets, (), []
+        buckets, engine.prefill_buckets = engine.prefill_buckets, ()
         try:
-            for i in range(reps + 1):
-                p = rand(512)
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                engine.prefill(f"pe{i}", p, s, taps)
-                torch.cuda.synchronize()
-                eager.append(512 / (time.perf_counter() - t))
-                engine.release([f"pe{i}"])
-            out["prefill512_eager_tok_s"] = _stats(eager[1:])
+            out["prefill512_eager_tok_s"] = _stats([512 / x for x in prefill_times("pe")[1:]])
             log(f"[{name}] eager prefill {out['prefill512_eager_tok_s']['median']:.0f} tok/s")
         finally:
             engine.prefill_buckets = buckets
