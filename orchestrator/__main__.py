@@ -25,9 +25,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
-    # default: a 16-node DDTree with 4 candidates per depth, the fastest configuration measured with
-    # the shipped drafter (benchmarks/tau-cpu.txt: 18.0 tokens/s vs 14.6 for the chain, 12.6 plain)
-    p.add_argument("--tree-budget", type=int, default=16, help="default draft tree budget (0: chain)")
+    # default: a DDTree of 15 draft nodes with 4 candidates per depth: with the root it fills the
+    # 16-wide verify bucket of the GPU engine (16 draft nodes pad to 32: tok/s 1.27x the chain vs
+    # 1.17x at qwen35 0.8B, benchmarks/gpu/RESULTS.md "Tree vs chain"); on the CPU a 16-node tree
+    # ran 18.0 tokens/s vs 14.6 for the chain, 12.6 plain (benchmarks/tau-cpu.txt)
+    p.add_argument("--tree-budget", type=int, default=15,
+                   help="default draft tree budget (0: chain); 15 draft nodes + the root fill the 16-wide verify bucket")
     p.add_argument("--draft-top-k", type=int, default=4, help="default candidates per depth (1: chain)")
     p.add_argument("--max-depth", type=int, default=0, help="default draft depth (0: block_size - 1)")
     p.add_argument("--max-sessions", type=int, default=0,
