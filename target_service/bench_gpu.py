@@ -907,24 +907,24 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("env", help="write env.json (device and versions)")
     r.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    def measure_to_json(measure) -> int:
+        """Run ``measure()`` and write its dict to ``--out``; print the traceback and return 1 if it raises."""
+        try:
+            res = measure()
+        except Exception:
+            traceback.print_exc()
+            return 1
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+        return 0
+
     if args.cmd == "engine":
-        try:
-            res = bench_engine(args.model, args.name, reps=args.reps, hf=args.hf, max_context=args.max_context,
-                               log=lambda m: print(m, flush=True), drafter=args.drafter, drafter_path=args.drafter_path)
-        except Exception:
-            traceback.print_exc()
-            return 1
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+        return measure_to_json(lambda: bench_engine(args.model, args.name, reps=args.reps, hf=args.hf, max_context=args.max_context,
+                                                    log=lambda m: print(m, flush=True), drafter=args.drafter,
+                                                    drafter_path=args.drafter_path))
     elif args.cmd == "drafter":
-        try:
-            res = {"drafter_of": args.name, "draft_propose": drafter_timing(args.model, args.drafter_path,
-                                                                             log=lambda m: print(f"[{args.name}] {m}", flush=True))}
-        except Exception:
-            traceback.print_exc()
-            return 1
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+        return measure_to_json(lambda: {"drafter_of": args.name, "draft_propose": drafter_timing(
+            args.model, args.drafter_path, log=lambda m: print(f"[{args.name}] {m}", flush=True))})
     elif args.cmd == "report":
         print(report(args.dir, args.out, args.command, args.acceptance))
     elif args.cmd == "tree-vs-chain":
