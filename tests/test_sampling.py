@@ -15,7 +15,7 @@ from target_service.engine import Sampling, TargetEngine
 from target_service.models.llama import LlamaModel
 from target_service.tree import chain
 
-N_SAMPLES = 4000
+N_SAMPLES = 3000
 
 
 def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:

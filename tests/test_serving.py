@@ -1,6 +1,6 @@
 """Serving many clients under ``dflash-grpc serve``, as users run it (issue: serving for real).
 
-* Load: 32 concurrent clients on loopback for ``DFLASH_LOAD_SECONDS`` (default 30 s; the issue's
+* Load: 32 concurrent clients on loopback for ``DFLASH_LOAD_SECONDS`` (default 20 s; the issue's
   "few minutes" with ``DFLASH_LOAD_SECONDS=180``) against 8 target slots: every stream equals its
   own target-only reference at temperature 0; the queue absorbs the clients beyond the slots;
   sessions and slots back to zero at the end; the services' RSS flat over the second half.
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.slow
 SLOTS = 8
 CLIENTS = 32
 N_TOKENS = 12
-LOAD_SECONDS = float(os.environ.get("DFLASH_LOAD_SECONDS", "30"))
+LOAD_SECONDS = float(os.environ.get("DFLASH_LOAD_SECONDS", "20"))
 
 
 class Serve:
