@@ -9,7 +9,7 @@ windows and the committed path's last nodes are read from tensors in the kernels
   ``r`` of the slot's committed conv state, a row ``r >= K - 1`` is node ``r - (K - 1)`` of the
   step's inputs. Nodes are independent, so a width-16 verify step or a 512-node prefill chunk is
   spread over many programs instead of one program walking the row's nodes in order.
-* :func:`pool_conv_commit` (``_commit_kernel``): one program per (batch row, block of channels)
+* :func:`pool_conv_commit` (``_conv_commit_kernel``): one program per (batch row, block of channels)
   writes the row's new conv state: the window of the row's last accepted node without its oldest
   row, then that node's own input. All the rows it reads are loaded before any is stored (the
   rows read may be the rows written).
@@ -109,7 +109,7 @@ def _conv_kernel(x_ptr, pool_ptr, slots_ptr, win_ptr, w_ptr, out_ptr, W, C, sxb,
 
 
 @triton.jit
-def _commit_kernel(x_ptr, pool_ptr, slots_ptr, win_ptr, last_ptr, W, C, sxb, sxw, sps, spr,
+def _conv_commit_kernel(x_ptr, pool_ptr, slots_ptr, win_ptr, last_ptr, W, C, sxb, sxw, sps, spr,
                    KM1: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr, HAS_LAST: tl.constexpr):
     """Grid ``(B, cdiv(C, BLOCK_C))``; the last node is ``last_ptr[b]``, or ``W - 1`` without it."""
     b = tl.program_id(0)
@@ -141,7 +141,7 @@ def _commit(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, windo
     km1 = conv_pool.shape[1]
     if km1 == 0 or bsz == 0:
         return
-    _commit_kernel[(bsz, triton.cdiv(c, BLOCK_C))](
+    _conv_commit_kernel[(bsz, triton.cdiv(c, BLOCK_C))](
         x, conv_pool, slots, window, last if last is not None else slots, w, c, x.stride(0), x.stride(1),
         conv_pool.stride(0), conv_pool.stride(1), KM1=km1, KP=max(2, triton.next_power_of_2(km1)),
         BLOCK_C=BLOCK_C, HAS_LAST=last is not None, num_warps=4)
