@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from kernels import attention as attn_ops
+from kernels import conv as conv_ops
 from kernels import gated_delta as gdn_ops
 from kernels.gated_delta import fla
 from kernels.sampling import filter_thresholds, sample_tokens
@@ -137,7 +138,7 @@ class StepTensors:
         st.positions = st.lengths[:, None] + st.depth
         st.rows = st.lengths[:, None] + j[None, :]
         if conv_kernel:
-            st.window = gdn_ops.conv_window_index(st.parents, conv_kernel)
+            st.window = conv_ops.conv_window_index(st.parents, conv_kernel)
         return st
 
 
@@ -185,7 +186,7 @@ class PoolBackend:
         bw = (self.b, self.w)
         x = conv_in.reshape(*bw, -1)
         a3, b3 = a.reshape(*bw, -1), b.reshape(*bw, -1)
-        conv_out = gdn_ops.pool_conv_silu(x, pool.conv[j], st.slots, st.window, lw["conv"], commit=self.commit_chain)
+        conv_out = conv_ops.pool_conv_silu(x, pool.conv[j], st.slots, st.window, lw["conv"], commit=self.commit_chain)
         if self.fla and self.causal and self.w >= FLA_MIN_CHUNK and fla.available(x.device):
             return self._fla_chunk(j, conv_out, a3, b3, lw, key_heads, head_k_dim)
         o = gdn_ops.pool_gdn_tree(conv_out, a3, b3, lw["a"], lw["dt_bias"], pool.recurrent[j], st.slots, st.parents,
@@ -215,7 +216,7 @@ class PoolBackend:
         for layer, (x, conv_out, a, b, lw, hk, dk) in self.saved.items():
             j = pool.gdn_index[layer]
             gdn_ops.pool_gdn_commit(pool.recurrent[j], st.slots, conv_out, a, b, lw["a"], lw["dt_bias"], path, n_accept, hk, dk)
-            gdn_ops.pool_conv_commit(x, pool.conv[j], st.slots, st.window, last)
+            conv_ops.pool_conv_commit(x, pool.conv[j], st.slots, st.window, last)
 
 
 # ----------------------------------------------------------------------------------- the step
@@ -255,12 +256,13 @@ def choose(logits: torch.Tensor, st: StepTensors, positions: torch.Tensor, width
     return sample_tokens(logits, inv, thr, node_rows(st.seeds, width), positions)
 
 
-def prefill_step(model, pool, st: StepTensors, rope, taps: list[int]) -> StepOutputs:
+def prefill_step(model, pool, st: StepTensors, rope, taps: list[int], fla: bool = False) -> StepOutputs:
     """One prefill chunk (``B = 1``, a chain of ``W`` prompt tokens committed whole, causal
-    attention); graph-safe. ``ints`` = ``[token chosen after the chunk]`` (meaningful after the
-    prompt's last chunk), ``features`` ``[1, W, F]`` the tapped rows or ``None``."""
+    attention); graph-safe unless ``fla`` (:class:`PoolBackend`). ``ints`` = ``[token chosen after
+    the chunk]`` (meaningful after the prompt's last chunk), ``features`` ``[1, W, F]`` the tapped
+    rows or ``None``."""
     w = st.tokens.shape[1]
-    x, feats, _ = forward(model, pool, st, rope, taps, commit_chain=True, causal=True)
+    x, feats, _ = forward(model, pool, st, rope, taps, commit_chain=True, causal=True, fla=fla)
     first = choose(model.logits(x[-1:]), st, st.positions[:, -1] + 1, 1)
     features = torch.cat([feats[i] for i in taps], dim=-1).reshape(1, w, -1) if taps else None
     return StepOutputs(first.reshape(-1), features)

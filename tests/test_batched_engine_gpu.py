@@ -65,6 +65,8 @@ def test_pool_attention_triton_matches_reference(dtype, tol, b, w, hq, hkv, d, c
 def test_gdn_triton_matches_reference(b, w, hk, hv, dtype):
     """Real Qwen3.5 head sizes: the fused conv + SiLU, the tree recurrence from raw projections, the
     committed chain (also a 300-token prefill chunk) and the commit along a path."""
+    from kernels.conv import reference as CR
+    from kernels.conv import triton as CT
     from kernels.gated_delta import reference as R
     from kernels.gated_delta import triton as T
 
@@ -84,11 +86,11 @@ def test_gdn_triton_matches_reference(b, w, hk, hv, dtype):
     trees = [_random_tree(rng, w) if w <= 64 else [-1] + list(range(w - 1)) for _ in range(b)]
     parents = torch.tensor(trees, device="cuda")
     anc = torch.tensor([_bits(t) for t in trees], device="cuda") if w <= 64 else None
-    win = R.conv_window_index(parents, 4)
+    win = CR.conv_window_index(parents, 4)
     commit = w > 64
     cr, ct = conv.clone(), conv.clone()
-    c_ref = R.pool_conv_silu(x, cr, slots, win, weight, commit)
-    c_tri = T.pool_conv_silu(x, ct, slots, win, weight, commit)
+    c_ref = CR.pool_conv_silu(x, cr, slots, win, weight, commit)
+    c_tri = CT.pool_conv_silu(x, ct, slots, win, weight, commit)
     assert rel(c_tri, c_ref) < (1e-5 if dtype == torch.float32 else 1e-2) and rel(ct, cr) < 1e-2
     p_ref, p = pool.clone(), pool.clone()
     o_ref = R.pool_gdn_tree(c_ref, a, bb, A, dtb, p_ref, slots, parents, anc, commit, hk, dk)

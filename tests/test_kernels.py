@@ -97,6 +97,8 @@ def test_pool_attention(dtype, b, w, hq, hkv, d, causal, splits):
 def test_gated_delta_kernels(dtype, b, w, hk, hv, dk):
     """Tree conv + SiLU, the tree recurrence from raw projections, a committed chain (conv and
     recurrent state written), and the commit along a path."""
+    from kernels.conv import reference as CR
+    from kernels.conv import triton as CT
     from kernels.gated_delta import reference as R
     from kernels.gated_delta import triton as T
 
@@ -112,18 +114,18 @@ def test_gated_delta_kernels(dtype, b, w, hk, hv, dk):
     weight = torch.randn(c, kk, generator=gen).to(DEV, dtype)
     slots = torch.randperm(s, generator=gen)[:b].to(DEV)
     parents, anc = rand_tree(gen, b, w)
-    win = R.conv_window_index(parents, kk)
-    c_ref = R.pool_conv_silu(x, conv.clone(), slots, win, weight)
-    assert rel(T.pool_conv_silu(x, conv.clone(), slots, win, weight), c_ref) < TOL[dtype]
+    win = CR.conv_window_index(parents, kk)
+    c_ref = CR.pool_conv_silu(x, conv.clone(), slots, win, weight)
+    assert rel(CT.pool_conv_silu(x, conv.clone(), slots, win, weight), c_ref) < TOL[dtype]
     o_ref = R.pool_gdn_tree(c_ref, a, bb, A, dtb, state.clone(), slots, parents, anc, False, hk, dk)
     assert rel(T.pool_gdn_tree(c_ref, a, bb, A, dtb, state.clone(), slots, parents, anc, False, hk, dk), o_ref) < 1e-5
     chain = (torch.arange(w, device=DEV) - 1).expand(b, w).contiguous()
-    cwin = R.conv_window_index(chain, kk)
+    cwin = CR.conv_window_index(chain, kk)
     for n in (1, w):                                       # fewer and more nodes than the conv window
         cr, ct, sr, st = conv.clone(), conv.clone(), state.clone(), state.clone()
         xc = x[:, :n]
-        out_r = R.pool_conv_silu(xc, cr, slots, cwin[:, :n].contiguous(), weight, commit=True)
-        out_t = T.pool_conv_silu(xc, ct, slots, cwin[:, :n].contiguous(), weight, commit=True)
+        out_r = CR.pool_conv_silu(xc, cr, slots, cwin[:, :n].contiguous(), weight, commit=True)
+        out_t = CT.pool_conv_silu(xc, ct, slots, cwin[:, :n].contiguous(), weight, commit=True)
         assert rel(out_t, out_r) < TOL[dtype] and torch.equal(ct, cr)
         R.pool_gdn_tree(out_r, a[:, :n], bb[:, :n], A, dtb, sr, slots, chain[:, :n].contiguous(), None, True, hk, dk)
         T.pool_gdn_tree(out_r, a[:, :n], bb[:, :n], A, dtb, st, slots, chain[:, :n].contiguous(), None, True, hk, dk)

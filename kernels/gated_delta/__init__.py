@@ -1,15 +1,7 @@
 """Gated DeltaNet ops: recurrence (chain and tree; reference in ``reference.py``) and their pooled,
 batched forms for the GPU engine (tree recurrence and commit also in Triton, ``triton.py``, picked
-per call). The layers' causal conv is the op package ``kernels.conv``, re-exported here."""
+per call). The layers' causal conv is the op package ``kernels.conv``."""
 
-from kernels.conv import (
-    causal_conv_tree,
-    conv_state_after,
-    conv_window_index,
-    pool_conv_commit,
-    pool_conv_silu,
-    pool_conv_tree,
-)
 from kernels.dispatch import use_triton
 from kernels.gated_delta import reference
 from kernels.gated_delta.reference import (
@@ -43,17 +35,11 @@ def pool_gdn_commit(state_pool, slots, conv_out, a, b, A, dt_bias, path, n_accep
 
 
 __all__ = [
-    "causal_conv_tree",
-    "conv_state_after",
-    "conv_window_index",
     "gdn_gates",
     "gdn_qkv",
     "gdn_step",
     "gdn_update",
     "l2norm",
-    "pool_conv_commit",
-    "pool_conv_silu",
-    "pool_conv_tree",
     "pool_gdn_commit",
     "pool_gdn_tree",
     "recurrent_gated_delta_rule",

@@ -22,16 +22,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-# the causal conv lives in kernels/conv (re-exported here, where callers import it)
-from kernels.conv.reference import (  # noqa: F401
-    causal_conv_tree,
-    conv_state_after,
-    conv_window_index,
-    pool_conv_commit,
-    pool_conv_silu,
-    pool_conv_tree,
-)
-
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x / sqrt(sum(x^2) + eps)`` over the last dim (fla / HF ``l2norm``)."""

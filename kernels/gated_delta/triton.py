@@ -1,12 +1,8 @@
-"""Gated DeltaNet over pooled state in Triton: :func:`pool_conv_silu`, :func:`pool_gdn_tree` and
+"""Gated DeltaNet recurrence over pooled state in Triton: :func:`pool_gdn_tree` and
 :func:`pool_gdn_commit`, same contracts as ``kernels.gated_delta.reference`` (the math is
-documented there), safe inside CUDA graphs (slots, parents, windows, masks, path lengths are
-tensors).
+documented there), safe inside CUDA graphs (slots, parents, masks, path lengths are tensors). The
+layers' causal conv is ``kernels.conv``.
 
-* :func:`pool_conv_silu`: one program per (batch row, block of channels) walks the row's nodes;
-  each node's depthwise conv window is gathered from the pooled conv state or the new rows
-  through the window table, SiLU applied; for a committed chain the same program then writes the
-  row's new conv state (it alone touches those channels of that slot, so there is no race).
 * :func:`pool_gdn_tree`: one program per (batch row, value head, block of ``BV`` value columns)
   keeps its ``[Dk, BV]`` slice of the state in registers (float32) and walks the row's nodes in
   index order. Each node's ``q`` and ``k`` are L2-normalised, ``q`` scaled, and its gates
@@ -20,9 +16,8 @@ tensors).
 * :func:`pool_gdn_commit`: the same programs replay the accepted path from the committed state
   and write the state once.
 
-Rounding follows the reference where it is cheap to (the conv's products are rounded to the
-input dtype before the sum, as PyTorch's bf16 ``mul`` then ``sum`` round them); reductions run
-in another order, so results agree to float32 rounding, not bit for bit.
+Reductions run in another order than the reference's, so results agree to float32 rounding, not
+bit for bit.
 """
 
 from __future__ import annotations
@@ -113,46 +108,6 @@ def _commit_kernel(x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, state_ptr, slots_ptr, pa
     tl.store(state_ptr + s_off + dk[:, None] * DV + cols[None, :], S)
 
 
-@triton.jit
-def _conv_kernel(x_ptr, pool_ptr, slots_ptr, win_ptr, w_ptr, out_ptr, W, C, sxb, sx, sps, spr,
-                 KM1: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr, COMMIT: tl.constexpr):
-    b = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cm = cols < C
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    base_pool = pool_ptr + slot * sps
-    xb = x_ptr + b.to(tl.int64) * sxb
-    for i in range(W):
-        node = b * W + i
-        acc = tl.zeros([BLOCK_C], tl.float32)
-        for t in tl.static_range(KM1):
-            r = tl.load(win_ptr + node * KM1 + t)
-            old = tl.load(base_pool + r * spr + cols, mask=cm & (r < KM1), other=0.0)
-            new = tl.load(xb + (r - KM1) * sx + cols, mask=cm & (r >= KM1), other=0.0)
-            wt = tl.load(w_ptr + cols * (KM1 + 1) + t, mask=cm, other=0.0)
-            acc += ((old + new).to(tl.float32) * wt.to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
-        xi = tl.load(xb + i * sx + cols, mask=cm, other=0.0)
-        wt = tl.load(w_ptr + cols * (KM1 + 1) + KM1, mask=cm, other=0.0)
-        acc += (xi.to(tl.float32) * wt.to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
-        pre = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + node * C + cols, (pre / (1.0 + tl.exp(-pre))).to(out_ptr.dtype.element_ty), mask=cm)  # out: contiguous
-    if COMMIT:
-        # new state rows 0..K-2 = the last node's window without its oldest row, then the node itself
-        last = b * W + W - 1
-        t = tl.arange(0, KP)
-        tm = t < KM1 - 1
-        r = tl.load(win_ptr + last * KM1 + 1 + t, mask=tm, other=0)
-        m2 = tm[:, None] & cm[None, :]
-        old = tl.load(base_pool + r[:, None] * spr + cols[None, :], mask=m2 & (r < KM1)[:, None], other=0.0)
-        new = tl.load(xb + (r - KM1)[:, None] * sx + cols[None, :], mask=m2 & (r >= KM1)[:, None], other=0.0)
-        xl = tl.load(xb + (W - 1) * sx + cols, mask=cm, other=0.0)
-        # the rows just read may be the rows about to be written, by other threads of this program
-        # (the 2-D and 1-D tensors are laid out differently): all reads land before any write
-        tl.debug_barrier()
-        tl.store(base_pool + t[:, None] * spr + cols[None, :], (old + new).to(pool_ptr.dtype.element_ty), mask=m2)
-        tl.store(base_pool + (KM1 - 1) * spr + cols, xl.to(pool_ptr.dtype.element_ty), mask=cm)
-
-
 def _block_v(dv: int) -> int:
     return min(32, triton.next_power_of_2(dv))
 
@@ -205,21 +160,3 @@ def pool_gdn_commit(state_pool: torch.Tensor, slots: torch.Tensor, conv_out, a, 
     bv = _block_v(dv)
     _commit_kernel[(bsz, hv, dv // bv)](conv_out, a, b, A, dt_bias, state_pool, slots, path, n_accept,
                                          w, key_heads, hv, c, a.stride(1), DK=dk, DV=dv, BV=bv, num_warps=4)
-
-
-def pool_conv_silu(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, window: torch.Tensor,
-                   weight: torch.Tensor, commit: bool = False) -> torch.Tensor:
-    """Triton version of ``kernels.gated_delta.reference.pool_conv_silu`` (same arguments and
-    result; ``x`` ``[B, W, C]`` with a contiguous last dim (a column slice of a projection is fine),
-    ``weight`` ``[C, K]`` contiguous). Returns a contiguous ``[B, W, C]``."""
-    bsz, w, c = x.shape
-    km1 = conv_pool.shape[1]
-    if not (x.stride(-1) == 1 and weight.is_contiguous() and window.is_contiguous() and conv_pool.stride(-1) == 1):
-        raise ValueError("x rows, weight and window must be contiguous")
-    out = torch.empty(bsz, w, c, device=x.device, dtype=x.dtype)
-    block = 256
-    _conv_kernel[(bsz, triton.cdiv(c, block))](x, conv_pool, slots, window, weight, out, w, c, x.stride(0), x.stride(1),
-                                               conv_pool.stride(0), conv_pool.stride(1), KM1=km1,
-                                               KP=max(2, triton.next_power_of_2(km1)), BLOCK_C=block,
-                                               COMMIT=bool(commit), num_warps=4)
-    return out

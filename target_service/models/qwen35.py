@@ -65,7 +65,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.gated_delta import fla as fla_kernels
-from kernels.gated_delta import causal_conv_tree, conv_state_after, gdn_gates, gdn_qkv, gdn_update, recurrent_gated_delta_rule, tree_gated_delta_rule
+from kernels.conv import causal_conv_tree, conv_state_after
+from kernels.gated_delta import gdn_gates, gdn_qkv, gdn_update, recurrent_gated_delta_rule, tree_gated_delta_rule
 from target_service.gguf_loader import GGUFError, GGUFFile, open_gguf, vocab_size
 from target_service.models.kv_cache import KVCache
 from kernels.linear import linear
