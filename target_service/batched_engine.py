@@ -29,7 +29,7 @@ from target_service.engine import PrefillJob, PrefillOutcome, Sampling, VerifyOu
 from target_service.errors import EngineError, InvalidArgument, ResourceExhausted, SessionNotFound
 from target_service.models.layers import rope_table
 from target_service.pool import PoolShape, StatePool
-from target_service.pooled import StepLayout, StepTensors, choose, forward, prefill_step, run_step
+from target_service.pooled import StepLayout, StepTensors, prefill_step, run_step
 from target_service.tree import TreeError, analyze_tree
 
 log = logging.getLogger(__name__)
@@ -324,48 +324,34 @@ class BatchedEngine:
             return 0
         start = job.done
         n = max(1, min(budget, self.prefill_chunk, len(job.prompt) - start))
-        if self.prefill_buckets:
-            return self._run_prefill_graph(job, s, start, 1 << (n.bit_length() - 1))
-        last = start + n == len(job.prompt)
-        layout = StepLayout(1, n)
-        buf = np.zeros(layout.size, dtype=np.int64)
-        v = layout.host_views(buf)
-        v["tokens"][0] = job.prompt[start : start + n]
-        v["parents"][0] = np.arange(-1, n - 1)
-        v["depth"][0] = np.arange(n)
-        v["n_nodes"][0], v["slots"][0], v["lengths"][0] = n, s.slot, start
-        self._fill_sampling(v, 0, s)
-        st = StepTensors.from_buffer(layout, torch.from_numpy(buf).to(self.device), self.conv_kernel)
-        x, feats, _ = forward(self.model, self.pool, st, self.rope, self.taps, commit_chain=True, causal=True, fla=True)
-        self.forwards += 1
-        if self.taps:
-            job.state.append(self._session_features(torch.cat([feats[i] for i in self.taps], dim=-1), s).cpu())
-        job.done = start + n
-        s.length = job.done
-        if last:
-            first = choose(self.model.logits(x[-1:]), st, torch.full((1,), len(job.prompt), device=self.device), 1)
-            s.root, s.ready = int(first[0]), True
-            job.outcome = PrefillOutcome(s.root, s.length, torch.cat(job.state) if job.state else None)
-        return n
-
-    def _run_prefill_graph(self, job: PrefillJob, s: PoolSession, start: int, n: int) -> int:
-        """:meth:`run_prefill` through the captured chunk of exactly ``n`` tokens (a power of two)."""
-        r = self._prefill_runner(n)
-        v = r.views
+        if self.prefill_buckets:                     # graphs: a captured chunk of exactly a power of two
+            n = 1 << (n.bit_length() - 1)
+            runner = self._prefill_runner(n)
+            v = runner.views
+        else:                                        # eager: a chunk of any size
+            layout = StepLayout(1, n)
+            buf = np.zeros(layout.size, dtype=np.int64)
+            v = layout.host_views(buf)
         v["tokens"][0] = job.prompt[start : start + n]
         v["parents"][0] = np.arange(-1, n - 1)
         v["depth"][0] = np.arange(n)
         v["ancestors"][0] = 0                        # causal chunks read no ancestor masks
         v["n_nodes"][0], v["slots"][0], v["lengths"][0] = n, s.slot, start
         self._fill_sampling(v, 0, s)
-        r.run()
+        if self.prefill_buckets:
+            runner.run()
+            first, feats = runner.out_ints[0], runner.out_feats
+        else:
+            st = StepTensors.from_buffer(layout, torch.from_numpy(buf).to(self.device), self.conv_kernel)
+            out = prefill_step(self.model, self.pool, st, self.rope, self.taps, fla=True)
+            first, feats = out.ints[0], out.features
         self.forwards += 1
         if self.taps:
-            job.state.append(self._session_features(r.out_feats[0], s).clone())
+            job.state.append(self._session_features(feats[0], s).cpu().clone())
         job.done = start + n
         s.length = job.done
         if job.done == len(job.prompt):
-            s.root, s.ready = int(r.out_ints[0]), True
+            s.root, s.ready = int(first), True
             job.outcome = PrefillOutcome(s.root, s.length, torch.cat(job.state) if job.state else None)
         return n
 
