@@ -12,8 +12,8 @@
     dflash-grpc demo --problem HumanEval/0 --compare-ar
     dflash-grpc bench --prompts 8                # tau of ar / chain / tree drafting
     dflash-grpc bench --concurrency 1,4,16 --png bench.png   # + load sweep, PNG report
-    dflash-grpc train --help                     # = python -m draft_service.train
-    dflash-grpc evaluate --help                  # = python -m draft_service.evaluate
+    dflash-grpc train --help                     # = python -m training.train
+    dflash-grpc evaluate --help                  # = python -m training.evaluate
 
 A failed gRPC call prints ``error: <CODE>: <details>`` on stderr and exits with status 2; a
 service that does not come up exits with status 1. ``serve`` restarts a service that dies once
@@ -49,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Pass-through to the drafter trainer / evaluator, which own their options.
         from importlib import import_module
 
-        return int(import_module(f"draft_service.{argv[0]}").main(argv[1:]) or 0)
+        return int(import_module(f"training.{argv[0]}").main(argv[1:]) or 0)
     parser = _build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "pass_through", False):
@@ -102,7 +102,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     models = argparse.ArgumentParser(add_help=False)
     m = models.add_argument_group("services")
-    m.add_argument("--model", default=None, help="target GGUF (default: target_service.default_model_path())")
+    m.add_argument("--model", default=None, help="target GGUF (default: runtime.defaults.default_model_path())")
     m.add_argument("--drafter", default=None, help="drafter GGUF (default: draft_service.default_drafter_path(model))")
     m.add_argument("--no-draft", action="store_true", help="run without the draft service (autoregressive)")
     m.add_argument("--device", default=None, help="device of the target and draft services, e.g. cpu, cuda:0")
@@ -302,7 +302,7 @@ def _model_paths(args: argparse.Namespace) -> tuple[str, str | None]:
     """``(model, drafter)`` from the flags, else the packages' defaults (imported only when needed)."""
     model = args.model
     if model is None:
-        from target_service import default_model_path
+        from runtime.defaults import default_model_path
 
         model = default_model_path()
     if args.no_draft:
@@ -465,7 +465,7 @@ def _cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
-    from client.bench import (BenchConfig, dump_json, format_concurrency, format_table, parse_levels, require_matplotlib,
+    from bench.serving import (BenchConfig, dump_json, format_concurrency, format_table, parse_levels, require_matplotlib,
                               run_bench, run_concurrency, write_png)
 
     try:

@@ -12,21 +12,18 @@ import glob
 import logging
 import os
 
+from runtime.defaults import cache_dir
+
 logger = logging.getLogger(__name__)
 
 #: Shipped (trained) drafters: ``draft_service/data/*.gguf``, matched to a target by fingerprint.
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
 
-def cache_dir() -> str:
-    """``$DFLASH_CACHE``, else ``~/.cache/dflash-grpc``."""
-    return os.environ.get("DFLASH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dflash-grpc")
-
-
 def shipped_drafter(target_fingerprint: str) -> str | None:
     """Path of a drafter in :data:`DATA_DIR` whose ``dflash.target_fingerprint`` is
     ``target_fingerprint`` (the first in name order), or None."""
-    from target_service.gguf_loader import GGUFFile, open_gguf
+    from runtime.gguf_loader import GGUFFile, open_gguf
 
     for path in sorted(glob.glob(os.path.join(DATA_DIR, "*.gguf"))):
         try:
@@ -47,11 +44,11 @@ def default_drafter_path(target_path: str | None = None) -> str:
     (it proposes almost nothing the target accepts).
 
     Args:
-        target_path: the target GGUF; None = :func:`target_service.default_model_path`.
+        target_path: the target GGUF; None = :func:`runtime.defaults.default_model_path`.
     """
-    from target_service import default_model_path
-    from target_service.fingerprint import model_fingerprint
-    from target_service.gguf_loader import GGUFFile, open_gguf
+    from runtime.defaults import default_model_path
+    from runtime.fingerprint import model_fingerprint
+    from runtime.gguf_loader import GGUFFile, open_gguf
 
     target_path = target_path or default_model_path()
     target = open_gguf(target_path)

@@ -5,7 +5,7 @@
         [--batch-buckets 1,2,4,...] [--max-top-k 8] [--max-sessions 64] [--max-context N]
         [--max-workers N] [--session-idle-timeout 300] [--metrics-port 0] [--log-level WARNING]
 
-``--target`` defaults to :func:`target_service.default_model_path`; ``--drafter`` to
+``--target`` defaults to :func:`runtime.defaults.default_model_path`; ``--drafter`` to
 :func:`draft_service.default_drafter_path` for that target (a cached random drafter when none is
 shipped: it works but is untrained). On a CUDA device the batched engine
 (:class:`draft_service.batched.BatchedDrafter`: context pool, batched steps, one CUDA graph per
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_grpc.v1 import draft_pb2_grpc
     from draft_service import default_drafter_path
     from draft_service.servicer import SERVICE_NAME, DraftServiceServicer
-    from target_service import default_model_path
+    from runtime.defaults import default_model_path
 
     target = args.target or default_model_path()
     drafter = args.drafter or default_drafter_path(target)

@@ -1,10 +1,10 @@
 """The draft service's engines: the per-session reference (:class:`ReferenceDrafterEngine`) and the
 GPU engine (:class:`BatchedDrafter`), with one interface, ``propose_batch(items)`` / ``release(ids)``,
-run by a :class:`target_service.step_loop.StepLoop` (``batch_method="propose_batch"``).
+run by a :class:`runtime.step_loop.StepLoop` (``batch_method="propose_batch"``).
 
-Neither imports grpc: a refused item is an :class:`target_service.errors.EngineError` (or the
+Neither imports grpc: a refused item is an :class:`runtime.errors.EngineError` (or the
 exception that broke its step) in its place of the result list, and the servicer
-(:mod:`draft_service.servicer`) maps it to a gRPC status (``target_service.servicer.item_status``).
+(:mod:`draft_service.servicer`) maps it to a gRPC status (``runtime.status.item_status``).
 
 Rules every item goes through, in this order, before anything is computed (both engines; an item
 that fails leaves its session exactly as it was, a new session is not created, and no other item
@@ -22,7 +22,7 @@ rows its earlier items appended).
 **The batched engine** (docs/ARCHITECTURE.md, "The GPU path"; the draft-side counterpart of
 :class:`target_service.batched_engine.BatchedEngine`):
 
-* a context pool allocated once (:class:`target_service.pool.StatePool`): K and V
+* a context pool allocated once (:class:`runtime.pool.StatePool`): K and V
   ``[num_layers, slots + 1, rows, Hkv, D]`` in the model dtype, ``rows = max_context +
   max(block_size, append_rows)``; slot ``slots`` is the spare that padded batch rows use, so a
   padded row never touches a live session; a slot is zeroed when a session takes it; addresses
@@ -65,8 +65,8 @@ import torch
 from draft_service.drafter import DFlashDrafter, DrafterContext
 from draft_service.tree import TopK, build_tree
 from kernels import attention as attn_ops
-from target_service.errors import EngineError, FailedPrecondition, InvalidArgument, ResourceExhausted
-from target_service.pool import PoolShape, StatePool
+from runtime.errors import EngineError, FailedPrecondition, InvalidArgument, ResourceExhausted
+from runtime.pool import PoolShape, StatePool
 
 log = logging.getLogger(__name__)
 

@@ -53,7 +53,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from target_service.models.layers import apply_rope, rms_norm, rope_cos_sin
+from kernels.norm.reference import rms_norm
+from kernels.rope.reference import apply_rope, rope_cos_sin
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class DrafterConfig:
             0-based) form the context features, in feature order.
         mask_token_id: target token id used as MASK.
         vocab_size: target vocabulary size (rows of its embedding / LM head).
-        target_fingerprint: :func:`target_service.fingerprint.model_fingerprint` of the target.
+        target_fingerprint: :func:`runtime.fingerprint.model_fingerprint` of the target.
         target_architecture: the target's ``general.architecture``.
     """
 
@@ -173,13 +174,13 @@ class DrafterConfig:
         :func:`choose_mask_token`.
 
         Args:
-            target: a :class:`target_service.gguf_loader.GGUFFile` or a path to one.
+            target: a :class:`runtime.gguf_loader.GGUFFile` or a path to one.
 
         Raises:
             DrafterError: the target lacks a needed key, or the options are out of range.
         """
-        from target_service.fingerprint import model_fingerprint
-        from target_service.gguf_loader import GGUFFile
+        from runtime.fingerprint import model_fingerprint
+        from runtime.gguf_loader import GGUFFile
 
         g = target if isinstance(target, GGUFFile) else GGUFFile(target)
 
@@ -235,7 +236,7 @@ class DrafterConfig:
 
 def target_vocab_size(g: Any) -> int:
     """Rows of the target's ``token_embd.weight`` (the vocabulary the drafter speaks)."""
-    from target_service.gguf_loader import vocab_size
+    from runtime.gguf_loader import vocab_size
 
     return vocab_size(g)
 
@@ -441,59 +442,6 @@ class DFlashDrafter(nn.Module):
             else:
                 p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32) * std)
         return self
-
-    @classmethod
-    def from_gguf(
-        cls,
-        drafter_path: str | os.PathLike[str],
-        target_path: "str | os.PathLike[str] | Any",
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
-        check_target: bool = True,
-    ) -> "DFlashDrafter":
-        """Load a drafter GGUF (:mod:`draft_service.gguf_io`) and borrow the target's embedding and
-        LM head from the target GGUF.
-
-        Args:
-            drafter_path: the drafter ``.gguf``.
-            target_path: the target ``.gguf`` it was built for (a path or an open
-                :class:`target_service.gguf_loader.GGUFFile`, to avoid parsing it twice).
-            device, dtype: where and in which float dtype the module lives.
-            check_target: refuse a target whose model fingerprint differs from the drafter's
-                ``dflash.target_fingerprint`` (empty stored fingerprints are not checked).
-
-        Raises:
-            DrafterError: the drafter does not belong to that target (fingerprint, hidden size or
-                vocabulary differ) or the file is malformed.
-        """
-        from draft_service.gguf_io import read_drafter
-        from target_service.fingerprint import model_fingerprint
-        from target_service.gguf_loader import GGUFFile
-
-        config, state = read_drafter(drafter_path, dtype=dtype, device=device)
-        target = target_path if isinstance(target_path, GGUFFile) else GGUFFile(target_path)
-        target_path = target.path
-        if check_target and config.target_fingerprint:
-            fp = model_fingerprint(target)
-            if fp != config.target_fingerprint:
-                raise DrafterError(
-                    f"drafter {drafter_path} was built for target {config.target_fingerprint[:16]}..., "
-                    f"not for {target_path} ({fp[:16]}...)"
-                )
-        embed = target.load_tensor("token_embd.weight", dtype=dtype, device=device)
-        head = target.load_tensor("output.weight", dtype=dtype, device=device) if target.has_tensor("output.weight") else None
-        if embed.shape[1] != config.hidden_size or embed.shape[0] != config.vocab_size:
-            raise DrafterError(
-                f"target embedding {tuple(embed.shape)} does not match the drafter (vocab {config.vocab_size}, hidden {config.hidden_size})"
-            )
-        with torch.device("meta"):
-            model = cls(config, torch.empty(config.vocab_size, config.hidden_size))
-        model.load_state_dict(state, strict=True, assign=True)
-        model.embed_weight = embed
-        model.tied = head is None
-        model.lm_head_weight = head
-        logger.info("loaded drafter", extra={"drafter": os.fspath(drafter_path), "layers": config.num_layers, "device": str(device)})
-        return model.eval()
 
     # ---- properties --------------------------------------------------------------------------
 

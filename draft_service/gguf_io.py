@@ -33,6 +33,7 @@ Storage: matrices F16 by default (``"bf16"`` or ``"f32"`` on request); 1-D norms
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Mapping
 
@@ -40,7 +41,10 @@ import torch
 from gguf import GGMLQuantizationType
 
 from draft_service.drafter import DFlashDrafter, DrafterConfig, DrafterError
-from target_service.gguf_loader import GGUFError, GGUFFile, open_gguf, write_gguf
+from runtime.fingerprint import model_fingerprint
+from runtime.gguf_loader import GGUFError, GGUFFile, open_gguf, write_gguf
+
+logger = logging.getLogger(__name__)
 
 ARCH = "qwen3"
 
@@ -251,3 +255,50 @@ def is_trained(path: str | os.PathLike[str]) -> bool:
     """``dflash.trained`` of a drafter file (True when the key is absent)."""
     return bool(open_gguf(path).get("dflash.trained", True))
 
+
+def load_drafter(
+    drafter_path: str | os.PathLike[str],
+    target_path: "str | os.PathLike[str] | Any",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    check_target: bool = True,
+) -> "DFlashDrafter":
+    """Load a drafter GGUF (:func:`read_drafter`) and borrow the target's embedding and
+    LM head from the target GGUF.
+
+    Args:
+        drafter_path: the drafter ``.gguf``.
+        target_path: the target ``.gguf`` it was built for (a path or an open
+            :class:`runtime.gguf_loader.GGUFFile`, to avoid parsing it twice).
+        device, dtype: where and in which float dtype the module lives.
+        check_target: refuse a target whose model fingerprint differs from the drafter's
+            ``dflash.target_fingerprint`` (empty stored fingerprints are not checked).
+
+    Raises:
+        DrafterError: the drafter does not belong to that target (fingerprint, hidden size or
+            vocabulary differ) or the file is malformed.
+    """
+    config, state = read_drafter(drafter_path, dtype=dtype, device=device)
+    target = target_path if isinstance(target_path, GGUFFile) else GGUFFile(target_path)
+    target_path = target.path
+    if check_target and config.target_fingerprint:
+        fp = model_fingerprint(target)
+        if fp != config.target_fingerprint:
+            raise DrafterError(
+                f"drafter {drafter_path} was built for target {config.target_fingerprint[:16]}..., "
+                f"not for {target_path} ({fp[:16]}...)"
+            )
+    embed = target.load_tensor("token_embd.weight", dtype=dtype, device=device)
+    head = target.load_tensor("output.weight", dtype=dtype, device=device) if target.has_tensor("output.weight") else None
+    if embed.shape[1] != config.hidden_size or embed.shape[0] != config.vocab_size:
+        raise DrafterError(
+            f"target embedding {tuple(embed.shape)} does not match the drafter (vocab {config.vocab_size}, hidden {config.hidden_size})"
+        )
+    with torch.device("meta"):
+        model = DFlashDrafter(config, torch.empty(config.vocab_size, config.hidden_size))
+    model.load_state_dict(state, strict=True, assign=True)
+    model.embed_weight = embed
+    model.tied = head is None
+    model.lm_head_weight = head
+    logger.info("loaded drafter", extra={"drafter": os.fspath(drafter_path), "layers": config.num_layers, "device": str(device)})
+    return model.eval()

@@ -30,7 +30,7 @@ from draft_service.drafter import (
     DrafterConfig,
 )
 from draft_service.gguf_io import STORAGE_TYPES, write_drafter
-from target_service.gguf_loader import GGUFFile
+from runtime.gguf_loader import GGUFFile
 
 
 def random_drafter(config: DrafterConfig, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:

@@ -1,5 +1,5 @@
 """gRPC ``dflash_grpc.v1.DraftService``: a thin map from the v1 contract onto a drafter engine run
-by a :class:`target_service.step_loop.StepLoop`.
+by a :class:`runtime.step_loop.StepLoop`.
 
 Per ``ProposeItem`` (docs/ARCHITECTURE.md, "One speculative step", step 1):
 
@@ -17,7 +17,7 @@ batched steps, CUDA graphs; the CUDA default). A ``ProposeRequest`` of N items i
 every stream in one ``propose_batch`` per tick (no lock around compute).
 
 Per-item failures go into ``ProposeResult.status`` (``code`` = ``grpc.StatusCode`` number, mapped
-from the engine's errors by :func:`target_service.servicer.item_status`) and leave that session
+from the engine's errors by :func:`runtime.status.item_status`) and leave that session
 exactly as it was (a new session is not created) and every other item alone:
 
 * ``INVALID_ARGUMENT``: empty session id, malformed features (dtype, byte count, shape other than
@@ -42,9 +42,10 @@ from dflash_grpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from dflash_grpc.wire import WireError, tensor_from_proto, tree_to_proto
 from draft_service.batched import BatchedDrafter, DraftItem, ReferenceDrafterEngine
 from draft_service.drafter import DFlashDrafter
-from target_service.errors import InvalidArgument
-from target_service.servicer import item_status
-from target_service.step_loop import StepLoop, run_items
+from draft_service.gguf_io import load_drafter
+from runtime.errors import InvalidArgument
+from runtime.status import item_status
+from runtime.step_loop import StepLoop, run_items
 
 logger = logging.getLogger(__name__)
 
@@ -158,11 +159,11 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         Raises:
             draft_service.drafter.DrafterError: the drafter belongs to another target.
             ValueError: unknown ``engine``.
-            target_service.errors.ResourceExhausted: the memory budget holds no session slot.
+            runtime.errors.ResourceExhausted: the memory budget holds no session slot.
         """
         from draft_service.gguf_io import is_trained
-        from target_service.fingerprint import tokenizer_fingerprint
-        from target_service.gguf_loader import open_gguf
+        from runtime.fingerprint import tokenizer_fingerprint
+        from runtime.gguf_loader import open_gguf
 
         cuda = str(device).startswith("cuda")
         if engine == "auto":
@@ -172,7 +173,7 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         if dtype is None:
             dtype = torch.bfloat16 if cuda else torch.float32
         target = open_gguf(target_path)
-        drafter = DFlashDrafter.from_gguf(drafter_path, target, device=device, dtype=dtype)
+        drafter = load_drafter(drafter_path, target, device=device, dtype=dtype)
         target_context = int(target.get("{arch}.context_length", 0) or 0)
         if not is_trained(drafter_path):
             logger.warning("the drafter is untrained (random init): expect acceptance near zero", extra={"drafter": drafter_path})

@@ -11,8 +11,8 @@ from dflash_grpc.v1 import draft_pb2, generation_pb2_grpc
 from orchestrator.peers import DraftPeer, TargetPeer, drafter_mismatch
 from orchestrator.scheduler import Scheduler
 from orchestrator.servicer import GenerationServicer
-from target_service import default_model_path
-from target_service.tokenizer import GGUFTokenizer
+from runtime.defaults import default_model_path
+from runtime.tokenizer import GGUFTokenizer
 
 log = logging.getLogger("orchestrator")
 

@@ -24,7 +24,7 @@ from orchestrator.detok import TextStream
 from orchestrator.peers import DraftPeer, TargetPeer, drafter_mismatch
 from orchestrator.scheduler import FINISH_CONTEXT, FINISH_EOS, Failure, Rejected, Request, Scheduler
 from orchestrator.stats import GlobalStats
-from target_service.engine import MIN_TEMPERATURE
+from runtime.sampling import MIN_TEMPERATURE
 
 log = logging.getLogger(__name__)
 

@@ -18,13 +18,13 @@ import torch
 
 from dflash_grpc import serving
 from dflash_grpc.v1 import common_pb2, target_pb2_grpc
-from target_service import default_model_path
+from runtime.defaults import default_model_path
 from target_service.engine import TargetEngine
-from target_service.fingerprint import model_fingerprint, tokenizer_fingerprint
-from target_service.gguf_loader import open_gguf
+from runtime.fingerprint import model_fingerprint, tokenizer_fingerprint
+from runtime.gguf_loader import open_gguf
 from target_service.models import load_model
 from target_service.servicer import FEATURES, TargetServicer
-from target_service.step_loop import StepLoop
+from runtime.step_loop import StepLoop
 
 log = logging.getLogger("target_service")
 
@@ -61,7 +61,7 @@ def build_engine(model_path: str, device: str = "cpu", dtype: str = "auto", max_
 
     Raises:
         GGUFError: unsupported architecture or malformed file.
-        target_service.errors.ResourceExhausted: the memory budget holds no session slot.
+        runtime.errors.ResourceExhausted: the memory budget holds no session slot.
     """
     dev = torch.device(device)
     cuda = dev.type == "cuda"

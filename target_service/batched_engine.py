@@ -26,11 +26,11 @@ import torch
 
 from kernels.attention import default_splits
 from target_service.engine import PrefillJob, PrefillOutcome, Sampling, VerifyOutcome, check_prompt
-from target_service.errors import EngineError, InvalidArgument, ResourceExhausted, SessionNotFound
+from runtime.errors import EngineError, InvalidArgument, ResourceExhausted, SessionNotFound
 from target_service.models.layers import rope_table
-from target_service.pool import PoolShape, StatePool
+from runtime.pool import PoolShape, StatePool
 from target_service.pooled import StepLayout, StepTensors, prefill_step, run_step
-from target_service.tree import TreeError, analyze_tree
+from runtime.tree import TreeError, analyze_tree
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class _Runner:
 
 
 class BatchedEngine:
-    """Sessions in a :class:`~target_service.pool.StatePool`, verified in batched steps.
+    """Sessions in a :class:`~runtime.pool.StatePool`, verified in batched steps.
 
     Args:
         model: a loaded ``LlamaModel`` or ``Qwen35Model`` (any device, any dtype).

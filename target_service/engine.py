@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 import threading
 
 import numpy as np
 import torch
 
 from kernels.sampling import accept_path, select_tokens
-from target_service.errors import EngineError, FailedPrecondition, InvalidArgument, ResourceExhausted, SessionNotFound  # noqa: F401 (re-exported)
-from target_service.tree import TreeError, chain, tree_tensors, validate_tree
+from runtime.errors import EngineError, FailedPrecondition, InvalidArgument, ResourceExhausted, SessionNotFound  # noqa: F401 (re-exported)
+from runtime.sampling import MIN_TEMPERATURE, Sampling  # noqa: F401 (re-exported)
+from runtime.tree import TreeError, chain, tree_tensors, validate_tree
 
 log = logging.getLogger(__name__)
 
@@ -57,36 +57,6 @@ def check_prompt(session_id: str, prompt: list[int], feature_layers: list[int], 
         raise ResourceExhausted(f"prompt of {len(prompt)} tokens leaves no room in a context of {max_context}")
 
 
-@dataclasses.dataclass
-class Sampling:
-    """Validated sampling settings of a session (``temperature == 0``: greedy)."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 0.0
-    seed: int = 0
-
-    @classmethod
-    def checked(cls, temperature: float, top_k: int, top_p: float, seed: int | None) -> "Sampling":
-        """Validate and build; unset ``seed`` draws a random one.
-
-        Raises:
-            InvalidArgument: temperature < 0, not finite, or in (0, ``MIN_TEMPERATURE``) (its
-                inverse scales logits past float32), top_k < 0, top_p outside [0, 1].
-        """
-        if not (temperature >= 0.0 and temperature < float("inf")):
-            raise InvalidArgument(f"temperature must be a finite number >= 0, got {temperature}")
-        if 0.0 < temperature < MIN_TEMPERATURE:
-            raise InvalidArgument(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {temperature}")
-        if top_k < 0:
-            raise InvalidArgument(f"top_k must be >= 0, got {top_k}")
-        if not 0.0 <= top_p <= 1.0:
-            raise InvalidArgument(f"top_p must be in [0, 1], got {top_p}")
-        return cls(float(temperature), int(top_k), float(top_p), int(seed if seed is not None else random.getrandbits(63)))
-
-
-#: Smallest positive temperature: logits / T stay far inside float32 (|logit| < 1e3 gives < 1e7).
-MIN_TEMPERATURE = 1e-4
 
 
 @dataclasses.dataclass
@@ -158,7 +128,7 @@ class TargetEngine:
         max_tree_depth: deepest node a verify may carry (the drafter's block size - 1 or more).
 
     Thread safety: one lock serialises model compute and session-table changes (the services
-    call an engine from one step-loop thread, ``target_service.step_loop``).
+    call an engine from one step-loop thread, ``runtime.step_loop``).
     """
 
     def __init__(self, model, max_sessions: int = 8, max_context: int = 4096, max_tree_width: int = 64, max_tree_depth: int = 32):
@@ -234,7 +204,7 @@ class TargetEngine:
 
         Raises:
             SessionNotFound: unknown session.
-            InvalidArgument: malformed tree (:func:`target_service.tree.validate_tree`) or a root
+            InvalidArgument: malformed tree (:func:`runtime.tree.validate_tree`) or a root
                 other than the session's.
             ResourceExhausted: the tree's deepest position would pass ``max_context``.
         """

@@ -150,7 +150,7 @@ class PoolBackend:
     the raw projections).
 
     Args:
-        pool: :class:`target_service.pool.StatePool`.
+        pool: :class:`runtime.pool.StatePool`.
         st: the step's tensors.
         commit_chain: the nodes of each row are a chain committed whole (prefill chunk, ``W = 1``
             step): GDN state and conv state are written by the forward; otherwise they are kept

@@ -1,8 +1,8 @@
 """gRPC servicer of the target service: a thin map from the v1 contract onto an engine run by a
-:class:`~target_service.step_loop.StepLoop`.
+:class:`~runtime.step_loop.StepLoop`.
 
 Errors are mapped here, in one place (:func:`status_of`): an engine error carries the status it
-maps to (``target_service.errors.Code``), out-of-memory is RESOURCE_EXHAUSTED, anything else is
+maps to (``runtime.errors.Code``), out-of-memory is RESOURCE_EXHAUSTED, anything else is
 INTERNAL (logged). A unary call aborts with the status; inside a Verify stream message each item
 gets its own ``ItemStatus``, so one bad item touches no other session.
 """
@@ -17,33 +17,13 @@ import torch
 from dflash_grpc.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dflash_grpc.wire import tensor_to_proto
 from target_service.engine import Sampling
-from target_service.errors import EngineError, InvalidArgument
-from target_service.step_loop import StepLoop, run_items
+from runtime.errors import InvalidArgument
+from runtime.status import item_status, status_of  # noqa: F401 (re-exported)
+from runtime.step_loop import StepLoop, run_items
 
 log = logging.getLogger(__name__)
 
 FEATURES = ["tree-verify", "sampling", "features-bf16", "chunked-prefill", "batched-verify"]
-
-_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
-
-
-def status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status and message for an exception raised while serving an item."""
-    if isinstance(e, EngineError):
-        return grpc.StatusCode[e.code.name], str(e)
-    if isinstance(e, _OOM):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of device memory: {e}"
-    log.error("internal error", exc_info=e)
-    return grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
-
-
-def item_status(e: BaseException | None) -> common_pb2.ItemStatus:
-    """``ItemStatus`` of an item: OK (0) for ``None``, else its mapped status."""
-    if e is None:
-        return common_pb2.ItemStatus(code=0)
-    code, msg = status_of(e)
-    return common_pb2.ItemStatus(code=code.value[0], message=msg)
-
 
 def _decode_verify_item(item: target_pb2.VerifyItem) -> tuple[str, list[int], list[int]]:
     if not item.HasField("tree"):

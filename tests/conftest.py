@@ -25,7 +25,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def smollm_path() -> str:
-    from target_service import default_model_path
+    from runtime.defaults import default_model_path
 
     return default_model_path()
 
@@ -39,7 +39,7 @@ def smollm_model(smollm_path):
 
 @pytest.fixture(scope="session")
 def smollm_tokenizer(smollm_path):
-    from target_service.tokenizer import GGUFTokenizer
+    from runtime.tokenizer import GGUFTokenizer
 
     return GGUFTokenizer.from_gguf(smollm_path)
 

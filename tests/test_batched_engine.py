@@ -18,8 +18,8 @@ import torch
 
 from target_service.batched_engine import BatchedEngine
 from target_service.engine import Sampling, TargetEngine
-from target_service.errors import Code
-from target_service.step_loop import StepLoop
+from runtime.errors import Code
+from runtime.step_loop import StepLoop
 
 LAYERS = [1, 7, 14]
 SETTINGS = [(0.0, 0, 0.0), (0.8, 40, 0.9)]
@@ -102,7 +102,7 @@ def test_batched_equals_reference_llama(smollm_model, reference, prompts, temper
 @pytest.fixture(scope="module")
 def tiny_qwen35(tmp_path_factory):
     from target_service.models.qwen35 import Qwen35Model
-    from target_service.synth import PRESETS, write_qwen35
+    from fixtures.synth import PRESETS, write_qwen35
 
     cfg = dataclasses.replace(PRESETS["tiny"], num_hidden_layers=8, linear_num_key_heads=2, linear_num_value_heads=4)
     res = write_qwen35(str(tmp_path_factory.mktemp("q35") / "q.gguf"), cfg, seed=2, progress=False)
@@ -202,8 +202,8 @@ def test_reused_slot_carries_nothing(tiny_qwen35):
 
 
 def test_memory_budget_sets_slots(smollm_model):
-    from target_service.errors import ResourceExhausted
-    from target_service.pool import PoolShape
+    from runtime.errors import ResourceExhausted
+    from runtime.pool import PoolShape
 
     per = PoolShape.of(smollm_model.cfg, 128, 8).slot_bytes(smollm_model.dtype)
     engine = BatchedEngine(smollm_model, max_sessions=10, max_context=128, max_tree_width=8, memory_budget=4 * per + 1)

@@ -115,8 +115,8 @@ def smollm_gpu(smollm_path):
 @pytest.fixture(scope="module")
 def q35_gpu(tmp_path_factory):
     from target_service.models.qwen35 import Qwen35Model
-    from target_service.synth import PRESETS, write_qwen35
-    from tests.tiny_models import write_tiny_llama
+    from fixtures.synth import PRESETS, write_qwen35
+    from fixtures.tiny_models import write_tiny_llama
 
     d = tmp_path_factory.mktemp("q35gpu")
     tok = str(d / "tok.gguf")
@@ -202,7 +202,7 @@ def test_gpu_forward_logits_match_cpu_reference(q35_gpu, smollm_model, smollm_gp
 
     from target_service.batched_engine import BatchedEngine
     from target_service.pooled import StepLayout, StepTensors, forward
-    from target_service.tree import analyze_tree, tree_tensors
+    from runtime.tree import analyze_tree, tree_tensors
 
     rng = random.Random(3)
     for cpu, gpu in ((q35_gpu["cpu"], q35_gpu["cuda"]), (smollm_model, smollm_gpu[torch.float32])):

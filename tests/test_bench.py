@@ -3,7 +3,7 @@
 import pytest
 
 from client import AcceptanceStats
-from client.bench import BenchConfig, _merge, format_table
+from bench.serving import BenchConfig, _merge, format_table
 
 
 def test_parse_configs():
@@ -54,7 +54,7 @@ _ACCEPTANCE = {"block_size": 16, "all_lossless": True, "prompts": 2, "max_tokens
 
 
 def test_tree_vs_chain_estimate():
-    from target_service.bench_gpu import format_tree_vs_chain, tree_vs_chain
+    from bench.gpu import format_tree_vs_chain, tree_vs_chain
 
     prop = {"drafter": "d.gguf", "source": "shipped",
             "configs": {c: {"wall_ms": _ms(0.5)} for c in ("chain", "tree:15:4", "tree:16:4")}}
@@ -92,7 +92,7 @@ def test_tree_vs_chain_estimate():
 def test_tree_vs_chain_report_section(tmp_path):
     import json
 
-    from target_service.bench_gpu import _load_dir, _tree_vs_chain_section
+    from bench.gpu import _load_dir, _tree_vs_chain_section
 
     (tmp_path / "m.json").write_text(json.dumps(_engine()))
     prop = {"source": "shipped", "drafter": "d.gguf", "configs": {"chain": {"wall_ms": _ms(0.5)}}}
@@ -112,8 +112,8 @@ def test_tree_vs_chain_report_section(tmp_path):
 def test_drafter_timing_on_cpu(tmp_path):
     """The drafter measurement's code path (eager, float32 on the CPU: wall times only); a target
     without a shipped drafter gets a random one of the shipped drafter's shape."""
-    from target_service.bench_gpu import drafter_timing
-    from tests.tiny_models import write_tiny_llama
+    from bench.gpu import drafter_timing
+    from fixtures.tiny_models import write_tiny_llama
 
     target = str(tmp_path / "tiny.gguf")
     write_tiny_llama(target, layers=6)

@@ -1,4 +1,4 @@
-"""Prompt sources and generation batching of draft_service/data.py: standard-library code stubs
+"""Prompt sources and generation batching of training/data.py: standard-library code stubs
 (:func:`stdlib_function_stubs`, :func:`code_prompts`), the ``code`` list of the prompts file, the
 code prompts of :func:`build_sequences` and token-budgeted batches of :func:`generate_responses`
 (a fake model: no weights, CPU, fast)."""
@@ -12,12 +12,12 @@ import textwrap
 import pytest
 import torch
 
-from draft_service import data
+from training import data
 
 try:
-    from tests.tiny_models import write_tiny_llama
+    from fixtures.tiny_models import write_tiny_llama
 except ImportError:  # pytest's rootdir-less "prepend" import mode
-    from tiny_models import write_tiny_llama
+    from fixtures.tiny_models import write_tiny_llama
 
 
 # ------------------------------------------------------------------------------------------------
@@ -103,7 +103,7 @@ def test_export_writes_code_prompts(fake_sharegpt, tmp_path):
 
 
 def test_export_filters_code_prompts_by_tokens(fake_sharegpt, tmp_path):
-    from target_service.tokenizer import GGUFTokenizer
+    from runtime.tokenizer import GGUFTokenizer
 
     tiny = write_tiny_llama(tmp_path / "t.gguf", seed=0)
     tok = GGUFTokenizer.from_gguf(tiny.path)
@@ -179,7 +179,7 @@ def test_generate_responses_rejects_bad_budget():
 
 
 def test_build_sequences_appends_code_prompts(tmp_path):
-    from target_service.tokenizer import GGUFTokenizer
+    from runtime.tokenizer import GGUFTokenizer
 
     tiny = write_tiny_llama(tmp_path / "t.gguf", seed=0)
     tok = GGUFTokenizer.from_gguf(tiny.path)

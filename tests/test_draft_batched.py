@@ -13,14 +13,15 @@ import torch
 
 from draft_service.batched import BatchedDrafter, DraftItem, ReferenceDrafterEngine
 from draft_service.drafter import DFlashDrafter
+from draft_service.gguf_io import load_drafter
 from draft_service.init_random import write_random_drafter
 from draft_service.tree import TopK, build_tree, topk_table
-from target_service.errors import Code, EngineError, ResourceExhausted
+from runtime.errors import Code, EngineError, ResourceExhausted
 
 try:
-    from tests.tiny_models import write_tiny_llama
+    from fixtures.tiny_models import write_tiny_llama
 except ImportError:  # pytest's rootdir-less "prepend" import mode
-    from tiny_models import write_tiny_llama
+    from fixtures.tiny_models import write_tiny_llama
 
 BLOCK = 8
 #: Tree params cycled through the steps: chain, chain cut to a budget, DDTrees (one with a depth).
@@ -40,7 +41,7 @@ def files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def drafter(files):
     tiny, path = files
-    return DFlashDrafter.from_gguf(path, tiny.path)
+    return load_drafter(path, tiny.path)
 
 
 def streams(drafter: DFlashDrafter, sessions: list[str], steps: int, seed: int, first_rows: int = 13,
@@ -377,7 +378,7 @@ def test_servicer_runs_either_engine(files, drafter):
 
 def _cuda_drafter(files, dtype):
     tiny, path = files
-    return DFlashDrafter.from_gguf(path, tiny.path, device="cuda", dtype=dtype)
+    return load_drafter(path, tiny.path, device="cuda", dtype=dtype)
 
 
 @pytest.mark.gpu

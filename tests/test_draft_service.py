@@ -18,16 +18,17 @@ from dflash_grpc.serving import make_server
 from dflash_grpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from dflash_grpc.wire import GRPC_OPTIONS, tensor_from_proto, tensor_to_proto
 from draft_service.drafter import DFlashDrafter
+from draft_service.gguf_io import load_drafter
 from draft_service.init_random import write_random_drafter
 from draft_service.servicer import SERVICE_NAME, DraftServiceServicer, file_sha256
 from draft_service.tree import build_chain, build_tree
-from target_service.fingerprint import model_fingerprint, tokenizer_fingerprint
-from target_service.gguf_loader import GGUFFile
+from runtime.fingerprint import model_fingerprint, tokenizer_fingerprint
+from runtime.gguf_loader import GGUFFile
 
 try:
-    from tests.tiny_models import write_tiny_llama
+    from fixtures.tiny_models import write_tiny_llama
 except ImportError:  # pytest's rootdir-less "prepend" import mode
-    from tiny_models import write_tiny_llama
+    from fixtures.tiny_models import write_tiny_llama
 
 OK = grpc.StatusCode.OK.value[0]
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -51,7 +52,7 @@ def files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(files):
     tiny, drafter = files
-    return DFlashDrafter.from_gguf(drafter, tiny.path)
+    return load_drafter(drafter, tiny.path)
 
 
 @pytest.fixture()

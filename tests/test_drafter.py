@@ -21,6 +21,7 @@ from draft_service.drafter import (
     default_target_layer_ids,
 )
 from draft_service.gguf_io import (
+    load_drafter,
     expected_tensor_names,
     is_trained,
     module_to_gguf_name,
@@ -31,13 +32,13 @@ from draft_service.gguf_io import (
 from draft_service.init_random import main as init_random_main
 from draft_service.init_random import write_random_drafter
 from draft_service.tree import build_chain
-from target_service.fingerprint import model_fingerprint
-from target_service.gguf_loader import GGUFFile
+from runtime.fingerprint import model_fingerprint
+from runtime.gguf_loader import GGUFFile
 
 try:
-    from tests.tiny_models import write_tiny_llama
+    from fixtures.tiny_models import write_tiny_llama
 except ImportError:  # pytest's rootdir-less "prepend" import mode
-    from tiny_models import write_tiny_llama
+    from fixtures.tiny_models import write_tiny_llama
 
 
 # ------------------------------------------------------------------------------------------------
@@ -366,7 +367,7 @@ def test_gguf_round_trip(tiny, drafter, tmp_path):
     assert g.tensor_info("blk.0.attn_q.weight").type_name == "F32"
     assert read_drafter_config(path) == c
 
-    loaded = DFlashDrafter.from_gguf(path, tiny.path)
+    loaded = load_drafter(path, tiny.path)
     assert loaded.config == c and not loaded.tied
     ctx2 = loaded.new_context()
     loaded.append_context(ctx2, feats)
@@ -378,7 +379,7 @@ def test_gguf_round_trip(tiny, drafter, tmp_path):
         gg = GGUFFile(p)
         assert gg.tensor_info("dflash.fc.weight").type_name == type_name
         assert gg.tensor_info("blk.1.attn_k_norm.weight").type_name == "F32"
-        m = DFlashDrafter.from_gguf(p, tiny.path)
+        m = load_drafter(p, tiny.path)
         ctx3 = m.new_context()
         m.append_context(ctx3, feats)
         assert rel_err(m.block_logits(ctx3, 77), ref) < tol
@@ -388,7 +389,7 @@ def test_tied_target_uses_the_embedding_as_head(tmp_path):
     tied = write_tiny_llama(tmp_path / "tied.gguf", tied=True, seed=2)
     out = tmp_path / "d.gguf"
     write_random_drafter(tied.path, out, block_size=4, dtype="f32")
-    m = DFlashDrafter.from_gguf(out, tied.path)
+    m = load_drafter(out, tied.path)
     assert m.tied and m.head_weight is m.embed_weight
     assert torch.equal(m.embed_weight, tied.gguf_tensors["token_embd.weight"])
 
@@ -398,7 +399,7 @@ def test_from_gguf_refuses_another_target(tiny, tmp_path):
     out = tmp_path / "d.gguf"
     write_random_drafter(tiny.path, out, block_size=4)
     with pytest.raises(DrafterError, match="built for target"):
-        DFlashDrafter.from_gguf(out, other.path)
+        load_drafter(out, other.path)
 
 
 def test_write_drafter_checks_shapes(drafter, tmp_path):
@@ -452,7 +453,7 @@ def test_default_drafter_path_caches_a_random_drafter(tiny, tmp_path, monkeypatc
     assert read_drafter_config(p).target_fingerprint == fp and not is_trained(p)
     mtime = os.stat(p).st_mtime_ns
     assert default_drafter_path(tiny.path) == p and os.stat(p).st_mtime_ns == mtime  # created once
-    DFlashDrafter.from_gguf(p, tiny.path)  # loads against its target
+    load_drafter(p, tiny.path)  # loads against its target
 
     # a shipped drafter for the same target wins
     os.makedirs(tmp_path / "data")

@@ -31,8 +31,8 @@ N_TOKENS = 32
 def drafter_path(smollm_path):
     """The shipped, trained drafter of the default model (draft_service/data/)."""
     from draft_service import default_drafter_path, shipped_drafter
-    from target_service.fingerprint import model_fingerprint
-    from target_service.gguf_loader import open_gguf
+    from runtime.fingerprint import model_fingerprint
+    from runtime.gguf_loader import open_gguf
 
     path = default_drafter_path(smollm_path)
     assert path == shipped_drafter(model_fingerprint(open_gguf(smollm_path))), "no trained drafter shipped"
@@ -234,7 +234,7 @@ def test_no_free_slot_waits_in_the_queue(services, smollm_path):
 def test_mismatched_drafter_is_failed_precondition(services, smollm_path, tmp_path):
     """A drafter built for another target: the orchestrator refuses speculative requests."""
     from draft_service.init_random import write_random_drafter
-    from tests.tiny_models import write_tiny_llama
+    from fixtures.tiny_models import write_tiny_llama
 
     tiny = str(tmp_path / "tiny.gguf")
     write_tiny_llama(tiny)

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def qwen35_services(tmp_path_factory):
     from draft_service.init_random import write_random_drafter
-    from target_service.synth import PRESETS, write_qwen35
+    from fixtures.synth import PRESETS, write_qwen35
 
     d = tmp_path_factory.mktemp("q35e2e")
     target = str(d / "qwen35-tiny.gguf")

@@ -45,9 +45,9 @@ FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthChe
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     try:
-        from tests.tiny_models import write_tiny_llama
+        from fixtures.tiny_models import write_tiny_llama
     except ImportError:  # pytest's rootdir-less "prepend" import mode
-        from tiny_models import write_tiny_llama
+        from fixtures.tiny_models import write_tiny_llama
     from draft_service.init_random import write_random_drafter
 
     d = tmp_path_factory.mktemp("fuzz")
@@ -64,7 +64,7 @@ def services(files):
     from draft_service.servicer import SERVICE_NAME, DraftServiceServicer
     from target_service.__main__ import build_engine
     from target_service.servicer import TargetServicer
-    from target_service.step_loop import StepLoop
+    from runtime.step_loop import StepLoop
 
     target_path, drafter_path = files
     engine, info = build_engine(target_path, max_sessions=4, max_context=CONTEXT)

@@ -1,4 +1,4 @@
-"""Tests of target_service.gguf_loader: dequantization, shapes, metadata, errors, the real model file.
+"""Tests of runtime.gguf_loader: dequantization, shapes, metadata, errors, the real model file.
 
 Every tensor type in ``SUPPORTED_TYPES`` is checked two ways:
 
@@ -25,7 +25,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES
 
-from target_service.gguf_loader import SUPPORTED_TYPES, GGUFError, GGUFFile, write_gguf
+from runtime.gguf_loader import SUPPORTED_TYPES, GGUFError, GGUFFile, write_gguf
 
 QK_K = 256
 

@@ -25,8 +25,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.launcher import RestartBudgetExhausted, RestartPolicy, Service, ServiceGroup, free_ports
 from dflash_grpc.serving import make_server
-from target_service.errors import ResourceExhausted, SessionNotFound
-from target_service.step_loop import StepLoop
+from runtime.errors import ResourceExhausted, SessionNotFound
+from runtime.step_loop import StepLoop
 from tests.test_client import MINI_SERVER
 
 
@@ -136,7 +136,7 @@ def test_idle_session_is_reaped_and_its_slot_freed(fake, caplog):
     clock.advance(6)
     assert loop.batch([("a", [5], [-1])]).results == [1]     # a is in use, b is not
     clock.advance(6)                                          # a idle 6 s, b 12 s
-    with caplog.at_level(logging.INFO, logger="target_service.step_loop"):
+    with caplog.at_level(logging.INFO, logger="runtime.step_loop"):
         assert loop.reap() == ["b"]
     assert engine.released == ["b"] and loop.reaped == 1 and set(engine.sessions) == {"a"}
     rec = next(r for r in caplog.records if r.getMessage() == "reaped idle session")
@@ -216,9 +216,9 @@ def test_draft_items_and_propose_batch(fake):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     try:
-        from tests.tiny_models import write_tiny_llama
+        from fixtures.tiny_models import write_tiny_llama
     except ImportError:  # pytest's rootdir-less "prepend" import mode
-        from tiny_models import write_tiny_llama
+        from fixtures.tiny_models import write_tiny_llama
     from draft_service.init_random import write_random_drafter
 
     d = tmp_path_factory.mktemp("lifecycle")
@@ -263,8 +263,9 @@ def test_target_engines_reap_idle_sessions(tiny, kind):
 def test_reference_drafter_reaps_idle_sessions(tiny):
     from draft_service.batched import DraftItem, ReferenceDrafterEngine
     from draft_service.drafter import DFlashDrafter
+    from draft_service.gguf_io import load_drafter
 
-    drafter = DFlashDrafter.from_gguf(tiny[1], tiny[0])
+    drafter = load_drafter(tiny[1], tiny[0])
     engine = ReferenceDrafterEngine(drafter, max_sessions=1, max_context=64)
     clock = FakeClock()
     loop = StepLoop(engine, name="draft", batch_method="propose_batch", idle_timeout=30, reap_interval=3600, clock=clock)

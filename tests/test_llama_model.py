@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st, HealthCheck
 
-from target_service.tree import chain, tree_tensors
+from runtime.tree import chain, tree_tensors
 
 # transformers and our model both dequantize the same GGUF to float32 and compute in float32;
 # differences are summation order only. Logits of SmolLM2 are O(10..40).

@@ -14,7 +14,7 @@ from dflash_grpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from client import AcceptanceStats, Client, SchedulerStatus
-from client.bench import format_concurrency, parse_levels, run_concurrency, write_png
+from bench.serving import format_concurrency, parse_levels, run_concurrency, write_png
 from client.cli import main
 from client.watch import render_frame, tokens_per_second
 from orchestrator import metrics
@@ -179,7 +179,7 @@ def test_collector_reads_loop_and_pool_at_scrape_time():
 
 
 def test_collector_reference_engine_and_real_step_loop():
-    from target_service.step_loop import StepLoop
+    from runtime.step_loop import StepLoop
 
     class Engine:  # the reference engines' shape: max_sessions + a sessions dict, no pool
         max_sessions = 8

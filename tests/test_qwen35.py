@@ -1,6 +1,6 @@
 """The qwen35 hybrid target: logits against transformers, tree verify and exact state rollback.
 
-Models are synthetic (random weights, real Qwen3.5 layout) from ``target_service.synth``; the
+Models are synthetic (random weights, real Qwen3.5 layout) from ``fixtures.synth``; the
 oracle is ``transformers.Qwen3_5ForCausalLM`` with the same weights.
 """
 
@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from target_service.engine import Sampling, TargetEngine
 from target_service.models.qwen35 import Qwen35Model
-from target_service.synth import PRESETS, write_qwen35
-from target_service.tree import chain, tree_tensors
+from fixtures.synth import PRESETS, write_qwen35
+from runtime.tree import chain, tree_tensors
 
 # float32 on both sides, same weights; differences are summation order (and transformers'
 # chunked GDN vs our recurrence). Logits are O(1..10) for these random models; observed

@@ -27,8 +27,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def models(tmp_path_factory):
     pytest.importorskip("fla")
     from target_service.models.qwen35 import Qwen35Model
-    from target_service.synth import PRESETS, write_qwen35
-    from tests.tiny_models import write_tiny_llama
+    from fixtures.synth import PRESETS, write_qwen35
+    from fixtures.tiny_models import write_tiny_llama
 
     d = tmp_path_factory.mktemp("gpu")
     tok = str(d / "tok.gguf")
@@ -63,7 +63,7 @@ def test_fla_kernel_matches_reference(n, heads, dim):
 
 @pytest.mark.parametrize("n", [1, 64, 65, 200])
 def test_cuda_prefill_matches_cpu(models, n):
-    from target_service.tree import chain
+    from runtime.tree import chain
 
     cpu, gpu = models
     ids = torch.randint(0, cpu.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
@@ -94,7 +94,7 @@ def _copy_state(src, dst):
 
 def test_cuda_tree_verify_and_commit_match_cpu(models):
     """From the same committed state: tree logits and the committed state after a partial path."""
-    from target_service.tree import chain, tree_tensors
+    from runtime.tree import chain, tree_tensors
 
     cpu, gpu = models
     rng = random.Random(0)

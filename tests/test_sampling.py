@@ -1,6 +1,6 @@
 """Sampling is lossless: the emitted token's distribution equals the target's softmax.
 
-Chi-square goodness-of-fit tests on a tiny llama target (tests/tiny_models.py), several thousand
+Chi-square goodness-of-fit tests on a tiny llama target (fixtures/tiny_models.py), several thousand
 samples each. Seeds are fixed, so each test is deterministic; the threshold p > 1e-3 is the
 test's significance level.
 """
@@ -13,7 +13,7 @@ import torch
 from kernels.sampling import filtered_logprobs, select_tokens
 from target_service.engine import Sampling, TargetEngine
 from target_service.models.llama import LlamaModel
-from target_service.tree import chain
+from runtime.tree import chain
 
 N_SAMPLES = 3000
 
@@ -36,7 +36,7 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def tiny_engine(tmp_path_factory):
-    from tests.tiny_models import write_tiny_llama
+    from fixtures.tiny_models import write_tiny_llama
 
     path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
     write_tiny_llama(str(path), vocab=300, seed=3)

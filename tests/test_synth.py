@@ -1,4 +1,4 @@
-"""Synthetic random Qwen3.5 GGUFs (target_service/synth.py).
+"""Synthetic random Qwen3.5 GGUFs (fixtures/synth.py).
 
 The central check: a file written by :func:`write_qwen35` loads in transformers as
 ``Qwen3_5ForCausalLM`` and gives the same logits as an oracle built directly from the random HF
@@ -21,17 +21,17 @@ import torch
 import gguf
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
-from target_service import synth
-from target_service.gguf_loader import GGUFFile, open_gguf
-from target_service.synth import PRESETS, Qwen35SynthConfig, count_parameters, hf_to_gguf_tensors, write_qwen35
-from tests.tiny_models import CHATML_TEMPLATE, CORPUS, bytes_to_unicode, train_bpe
+from fixtures import synth
+from runtime.gguf_loader import GGUFFile, open_gguf
+from fixtures.synth import PRESETS, Qwen35SynthConfig, count_parameters, hf_to_gguf_tensors, write_qwen35
+from fixtures.tiny_models import CHATML_TEMPLATE, CORPUS, bytes_to_unicode, train_bpe
 
 transformers = pytest.importorskip("transformers")
 
 
 def _smollm2_path() -> str | None:
     try:
-        from target_service import default_model_path
+        from runtime.defaults import default_model_path
 
         return default_model_path()
     except FileNotFoundError:

@@ -9,7 +9,7 @@ import torch
 
 from target_service.batched_engine import BatchedEngine
 from target_service.engine import Sampling, TargetEngine
-from target_service.errors import Code
+from runtime.errors import Code
 
 ENGINES = {"reference": TargetEngine, "batched": BatchedEngine}
 

@@ -299,9 +299,9 @@ def test_serve_tls_dir_passes_flags_to_the_services(certs, monkeypatch, capsys):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     try:
-        from tests.tiny_models import write_tiny_llama
+        from fixtures.tiny_models import write_tiny_llama
     except ImportError:  # pytest's rootdir-less "prepend" import mode
-        from tiny_models import write_tiny_llama
+        from fixtures.tiny_models import write_tiny_llama
     return write_tiny_llama(tmp_path_factory.mktemp("tls-tiny") / "target.gguf", seed=3).path
 
 
@@ -311,7 +311,7 @@ def mtls_target(certs, tiny):
     from dflash_grpc.v1 import target_pb2_grpc
     from target_service.__main__ import build_engine
     from target_service.servicer import TargetServicer
-    from target_service.step_loop import StepLoop
+    from runtime.step_loop import StepLoop
 
     engine, info = build_engine(tiny, max_sessions=2, max_context=64)
     loop = StepLoop(engine, name="tls-target")

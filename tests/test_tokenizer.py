@@ -1,4 +1,4 @@
-"""Tests of target_service.tokenizer.GGUFTokenizer.
+"""Tests of runtime.tokenizer.GGUFTokenizer.
 
 References:
 
@@ -28,9 +28,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from target_service.gguf_loader import GGUFError, GGUFFile, open_gguf, write_gguf
-from target_service.tokenizer import PRE_TOKENIZER_TYPES, GGUFTokenizer, UnsupportedTokenizerError
-from tests.tiny_models import bytes_to_unicode
+from runtime.gguf_loader import GGUFError, GGUFFile, open_gguf, write_gguf
+from runtime.tokenizer import PRE_TOKENIZER_TYPES, GGUFTokenizer, UnsupportedTokenizerError
+from fixtures.tiny_models import bytes_to_unicode
 
 # --------------------------------------------------------------------------------------------
 # corpus
@@ -404,7 +404,7 @@ def test_from_gguf_file_and_path_agree(tmp_path):
 
 
 def test_fingerprint_matches_target_service_fingerprint(tmp_path):
-    from target_service.fingerprint import tokenizer_fingerprint
+    from runtime.fingerprint import tokenizer_fingerprint
 
     p = write_tiny(tmp_path / "t.gguf")
     assert GGUFTokenizer.from_gguf(p).fingerprint == tokenizer_fingerprint(GGUFFile(p))
@@ -412,7 +412,7 @@ def test_fingerprint_matches_target_service_fingerprint(tmp_path):
 
 def test_fingerprint_stable_across_processes(tmp_path):
     p = write_tiny(tmp_path / "t.gguf")
-    code = "import sys; from target_service.tokenizer import GGUFTokenizer; print(GGUFTokenizer.from_gguf(sys.argv[1]).fingerprint)"
+    code = "import sys; from runtime.tokenizer import GGUFTokenizer; print(GGUFTokenizer.from_gguf(sys.argv[1]).fingerprint)"
     env = dict(os.environ, PYTHONHASHSEED="12345")
     out = subprocess.run([sys.executable, "-c", code, p], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == GGUFTokenizer.from_gguf(p).fingerprint

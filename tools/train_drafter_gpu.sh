@@ -2,7 +2,7 @@
 # Train the default drafter (SmolLM2-135M-Instruct) on the GPU machine and evaluate it, in device
 # calls made back to back (the machine stays warm 30 s). The target GGUF (98 MB) travels in three
 # parts under .model1..3 (split -b 33000000 -d), the prompts file in runs/ (python -m
-# draft_service.data export ... --num-code 9000), the gguf wheel in .whl:
+# training.data export ... --num-code 9000), the gguf wheel in .whl:
 #   call 1, carry .model1:           bash tools/train_drafter_gpu.sh stage
 #   call 2, carry .model2:           bash tools/train_drafter_gpu.sh stage
 #   call 3, carry .model3 .whl runs: bash tools/train_drafter_gpu.sh train    generate the data, train (part 1)
@@ -36,7 +36,7 @@ COMMON=(--target "$MODEL" --prompts-file runs/prompts.json --out-dir "$RUN"
         --final-reserve-s 75 --no-progress --log-every 250)
 RUNNER=(python3 -m torch.distributed.run --standalone --nproc-per-node "$NGPU")
 FILTER="gguf_writer\|^W1\|OMP_NUM_THREADS\|^\*\*\*\|Converting\|Loading weights"
-EVAL=(python3 -m draft_service.evaluate --drafter "$RUN/drafter.gguf" --target "$MODEL" --prompts-file runs/prompts.json
+EVAL=(python3 -m training.evaluate --drafter "$RUN/drafter.gguf" --target "$MODEL" --prompts-file runs/prompts.json
       --num-prompts 0 --max-new-tokens 256 --modes chain,tree --tree-budget 31 --tree-top-k 4 --method both --engine-prompts 6)
 evaluate() {  # HumanEval and held-out ShareGPT on two GPUs at once
     CUDA_VISIBLE_DEVICES=0 "${EVAL[@]}" --datasets humaneval --out "$OUT/eval-humaneval.json" > /tmp/eval-humaneval.txt 2>&1 &
@@ -46,17 +46,17 @@ evaluate() {  # HumanEval and held-out ShareGPT on two GPUs at once
 }
 case "$1" in
 train)
-    "${RUNNER[@]}" -m draft_service.train "${COMMON[@]}" --time-budget-min "$TRAIN1_MIN" --gen-budget-frac 0.5 2>&1 \
+    "${RUNNER[@]}" -m training.train "${COMMON[@]}" --time-budget-min "$TRAIN1_MIN" --gen-budget-frac 0.5 2>&1 \
         | grep -v "$FILTER" | tee "$OUT/train1-log.txt"
     cp "$RUN/summary.json" "$OUT/train1-summary.json" ;;
 finish)
-    "${RUNNER[@]}" -m draft_service.train "${COMMON[@]}" --resume --time-budget-min "$TRAIN2_MIN" 2>&1 \
+    "${RUNNER[@]}" -m training.train "${COMMON[@]}" --resume --time-budget-min "$TRAIN2_MIN" 2>&1 \
         | grep -v "$FILTER" | tee "$OUT/train2-log.txt"
     cp "$RUN/summary.json" "$OUT/train2-summary.json"
     evaluate ;;
 finetune)
     FT_MIN=${FT_MIN:-9.2}
-    "${RUNNER[@]}" -m draft_service.train "${COMMON[@]}" --init-from draft_service/data/smollm2-135m-instruct-dflash.gguf \
+    "${RUNNER[@]}" -m training.train "${COMMON[@]}" --init-from draft_service/data/smollm2-135m-instruct-dflash.gguf \
         --sampled-responses 1 --sample-temperature 0.8 --lr 5e-4 --schedule-train-min 3.5 --eval-every 500 \
         --time-budget-min "$FT_MIN" --gen-budget-frac 0.45 2>&1 | grep -v "$FILTER" | tee "$OUT/finetune-log.txt"
     cp "$RUN/summary.json" "$OUT/finetune-summary.json" ;;

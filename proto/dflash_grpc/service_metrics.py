@@ -1,7 +1,7 @@
 """Prometheus metrics of the target and draft services (``--metrics-port``), read at scrape time.
 
 :class:`StepLoopCollector` is a custom ``prometheus_client`` collector: it reads the counters a
-:class:`target_service.step_loop.StepLoop` already keeps (``ticks``, ``items``, ``busy_s``,
+:class:`runtime.step_loop.StepLoop` already keeps (``ticks``, ``items``, ``busy_s``,
 ``prefill_tokens``) and its engine's session pool when Prometheus scrapes, so the step loop's hot
 path does nothing extra. Series (label ``service``: ``target`` or ``draft``)::
 
@@ -33,7 +33,7 @@ def pool_usage(engine: Any) -> tuple[int, int, int | None]:
     """``(slots, free, pool_bytes)`` of an engine's session pool.
 
     Batched engines (``BatchedEngine``, ``BatchedDrafter``) have ``pool`` (a
-    ``target_service.pool.StatePool``: ``slots``, ``free``, ``nbytes``); the reference engines
+    ``runtime.pool.StatePool``: ``slots``, ``free``, ``nbytes``); the reference engines
     (``TargetEngine``, ``ReferenceDrafterEngine``) have ``max_sessions`` and a ``sessions`` dict
     (``pool_bytes`` is then ``None``).
     """

@@ -32,6 +32,11 @@ import grpc
 #: Most bytes in one message, sent or received, on every channel and server of the project.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
+#: Trailing-metadata key of a refused call's structured reason code (``runtime.errors.Reason``
+#: names, e.g. ``NO_FREE_SLOT``): callers branch on it, never on the message text. Items of a
+#: batched stream carry the same code in ``ItemStatus.reason``.
+REASON_KEY = "dflash-reason"
+
 #: Channel / server options that set :data:`MAX_MESSAGE_BYTES` in both directions.
 GRPC_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

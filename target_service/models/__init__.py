@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from target_service.gguf_loader import GGUFError, GGUFFile, open_gguf
+from runtime.gguf_loader import GGUFError, GGUFFile, open_gguf
 
 #: GGUF ``general.architecture`` values the target service runs.
 ARCHITECTURES = ("llama", "qwen35")

@@ -26,7 +26,7 @@ from kernels.attention import tree_attention
 from kernels.linear import linear
 from kernels.norm import add_rms_norm, rms_norm
 from target_service.models.layers import apply_rope_rows, mlp_then_norm, rope_cos_sin
-from target_service.gguf_loader import GGUFError, GGUFFile, open_gguf, vocab_size
+from runtime.gguf_loader import GGUFError, GGUFFile, open_gguf, vocab_size
 from target_service.models.kv_cache import KVCache
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ state and conv tail, which :meth:`Qwen35Model.commit` installs. Verify over a tr
   re-runs the recurrence from the committed state along the accepted path only (``k + 1``
   steps, one pass per layer that reads and writes the state once).
 
-Measured with ``python -m target_service.bench_rollback`` (one GDN layer at Qwen3.5-0.8B
+Measured with ``python -m bench.rollback`` (one GDN layer at Qwen3.5-0.8B
 dimensions, HV = 16, Dk = Dv = 128; a tree of T nodes, an accepted path of n nodes; verify +
 commit; ``benchmarks/rollback-{cpu,cuda}.txt``). Milliseconds per step, gather / recompute:
 
@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from kernels.gated_delta import fla as fla_kernels
 from kernels.conv import causal_conv_tree, conv_state_after
 from kernels.gated_delta import gdn_gates, gdn_qkv, gdn_update, recurrent_gated_delta_rule, tree_gated_delta_rule
-from target_service.gguf_loader import GGUFError, GGUFFile, open_gguf, vocab_size
+from runtime.gguf_loader import GGUFError, GGUFFile, open_gguf, vocab_size
 from target_service.models.kv_cache import KVCache
 from kernels.linear import linear
 from kernels.norm import add_rms_norm, gated_rms_norm, rms_norm

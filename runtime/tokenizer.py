@@ -36,7 +36,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from target_service.gguf_loader import GGUFError, GGUFFile, open_gguf
+from runtime.gguf_loader import GGUFError, GGUFFile, open_gguf
 
 __all__ = ["GGUFTokenizer", "UnsupportedTokenizerError", "PRE_TOKENIZER_TYPES"]
 
@@ -370,7 +370,7 @@ class GGUFTokenizer:
             raise GGUFError(f"{source}: added tokens changed the vocabulary size")
         self._tk = tk
 
-        from target_service.fingerprint import tokenizer_fingerprint
+        from runtime.fingerprint import tokenizer_fingerprint
 
         self._fingerprint: str = tokenizer_fingerprint(_MetadataView(md))
 
@@ -513,7 +513,7 @@ class GGUFTokenizer:
     @property
     def fingerprint(self) -> str:
         """sha256 hex digest of the tokenizer definition: model and pre type, tokens, token types,
-        merges and bos/eos/eot/eom ids (:func:`target_service.fingerprint.tokenizer_fingerprint`).
+        merges and bos/eos/eot/eom ids (:func:`runtime.fingerprint.tokenizer_fingerprint`).
 
         Stable across runs and processes; equal for two GGUF files that tokenize identically by
         definition, different when any of those fields differ.

@@ -1,10 +1,10 @@
 """GPU benchmark of the target engine, with same-run baselines (``tools/gpu_run.sh bench`` runs it).
 
-    python -m target_service.bench_gpu engine --model M.gguf --name NAME --out NAME.json [--hf]
-    python -m target_service.bench_gpu report --dir DIR --out DIR/RESULTS.md [--acceptance A.json]
-    python -m target_service.bench_gpu env --out DIR/env.json
-    python -m target_service.bench_gpu drafter --model M.gguf --name NAME --out NAME.drafter.json [--drafter D.gguf]
-    python -m target_service.bench_gpu tree-vs-chain --engine NAME.json --acceptance A.json [--draft-ms 1.2]
+    python -m bench.gpu engine --model M.gguf --name NAME --out NAME.json [--hf]
+    python -m bench.gpu report --dir DIR --out DIR/RESULTS.md [--acceptance A.json]
+    python -m bench.gpu env --out DIR/env.json
+    python -m bench.gpu drafter --model M.gguf --name NAME --out NAME.drafter.json [--drafter D.gguf]
+    python -m bench.gpu tree-vs-chain --engine NAME.json --acceptance A.json [--draft-ms 1.2]
 
 ``engine`` measures, on one CUDA device, in this order (each a median over repeats, with the
 spread):
@@ -137,7 +137,7 @@ def bench_engine(path: str, name: str, reps: int = 5, hf: bool = False, max_cont
     """Everything ``engine`` measures for one GGUF (module docstring); returns a JSON-able dict."""
     from target_service.batched_engine import BatchedEngine
     from target_service.engine import Sampling
-    from target_service.gguf_loader import open_gguf
+    from runtime.gguf_loader import open_gguf
     from target_service.models import load_model
 
     dev = torch.device("cuda")
@@ -354,7 +354,7 @@ def profile_step(engine, width: int, parents: list[int] | None = None, prefill: 
     count and device microseconds per kernel family, and the top kernels by time."""
     from torch.profiler import ProfilerActivity, profile
 
-    from target_service.tree import analyze_tree
+    from runtime.tree import analyze_tree
 
     if parents == "tree":
         parents = _tree_shape(width)
@@ -461,9 +461,10 @@ def drafter_timing(target_path: str, drafter_path: str | None = None, configs=DR
     from draft_service import shipped_drafter
     from draft_service.batched import BatchedDrafter, DraftItem
     from draft_service.drafter import DFlashDrafter
+    from draft_service.gguf_io import load_drafter
     from draft_service.gguf_io import is_trained
-    from target_service.fingerprint import model_fingerprint
-    from target_service.gguf_loader import open_gguf
+    from runtime.fingerprint import model_fingerprint
+    from runtime.gguf_loader import open_gguf
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = dev.type == "cuda"
@@ -481,7 +482,7 @@ def drafter_timing(target_path: str, drafter_path: str | None = None, configs=DR
             drafter_path = os.path.join(tmp, "random-drafter.gguf")
             write_random_drafter(g, drafter_path, layers=3, block_size=16, num_target_layers=5)
             source = "random weights, the shipped drafter's shape (3 layers, block 16, 5 target layers)"
-        model = DFlashDrafter.from_gguf(drafter_path, g, device=dev, dtype=torch.bfloat16 if cuda else torch.float32)
+        model = load_drafter(drafter_path, g, device=dev, dtype=torch.bfloat16 if cuda else torch.float32)
         trained = bool(is_trained(drafter_path))
         name = os.path.basename(drafter_path)
     finally:
@@ -877,7 +878,7 @@ def report(d: str, out_path: str, command: str = "", acceptance: str | None = DE
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m target_service.bench_gpu", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("engine", help="benchmark one GGUF")

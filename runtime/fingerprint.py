@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from target_service.gguf_loader import GGUFFile
+from runtime.gguf_loader import GGUFFile
 
 _TOKENIZER_KEYS = ("model", "pre", "bos_token_id", "eos_token_id", "eot_token_id", "eom_token_id")
 

@@ -1,6 +1,6 @@
 """Acceptance length τ of a drafter on HumanEval and held-out ShareGPT prompts, chain and tree.
 
-    python -m draft_service.evaluate --drafter DRAFTER.gguf [--target T.gguf] \\
+    python -m training.evaluate --drafter DRAFTER.gguf [--target T.gguf] \\
         [--datasets sharegpt,humaneval] [--modes chain,tree] [--num-prompts 0] \\
         [--method replay|engine|both] [--engine-prompts 16] \\
         [--max-new-tokens 256] [--tree-budget 31 --tree-top-k 4] [--out results.json]
@@ -8,20 +8,20 @@
 Greedy decoding (temperature 0); τ = tokens emitted per target forward (verify). Two methods:
 
 * ``engine``: the project's :class:`target_service.engine.TargetEngine` and the drafter in
-  process, one prompt and one verify at a time (:func:`draft_service.train.measure_tau`). The
+  process, one prompt and one verify at a time (:func:`training.train.measure_tau`). The
   reference; slow (one Python round trip per verify).
 * ``replay`` (default): the target's greedy continuations and features from transformers in
   batches, then the speculative steps replayed with the drafter's blocks of many prompts in one
-  forward (:func:`draft_service.replay.replay_tau`; the same steps and counts as the engine,
+  forward (:func:`training.replay.replay_tau`; the same steps and counts as the engine,
   tested equal on CPU). Minutes instead of hours for all 164 HumanEval problems.
 * ``both``: replay on every prompt and the engine on the first ``--engine-prompts`` of each
   dataset; each engine run is paired with the replay over the same prompts (τ of both and the
   number of prompts whose emitted tokens are identical), to show the agreement on real prompts.
 
 Prompts: the target's chat template around each user message; ShareGPT prompts are the held-out
-split (:func:`draft_service.data.heldout_prompts`, never trained on), HumanEval
-:func:`draft_service.data.humaneval_prompts`; ``--prompts-file`` (from ``python -m
-draft_service.data export``) replaces both packages. ``--num-prompts 0`` takes every prompt.
+split (:func:`training.data.heldout_prompts`, never trained on), HumanEval
+:func:`training.data.humaneval_prompts`; ``--prompts-file`` (from ``python -m
+training.data export``) replaces both packages. ``--num-prompts 0`` takes every prompt.
 Tree mode uses DDTree (:func:`draft_service.tree.build_tree`). Results go to ``--out`` as JSON
 and a table on stdout.
 """
@@ -39,7 +39,7 @@ import torch
 
 
 def load_prompt_texts(dataset: str, prompts_file: str | None) -> list[str]:
-    from draft_service import data
+    from training import data
 
     if prompts_file:
         got = data.load_prompts_file(prompts_file)
@@ -60,7 +60,7 @@ def _row(d: str, m: str, method: str, r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m draft_service.evaluate", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m training.evaluate", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--drafter", required=True, help="drafter GGUF")
     ap.add_argument("--target", default=None, help="target GGUF (default: target_service.default_model_path())")
@@ -77,21 +77,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tree-top-k", type=int, default=4, help="candidates per depth (tree mode)")
     ap.add_argument("--batch-size", type=int, default=128, help="replay: prompts per transformers batch")
     ap.add_argument("--group", type=int, default=16, help="replay: prompts per drafter forward")
-    ap.add_argument("--prompts-file", default=None, help="JSON from `python -m draft_service.data export`")
+    ap.add_argument("--prompts-file", default=None, help="JSON from `python -m training.data export`")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="target and drafter dtype")
     ap.add_argument("--out", default=None, help="results JSON (default: next to the drafter, <name>.eval.json)")
     args = ap.parse_args(argv)
 
-    from draft_service.data import encode_prompts, load_hf_target
+    from training.data import encode_prompts, load_hf_target
     from draft_service.drafter import DFlashDrafter
-    from draft_service.replay import replay_prompts
-    from draft_service.train import build_target_engine, measure_tau, resolve_device
-    from target_service.gguf_loader import open_gguf
-    from target_service.tokenizer import GGUFTokenizer
+    from draft_service.gguf_io import load_drafter
+    from training.replay import replay_prompts
+    from training.train import build_target_engine, measure_tau, resolve_device
+    from runtime.gguf_loader import open_gguf
+    from runtime.tokenizer import GGUFTokenizer
 
     if args.target is None:
-        from target_service import default_model_path
+        from runtime.defaults import default_model_path
 
         args.target = default_model_path()
     device = resolve_device(args.device)
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     tok = GGUFTokenizer.from_gguf(target)
     stop = tok.eos_token_ids
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    drafter = DFlashDrafter.from_gguf(args.drafter, target, device=device, dtype=dtype)
+    drafter = load_drafter(args.drafter, target, device=device, dtype=dtype)
     datasets = [d for d in args.datasets.split(",") if d]
     modes = [m for m in args.modes.split(",") if m]
     trees: dict[str, Any] = {}
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         "block_size": drafter.config.block_size,
         "tree_budget": args.tree_budget,
         "tree_top_k": args.tree_top_k,
-        "command": "python -m draft_service.evaluate " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m training.evaluate " + " ".join(argv if argv is not None else sys.argv[1:]),
         "runs": [],
     }
     print(f"{'dataset':<10} {'mode':<6} {'method':<7} {'prompts':>7} {'tau':>6} {'tokens':>7} {'verifies':>8} {'wall_s':>7}", flush=True)

@@ -29,7 +29,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from target_service.errors import EngineError, SessionNotFound
+from runtime.errors import EngineError, SessionNotFound
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Measure the GDN rollback strategies of ``target_service.models.qwen35``: time and bytes per step.
 
-``python -m target_service.bench_rollback [--device cpu|cuda] [--heads 16] [--dk 128] [--dv 128]
+``python -m bench.rollback [--device cpu|cuda] [--heads 16] [--dk 128] [--dv 128]
 [--out benchmarks/rollback.txt]``
 
 One GDN layer at Qwen3.5 dimensions (defaults: 16 value heads, Dk = Dv = 128, as Qwen3.5-0.8B/2B),
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> str:
     lines = [
         f"GDN rollback, one layer: HV={args.heads} Dk={args.dk} Dv={args.dv} on {device}"
         + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else f" ({torch.get_num_threads()} threads)"),
-        "command: python -m target_service.bench_rollback " + " ".join(argv or []),
+        "command: python -m bench.rollback " + " ".join(argv or []),
         f"{'T':>3} {'n':>3} {'strategy':>10} {'ms/step':>9} {'state MB moved':>15}",
     ]
     check = {}

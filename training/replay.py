@@ -12,8 +12,8 @@ committed prefix:
 
 So τ can be computed from ``G`` and one forward of the target over it, with the drafter's blocks
 of many prompts batched into one forward per round. :func:`replay_tau` follows
-:func:`draft_service.train.measure_tau` step for step (same stopping rules, same counts; tested
-equal on CPU in ``tests/test_replay.py``), and ``python -m draft_service.evaluate`` runs both on
+:func:`training.train.measure_tau` step for step (same stopping rules, same counts; tested
+equal on CPU in ``tests/test_replay.py``), and ``python -m training.evaluate`` runs both on
 a GPU to show the agreement on real prompts. The engine path stays the reference: replay is the
 fast way to evaluate all 164 HumanEval problems and 100 ShareGPT conversations, chain and tree.
 """
@@ -46,7 +46,7 @@ def hf_greedy_tokens(
     one-token decode steps; position ids count the real tokens only (as ``generate`` does).
 
     Args:
-        model: ``transformers`` causal LM (e.g. :func:`draft_service.data.load_hf_target`).
+        model: ``transformers`` causal LM (e.g. :func:`training.data.load_hf_target`).
         prompts: token ids per prompt (non-empty).
         num_tokens: tokens to generate per prompt (``>= 1``).
         pad_token_id: id written into padding (masked out, never read).
@@ -132,7 +132,7 @@ def replay_tau(
     For prompt ``i``, ``sequences[i]`` = prompt (``prompt_lens[i]`` tokens) + the target's greedy
     tokens, at least ``max_new_tokens + B`` of them (:func:`hf_greedy_tokens`, EOS ignored);
     ``features[i]`` ``[>= len - 1, N*H]`` = the target features of those rows. The steps are those
-    of :func:`draft_service.train.measure_tau`: the first greedy token comes from the prefill and
+    of :func:`training.train.measure_tau`: the first greedy token comes from the prefill and
     is the first root; a step drafts a block ``[root, MASK x (B-1)]`` on the committed rows,
     builds a chain (``tree=None``) or ``tree(root, logits)``, accepts ``a`` tokens
     (:func:`accepted_length`) and emits ``a + 1`` (with the bonus); a prompt ends when it has
@@ -222,7 +222,7 @@ def tau_summary(
     seconds: float,
     outputs: list[list[int]],
 ) -> dict[str, Any]:
-    """The result dict of a τ measurement (:func:`replay_tau`, :func:`draft_service.train.measure_tau`).
+    """The result dict of a τ measurement (:func:`replay_tau`, :func:`training.train.measure_tau`).
 
     Args:
         emitted, steps: per prompt, tokens emitted by the verifies and number of verifies.
@@ -261,13 +261,13 @@ def prepare_replay(
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """The target's side of a replay, computed once per prompt set: ``num_tokens`` greedy tokens
     after each prompt (:func:`hf_greedy_tokens`) and the features of every row of prompt +
-    continuation (:func:`draft_service.train.hf_features`).
+    continuation (:func:`training.hf_target.hf_features`).
 
     Returns:
         ``(sequences, features)``: token ids per prompt, and ``[len, N*H]`` feature rows (the HF
         model's dtype and device) per prompt.
     """
-    from draft_service.train import hf_features
+    from training.hf_target import hf_features
 
     cont = hf_greedy_tokens(hf_model, prompts, num_tokens, pad_token_id=pad_token_id, batch_size=batch_size)
     seqs = [list(p) + c for p, c in zip(prompts, cont)]
