@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from client import AcceptanceStats, Client, DFlashError
+from client import AcceptanceStats, Client, DFlashError, GenerateRequest
 
 
 @dataclasses.dataclass
@@ -49,6 +49,7 @@ class BenchConfig:
         raise ValueError(f"bad configuration {text!r}: use ar, chain or tree:BUDGET:TOPK")
 
     def kwargs(self) -> dict[str, Any]:
+        """The configuration's generation options (fields of :class:`client.GenerateRequest`)."""
         if not self.speculative:
             return {"speculative": False}
         return {"speculative": True, "tree_budget": self.tree_budget, "top_k_draft": self.top_k}
@@ -103,10 +104,11 @@ def run_bench(address: str, prompts: Sequence[str], configs: Sequence[BenchConfi
     reference: list[list[int]] = []
     with Client(address, timeout=timeout) as c:
         for cfg in configs:
+            request = GenerateRequest(max_tokens=max_tokens, **cfg.kwargs())
             stats, same = [], True
             t0 = time.monotonic()
             for i, prompt in enumerate(prompts):
-                res = c.generate(prompt=prompt, max_tokens=max_tokens, **cfg.kwargs())
+                res = c.generate(prompt, request=request)
                 stats.append(res.stats)
                 if cfg.name == "ar":
                     reference.append(res.token_ids)
@@ -156,10 +158,10 @@ def parse_levels(text: str) -> list[int]:
     return levels
 
 
-def _run_level(address: str, prompts: Sequence[str], n: int, requests_per_stream: int, max_tokens: int,
-               kwargs: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+def _run_level(address: str, prompts: Sequence[str], n: int, requests_per_stream: int, request: GenerateRequest,
+               timeout: float | None) -> dict[str, Any]:
     """N streams at once, each ``requests_per_stream`` requests in turn; stream j's r-th request
-    takes prompt ``(j * requests_per_stream + r) % len(prompts)``."""
+    is ``request`` with prompt ``(j * requests_per_stream + r) % len(prompts)``."""
     barrier = threading.Barrier(n + 1)
     tokens = [0] * n
     seconds = [0.0] * n
@@ -172,7 +174,7 @@ def _run_level(address: str, prompts: Sequence[str], n: int, requests_per_stream
         for r in range(requests_per_stream):
             prompt = prompts[(j * requests_per_stream + r) % len(prompts)]
             try:
-                tokens[j] += len(clients[j].generate(prompt=prompt, max_tokens=max_tokens, **kwargs).token_ids)
+                tokens[j] += len(clients[j].generate(prompt, request=request).token_ids)
             except DFlashError as e:
                 errors.append(str(e))
         seconds[j] = time.monotonic() - t0
@@ -221,12 +223,13 @@ def run_concurrency(address: str, prompts: Sequence[str], levels: Sequence[int],
         raise ValueError("no prompts")
     modes = CONCURRENCY_MODES if modes is None else modes
     out: dict[str, Any] = {"levels": list(levels), "max_tokens": max_tokens, "requests_per_stream": requests_per_stream, "modes": {}}
-    for name, kwargs in modes.items():
+    for name, options in modes.items():
+        request = GenerateRequest(max_tokens=max_tokens, **options)  # a bad option fails here, before any stream
         rows = out["modes"][name] = []
         for n in levels:
             if progress:
                 progress(name, n)
-            rows.append(_run_level(address, prompts, n, requests_per_stream, max_tokens, kwargs, timeout))
+            rows.append(_run_level(address, prompts, n, requests_per_stream, request, timeout))
     return out
 
 

@@ -34,7 +34,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from client import DEFAULT_ADDRESS, Client, DFlashError, GenerationResult, GenerationStream
+from client import DEFAULT_ADDRESS, Client, DFlashError, GenerateRequest, GenerationResult, GenerationStream
 from client.launcher import Service, ServiceExited, ServiceGroup, dflash_services, free_ports
 
 
@@ -190,9 +190,10 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _gen_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """Keyword arguments of :meth:`Client.generate` from the generation flags."""
-    return dict(
+def _gen_request(args: argparse.Namespace) -> GenerateRequest:
+    """The generation flags as a :class:`GenerateRequest` without an input (a template: the
+    command adds the prompt). Raises InvalidArgumentError for a value that cannot be sent."""
+    return GenerateRequest(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
@@ -251,14 +252,14 @@ def _summary(result: GenerationResult) -> str:
 
 def _cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
     prompt = _read_prompt(args)
-    kwargs = _gen_kwargs(args)
+    request = _gen_request(args)
     if args.chat:
-        kwargs["messages"] = [{"role": "user", "content": prompt}]
+        request = request.replace(messages=[{"role": "user", "content": prompt}])
     else:
-        kwargs["prompt"] = prompt
+        request = request.replace(prompt=prompt)
     with _client(args) as c:
         if args.json:
-            r = c.generate(**kwargs)
+            r = c.generate(request=request)
             obj = {
                 "text": r.text,
                 "tokens": r.token_ids,
@@ -268,7 +269,7 @@ def _cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
             }
             print(json.dumps(obj))
         else:
-            r = _stream_to_stdout(c.stream(**kwargs))
+            r = _stream_to_stdout(c.stream(request=request))
             print(_summary(r), file=sys.stderr)
     return 0
 
@@ -437,13 +438,13 @@ def _humaneval_prompt(problem: str) -> tuple[str, str]:
 
 def _cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
     task_id, prompt = _humaneval_prompt(args.problem)
+    request = _gen_request(args).replace(prompt=prompt)  # checked before the services start
     model, drafter = _model_paths(args)
     services = dflash_services(model, drafter, ports=free_ports(3), device=args.device, log_level=args.log_level, extra=extra)
     group = ServiceGroup(services, grace=args.grace)
     err = sys.stderr
     print(f"model:   {model}\ndrafter: {drafter or '(none: autoregressive)'}", file=err)
     print("starting services ...", file=err, flush=True)
-    kwargs = _gen_kwargs(args)
     with _sigterm_interrupts(), _running(group):
         t0 = time.monotonic()
         group.wait_healthy(args.startup_timeout, on_ready=lambda s: print(f"  {s.name:<12} ready at {s.address}", file=err, flush=True))
@@ -451,10 +452,10 @@ def _cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
         try:
             with Client(services[-1].address, timeout=args.timeout) as c:
                 sys.stdout.write(prompt)
-                spec = _stream_to_stdout(c.stream(prompt=prompt, **kwargs))
+                spec = _stream_to_stdout(c.stream(request=request))
                 print(f"---\n{_summary(spec)}", file=err, flush=True)
                 if args.compare_ar:
-                    ar = c.generate(prompt=prompt, **{**kwargs, "speculative": False})
+                    ar = c.generate(request=request.replace(speculative=False))
                     print(_comparison(spec, ar), file=err, flush=True)
         except DFlashError as e:
             dead = group.poll()
