@@ -14,8 +14,10 @@ import threading
 import time
 
 import grpc
+import grpc.aio
 import pytest
 from dflash_grpc.serving import make_server
+from dflash_grpc.transport import REASON_KEY
 from dflash_grpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 import client
@@ -27,6 +29,7 @@ from client import (
     DeadlineExceededError,
     DFlashError,
     FailedPreconditionError,
+    GenerateRequest,
     InternalError,
     InvalidArgumentError,
     NotFoundError,
@@ -78,6 +81,7 @@ ALL_ERROR_CODES = [c for c in grpc.StatusCode if c != grpc.StatusCode.OK]
 
 class FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
     """Streams PIECES for any prompt; special prompts: ``error:<CODE>`` aborts with that code,
+    ``reason:<CODE>:<REASON>`` too, with REASON as the ``dflash-reason`` trailing metadata,
     ``error-mid`` aborts after one chunk, ``slow`` sleeps 3 s, ``noend`` ends without a final message."""
 
     def __init__(self) -> None:
@@ -89,6 +93,10 @@ class FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
         if prompt.startswith("error:"):
             code = grpc.StatusCode[prompt.split(":", 1)[1]]
             context.abort(code, f"boom {code.name}")
+        if prompt.startswith("reason:"):
+            _, code, reason = prompt.split(":", 2)
+            context.set_trailing_metadata(((REASON_KEY, reason),))
+            context.abort(grpc.StatusCode[code], "refused")
         if prompt == "slow":
             end = time.monotonic() + 3
             while time.monotonic() < end and context.is_active():
@@ -173,6 +181,123 @@ def test_request_building():
             client.build_request(**bad)
 
 
+# The request builder of the SDK before GenerateRequest (build_request of client/__init__.py at
+# 1042235, less its error handling): GenerateRequest.to_proto must send exactly what it sent.
+def _legacy_chat_message(m):
+    if isinstance(m, generation_pb2.ChatMessage):
+        return m
+    if isinstance(m, dict):
+        return generation_pb2.ChatMessage(role=m["role"], content=m["content"])
+    role, content = m
+    return generation_pb2.ChatMessage(role=role, content=content)
+
+
+def _legacy_build_request(prompt=None, *, tokens=None, messages=None, max_tokens=128, temperature=0.0, top_k=0, top_p=0.0,
+                          seed=None, stop=(), ignore_eos=False, speculative=None, tree_budget=None, top_k_draft=None,
+                          max_depth=None, request_id=None):
+    if isinstance(stop, str):
+        stop = [stop]
+    req = generation_pb2.GenerateRequest(max_tokens=max_tokens,
+                                         sampling=common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+                                         stop=list(stop), ignore_eos=ignore_eos, request_id=request_id or "")
+    if prompt is not None:
+        req.prompt = prompt
+    elif tokens is not None:
+        req.prompt_tokens.ids.extend(tokens)
+    else:
+        req.chat.messages.extend(_legacy_chat_message(m) for m in messages)
+        req.chat.add_generation_prompt = True
+    if seed is not None:
+        req.sampling.seed = seed
+    spec = {"enabled": speculative, "tree_budget": tree_budget, "top_k": top_k_draft, "max_depth": max_depth}
+    for name, value in spec.items():
+        if value is not None:
+            setattr(req.speculative, name, value)
+    return req
+
+
+OPTION_SETS = [
+    dict(prompt="def f(x):"),
+    dict(prompt="def f(x):", max_tokens=64),
+    dict(prompt="", max_tokens=0, temperature=0.7, top_k=40, top_p=0.95, seed=0, stop="\n", ignore_eos=True),
+    dict(tokens=[1, 2, 3], seed=2**64 - 1, stop=["a", "b"], speculative=False, request_id="r-1"),
+    dict(tokens=[], speculative=True, tree_budget=0, top_k_draft=1, max_depth=4),
+    dict(messages=[{"role": "system", "content": "s"}, ("user", "u"), generation_pb2.ChatMessage(role="a", content="c")],
+         max_tokens=32, tree_budget=32, temperature=1, top_p=1),
+    dict(messages=[], max_tokens=-5, temperature=-1.0, top_k=-1),  # the server judges meaning, not the client
+]
+
+
+def test_request_defaults():
+    r = GenerateRequest()
+    assert [f.name for f in dataclasses.fields(GenerateRequest)] == [
+        "prompt", "tokens", "messages", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos",
+        "speculative", "tree_budget", "top_k_draft", "max_depth", "request_id"]  # fmt: skip
+    assert (r.prompt, r.tokens, r.messages) == (None, None, None)
+    assert (r.max_tokens, r.temperature, r.top_k, r.top_p, r.seed, r.stop, r.ignore_eos) == (128, 0.0, 0, 0.0, None, (), False)
+    assert (r.speculative, r.tree_budget, r.top_k_draft, r.max_depth, r.request_id) == (None, None, None, None, None)
+    assert GenerateRequest("p") == GenerateRequest(prompt="p")  # only prompt is positional
+    with pytest.raises(TypeError):
+        GenerateRequest("p", [1])
+    # normalised once: lists become tuples, messages (role, content) pairs; frozen and hashable
+    r = GenerateRequest(tokens=[1, 2], stop="x", messages=None, temperature=1)
+    assert r.tokens == (1, 2) and r.stop == ("x",) and type(r.temperature) is float
+    m = GenerateRequest(messages=[{"role": "user", "content": "hi"}, ("assistant", "yo")])
+    assert m.messages == (("user", "hi"), ("assistant", "yo"))
+    assert hash(m) == hash(GenerateRequest(messages=[("user", "hi"), ("assistant", "yo")]))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.seed = 3
+    # replace: a checked copy
+    assert r.replace(tokens=None, prompt="q").prompt == "q" and r.tokens == (1, 2)
+    with pytest.raises(TypeError, match="'sede' .*'seed'"):
+        r.replace(sede=1)
+
+
+@pytest.mark.parametrize("options", [
+    dict(prompt="a", tokens=[1]), dict(prompt="a", messages=[]), dict(tokens=[1], messages=[("u", "c")]),
+    dict(prompt=b"bytes"), dict(tokens="abc"), dict(tokens=["x"]), dict(tokens=[2**31]), dict(tokens=[1.0]), dict(tokens=5),
+    dict(messages="hi"), dict(messages=[{"role": "user"}]), dict(messages=[("user",)]), dict(messages=[("user", 3)]),
+    dict(max_tokens="8"), dict(max_tokens=2**31), dict(max_tokens=1.5), dict(max_tokens=True), dict(temperature="hot"),
+    dict(temperature=None), dict(top_k=0.5), dict(top_p=[1]), dict(seed=-1), dict(seed=2**64), dict(seed="1"),
+    dict(stop=[1]), dict(stop=None), dict(ignore_eos="yes"), dict(ignore_eos=2), dict(speculative="no"),
+    dict(tree_budget=-(2**31) - 1), dict(top_k_draft=1.0), dict(max_depth="3"), dict(request_id=7),
+], ids=lambda o: ",".join(f"{k}={v!r}"[:24] for k, v in o.items()))
+def test_request_validation(options):
+    with pytest.raises(InvalidArgumentError, match="bad request argument|exactly one of"):
+        GenerateRequest(**options)
+
+
+def test_request_without_input_is_a_template():
+    template = GenerateRequest(max_tokens=5, seed=1)  # fine to build ...
+    with pytest.raises(InvalidArgumentError, match="exactly one of"):
+        template.to_proto()  # ... not to send
+    assert GenerateRequest.of("p", request=template) == GenerateRequest("p", max_tokens=5, seed=1)
+    assert GenerateRequest.of(request=template) is template
+    with pytest.raises(InvalidArgumentError, match="exactly one of"):
+        GenerateRequest.of("p", request=GenerateRequest(tokens=[1]))
+
+
+def test_request_options_errors():
+    with pytest.raises(TypeError) as ei:
+        GenerateRequest.of("p", max_tokns=3, temprature=0.5, bogus=1)
+    msg = str(ei.value)
+    assert "'max_tokns' (did you mean 'max_tokens'?)" in msg and "'temprature' (did you mean 'temperature'?)" in msg
+    assert "'bogus'" in msg and msg.startswith("unknown generation options:")
+    with pytest.raises(TypeError, match="not both"):
+        GenerateRequest.of("p", request=GenerateRequest(), max_tokens=3)
+    with pytest.raises(TypeError, match="must be a GenerateRequest"):
+        GenerateRequest.of("p", request={"max_tokens": 3})
+
+
+@pytest.mark.parametrize("options", OPTION_SETS, ids=range(len(OPTION_SETS)))
+def test_request_to_proto_equals_legacy(options):
+    new = GenerateRequest(**options).to_proto()
+    old = _legacy_build_request(**options)
+    assert new == old
+    assert new.SerializeToString(deterministic=True) == old.SerializeToString(deterministic=True)
+    assert client.build_request(**options) == old
+
+
 # --------------------------------------------------------------------------------------------
 # Sync client
 
@@ -187,6 +312,27 @@ def test_generate(fake):
     assert req.prompt == "hi" and req.max_tokens == 5 and req.ignore_eos and list(req.stop) == ["\n"]
     assert req.sampling.top_k == 3 and req.sampling.seed == 1
     assert req.sampling.temperature == pytest.approx(0.5) and req.sampling.top_p == pytest.approx(0.9)
+
+
+def test_generate_with_request_and_option_errors(fake):
+    template = GenerateRequest(max_tokens=7, seed=3, stop="\n", speculative=False)
+    with Client(fake.address) as c:
+        assert c.generate("hi", request=template).text == TEXT
+        assert fake.requests[-1] == GenerateRequest("hi", max_tokens=7, seed=3, stop="\n", speculative=False).to_proto()
+        assert c.stream(request=template.replace(tokens=[4, 5])).collect().token_ids == IDS
+        assert list(fake.requests[-1].prompt_tokens.ids) == [4, 5] and fake.requests[-1].max_tokens == 7
+        n = len(fake.requests)
+        with pytest.raises(TypeError, match="'max_token' \\(did you mean 'max_tokens'\\?\\), 'colour'"):
+            c.generate("hi", max_token=3, colour="red")
+        with pytest.raises(TypeError, match="unknown generation option"):
+            c.stream("hi", bogus=1)
+        with pytest.raises(TypeError, match="not both"):
+            c.generate("hi", request=template, seed=4)
+        with pytest.raises(InvalidArgumentError, match="seed=-1"):
+            c.generate("hi", seed=-1)
+        with pytest.raises(InvalidArgumentError, match="exactly one of"):
+            c.stream()
+        assert len(fake.requests) == n  # every one refused before a call
 
 
 def test_stream(fake):
@@ -233,6 +379,59 @@ def test_status_codes_map_to_exceptions(fake, code):
     assert str(err) == f"{code.name}: boom {code.name}"
 
 
+def test_error_reason_from_trailing_metadata(fake):
+    with Client(fake.address) as c:
+        with pytest.raises(ResourceExhaustedError) as ei:
+            c.generate("reason:RESOURCE_EXHAUSTED:NO_FREE_SLOT")
+        assert ei.value.reason == "NO_FREE_SLOT" and ei.value.message == "refused"
+        assert str(ei.value) == "RESOURCE_EXHAUSTED: refused"  # the reason is not in the text
+        with pytest.raises(InvalidArgumentError) as ei:
+            next(c.stream("error:INVALID_ARGUMENT"))  # no metadata: no reason
+        assert ei.value.reason == ""
+
+    async def run():
+        async with AsyncClient(fake.address) as c:
+            with pytest.raises(FailedPreconditionError) as ei:
+                await c.generate("reason:FAILED_PRECONDITION:VOCAB_MISMATCH")
+            return ei.value
+
+    err = asyncio.run(run())
+    assert err.reason == "VOCAB_MISMATCH" and err.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert InvalidArgumentError("local").reason == ""  # raised by the client itself
+
+
+class _FakeRpcError(grpc.RpcError):
+    def __init__(self, code, details, trailing):
+        self._code, self._details, self._trailing = code, details, trailing
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+    def trailing_metadata(self):
+        if isinstance(self._trailing, Exception):
+            raise self._trailing
+        return self._trailing
+
+
+@pytest.mark.parametrize("trailing,reason", [
+    ((("x-other", "1"), (REASON_KEY, "NO_FREE_SLOT")), "NO_FREE_SLOT"),           # sync: tuple of pairs
+    (grpc.aio.Metadata((REASON_KEY, "CONTEXT_FULL"), ("k", "v")), "CONTEXT_FULL"),  # grpc.aio.Metadata
+    (((REASON_KEY, b"BYTES"),), "BYTES"),
+    ((("x-other", "1"),), ""),
+    ((), ""),
+    (None, ""),
+    (RuntimeError("no metadata yet"), ""),
+])
+def test_from_rpc_error_reason(trailing, reason):
+    err = client.from_rpc_error(_FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "full", trailing))
+    assert type(err) is ResourceExhaustedError and err.reason == reason and err.message == "full"
+    bare = client.from_rpc_error(grpc.RpcError())  # no code, details nor metadata
+    assert type(bare) is InternalError and bare.code == grpc.StatusCode.UNKNOWN and bare.reason == ""
+
+
 def test_timeout(fake):
     with Client(fake.address) as c:
         t0 = time.monotonic()
@@ -260,6 +459,10 @@ def test_async_client(fake):
     async def run():
         async with AsyncClient(fake.address) as c:
             r = await c.generate(tokens=[1, 2, 3])
+            assert (await c.generate(request=GenerateRequest(tokens=[1, 2, 3], seed=5))).text == TEXT
+            assert fake.requests[-1].sampling.seed == 5 and list(fake.requests[-1].prompt_tokens.ids) == [1, 2, 3]
+            with pytest.raises(TypeError, match="'tokenz'"):
+                c.stream(tokenz=[1])
             stream = c.stream("hi")
             chunks = [ch async for ch in stream]
             s = await c.stats()
@@ -333,6 +536,13 @@ def test_cli_stats_and_info(fake, capsys):
     assert json.loads(capsys.readouterr().out)["requests"] == 7
     assert main(["info", "--address", fake.address]) == 0
     assert "9.9" in capsys.readouterr().out
+
+
+def test_cli_generate_bad_option_is_refused_locally(fake, capsys):
+    n = len(fake.requests)
+    assert main(["generate", "--address", fake.address, "--seed", "-1", "hi"]) == 2
+    assert capsys.readouterr().err == "error: INVALID_ARGUMENT: bad request argument: seed=-1 is not in [0, 18446744073709551615]\n"
+    assert len(fake.requests) == n
 
 
 def test_cli_errors(fake, capsys):
