@@ -29,7 +29,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from runtime.errors import EngineError, SessionNotFound, Unavailable
+from runtime.errors import EngineError, Reason, SessionNotFound, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -217,8 +217,9 @@ class StepLoop:
                 n = self.engine.run_prefill(job, budget)
             except BaseException as e:  # noqa: BLE001
                 self._prefills.popleft()
-                self.engine.release([job.session_id])
-                self._last_used.pop(job.session_id, None)
+                if getattr(e, "reason", None) is not Reason.SESSION_EXISTS:  # else the live session is another's
+                    self.engine.release([job.session_id])
+                    self._last_used.pop(job.session_id, None)
                 fut.set_exception(e)
                 continue
             self.prefill_tokens += n

@@ -59,11 +59,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             s = item.sampling
             try:
                 sampling = Sampling.checked(s.temperature, s.top_k, s.top_p, s.seed if s.HasField("seed") else None)
-            except EngineError as e:
+                futures.append((item.session_id, self.loop.submit_prefill(item.session_id, list(item.prompt_tokens), sampling,
+                                                                           list(item.feature_layer_ids))))
+            except EngineError as e:  # bad sampling, or the loop is stopped (UNAVAILABLE)
                 futures.append((item.session_id, e))
-                continue
-            futures.append((item.session_id, self.loop.submit_prefill(item.session_id, list(item.prompt_tokens), sampling,
-                                                                       list(item.feature_layer_ids))))
         results, opened, error = [], [], None
         for sid, fut in futures:
             try:
@@ -77,7 +76,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             results.append(target_pb2.PrefillResult(session_id=sid, first_token=out.first_token,
                                                     committed_length=out.committed_length, features=_features_proto(out.features)))
         if error is not None:
-            self.loop.release(opened)  # all-or-nothing: undo the items of this call that did open
+            if opened:  # all-or-nothing: undo the items of this call that did open
+                self.loop.release(opened)
             abort_with(context, error)
         return target_pb2.PrefillResponse(results=results)
 
