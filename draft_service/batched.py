@@ -65,7 +65,7 @@ import torch
 from draft_service.drafter import DFlashDrafter, DrafterContext
 from draft_service.tree import TopK, build_tree
 from kernels import attention as attn_ops
-from runtime.errors import EngineError, FailedPrecondition, InvalidArgument, ResourceExhausted
+from runtime.errors import EngineError, FailedPrecondition, InvalidArgument, Reason, ResourceExhausted
 from runtime.pool import PoolShape, StatePool
 
 log = logging.getLogger(__name__)
@@ -156,14 +156,14 @@ def check_item(item: DraftItem, config) -> tuple[torch.Tensor, int]:
     if not isinstance(f, torch.Tensor) or f.dim() != 2 or f.shape[1] != width:
         shape = list(f.shape) if isinstance(f, torch.Tensor) else type(f).__name__
         raise InvalidArgument(f"features must be [rows, {width}] (N={config.num_target_layers} x hidden "
-                              f"{config.hidden_size}), got {shape}")
+                              f"{config.hidden_size}), got {shape}", reason=Reason.INVALID_FEATURES)
     if not f.is_floating_point():
-        raise InvalidArgument(f"features must be floating point, got {f.dtype}")
+        raise InvalidArgument(f"features must be floating point, got {f.dtype}", reason=Reason.INVALID_FEATURES)
     if f.numel() and not all_finite(f):
-        raise InvalidArgument("features hold NaN or infinite values")
+        raise InvalidArgument("features hold NaN or infinite values", reason=Reason.INVALID_FEATURES)
     root = int(item.root_token)
     if not 0 <= root < config.vocab_size:
-        raise InvalidArgument(f"root token {root} outside the vocabulary [0, {config.vocab_size})")
+        raise InvalidArgument(f"root token {root} outside the vocabulary [0, {config.vocab_size})", reason=Reason.INVALID_TOKEN)
     if item.budget < 0 or item.top_k < 0 or item.max_depth < 0:
         raise InvalidArgument(f"negative tree params (budget={item.budget}, top_k={item.top_k}, max_depth={item.max_depth})")
     full = config.block_size - 1
@@ -174,11 +174,11 @@ def _check_session(sid: str, exists: bool, held: int, rows: int, committed: int,
                    max_context: int) -> None:
     """The session checks (module docstring), given the session's state."""
     if not exists and free <= 0:
-        raise ResourceExhausted(f"all {max_sessions} session slots are in use")
+        raise ResourceExhausted(f"all {max_sessions} session slots are in use", reason=Reason.NO_FREE_SLOT)
     if committed != held + rows:
-        raise FailedPrecondition(f"committed_length {committed} != rows held ({held}) + rows sent ({rows})")
+        raise FailedPrecondition(f"committed_length {committed} != rows held ({held}) + rows sent ({rows})", reason=Reason.LENGTH_MISMATCH)
     if max_context and held + rows > max_context:
-        raise ResourceExhausted(f"context full: {held + rows} rows > max_context {max_context}")
+        raise ResourceExhausted(f"context full: {held + rows} rows > max_context {max_context}", reason=Reason.CONTEXT_FULL)
 
 
 # ----------------------------------------------------------------------------------- reference engine
@@ -608,7 +608,7 @@ class BatchedDrafter:
                 if s is None:
                     slot = self.pool.acquire()
                     if slot is None:  # cannot happen after validation; kept as a guard
-                        raise ResourceExhausted(f"all {self.max_sessions} session slots are in use")
+                        raise ResourceExhausted(f"all {self.max_sessions} session slots are in use", reason=Reason.NO_FREE_SLOT)
                     s = DraftSession(item.session_id, slot)
                     new.append(s)
                 sessions.append(s)

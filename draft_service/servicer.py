@@ -16,16 +16,21 @@ batched steps, CUDA graphs; the CUDA default). A ``ProposeRequest`` of N items i
 ``loop.batch(items)``: the step loop's thread owns the engine and serves every queued item of
 every stream in one ``propose_batch`` per tick (no lock around compute).
 
-Per-item failures go into ``ProposeResult.status`` (``code`` = ``grpc.StatusCode`` number, mapped
-from the engine's errors by :func:`runtime.status.item_status`) and leave that session
-exactly as it was (a new session is not created) and every other item alone:
+Per-item failures go into ``ProposeResult.status`` (``code`` = ``grpc.StatusCode`` number and
+``reason`` = ``runtime.errors.Reason`` name, mapped from the engine's errors by
+:func:`runtime.status.item_status`) and leave that session exactly as it was (a new session is
+not created) and every other item alone:
 
-* ``INVALID_ARGUMENT``: empty session id, malformed features (dtype, byte count, shape other than
-  ``[rows, N*H]``, non-finite values), root token outside the vocabulary, negative tree params;
-* ``FAILED_PRECONDITION``: ``committed_length`` differs from rows held + rows sent;
-* ``RESOURCE_EXHAUSTED``: all session slots are taken and this session is new; the session would
-  exceed ``max_context`` rows; out of device memory;
-* ``INTERNAL``: anything unexpected (logged).
+* ``INVALID_ARGUMENT``: empty session id (reason ``INVALID_ARGUMENT``), malformed features
+  (dtype, byte count, shape other than ``[rows, N*H]``, non-finite values: ``INVALID_FEATURES``),
+  root token outside the vocabulary (``INVALID_TOKEN``), negative tree params
+  (``INVALID_ARGUMENT``);
+* ``FAILED_PRECONDITION``: ``committed_length`` differs from rows held + rows sent
+  (``LENGTH_MISMATCH``);
+* ``RESOURCE_EXHAUSTED``: all session slots are taken and this session is new
+  (``NO_FREE_SLOT``); the session would exceed ``max_context`` rows (``CONTEXT_FULL``); out of
+  device memory (``OUT_OF_MEMORY``);
+* ``INTERNAL``: anything unexpected (reason ``INTERNAL``, logged).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from dflash_grpc.wire import WireError, tensor_from_proto, tree_to_proto
 from draft_service.batched import BatchedDrafter, DraftItem, ReferenceDrafterEngine
 from draft_service.drafter import DFlashDrafter
 from draft_service.gguf_io import load_drafter
-from runtime.errors import InvalidArgument
+from runtime.errors import InvalidArgument, Reason
 from runtime.status import item_status
 from runtime.step_loop import StepLoop, run_items
 
@@ -72,7 +77,8 @@ def decode_item(item: draft_pb2.ProposeItem) -> DraftItem:
     unset = ``None``).
 
     Raises:
-        InvalidArgument: empty session id, or features that do not decode (dtype, byte count).
+        InvalidArgument: empty session id (reason INVALID_ARGUMENT), or features that do not
+            decode (dtype, byte count; reason INVALID_FEATURES).
     """
     if not item.session_id:
         raise InvalidArgument("empty session_id")
@@ -82,7 +88,7 @@ def decode_item(item: draft_pb2.ProposeItem) -> DraftItem:
         try:
             features = tensor_from_proto(msg)
         except WireError as e:
-            raise InvalidArgument(f"features: {e}") from None
+            raise InvalidArgument(f"features: {e}", reason=Reason.INVALID_FEATURES) from None
     t = item.tree
     return DraftItem(item.session_id, features, int(item.root_token), int(item.committed_length),
                      int(t.budget), int(t.top_k), int(t.max_depth))

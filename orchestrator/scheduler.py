@@ -16,16 +16,19 @@ only how many arrive per step.
 
 Admission: at most ``max_sessions`` requests hold a session; up to ``max_queue`` more wait
 (oldest first); beyond that :meth:`Scheduler.submit` raises :class:`Rejected`
-(RESOURCE_EXHAUSTED) at once. When the target refuses a prefill for want of a slot (slots held
-by another client), the request goes back to the head of the queue.
+(RESOURCE_EXHAUSTED, reason ``QUEUE_FULL``) at once. When the target refuses a prefill for want
+of a slot (slots held by another client: reason ``NO_FREE_SLOT``), the request goes back to the
+head of the queue. Refusals are told apart by their reason code (``ItemStatus.reason``, or the
+trailing metadata of a refused call: :func:`dflash_grpc.transport.reason_of`), never by their
+message text.
 
 Faults: a drafter failure (RPC error, or an item error) never fails a request: the tick goes on
 with root-only trees (plain autoregressive decoding) and the drafter is probed again with
 backoff (:class:`orchestrator.peers.DraftPeer`). Each request keeps the features of its
 committed rows (up to ``history_bytes``), so when the drafter is back, its sessions are
 re-created from that history and speculation resumes. A target failure ends every request of
-the batch with UNAVAILABLE after the tokens already delivered; the Verify stream is re-opened
-on the next tick, so a restarted target serves new requests.
+the batch with UNAVAILABLE (reason ``TARGET_UNAVAILABLE``) after the tokens already delivered;
+the Verify stream is re-opened on the next tick, so a restarted target serves new requests.
 """
 
 from __future__ import annotations
@@ -39,10 +42,12 @@ import time
 
 import grpc
 
+from dflash_grpc.transport import reason_of
 from dflash_grpc.v1 import common_pb2, draft_pb2, generation_pb2, target_pb2
 from orchestrator import metrics
 from orchestrator.peers import DraftPeer, StreamCall, TargetPeer, drafter_mismatch, status_code
 from orchestrator.stats import AcceptanceStats
+from runtime.errors import Reason
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +55,13 @@ FINISH_EOS, FINISH_LENGTH, FINISH_CONTEXT = "eos", "length", "context"
 
 
 class Rejected(Exception):
-    """A request the scheduler will not take (queue full); ``code`` is its gRPC status."""
+    """A request the scheduler will not take: ``code`` is its gRPC status, ``reason`` its
+    :class:`~runtime.errors.Reason` (``QUEUE_FULL``, ``SHUTTING_DOWN``)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str = ""):
         super().__init__(message)
         self.code = code
+        self.reason = reason
 
 
 @dataclasses.dataclass
@@ -67,10 +74,12 @@ class Tokens:
 
 @dataclasses.dataclass
 class Failure:
-    """Event to a request's handler: the request ended with this status."""
+    """Event to a request's handler: the request ended with this status and reason code
+    (a :class:`~runtime.errors.Reason` name, or ``""`` when there is none, e.g. CANCELLED)."""
 
     code: grpc.StatusCode
     message: str
+    reason: str = ""
 
 
 @dataclasses.dataclass(eq=False)
@@ -173,6 +182,18 @@ def adaptive_budget(batch: int, step_nodes: int, want: int = 15, min_nodes: int 
     return nodes - 1 if nodes - 1 >= min_nodes else 0
 
 
+def target_status(code: grpc.StatusCode, reason: str) -> tuple[grpc.StatusCode, str]:
+    """The status and reason a request ends with when a call to the target failed with ``code``
+    and ``reason``: a deadline or cancellation (the target did not answer) is UNAVAILABLE, and
+    UNAVAILABLE without a reason of the target's own is ``TARGET_UNAVAILABLE``; anything else
+    passes on as the target gave it (its reason may be ``""``: an older target)."""
+    if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+        return grpc.StatusCode.UNAVAILABLE, Reason.TARGET_UNAVAILABLE.value
+    if code == grpc.StatusCode.UNAVAILABLE and not reason:
+        return code, Reason.TARGET_UNAVAILABLE.value
+    return code, str(reason)
+
+
 class Scheduler:
     """Runs every request of the orchestrator in ticks of one Propose and one Verify.
 
@@ -220,19 +241,20 @@ class Scheduler:
         """Queue ``req``; its handler then reads ``req.events``.
 
         Raises:
-            Rejected: RESOURCE_EXHAUSTED when ``max_queue`` requests already wait, or the
-                scheduler is stopped (UNAVAILABLE).
+            Rejected: RESOURCE_EXHAUSTED / ``QUEUE_FULL`` when ``max_queue`` requests already
+                wait, or UNAVAILABLE / ``SHUTTING_DOWN`` when the scheduler is stopped.
         """
         req.speculative = req.speculative and self.draft.address is not None  # no drafter configured: plain
         with self._lock:
             if self._stop.is_set():
-                raise Rejected(grpc.StatusCode.UNAVAILABLE, "orchestrator is shutting down")
+                raise Rejected(grpc.StatusCode.UNAVAILABLE, "orchestrator is shutting down", Reason.SHUTTING_DOWN)
             held = self._held()
             if len(self._queue) >= self.max_queue and (held >= self.max_sessions or self._queue):
                 metrics.observe_admission("rejected")
                 raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"server busy: {held} sessions decoding and {len(self._queue)} requests waiting "
-                               f"(--max-sessions {self.max_sessions}, --max-queue {self.max_queue})")
+                               f"(--max-sessions {self.max_sessions}, --max-queue {self.max_queue})",
+                               Reason.QUEUE_FULL)
             self._queue.append(req)
             metrics.observe_admission("queued" if held >= self.max_sessions else "admitted")
             metrics.set_queue_depth(len(self._queue))
@@ -288,14 +310,14 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - a bug here must not hang every client
                 log.exception("scheduler tick failed")
                 for r in self._active:
-                    self._end(r, Failure(grpc.StatusCode.INTERNAL, f"orchestrator error: {type(e).__name__}: {e}"))
+                    self._end(r, Failure(grpc.StatusCode.INTERNAL, f"orchestrator error: {type(e).__name__}: {e}", Reason.INTERNAL))
                     r.closed = True
         # shutting down
         with self._lock:
             waiting = list(self._queue) + [r for r, _ in self._prefilling] + self._active
             self._queue.clear()
         for r in waiting:
-            self._end(r, Failure(grpc.StatusCode.UNAVAILABLE, "orchestrator is shutting down"))
+            self._end(r, Failure(grpc.StatusCode.UNAVAILABLE, "orchestrator is shutting down", Reason.SHUTTING_DOWN))
             r.closed = True
         self._drop_closed()
         for call in (self._verify, self._propose):
@@ -372,13 +394,11 @@ class Scheduler:
             try:
                 res = fut.result().results[0]
             except grpc.RpcError as e:
-                code, details = e.code(), e.details() or ""
-                if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "slot" in details and not req.closed:
+                code, reason = target_status(e.code(), reason_of(e))
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED and reason == Reason.NO_FREE_SLOT and not req.closed:
                     requeue.append(req)  # the target's slots are held by another client: wait
                     continue
-                if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-                    code = grpc.StatusCode.UNAVAILABLE
-                self._end(req, Failure(code, f"target service: {details}"))
+                self._end(req, Failure(code, f"target service: {e.details() or ''}", reason))
                 req.closed = True
                 continue
             req.on_target = True
@@ -463,7 +483,7 @@ class Scheduler:
             r.stats.verify_time_s += verify_s
             r.stats.verify_compute_s += reply.compute_s
             if res.status.code:
-                self._verify_item_failed(r, status_code(res.status.code), res.status.message)
+                self._verify_item_failed(r, status_code(res.status.code), res.status.message, res.status.reason)
                 continue
             tokens, parents = trees.get(i, ([r.root], [-1]))
             k = len(res.accepted_tokens)
@@ -529,7 +549,8 @@ class Scheduler:
             r.stats.draft_compute_s += reply.compute_s
             if res.status.code:
                 log.warning("drafter refused an item; this step goes on without a tree",
-                            extra={"session": r.session_id, "code": status_code(res.status.code).name, "error": res.status.message[:200]})
+                            extra={"session": r.session_id, "code": status_code(res.status.code).name,
+                                   "reason": res.status.reason, "error": res.status.message[:200]})
                 r.draft_synced = False
                 self._release([], [r])  # its next Propose re-creates the session from the history
                 r.on_drafter = False
@@ -563,28 +584,31 @@ class Scheduler:
         metrics.observe_fallback("draft_unavailable")
 
     def _verify_failed(self, batch: list[Request], e: grpc.RpcError) -> None:
-        code = e.code()
-        if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+        code, reason = target_status(e.code(), reason_of(e))
+        if e.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
             msg = f"target service did not answer within {self.step_timeout:.0f} s"
-            code = grpc.StatusCode.UNAVAILABLE
         else:
             msg = f"target service: {e.details()}"
-        log.warning("verify failed", extra={"code": code.name, "error": msg[:200], "batch": len(batch)})
+        log.warning("verify failed", extra={"code": code.name, "reason": reason, "error": msg[:200], "batch": len(batch)})
         if self._verify is not None:
             self._verify.close()
             self._verify = None
         for r in batch:
-            self._end(r, Failure(code, msg))
+            self._end(r, Failure(code, msg, reason))
             r.closed = True
             if code == grpc.StatusCode.UNAVAILABLE:
                 r.on_target = False  # the target is gone: nothing to release there
 
-    def _verify_item_failed(self, r: Request, code: grpc.StatusCode, message: str) -> None:
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "context" in message:
+    def _verify_item_failed(self, r: Request, code: grpc.StatusCode, message: str, reason: str) -> None:
+        """The target refused ``r``'s item: context full (reason ``CONTEXT_FULL``) finishes it
+        with finish reason CONTEXT; a lost session (NOT_FOUND) ends it UNAVAILABLE /
+        ``TARGET_UNAVAILABLE``; anything else ends it with the target's status and reason."""
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and reason == Reason.CONTEXT_FULL:
             self._emit(r, [], FINISH_CONTEXT)
             return
         if code == grpc.StatusCode.NOT_FOUND:
-            code, message = grpc.StatusCode.UNAVAILABLE, f"the target lost this session (restarted?): {message}"
+            code, reason, message = (grpc.StatusCode.UNAVAILABLE, Reason.TARGET_UNAVAILABLE,
+                                     f"the target lost this session (restarted?): {message}")
             r.on_target = False
-        self._end(r, Failure(code, f"target: {message}"))
+        self._end(r, Failure(code, f"target: {message}", reason))
         r.closed = True

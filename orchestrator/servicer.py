@@ -1,12 +1,23 @@
 """The public ``GenerationService``: validates requests, hands them to the batching scheduler
 (:mod:`orchestrator.scheduler`), streams text.
 
-Status codes (docs/ARCHITECTURE.md, "Errors"): INVALID_ARGUMENT for an empty prompt, token ids
-outside the vocabulary, bad sampling values or options, or a number past its bound
-(:data:`LIMITS`); FAILED_PRECONDITION when the configured drafter was built for another target;
-RESOURCE_EXHAUSTED when the prompt does not fit the context or the server's queue is full;
-UNAVAILABLE when the target is down. A failing drafter is never an error: the request continues
-autoregressively (a warning in the log and ``draft_fallbacks`` counted).
+Status codes (docs/ARCHITECTURE.md, "Errors"), each with a reason code
+(:class:`runtime.errors.Reason`) in the trailing metadata ``dflash-reason``
+(:data:`dflash_grpc.transport.REASON_KEY`) so that clients branch on it, not on the message:
+
+* INVALID_ARGUMENT: token ids outside the vocabulary (``INVALID_TOKEN``), bad sampling values
+  (``INVALID_SAMPLING``), an empty prompt, bad options or a number past its bound
+  (:data:`LIMITS`) (``INVALID_ARGUMENT``);
+* FAILED_PRECONDITION: the configured drafter was built for another target
+  (``DRAFTER_MISMATCH``);
+* RESOURCE_EXHAUSTED: the prompt does not fit the context (``PROMPT_TOO_LONG``), the server's
+  queue is full (``QUEUE_FULL``);
+* UNAVAILABLE: the target is down, did not answer or lost the session (``TARGET_UNAVAILABLE``),
+  the orchestrator is stopping (``SHUTTING_DOWN``);
+* a status the target gave a request (e.g. out of memory) passes on with the target's reason.
+
+A failing drafter is never an error: the request continues autoregressively (a warning in the
+log and ``draft_fallbacks`` counted).
 """
 
 from __future__ import annotations
@@ -18,12 +29,14 @@ import uuid
 
 import grpc
 
+from dflash_grpc.transport import abort
 from dflash_grpc.v1 import common_pb2, draft_pb2, generation_pb2, generation_pb2_grpc
 from orchestrator import metrics
 from orchestrator.detok import TextStream
 from orchestrator.peers import DraftPeer, TargetPeer, drafter_mismatch
 from orchestrator.scheduler import FINISH_CONTEXT, FINISH_EOS, Failure, Rejected, Request, Scheduler
 from orchestrator.stats import GlobalStats
+from runtime.errors import Reason
 from runtime.sampling import MIN_TEMPERATURE
 
 log = logging.getLogger(__name__)
@@ -38,11 +51,13 @@ _FINISH = {FINISH_EOS: generation_pb2.FINISH_REASON_EOS, FINISH_CONTEXT: generat
 
 
 class RequestError(Exception):
-    """A request refused before generation starts."""
+    """A request refused before generation starts: status ``code``, reason code ``reason``
+    (default: INVALID_ARGUMENT)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, reason: Reason = Reason.INVALID_ARGUMENT):
         super().__init__(message)
         self.code = code
+        self.reason = reason
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
@@ -84,7 +99,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             vocab = self.target_info.vocab_size
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"token id {bad[0]} outside the vocabulary [0, {vocab})")
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"token id {bad[0]} outside the vocabulary [0, {vocab})",
+                                   Reason.INVALID_TOKEN)
         elif which == "chat":
             if not req.chat.messages:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "chat has no messages")
@@ -99,19 +115,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if not ids:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
         if len(ids) >= self.target_info.max_context:
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"prompt of {len(ids)} tokens does not fit the context of {self.target_info.max_context}")
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"prompt of {len(ids)} tokens does not fit the context of {self.target_info.max_context}",
+                               Reason.PROMPT_TOO_LONG)
         return ids
 
     @staticmethod
     def _check_sampling(s: common_pb2.SamplingParams) -> None:
         if not (math.isfinite(s.temperature) and s.temperature >= 0):
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"temperature must be finite and >= 0, got {s.temperature}")
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"temperature must be finite and >= 0, got {s.temperature}",
+                               Reason.INVALID_SAMPLING)
         if 0.0 < s.temperature < MIN_TEMPERATURE:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {s.temperature}")
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {s.temperature}",
+                               Reason.INVALID_SAMPLING)
         if s.top_k < 0:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"top_k must be >= 0, got {s.top_k}")
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"top_k must be >= 0, got {s.top_k}", Reason.INVALID_SAMPLING)
         if not (0.0 <= s.top_p <= 1.0):
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"top_p must be in [0, 1], got {s.top_p}")
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"top_p must be in [0, 1], got {s.top_p}", Reason.INVALID_SAMPLING)
 
     def _plan(self, req: generation_pb2.GenerateRequest) -> tuple[bool, draft_pb2.TreeParams]:
         """Whether the request may draft, and its tree (defaults overridden by the request)."""
@@ -132,7 +151,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         why = drafter_mismatch(info, self.target_info, self.draft.address)
         if why is not None:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"{why}; serve a matching drafter or disable speculation for this request")
+                               f"{why}; serve a matching drafter or disable speculation for this request", Reason.DRAFTER_MISMATCH)
         return True, tree
 
     def _check_bounds(self, req: generation_pb2.GenerateRequest) -> int:
@@ -159,7 +178,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             speculative, tree = self._plan(request)
         except RequestError as e:
             metrics.REQUESTS.labels(outcome=e.code.name).inc()
-            context.abort(e.code, str(e))
+            abort(context, e.code, str(e), str(e.reason))
         rid = "".join(c for c in request.request_id if c.isalnum() or c in "-_.") or "req"
         req = Request(session_id=f"{rid}-{uuid.uuid4().hex[:12]}", prompt=prompt, sampling=request.sampling,
                       max_tokens=max_tokens, tree=tree, speculative=speculative,
@@ -170,7 +189,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             self.scheduler.submit(req)
         except Rejected as e:
             metrics.REQUESTS.labels(outcome=e.code.name).inc()
-            context.abort(e.code, str(e))
+            abort(context, e.code, str(e), str(e.reason))
         # a client that goes away (cancel, deadline) frees the sessions on the next tick
         context.add_callback(lambda: self.scheduler.close(req, Failure(grpc.StatusCode.CANCELLED, "cancelled")))
         text = TextStream(self.tokenizer.decode, list(request.stop))
@@ -183,7 +202,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     metrics.REQUESTS.labels(outcome=event.code.name).inc()
                     if event.code == grpc.StatusCode.CANCELLED:
                         return
-                    context.abort(event.code, event.message)
+                    abort(context, event.code, event.message, str(event.reason))
                 stats.generated_tokens += len(event.tokens)
                 delta = text.push(event.tokens)
                 if event.finish in _FINISH:

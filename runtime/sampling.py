@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from runtime.errors import InvalidArgument
+from runtime.errors import InvalidArgument, Reason
 
 #: Smallest positive temperature: logits / T stay far inside float32 (|logit| < 1e3 gives < 1e7).
 MIN_TEMPERATURE = 1e-4
@@ -27,15 +27,16 @@ class Sampling:
         """Validate and build; unset ``seed`` draws a random one.
 
         Raises:
-            InvalidArgument: temperature < 0, not finite, or in (0, ``MIN_TEMPERATURE``) (its
-                inverse scales logits past float32), top_k < 0, top_p outside [0, 1].
+            InvalidArgument (reason ``INVALID_SAMPLING``): temperature < 0, not finite, or in
+                (0, ``MIN_TEMPERATURE``) (its inverse scales logits past float32), top_k < 0,
+                top_p outside [0, 1].
         """
         if not (temperature >= 0.0 and temperature < float("inf")):
-            raise InvalidArgument(f"temperature must be a finite number >= 0, got {temperature}")
+            raise InvalidArgument(f"temperature must be a finite number >= 0, got {temperature}", reason=Reason.INVALID_SAMPLING)
         if 0.0 < temperature < MIN_TEMPERATURE:
-            raise InvalidArgument(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {temperature}")
+            raise InvalidArgument(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {temperature}", reason=Reason.INVALID_SAMPLING)
         if top_k < 0:
-            raise InvalidArgument(f"top_k must be >= 0, got {top_k}")
+            raise InvalidArgument(f"top_k must be >= 0, got {top_k}", reason=Reason.INVALID_SAMPLING)
         if not 0.0 <= top_p <= 1.0:
-            raise InvalidArgument(f"top_p must be in [0, 1], got {top_p}")
+            raise InvalidArgument(f"top_p must be in [0, 1], got {top_p}", reason=Reason.INVALID_SAMPLING)
         return cls(float(temperature), int(top_k), float(top_p), int(seed if seed is not None else random.getrandbits(63)))

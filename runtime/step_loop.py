@@ -29,7 +29,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from runtime.errors import EngineError, SessionNotFound
+from runtime.errors import EngineError, Reason, SessionNotFound, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class StepLoop:
     # ------------------------------------------------------------------ submitting
     def _submit(self, kind: str, payload) -> Future:
         if self._stop.is_set():
-            raise RuntimeError("the step loop is stopped")
+            raise Unavailable("the step loop is stopped")
         fut: Future = Future()
         self._q.put(_Work(kind, payload, fut))
         return fut
@@ -139,7 +139,8 @@ class StepLoop:
         return self.call(self._reap_idle)
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop the thread after the current tick; queued work fails with RuntimeError."""
+        """Stop the thread after the current tick; queued work fails with
+        :class:`~runtime.errors.Unavailable` (a RuntimeError; UNAVAILABLE, reason SHUTTING_DOWN)."""
         self._stop.set()
         self._q.put(None)
         self._thread.join(timeout)
@@ -164,7 +165,7 @@ class StepLoop:
             except Exception:  # noqa: BLE001 - the loop must survive a bug in one tick
                 log.exception("step loop tick failed")
         for w in self._take():
-            w.future.set_exception(RuntimeError("the step loop stopped"))
+            w.future.set_exception(Unavailable("the step loop stopped"))
 
     def _tick(self, work: list[_Work]) -> None:
         batches = []
@@ -216,8 +217,9 @@ class StepLoop:
                 n = self.engine.run_prefill(job, budget)
             except BaseException as e:  # noqa: BLE001
                 self._prefills.popleft()
-                self.engine.release([job.session_id])
-                self._last_used.pop(job.session_id, None)
+                if getattr(e, "reason", None) is not Reason.SESSION_EXISTS:  # else the live session is another's
+                    self.engine.release([job.session_id])
+                    self._last_used.pop(job.session_id, None)
                 fut.set_exception(e)
                 continue
             self.prefill_tokens += n

@@ -26,7 +26,7 @@ import torch
 
 from kernels.attention import default_splits
 from target_service.engine import PrefillJob, PrefillOutcome, Sampling, VerifyOutcome, check_prompt
-from runtime.errors import EngineError, InvalidArgument, ResourceExhausted, SessionNotFound
+from runtime.errors import EngineError, InvalidArgument, Reason, ResourceExhausted, SessionNotFound
 from target_service.models.layers import rope_table
 from runtime.pool import PoolShape, StatePool
 from target_service.pooled import StepLayout, StepTensors, prefill_step, run_step
@@ -306,10 +306,10 @@ class BatchedEngine:
         """
         check_prompt(session_id, prompt, feature_layers, self.cfg, self.max_context)
         if session_id in self.sessions:
-            raise InvalidArgument(f"session {session_id!r} already exists")
+            raise InvalidArgument(f"session {session_id!r} already exists", reason=Reason.SESSION_EXISTS)
         slot = self.pool.acquire()
         if slot is None:
-            raise ResourceExhausted(f"all {self.max_sessions} session slots are in use")
+            raise ResourceExhausted(f"all {self.max_sessions} session slots are in use", reason=Reason.NO_FREE_SLOT)
         self._ensure_taps(feature_layers)
         self.sessions[session_id] = PoolSession(session_id, slot, sampling, list(feature_layers))
         return PrefillJob(session_id, list(prompt), sampling, list(feature_layers), state=[])
@@ -381,12 +381,12 @@ class BatchedEngine:
         try:
             depth, bits = analyze_tree(tokens, parents, self.cfg.vocab_size, self.max_tree_width, self.max_tree_depth)
         except TreeError as e:
-            raise InvalidArgument(f"invalid tree: {e}") from None
+            raise InvalidArgument(f"invalid tree: {e}", reason=Reason.INVALID_TREE) from None
         if tokens[0] != s.root:
-            raise InvalidArgument(f"tree root {tokens[0]} is not the session's last token {s.root}")
+            raise InvalidArgument(f"tree root {tokens[0]} is not the session's last token {s.root}", reason=Reason.INVALID_TREE)
         deepest = max(depth)
         if s.length + deepest + 1 > self.max_context:
-            raise ResourceExhausted(f"context full: {s.length} committed + depth {deepest + 1} exceeds {self.max_context}")
+            raise ResourceExhausted(f"context full: {s.length} committed + depth {deepest + 1} exceeds {self.max_context}", reason=Reason.CONTEXT_FULL)
         return s, depth, bits
 
     @torch.no_grad()

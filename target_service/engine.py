@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from kernels.sampling import accept_path, select_tokens
-from runtime.errors import EngineError, FailedPrecondition, InvalidArgument, ResourceExhausted, SessionNotFound  # noqa: F401 (re-exported)
+from runtime.errors import EngineError, FailedPrecondition, InvalidArgument, Reason, ResourceExhausted, SessionNotFound  # noqa: F401 (re-exported)
 from runtime.sampling import MIN_TEMPERATURE, Sampling  # noqa: F401 (re-exported)
 from runtime.tree import TreeError, chain, tree_tensors, validate_tree
 
@@ -49,12 +49,12 @@ def check_prompt(session_id: str, prompt: list[int], feature_layers: list[int], 
     arr = np.asarray(prompt, dtype=np.int64)
     bad = np.flatnonzero((arr < 0) | (arr >= cfg.vocab_size))
     if bad.size:
-        raise InvalidArgument(f"prompt[{bad[0]}] = {prompt[bad[0]]} is outside the vocabulary [0, {cfg.vocab_size})")
+        raise InvalidArgument(f"prompt[{bad[0]}] = {prompt[bad[0]]} is outside the vocabulary [0, {cfg.vocab_size})", reason=Reason.INVALID_TOKEN)
     for i in feature_layers:
         if not 0 <= i < cfg.num_layers:
             raise InvalidArgument(f"feature layer {i} outside [0, {cfg.num_layers})")
     if len(prompt) >= max_context:
-        raise ResourceExhausted(f"prompt of {len(prompt)} tokens leaves no room in a context of {max_context}")
+        raise ResourceExhausted(f"prompt of {len(prompt)} tokens leaves no room in a context of {max_context}", reason=Reason.PROMPT_TOO_LONG)
 
 
 
@@ -166,9 +166,9 @@ class TargetEngine:
         check_prompt(session_id, prompt, feature_layers, self.cfg, self.max_context)
         with self._lock:
             if session_id in self.sessions:
-                raise InvalidArgument(f"session {session_id!r} already exists")
+                raise InvalidArgument(f"session {session_id!r} already exists", reason=Reason.SESSION_EXISTS)
             if len(self.sessions) >= self.max_sessions:
-                raise ResourceExhausted(f"all {self.max_sessions} session slots are in use")
+                raise ResourceExhausted(f"all {self.max_sessions} session slots are in use", reason=Reason.NO_FREE_SLOT)
             cache = self.model.new_cache(self.max_context)
             session = Session(session_id, cache, sampling, list(feature_layers))
             self.sessions[session_id] = session
@@ -214,13 +214,13 @@ class TargetEngine:
             try:
                 validate_tree(tokens, parents, self.cfg.vocab_size, self.max_tree_width, self.max_tree_depth)
             except TreeError as e:
-                raise InvalidArgument(f"invalid tree: {e}") from None
+                raise InvalidArgument(f"invalid tree: {e}", reason=Reason.INVALID_TREE) from None
             if tokens[0] != session.root:
-                raise InvalidArgument(f"tree root {tokens[0]} is not the session's last token {session.root}")
+                raise InvalidArgument(f"tree root {tokens[0]} is not the session's last token {session.root}", reason=Reason.INVALID_TREE)
             tree = tree_tensors(tokens, parents, self.model.device)
             if L + tree.max_depth + 1 > self.max_context:
                 raise ResourceExhausted(
-                    f"context full: {L} committed + depth {tree.max_depth + 1} exceeds {self.max_context}"
+                    f"context full: {L} committed + depth {tree.max_depth + 1} exceeds {self.max_context}", reason=Reason.CONTEXT_FULL
                 )
             positions = L + tree.depth
             out = self.model.forward(tree.tokens, positions, tree.ancestors, session.cache, session.feature_layers, parents=parents)

@@ -1,10 +1,12 @@
 """gRPC servicer of the target service: a thin map from the v1 contract onto an engine run by a
 :class:`~runtime.step_loop.StepLoop`.
 
-Errors are mapped here, in one place (:func:`status_of`): an engine error carries the status it
-maps to (``runtime.errors.Code``), out-of-memory is RESOURCE_EXHAUSTED, anything else is
-INTERNAL (logged). A unary call aborts with the status; inside a Verify stream message each item
-gets its own ``ItemStatus``, so one bad item touches no other session.
+Errors are mapped in one place (:mod:`runtime.status`): an engine error carries the status it
+maps to (``runtime.errors.Code``) and its reason code (``runtime.errors.Reason``), out-of-memory
+is RESOURCE_EXHAUSTED / ``OUT_OF_MEMORY``, anything else INTERNAL (logged). A unary call
+(Prefill) aborts with the status and the reason in trailing metadata (``dflash-reason``); inside
+a Verify stream message each item gets its own ``ItemStatus`` (``code``, ``reason``,
+``message``), so one bad item touches no other session.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import torch
 from dflash_grpc.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dflash_grpc.wire import tensor_to_proto
 from target_service.engine import Sampling
-from runtime.errors import InvalidArgument
-from runtime.status import item_status, status_of  # noqa: F401 (re-exported)
+from runtime.errors import EngineError, InvalidArgument, Reason
+from runtime.status import abort_with, item_status, status_of  # noqa: F401 (re-exported)
 from runtime.step_loop import StepLoop, run_items
 
 log = logging.getLogger(__name__)
@@ -27,7 +29,7 @@ FEATURES = ["tree-verify", "sampling", "features-bf16", "chunked-prefill", "batc
 
 def _decode_verify_item(item: target_pb2.VerifyItem) -> tuple[str, list[int], list[int]]:
     if not item.HasField("tree"):
-        raise InvalidArgument("item has no tree")
+        raise InvalidArgument("item has no tree", reason=Reason.INVALID_TREE)
     return item.session_id, list(item.tree.tokens), list(item.tree.parents)
 
 
@@ -57,11 +59,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             s = item.sampling
             try:
                 sampling = Sampling.checked(s.temperature, s.top_k, s.top_p, s.seed if s.HasField("seed") else None)
-            except EngineError as e:
+                futures.append((item.session_id, self.loop.submit_prefill(item.session_id, list(item.prompt_tokens), sampling,
+                                                                           list(item.feature_layer_ids))))
+            except EngineError as e:  # bad sampling, or the loop is stopped (UNAVAILABLE)
                 futures.append((item.session_id, e))
-                continue
-            futures.append((item.session_id, self.loop.submit_prefill(item.session_id, list(item.prompt_tokens), sampling,
-                                                                       list(item.feature_layer_ids))))
         results, opened, error = [], [], None
         for sid, fut in futures:
             try:
@@ -75,8 +76,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             results.append(target_pb2.PrefillResult(session_id=sid, first_token=out.first_token,
                                                     committed_length=out.committed_length, features=_features_proto(out.features)))
         if error is not None:
-            self.loop.release(opened)  # all-or-nothing: undo the items of this call that did open
-            context.abort(*status_of(error))
+            if opened:  # all-or-nothing: undo the items of this call that did open
+                self.loop.release(opened)
+            abort_with(context, error)
         return target_pb2.PrefillResponse(results=results)
 
     def Verify(self, request_iterator, context):

@@ -31,7 +31,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from dflash_grpc.transport import GRPC_OPTIONS, TlsConfig, TlsError, is_loopback, open_channel
+from dflash_grpc.transport import GRPC_OPTIONS, TlsConfig, TlsError, abort, is_loopback, open_channel
 
 __all__ = [
     "GRPC_OPTIONS", "TlsConfig", "TlsError", "add_tls_flags", "channel", "client_tls", "is_loopback", "make_server",
@@ -74,7 +74,8 @@ UNARY_WORKERS = 8
 
 
 class _StreamLimit(grpc.ServerInterceptor):
-    """At most ``limit`` streaming RPCs at a time; one more is answered RESOURCE_EXHAUSTED at once.
+    """At most ``limit`` streaming RPCs at a time; one more is answered RESOURCE_EXHAUSTED at once
+    (reason ``STREAMS_BUSY`` in the trailing metadata ``dflash-reason``).
 
     A streaming RPC holds a worker thread for its whole life and grpc has no per-method pools,
     so without this cap long-lived streams could take every worker and leave unary calls
@@ -101,8 +102,8 @@ class _StreamLimit(grpc.ServerInterceptor):
 
     def _enter(self, context, method: str) -> Callable[[], None]:
         if not self._free.acquire(blocking=False):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{method}: all {self.limit} stream workers are busy; retry later")
+            abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                  f"{method}: all {self.limit} stream workers are busy; retry later", "STREAMS_BUSY")
         lock, held = threading.Lock(), [True]
 
         def release() -> None:
@@ -138,7 +139,8 @@ class _StreamLimit(grpc.ServerInterceptor):
 class _MalformedRequestIsInvalidArgument(grpc.ServerInterceptor):
     """Decode the request of unary-request methods inside the handler, so that bytes that are not
     the method's message fail with INVALID_ARGUMENT (grpcio's own decoding failure is INTERNAL,
-    "Exception deserializing request!"). Streaming requests are left to grpcio."""
+    "Exception deserializing request!"), reason ``INVALID_ARGUMENT``. Streaming requests are left
+    to grpcio."""
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -150,7 +152,7 @@ class _MalformedRequestIsInvalidArgument(grpc.ServerInterceptor):
             try:
                 return parse(raw)
             except Exception as e:  # protobuf's DecodeError, or a UTF-8 error in a string field
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {e}")
+                abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {e}", "INVALID_ARGUMENT")
 
         if handler.response_streaming:
             behavior = handler.unary_stream

@@ -175,3 +175,33 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(h).is_loopback
     except ValueError:
         return False
+
+
+def abort(context, code: grpc.StatusCode, message: str, reason: str = ""):
+    """End the call of ``context`` with status ``code``, ``message`` and the reason code
+    ``reason`` in its trailing metadata (:data:`REASON_KEY`; none when ``reason`` is empty).
+
+    With a ``grpc.ServicerContext`` this raises (grpc's own abort) and never returns. With a
+    ``grpc.aio.ServicerContext`` it returns the coroutine of the abort: ``await abort(...)``.
+    """
+    if reason:
+        context.set_trailing_metadata(((REASON_KEY, str(reason)),))
+    return context.abort(code, message)
+
+
+def reason_of(error: Any) -> str:
+    """The reason code a refused call carried (:data:`REASON_KEY` of its trailing metadata), or
+    ``""`` when it carried none (an older peer, or a status grpc made itself: deadline,
+    connection lost). ``error`` is a ``grpc.RpcError`` (a ``grpc.Call``), sync or ``grpc.aio``;
+    anything without trailing metadata gives ``""``."""
+    getter = getattr(error, "trailing_metadata", None)
+    if getter is None:
+        return ""
+    try:
+        md = getter()
+    except Exception:  # noqa: BLE001 - a call object in an odd state: no reason
+        return ""
+    for key, value in md or ():
+        if key == REASON_KEY:
+            return value.decode() if isinstance(value, bytes) else str(value)
+    return ""
