@@ -1,18 +1,14 @@
 """``python -m draft_service``: serve ``dflash_grpc.v1.DraftService``.
 
-    python -m draft_service [--drafter D.gguf] [--target T.gguf] [--host 127.0.0.1] [--port 50053]
-        [--device cpu] [--dtype auto] [--engine auto] [--no-cuda-graphs] [--gpu-memory-bytes N]
-        [--batch-buckets 1,2,4,...] [--max-top-k 8] [--prefill-chunk 512] [--max-sessions 64]
-        [--max-context N] [--max-workers N] [--session-idle-timeout 300] [--metrics-port 0]
-        [--log-level WARNING]
+    python -m draft_service [--drafter D.gguf] [--target T.gguf] [--port N] [--device cuda] ...
 
+(every flag, its default and meaning: :class:`draft_service.config.DraftConfig`, docs/CONFIG.md).
 ``--target`` defaults to :func:`runtime.defaults.default_model_path`; ``--drafter`` to
 :func:`draft_service.default_drafter_path` for that target (a cached random drafter when none is
 shipped: it works but is untrained). On a CUDA device the batched engine
 (:class:`draft_service.batched.BatchedDrafter`: context pool, batched steps, one CUDA graph per
 batch bucket, captured at start behind a progress bar) serves; on the CPU the per-session
-reference engine. Prints ``READY draft port=N`` once serving. Every setting is a field of
-:class:`draft_service.config.DraftConfig` (docs/CONFIG.md).
+reference engine. Prints ``READY draft port=N`` once serving.
 """
 
 from __future__ import annotations

@@ -153,7 +153,7 @@ def join_features(parts: list[common_pb2.Tensor]) -> common_pb2.Tensor | None:
     return common_pb2.Tensor(dtype=first.dtype, shape=[rows, *first.shape[1:]], data=b"".join(p.data for p in parts))
 
 
-def adaptive_budget(batch: int, step_nodes: int, want: int = 15, min_nodes: int = 2) -> int:
+def adaptive_budget(batch: int, step_nodes: int, want: int = OrchestratorConfig.tree_budget, min_nodes: int = 2) -> int:
     """Draft nodes per request for a tick of ``batch`` requests.
 
     The target's verify step costs about one decode step while its ``B x W`` nodes stay within
