@@ -116,10 +116,15 @@ def _build_parser() -> argparse.ArgumentParser:
         help="run target, draft and orchestrator on this machine",
         description="Start the three services as child processes and wait. Unknown flags are passed to every service.",
     )
-    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default %(default)s)")
-    p.add_argument("--port", type=int, default=50051, help="orchestrator port (default %(default)s)")
-    p.add_argument("--target-port", type=int, default=50052, help="target service port (default %(default)s)")
-    p.add_argument("--draft-port", type=int, default=50053, help="draft service port (default %(default)s)")
+    # the services' own defaults (entry point: it may import the services' torch-free configs)
+    from draft_service.config import DraftConfig
+    from orchestrator.config import OrchestratorConfig
+    from target_service.config import TargetConfig
+
+    p.add_argument("--host", default=OrchestratorConfig.host, help="interface to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=OrchestratorConfig.port, help="orchestrator port (default %(default)s)")
+    p.add_argument("--target-port", type=int, default=TargetConfig.port, help="target service port (default %(default)s)")
+    p.add_argument("--draft-port", type=int, default=DraftConfig.port, help="draft service port (default %(default)s)")
     p.add_argument("--target-args", default="", help="extra flags for the target service only (one string)")
     p.add_argument("--draft-args", default="", help="extra flags for the draft service only (one string)")
     p.add_argument("--orchestrator-args", default="", help="extra flags for the orchestrator only (one string)")

@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from dflash_grpc.defaults import DEFAULT_HOST, DRAFT_PORT, ORCHESTRATOR_PORT, TARGET_PORT
+
 __all__ = ["RestartBudgetExhausted", "RestartPolicy", "Service", "ServiceExited", "ServiceGroup", "dflash_services",
            "free_ports"]
 
@@ -99,8 +101,8 @@ def dflash_services(
     model: str,
     drafter: str | None,
     *,
-    ports: Sequence[int] = (50052, 50053, 50051),
-    host: str = "127.0.0.1",
+    ports: Sequence[int] = (TARGET_PORT, DRAFT_PORT, ORCHESTRATOR_PORT),
+    host: str = DEFAULT_HOST,
     device: str | None = None,
     log_level: str | None = None,
     extra: Sequence[str] = (),
@@ -114,8 +116,10 @@ def dflash_services(
         model: target GGUF path (target ``--model``, draft ``--target``, orchestrator ``--model``).
         drafter: drafter GGUF path; None leaves the draft service out (the orchestrator then
             decodes autoregressively).
-        ports: ``(target, draft, orchestrator)`` ports.
-        host: interface the services listen on (``--host`` of each).
+        ports: ``(target, draft, orchestrator)`` ports (default: the ``port`` defaults of
+            ``TargetConfig``, ``DraftConfig``, ``OrchestratorConfig``, held in
+            :mod:`dflash_grpc.defaults`).
+        host: interface the services listen on (``--host`` of each; default: their ``host`` default).
         device: ``--device`` of the target and draft services (None: their default).
         log_level: ``DFLASH_LOG_LEVEL`` of every child (None: inherited, WARNING by default).
         extra: flags given to every service.

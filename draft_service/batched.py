@@ -62,6 +62,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
+from draft_service.config import DraftConfig
 from draft_service.drafter import DFlashDrafter, DrafterContext
 from draft_service.tree import TopK, build_tree
 from kernels import attention as attn_ops
@@ -71,9 +72,9 @@ from runtime.pool import PoolShape, StatePool
 log = logging.getLogger(__name__)
 
 #: Default batch buckets on CUDA: a step of ``n`` sessions runs in the smallest that holds it.
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+BATCH_BUCKETS = DraftConfig.batch_buckets
 #: Default number of candidates per depth in the step's top-K table (requests asking more are cut to it).
-DEFAULT_MAX_TOP_K = 8
+DEFAULT_MAX_TOP_K = DraftConfig.max_top_k
 
 _OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
@@ -194,7 +195,7 @@ class ReferenceDrafterEngine:
         max_context: most context rows per session (0 = unlimited).
     """
 
-    def __init__(self, drafter: DFlashDrafter, max_sessions: int = 64, max_context: int = 0):
+    def __init__(self, drafter: DFlashDrafter, max_sessions: int = DraftConfig.max_sessions, max_context: int = 0):
         if max_sessions < 1:
             raise ValueError("max_sessions must be >= 1")
         self.drafter = drafter.eval()
@@ -438,10 +439,11 @@ class BatchedDrafter:
         ValueError: bad sizes (``max_context < 1``, block size > 64, ...).
     """
 
-    def __init__(self, drafter: DFlashDrafter, max_sessions: int = 64, max_context: int = 4096,
-                 memory_budget: int | None = None, cuda_graphs: bool = True,
-                 batch_buckets: Sequence[int] = BATCH_BUCKETS, append_rows: int | None = None,
-                 max_top_k: int = DEFAULT_MAX_TOP_K, prefill_chunk: int = 512, pad_batches: bool | None = None):
+    def __init__(self, drafter: DFlashDrafter, max_sessions: int = DraftConfig.max_sessions,
+                 max_context: int = DraftConfig.BATCHED_CONTEXT_CAP, memory_budget: int | None = None,
+                 cuda_graphs: bool = DraftConfig.cuda_graphs, batch_buckets: Sequence[int] = BATCH_BUCKETS,
+                 append_rows: int | None = None, max_top_k: int = DEFAULT_MAX_TOP_K,
+                 prefill_chunk: int = DraftConfig.prefill_chunk, pad_batches: bool | None = None):
         c = drafter.config
         if max_sessions < 1 or max_context < 1:
             raise ValueError(f"max_sessions ({max_sessions}) and max_context ({max_context}) must be >= 1")

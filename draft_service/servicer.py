@@ -45,6 +45,7 @@ import torch
 
 from dflash_grpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from dflash_grpc.wire import WireError, tensor_from_proto, tree_to_proto
+from draft_service.config import DraftConfig
 from draft_service.batched import BatchedDrafter, DraftItem, ReferenceDrafterEngine
 from draft_service.drafter import DFlashDrafter
 from draft_service.gguf_io import load_drafter
@@ -60,7 +61,7 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 FEATURES = ("chain", "tree")
 
 #: ``max_context`` of the batched engine when neither the caller nor the target gives one.
-DEFAULT_BATCHED_CONTEXT = 4096
+DEFAULT_BATCHED_CONTEXT = DraftConfig.BATCHED_CONTEXT_CAP
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
@@ -138,15 +139,16 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         drafter_path: str,
         target_path: str,
         *,
-        device: str = "cpu",
+        device: str = DraftConfig.device,
         dtype: torch.dtype | None = None,
-        max_sessions: int = 64,
-        max_context: int | None = None,
-        engine: str = "auto",
-        cuda_graphs: bool = True,
-        memory_budget: int | None = None,
+        max_sessions: int = DraftConfig.max_sessions,
+        max_context: int | None = DraftConfig.max_context,
+        engine: str = DraftConfig.engine,
+        cuda_graphs: bool = DraftConfig.cuda_graphs,
+        memory_budget: int | None = DraftConfig.gpu_memory_bytes,
         batch_buckets: tuple[int, ...] | None = None,
         max_top_k: int | None = None,
+        prefill_chunk: int = DraftConfig.prefill_chunk,
         progress: bool = False,
     ) -> "DraftServiceServicer":
         """Load the drafter for ``target_path``, build its engine and serve it.
@@ -159,8 +161,9 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
                 absent = unlimited for the reference engine; the batched engine, whose pool is
                 allocated at start, caps it at :data:`DEFAULT_BATCHED_CONTEXT`).
             engine: ``auto`` (batched on CUDA, reference on the CPU), ``reference`` or ``batched``.
-            cuda_graphs, memory_budget, batch_buckets, max_top_k: the batched engine's options
-                (:class:`BatchedDrafter`); its graphs are captured here (``progress``: a tqdm bar).
+            cuda_graphs, memory_budget, batch_buckets, max_top_k, prefill_chunk: the batched
+                engine's options (:class:`BatchedDrafter`; None: :class:`DraftConfig`'s defaults);
+                its graphs are captured here (``progress``: a tqdm bar).
 
         Raises:
             draft_service.drafter.DrafterError: the drafter belongs to another target.
@@ -171,25 +174,22 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         from runtime.fingerprint import tokenizer_fingerprint
         from runtime.gguf_loader import open_gguf
 
-        cuda = str(device).startswith("cuda")
-        if engine == "auto":
-            engine = "batched" if cuda else "reference"
+        auto = DraftConfig(device=str(device), engine=engine).resolved()  # the auto rules live there
+        engine = auto.engine
         if engine not in ("reference", "batched"):
             raise ValueError(f"unknown drafter engine {engine!r} (auto, reference, batched)")
         if dtype is None:
-            dtype = torch.bfloat16 if cuda else torch.float32
+            dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[auto.dtype]
         target = open_gguf(target_path)
         drafter = load_drafter(drafter_path, target, device=device, dtype=dtype)
         target_context = int(target.get("{arch}.context_length", 0) or 0)
         if not is_trained(drafter_path):
             logger.warning("the drafter is untrained (random init): expect acceptance near zero", extra={"drafter": drafter_path})
         if engine == "batched":
-            from draft_service.batched import BATCH_BUCKETS, DEFAULT_MAX_TOP_K
-
             ctx = max_context if max_context else min(target_context or DEFAULT_BATCHED_CONTEXT, DEFAULT_BATCHED_CONTEXT)
             eng = BatchedDrafter(drafter, max_sessions=max_sessions, max_context=ctx, memory_budget=memory_budget,
-                                 cuda_graphs=cuda_graphs, batch_buckets=batch_buckets or BATCH_BUCKETS,
-                                 max_top_k=max_top_k or DEFAULT_MAX_TOP_K)
+                                 cuda_graphs=cuda_graphs, batch_buckets=batch_buckets or DraftConfig.batch_buckets,
+                                 max_top_k=max_top_k or DraftConfig.max_top_k, prefill_chunk=prefill_chunk)
             eng.capture(progress=progress)
         else:
             eng = ReferenceDrafterEngine(drafter, max_sessions=max_sessions,

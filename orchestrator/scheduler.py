@@ -45,6 +45,7 @@ import grpc
 from dflash_grpc.transport import reason_of
 from dflash_grpc.v1 import common_pb2, draft_pb2, generation_pb2, target_pb2
 from orchestrator import metrics
+from orchestrator.config import OrchestratorConfig
 from orchestrator.peers import DraftPeer, StreamCall, TargetPeer, drafter_mismatch, status_code
 from orchestrator.stats import AcceptanceStats
 from runtime.errors import Reason
@@ -161,7 +162,7 @@ def join_features(parts: list[common_pb2.Tensor]) -> common_pb2.Tensor | None:
     return common_pb2.Tensor(dtype=first.dtype, shape=[rows, *first.shape[1:]], data=b"".join(p.data for p in parts))
 
 
-def adaptive_budget(batch: int, step_nodes: int, want: int = 15, min_nodes: int = 2) -> int:
+def adaptive_budget(batch: int, step_nodes: int, want: int = OrchestratorConfig.tree_budget, min_nodes: int = 2) -> int:
     """Draft nodes per request for a tick of ``batch`` requests.
 
     The target's verify step costs about one decode step while its ``B x W`` nodes stay within
@@ -202,20 +203,23 @@ class Scheduler:
         draft: the draft peer (may have no address).
         max_sessions: most requests holding a target session at once.
         max_queue: most requests waiting for a session; beyond it :meth:`submit` rejects.
-        step_nodes: verify nodes per tick shared by the batch (:func:`adaptive_budget`).
+        step_nodes: verify nodes per tick shared by the batch (:func:`adaptive_budget`); 0:
+            :meth:`OrchestratorConfig.auto_step_nodes` of the target's device.
         step_timeout: seconds a Propose or Verify exchange may take before the peer is
             treated as failed.
         history_bytes: most bytes of feature history kept per request for drafter resync.
     """
 
-    def __init__(self, target: TargetPeer, draft: DraftPeer, *, max_sessions: int, max_queue: int = 256,
-                 step_nodes: int = 256, step_timeout: float = 120.0, history_bytes: int = 64 << 20):
+    def __init__(self, target: TargetPeer, draft: DraftPeer, *, max_sessions: int,
+                 max_queue: int = OrchestratorConfig.max_queue, step_nodes: int = OrchestratorConfig.step_nodes,
+                 step_timeout: float = OrchestratorConfig.step_timeout,
+                 history_bytes: int = int(OrchestratorConfig.draft_history_mib * (1 << 20))):
         self.target = target
         self.draft = draft
         self.info = target.info()
         self.max_sessions = max(1, int(max_sessions))
         self.max_queue = max(0, int(max_queue))
-        self.step_nodes = max(1, int(step_nodes))
+        self.step_nodes = max(1, int(step_nodes or OrchestratorConfig.auto_step_nodes(self.info.device)))
         self.step_timeout = step_timeout
         self.history_bytes = history_bytes
         self._lock = threading.Lock()

@@ -29,9 +29,11 @@ import uuid
 
 import grpc
 
+from dflash_grpc.defaults import REQUEST_LIMITS
 from dflash_grpc.transport import abort
 from dflash_grpc.v1 import common_pb2, draft_pb2, generation_pb2, generation_pb2_grpc
 from orchestrator import metrics
+from orchestrator.config import OrchestratorConfig
 from orchestrator.detok import TextStream
 from orchestrator.peers import DraftPeer, TargetPeer, drafter_mismatch
 from orchestrator.scheduler import FINISH_CONTEXT, FINISH_EOS, Failure, Rejected, Request, Scheduler
@@ -43,10 +45,9 @@ log = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
 
-#: Bounds of client-supplied numbers (beyond them: INVALID_ARGUMENT). ``max_tokens`` is further
-#: bounded by the target's context, prompts by the context and the message size.
-LIMITS = {"tree_budget": 1024, "top_k": 1024, "max_depth": 1024, "stop_strings": 16, "stop_chars": 1024,
-          "request_id_chars": 128, "chat_messages": 1024}
+#: Bounds of client-supplied numbers (beyond them: INVALID_ARGUMENT), shared with the clients:
+#: :data:`dflash_grpc.defaults.REQUEST_LIMITS`.
+LIMITS = REQUEST_LIMITS
 _FINISH = {FINISH_EOS: generation_pb2.FINISH_REASON_EOS, FINISH_CONTEXT: generation_pb2.FINISH_REASON_CONTEXT}
 
 
@@ -60,6 +61,13 @@ class RequestError(Exception):
         self.reason = reason
 
 
+def default_tree(config: OrchestratorConfig | None = None) -> draft_pb2.TreeParams:
+    """The tree a request gets when it asks for none: ``tree_budget``, ``draft_top_k`` and
+    ``max_depth`` of ``config`` (default: :class:`OrchestratorConfig`'s defaults)."""
+    cfg = config or OrchestratorConfig
+    return draft_pb2.TreeParams(budget=cfg.tree_budget, top_k=cfg.draft_top_k, max_depth=cfg.max_depth)
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     """Serves Generate / GetStats / Info over a target and an optional drafter.
 
@@ -68,13 +76,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         draft: the draft service peer (may have no address).
         tokenizer: a ``GGUFTokenizer`` of the same model (its fingerprint must equal the target's).
         default_max_tokens: used when a request leaves ``max_tokens`` at 0.
-        tree: default tree request (``budget``, ``top_k``, ``max_depth``).
+        tree: default tree request (``budget``, ``top_k``, ``max_depth``); None:
+            :func:`default_tree` (the config's defaults).
+        scheduler: None: a :class:`Scheduler` with the config's defaults over the target's slots.
 
     Raises:
         ValueError: the tokenizer does not match the target (fingerprints differ).
     """
 
-    def __init__(self, target: TargetPeer, draft: DraftPeer, tokenizer, default_max_tokens: int = 256,
+    def __init__(self, target: TargetPeer, draft: DraftPeer, tokenizer, default_max_tokens: int = OrchestratorConfig.max_tokens,
                  tree: draft_pb2.TreeParams | None = None, scheduler: Scheduler | None = None):
         self.target = target
         self.draft = draft
@@ -83,8 +93,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if tokenizer.fingerprint != self.target_info.tokenizer_fingerprint:
             raise ValueError("the orchestrator's tokenizer does not match the target's (fingerprints differ)")
         self.default_max_tokens = default_max_tokens
-        self.tree = tree or draft_pb2.TreeParams()
-        self.scheduler = scheduler or Scheduler(target, draft, max_sessions=self.target_info.max_sessions or 8)
+        self.tree = tree or default_tree()
+        self.scheduler = scheduler or Scheduler(target, draft, max_sessions=OrchestratorConfig.sessions_for(
+            OrchestratorConfig.max_sessions, self.target_info.max_sessions))
         self.stats = GlobalStats()
 
     # ------------------------------------------------------------------ validation

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from kernels.attention import default_splits
+from target_service.config import TargetConfig
 from target_service.engine import PrefillJob, PrefillOutcome, Sampling, VerifyOutcome, check_prompt
 from runtime.errors import EngineError, InvalidArgument, Reason, ResourceExhausted, SessionNotFound
 from target_service.models.layers import rope_table
@@ -35,9 +36,9 @@ from runtime.tree import TreeError, analyze_tree
 log = logging.getLogger(__name__)
 
 #: Default buckets (docs/ARCHITECTURE.md): a step of B trees of at most W nodes runs in the
-#: smallest bucket that holds it.
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-WIDTH_BUCKETS = (1, 4, 8, 16, 32, 64)
+#: smallest bucket that holds it (:class:`TargetConfig` holds the numbers).
+BATCH_BUCKETS = TargetConfig.batch_buckets
+WIDTH_BUCKETS = TargetConfig.width_buckets
 
 
 @dataclasses.dataclass
@@ -155,11 +156,12 @@ class BatchedEngine:
         ResourceExhausted: the budget does not hold one slot.
     """
 
-    def __init__(self, model, max_sessions: int = 8, max_context: int = 4096, max_tree_width: int = 64,
-                 max_tree_depth: int = 32, feature_layers: list[int] | tuple[int, ...] = (),
-                 memory_budget: int | None = None, cuda_graphs: bool = True,
-                 batch_buckets: tuple[int, ...] = BATCH_BUCKETS, width_buckets: tuple[int, ...] = WIDTH_BUCKETS,
-                 max_step_tokens: int = 1024, prefill_chunk: int = 512, pad_to_buckets: bool | None = None):
+    def __init__(self, model, max_sessions: int = TargetConfig.MAX_SESSIONS_CPU, max_context: int = TargetConfig.max_context,
+                 max_tree_width: int = TargetConfig.max_tree_width, max_tree_depth: int = TargetConfig.max_tree_depth,
+                 feature_layers: list[int] | tuple[int, ...] = (), memory_budget: int | None = None,
+                 cuda_graphs: bool = TargetConfig.cuda_graphs, batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
+                 width_buckets: tuple[int, ...] = WIDTH_BUCKETS, max_step_tokens: int = TargetConfig.max_step_tokens,
+                 prefill_chunk: int = TargetConfig.prefill_chunk, pad_to_buckets: bool | None = None):
         self.model, self.cfg = model, model.cfg
         self.device, self.dtype = model.device, model.dtype
         self.max_context = min(max_context, model.cfg.context_length)

@@ -27,6 +27,7 @@ from kernels.sampling import accept_path, select_tokens
 from runtime.errors import EngineError, FailedPrecondition, InvalidArgument, Reason, ResourceExhausted, SessionNotFound  # noqa: F401 (re-exported)
 from runtime.sampling import MIN_TEMPERATURE, Sampling  # noqa: F401 (re-exported)
 from runtime.tree import TreeError, chain, tree_tensors, validate_tree
+from target_service.config import TargetConfig
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,8 @@ class TargetEngine:
     call an engine from one step-loop thread, ``runtime.step_loop``).
     """
 
-    def __init__(self, model, max_sessions: int = 8, max_context: int = 4096, max_tree_width: int = 64, max_tree_depth: int = 32):
+    def __init__(self, model, max_sessions: int = TargetConfig.MAX_SESSIONS_CPU, max_context: int = TargetConfig.max_context,
+                 max_tree_width: int = TargetConfig.max_tree_width, max_tree_depth: int = TargetConfig.max_tree_depth):
         self.model = model
         self.cfg = model.cfg
         self.max_sessions = max_sessions

@@ -219,7 +219,7 @@ def test_metrics_port_flags():
 
     for mod in (target_main, draft_main):
         src = open(mod.__file__).read()
-        assert '"--metrics-port"' in src and "serve_metrics(args.metrics_port, args.host" in src
+        assert "--metrics-port" in mod.build_parser().format_help() and "serve_metrics(cfg.metrics_port, cfg.host" in src
 
 
 # --------------------------------------------------------------------------------------------

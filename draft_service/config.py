@@ -1,0 +1,72 @@
+"""The draft service's settings, each with its default once (``python -m draft_service`` flags).
+
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from dflash_grpc.defaults import DEFAULT_HOST, DRAFT_PORT
+from runtime.config import setting
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """Settings of ``python -m draft_service``; each field is the flag ``--<field-with-dashes>``
+    (``cuda_graphs``: ``--no-cuda-graphs``).
+
+    Units: ``max_context`` and ``prefill_chunk`` in rows (tokens) per session; ``max_top_k`` in
+    candidates per tree depth; ``gpu_memory_bytes`` in bytes; ``batch_buckets`` in sessions;
+    ``session_idle_timeout`` in seconds.
+
+    Device-dependent defaults are ``auto`` / ``None``: :meth:`resolved()` decides ``dtype`` (bf16 on
+    CUDA, f32 on the CPU) and ``engine`` (batched on CUDA, reference on the CPU); ``max_context``
+    None is the target's context length, which the batched engine (its pool is allocated at start)
+    caps at :attr:`BATCHED_CONTEXT_CAP`.
+    """
+
+    #: the batched engine's ``max_context`` when ``max_context`` is None: at most this many rows
+    BATCHED_CONTEXT_CAP: ClassVar[int] = 4096
+    #: accepted ``dtype`` values
+    DTYPES: ClassVar[tuple[str, ...]] = ("auto", "f32", "f16", "bf16")
+    #: accepted ``engine`` values
+    ENGINES: ClassVar[tuple[str, ...]] = ("auto", "batched", "reference")
+
+    drafter: str | None = setting(None, "drafter GGUF (default: the default drafter of the target)")
+    target: str | None = setting(None, "target GGUF the drafter was built for (default: the default model)")
+    host: str = setting(DEFAULT_HOST, "interface to listen on")
+    port: int = setting(DRAFT_PORT, "port to listen on (0 picks a free one)")
+    device: str = setting("cpu", "torch device: cpu, cuda, cuda:1, ...")
+    dtype: str = setting("auto", "auto: f32 on CPU, bf16 on CUDA", choices=DTYPES)
+    engine: str = setting(
+        "auto", "auto: the batched engine (context pool, CUDA graphs) on CUDA, the per-session reference on the CPU",
+        choices=ENGINES)
+    cuda_graphs: bool = setting(True, "batched engine: capture the steps as CUDA graphs (off: run them eagerly)")
+    gpu_memory_bytes: int | None = setting(
+        None, "batched engine: bytes for the context pool (fewer session slots if it holds fewer than --max-sessions)")
+    batch_buckets: tuple[int, ...] = setting((1, 2, 4, 8, 16, 32, 64), "batched engine: batch sizes steps are padded to")
+    max_top_k: int = setting(8, "batched engine: candidates per depth in the step's top-K table "
+                                "(larger top_k requests are cut to it)")
+    prefill_chunk: int = setting(512, "batched engine: most context rows per eager append (the rows beyond what one step carries)")
+    max_sessions: int = setting(64, "most concurrent sessions (the batched engine may hold fewer: --gpu-memory-bytes)")
+    max_context: int | None = setting(
+        None, f"rows per session (default: the target's context length; the batched engine caps that default "
+        f"at {BATCHED_CONTEXT_CAP})")
+    max_workers: int | None = setting(
+        None, "gRPC worker threads for streams (one per open Propose stream; default: session slots + 16); "
+        "8 more are kept for unary calls")
+    session_idle_timeout: float = setting(
+        300.0, "release a session unused for this long (its Release was lost); 0 = never", metavar="SECONDS")
+    metrics_port: int = setting(0, "Prometheus metrics HTTP port on --host: step time, batch size, pool use (0: off)")
+    log_level: str | None = setting(None, "log level (default WARNING, or $DFLASH_LOG_LEVEL)")
+
+    def resolved(self, device: str | None = None) -> DraftConfig:
+        """This config with ``dtype`` and ``engine`` decided for ``device`` (default: ``self.device``)."""
+        cuda = str(device or self.device).startswith("cuda")
+        return dataclasses.replace(
+            self,
+            dtype=("bf16" if cuda else "f32") if self.dtype == "auto" else self.dtype,
+            engine=("batched" if cuda else "reference") if self.engine == "auto" else self.engine,
+        )

