@@ -3,12 +3,10 @@ the TLS arguments and the per-call deadline."""
 
 from __future__ import annotations
 
+from dflash_grpc.defaults import DEFAULT_ADDRESS  # noqa: F401 (re-exported: the orchestrator on loopback)
 from dflash_grpc.transport import TlsConfig, TlsError
 
 from client.errors import InvalidArgumentError
-
-#: The orchestrator's address on this machine (``dflash-grpc serve``'s default port).
-DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 
 class _Connection:
