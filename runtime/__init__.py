@@ -8,5 +8,5 @@ state pool), :mod:`runtime.graphs` (bucketed step runners and CUDA graphs), :mod
 (the thread that owns the device) and :mod:`runtime.status` (errors as gRPC statuses).
 
 Importing this package, or its torch-free modules (errors, sampling, defaults, gguf_loader,
-tokenizer, fingerprint), imports no torch: the orchestrator stands on them without a model.
+tokenizer, fingerprint, tree), imports no torch: the orchestrator stands on them without a model.
 """
