@@ -67,6 +67,7 @@ from draft_service.drafter import DFlashDrafter, DrafterContext
 from draft_service.tree import TopK, build_tree
 from kernels import attention as attn_ops
 from runtime.errors import EngineError, FailedPrecondition, InvalidArgument, Reason, ResourceExhausted
+from runtime.graphs import GraphSet, StepGraph, bucket_for, capped_buckets, slots_for_budget
 from runtime.pool import PoolShape, StatePool
 
 log = logging.getLogger(__name__)
@@ -343,25 +344,24 @@ class DraftSession:
 _FIELDS = ("slots", "held", "n_rows", "roots")
 
 
-class _Runner:
-    """Static buffers (and on CUDA the graph) of one ``(batch, rows)`` step shape: a pinned int64
-    buffer ``[4, batch]`` (slots, held, n_rows, roots), a pinned features buffer ``[batch, rows,
-    N*H]`` in the model dtype, and a pinned int32 output ``[batch, B-1, K, 2]`` (log-prob bits,
-    token)."""
+class _Runner(StepGraph):
+    """The drafter's step (a :class:`runtime.graphs.StepGraph`) of one ``(batch, rows)`` shape:
+    a pinned int64 buffer ``[4, batch]`` (slots, held, n_rows, roots), a pinned features buffer
+    ``[batch, rows, N*H]`` in the model dtype, and a pinned int32 output ``[batch, B-1, K, 2]``
+    (log-prob bits, token)."""
 
     def __init__(self, engine: "BatchedDrafter", batch: int, rows: int):
+        super().__init__(engine.device)
         self.engine, self.batch, self.rows = engine, batch, rows
-        cuda = engine.cuda
         c = engine.config
-        self.host = torch.zeros(len(_FIELDS), batch, dtype=torch.long, pin_memory=cuda)
+        self.host = self.host_buffer(len(_FIELDS), batch, dtype=torch.long)
         self.host_np = self.host.numpy()
-        self.dev = torch.zeros_like(self.host, device=engine.device) if cuda else self.host
-        self.feats_host = torch.zeros(batch, rows, c.feature_size, dtype=engine.dtype, pin_memory=cuda)
-        self.feats_dev = torch.zeros_like(self.feats_host, device=engine.device) if cuda else self.feats_host
-        self.out = torch.zeros(batch, c.block_size - 1, engine.k, 2, dtype=torch.int32, pin_memory=cuda)
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.dev = self.device_twin(self.host)
+        self.feats_host = self.host_buffer(batch, rows, c.feature_size, dtype=engine.dtype)
+        self.feats_dev = self.device_twin(self.feats_host)
+        self.out = self.host_buffer(batch, c.block_size - 1, engine.k, 2, dtype=torch.int32)
         self.splits = 1
-        if cuda:
+        if self.cuda:
             from kernels.attention import default_splits
 
             self.splits = default_splits(engine.pool.shape.rows)
@@ -374,41 +374,24 @@ class _Runner:
         self.host_np[:, first_row:] = 0
         self.view("slots")[first_row:] = self.engine.pool.spare
 
+    def fill_idle(self) -> None:
+        """Every row padding (:meth:`fill_padding` from row 0)."""
+        self.fill_padding(0)
+
     def body(self) -> None:
         e = self.engine
-        if self.dev is not self.host:
-            self.dev.copy_(self.host, non_blocking=True)
-            self.feats_dev.copy_(self.feats_host, non_blocking=True)
+        self.copy(self.dev, self.host)
+        self.copy(self.feats_dev, self.feats_host)
         slots, held, n_rows, roots = self.dev.unbind(0)
         lp, tok = draft_step(e.drafter, e.pool, slots, held, n_rows, roots, self.feats_dev, e.k, self.splits)
         packed = torch.stack([lp.contiguous().view(torch.int32), tok.to(torch.int32)], dim=-1)
         self.out.copy_(packed, non_blocking=True)
 
-    def capture(self, pool_handle) -> None:
-        """Warm up on a side stream (compiles the Triton kernels) and capture the step, every row
-        padding in the spare slot."""
-        self.fill_padding(0)
-        dev = self.engine.device
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.body()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=pool_handle):
-            self.body()
-        self.graph = g
-
     def run(self) -> tuple[np.ndarray, np.ndarray]:
-        """Run the step; returns host ``(logprobs [batch, B-1, K] float32, tokens [batch, B-1, K]
-        int32)`` (views of the output buffer: read them before the next step)."""
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            self.body()
-        if self.engine.cuda:
-            torch.cuda.current_stream(self.engine.device).synchronize()   # the step's one host sync
+        """Run the step (:meth:`StepGraph.run`: replay or eager, one host sync); returns host
+        ``(logprobs [batch, B-1, K] float32, tokens [batch, B-1, K] int32)`` (views of the output
+        buffer: read them before the next step)."""
+        super().run()
         out = self.out.numpy()
         return out[..., 0].view(np.float32), out[..., 1]
 
@@ -462,21 +445,14 @@ class BatchedDrafter:
         self.batch_buckets = tuple(sorted({int(b) for b in batch_buckets if b >= 1})) or (1,)
         shape = PoolShape(tuple(range(c.num_layers)), (), c.num_kv_heads, c.head_dim,
                           self.max_context + max(c.block_size, self.append_rows))
-        slots = int(max_sessions)
-        slot_bytes = shape.slot_bytes(self.dtype)
-        if memory_budget is not None:
-            slots = min(slots, int(memory_budget) // slot_bytes - 1)   # the spare slot is paid for too
-            if slots < 1:
-                raise ResourceExhausted(f"a memory budget of {memory_budget} bytes holds no drafter session slot "
-                                        f"({slot_bytes} bytes each, plus one spare)")
-        self.max_sessions = slots
-        self.pool = StatePool(shape, slots, self.device, self.dtype)
+        self.max_sessions = slots_for_budget(memory_budget, shape.slot_bytes(self.dtype), max_sessions,
+                                             what="drafter session")
+        self.pool = StatePool(shape, self.max_sessions, self.device, self.dtype)
         self.sessions: dict[str, DraftSession] = {}
-        self._runners: dict[tuple[int, int], _Runner] = {}
-        self._graph_pool = None
-        #: graphs captured, steps run and their seconds (inputs staged, step run, output read back),
-        #: rows appended eagerly (excess rows), trees built and their host seconds
-        self.captures = 0
+        #: the step runners of the fixed shapes, keyed ``(batch, rows)``
+        self.graphs = GraphSet(lambda key: _Runner(self, *key), self.cuda_graphs)
+        #: steps run and their seconds (inputs staged, step run, output read back), rows appended
+        #: eagerly (excess rows), trees built and their host seconds (graphs captured: :attr:`captures`)
         self.steps = 0
         self.step_s = 0.0
         self.eager_rows = 0
@@ -498,27 +474,25 @@ class BatchedDrafter:
         return self.pool.release_sessions(self.sessions, session_ids)
 
     # ------------------------------------------------------------------ shapes
+    @property
+    def captures(self) -> int:
+        """Graphs captured so far."""
+        return self.graphs.captures
+
     def buckets(self) -> list[int]:
         """The batch sizes this engine captures on CUDA: the buckets up to the first that holds
         ``max_sessions``."""
-        top = next((b for b in self.batch_buckets if b >= self.max_sessions), self.batch_buckets[-1])
-        return [b for b in self.batch_buckets if b <= top]
+        return capped_buckets(self.batch_buckets, self.max_sessions)
 
     def _max_step(self) -> int:
         return self.buckets()[-1] if self.fixed else 1 << 30
 
     def _runner(self, batch: int, rows: int) -> _Runner:
-        if not self.fixed:   # exact shapes: fresh (small) buffers every step
+        """The runner of ``(batch, rows)``: on fixed shapes built (and with CUDA graphs captured)
+        once; on exact shapes fresh (small) buffers every step."""
+        if not self.fixed:
             return _Runner(self, batch, rows)
-        r = self._runners.get((batch, rows))
-        if r is None:
-            r = self._runners[(batch, rows)] = _Runner(self, batch, rows)
-            if self.cuda_graphs:
-                if self._graph_pool is None:
-                    self._graph_pool = torch.cuda.graph_pool_handle()
-                r.capture(self._graph_pool)
-                self.captures += 1
-        return r
+        return self.graphs.get((batch, rows))
 
     @torch.no_grad()
     def capture(self, progress: bool = False) -> int:
@@ -528,18 +502,8 @@ class BatchedDrafter:
         ``progress`` shows a tqdm bar."""
         if not self.fixed:
             return 0
-        shapes = sorted(self.buckets(), reverse=True)
-        it = shapes
-        if progress:
-            from tqdm import tqdm
-
-            it = tqdm(shapes, desc="drafter: capturing CUDA graphs" if self.cuda_graphs else "drafter: warming up", unit="graph")
-        for b in it:
-            r = self._runner(b, self.append_rows)
-            if not self.cuda_graphs:
-                r.fill_padding(0)
-                r.run()
-        return len(shapes)
+        shapes = [(b, self.append_rows) for b in self.buckets()]
+        return self.graphs.capture(shapes, size=lambda s: s[0], progress=progress, desc="drafter: ")
 
     # ------------------------------------------------------------------ proposals
     @torch.no_grad()
@@ -651,12 +615,7 @@ class BatchedDrafter:
         return outs
 
     def _bucket(self, n: int) -> int:
-        if not self.fixed:
-            return n
-        for b in self.buckets():
-            if b >= n:
-                return b
-        raise ValueError(f"{n} rows exceed the largest batch bucket {self.buckets()[-1]}")
+        return bucket_for(n, self.buckets()) if self.fixed else n
 
     def _append_eager(self, slot: int, start: int, features: torch.Tensor) -> None:
         """Append ``features`` ``[m, N*H]`` at rows ``start..`` of ``slot``, ``prefill_chunk`` rows

@@ -9,7 +9,7 @@ import dataclasses
 from typing import ClassVar
 
 from dflash_grpc.defaults import DEFAULT_HOST, DRAFT_PORT
-from runtime.config import setting
+from runtime.config import BATCH_BUCKETS, setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,7 @@ class DraftConfig:
     cuda_graphs: bool = setting(True, "batched engine: capture the steps as CUDA graphs (off: run them eagerly)")
     gpu_memory_bytes: int | None = setting(
         None, "batched engine: bytes for the context pool (fewer session slots if it holds fewer than --max-sessions)")
-    batch_buckets: tuple[int, ...] = setting((1, 2, 4, 8, 16, 32, 64), "batched engine: batch sizes steps are padded to")
+    batch_buckets: tuple[int, ...] = setting(BATCH_BUCKETS, "batched engine: batch sizes steps are padded to")
     max_top_k: int = setting(8, "batched engine: candidates per depth in the step's top-K table "
                                 "(larger top_k requests are cut to it)")
     prefill_chunk: int = setting(512, "batched engine: most context rows per eager append (the rows beyond what one step carries)")

@@ -49,6 +49,7 @@ from orchestrator.config import OrchestratorConfig
 from orchestrator.peers import DraftPeer, StreamCall, TargetPeer, drafter_mismatch, status_code
 from orchestrator.stats import AcceptanceStats
 from runtime.errors import Reason
+from runtime.tree import TreeError, tree_depths
 
 log = logging.getLogger(__name__)
 
@@ -127,25 +128,19 @@ def trim_tree(tokens: list[int], parents: list[int], max_depth: int) -> tuple[li
     """Drop the nodes deeper than ``max_depth`` (their subtrees too), re-indexing parents.
 
     Nodes come in topological order, so a kept node's parent is kept and already re-indexed.
+
+    Raises:
+        runtime.tree.TreeError: a malformed parent list (:func:`runtime.tree.tree_depths`).
     """
-    depth = [0] * len(tokens)
+    depth = tree_depths(parents)
     new_index = [-1] * len(tokens)
     out_t, out_p = [], []
     for i, (tok, par) in enumerate(zip(tokens, parents)):
-        depth[i] = 0 if i == 0 else depth[par] + 1
-        if depth[i] <= max_depth and (i == 0 or new_index[par] >= 0):
+        if depth[i] <= max_depth:
             new_index[i] = len(out_t)
             out_t.append(tok)
             out_p.append(-1 if i == 0 else new_index[par])
     return out_t, out_p
-
-
-def tree_depth(parents: list[int]) -> int:
-    """Depth of the deepest node of a tree given by parent indices (root: 0)."""
-    depth = [0] * len(parents)
-    for i in range(1, len(parents)):
-        depth[i] = depth[parents[i]] + 1
-    return max(depth)
 
 
 def join_features(parts: list[common_pb2.Tensor]) -> common_pb2.Tensor | None:
@@ -491,7 +486,7 @@ class Scheduler:
                 continue
             tokens, parents = trees.get(i, ([r.root], [-1]))
             k = len(res.accepted_tokens)
-            depth = tree_depth(parents)
+            depth = max(tree_depths(parents))
             r.stats.record_step(depth, len(tokens) - 1, k)
             metrics.observe_verify(len(tokens) - 1, depth, k)
             r.root, r.length = res.bonus_token, res.committed_length
@@ -564,7 +559,12 @@ class Scheduler:
                 continue
             r.draft_synced = True
             r.sent = len(r.history)
-            tokens, parents = trim_tree(list(res.tree.tokens), list(res.tree.parents), item.tree.max_depth)
+            try:
+                tokens, parents = trim_tree(list(res.tree.tokens), list(res.tree.parents), item.tree.max_depth)
+            except TreeError as e:
+                log.warning("drafter sent a malformed tree; this step goes on without a tree",
+                            extra={"session": r.session_id, "error": str(e)[:200]})
+                continue
             tokens, parents = tokens[:width_cap], parents[:width_cap]  # topological order: a prefix is a tree
             if tokens and tokens[0] == r.root:
                 trees[i] = (tokens, parents)

@@ -9,6 +9,6 @@ cache directory), :mod:`runtime.config` (service config dataclasses as command-l
 thread that owns the device) and :mod:`runtime.status` (errors as gRPC statuses).
 
 Importing this package, or its torch-free modules (errors, sampling, defaults, config,
-gguf_loader, tokenizer, fingerprint), imports no torch: the orchestrator stands on them without a
-model.
+gguf_loader, tokenizer, fingerprint, tree), imports no torch: the orchestrator stands on them
+without a model.
 """

@@ -29,6 +29,11 @@ from typing import Any, Callable, NamedTuple
 #: gRPC worker threads a service keeps beyond one per open stream when ``--max-workers`` is unset
 STREAM_HEADROOM = 16
 
+#: Default batch buckets of both batched engines (docs/ARCHITECTURE.md, "The GPU path"): a step of
+#: ``n`` rows (sessions) runs in the smallest that holds it. Defined here, torch-free, so the
+#: services' configs hold it; :mod:`runtime.graphs` re-exports it.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
 
 def setting(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None,
             choices: tuple[str, ...] | None = None, metavar: str | None = None) -> Any:

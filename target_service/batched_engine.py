@@ -28,6 +28,7 @@ from kernels.attention import default_splits
 from target_service.config import TargetConfig
 from target_service.engine import PrefillJob, PrefillOutcome, Sampling, VerifyOutcome, check_prompt
 from runtime.errors import EngineError, InvalidArgument, Reason, ResourceExhausted, SessionNotFound
+from runtime.graphs import GraphSet, StepGraph, bucket_for, capped_buckets, slots_for_budget
 from target_service.models.layers import rope_table
 from runtime.pool import PoolShape, StatePool
 from target_service.pooled import StepLayout, StepTensors, prefill_step, run_step
@@ -66,71 +67,54 @@ class PoolSession:
         return s - (1 << 64) if s >= 1 << 63 else s
 
 
-class _Runner:
-    """Static buffers (and the CUDA graph) of one ``(B, W)`` step shape, or with ``prefill`` of
-    one prefill chunk of exactly ``W`` prompt tokens (``B = 1``; the first int of the results is
-    the token chosen after the chunk, the features are the chunk's tapped rows)."""
+class _Runner(StepGraph):
+    """The target's step (a :class:`runtime.graphs.StepGraph`) of one ``(B, W)`` shape: the verify
+    of ``B`` trees of at most ``W`` nodes, or with ``prefill`` one prefill chunk of exactly ``W``
+    prompt tokens (``B = 1``).
+
+    Buffers: ``host`` / ``dev``, the packed int64 step inputs (:class:`StepLayout`, ``views`` its
+    numpy fields); ``out_host`` / ``out_dev``, one byte buffer holding the int64 results
+    (``out_ints``: ``[B*W]`` accepted path, ``[B]`` accepted counts, ``[B]`` bonus tokens; for a
+    prefill chunk the first int is the token chosen after it) and the tapped features
+    (``out_feats``: ``[B, W, len(taps) * H]`` in the model dtype, ``None`` without taps), so the
+    step ends with one device-to-host copy."""
 
     def __init__(self, engine: "BatchedEngine", batch: int, width: int, prefill: bool = False):
+        super().__init__(engine.device)
         self.engine, self.layout, self.prefill = engine, StepLayout(batch, width), prefill
-        cuda = engine.device.type == "cuda"
-        self.host = torch.zeros(self.layout.size, dtype=torch.long, pin_memory=cuda)
+        self.host = self.host_buffer(self.layout.size, dtype=torch.long)
         self.host_np = self.host.numpy()
         self.views = self.layout.host_views(self.host_np)       # built once: packed every step
-        self.dev = torch.zeros(self.layout.size, dtype=torch.long, device=engine.device) if cuda else self.host
-        # the results (int64) and the tapped features (model dtype) share one byte buffer, so the
-        # step ends with one device-to-host copy
+        self.dev = self.device_twin(self.host)
         n_ints = batch * width + 2 * batch
         feat = engine.feature_width
         item = torch.empty(0, dtype=engine.dtype).element_size()
         nbytes = n_ints * 8 + batch * width * feat * item
-        self.out_host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=cuda)
-        self.out_dev = torch.zeros(nbytes, dtype=torch.uint8, device=engine.device) if cuda else self.out_host
+        self.out_host = self.host_buffer(nbytes, dtype=torch.uint8)
+        self.out_dev = self.device_twin(self.out_host)
         self.out_ints, self.out_feats = self._views(self.out_host, n_ints, batch, width, feat)
         self._dev_ints, self._dev_feats = self._views(self.out_dev, n_ints, batch, width, feat)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.splits = default_splits(engine.max_context + engine.max_tree_width) if cuda else 1
+        self.splits = default_splits(engine.max_context + engine.max_tree_width) if self.cuda else 1
 
     def body(self) -> None:
         e = self.engine
-        if self.dev is not self.host:
-            self.dev.copy_(self.host, non_blocking=True)
+        self.copy(self.dev, self.host)
         st = StepTensors.from_buffer(self.layout, self.dev, e.conv_kernel)
         out = prefill_step(e.model, e.pool, st, e.rope, e.taps) if self.prefill else \
             run_step(e.model, e.pool, st, e.rope, e.taps, self.splits)
         self._dev_ints[: out.ints.shape[0]].copy_(out.ints)
         if self._dev_feats is not None:
             self._dev_feats.copy_(out.features)
-        if self.out_dev is not self.out_host:
-            self.out_host.copy_(self.out_dev, non_blocking=True)
+        self.copy(self.out_host, self.out_dev)
+
+    def fill_idle(self) -> None:
+        """Every row padding in the spare slot (root-only greedy trees)."""
+        self.layout.fill_padding(self.host_np, self.engine.pool.spare, first_row=0, views=self.views)
 
     def _views(self, buf: torch.Tensor, n_ints: int, batch: int, width: int, feat: int):
         ints = buf[: n_ints * 8].view(torch.long)
         feats = buf[n_ints * 8 :].view(self.engine.dtype).reshape(batch, width, feat) if feat else None
         return ints, feats
-
-    def capture(self, pool_handle) -> None:
-        """Warm up (compiles Triton kernels, pays autotuning) and capture the step as a graph,
-        with every row padding in the spare slot."""
-        self.layout.fill_padding(self.host_np, self.engine.pool.spare, first_row=0)
-        side = torch.cuda.Stream(self.engine.device)
-        side.wait_stream(torch.cuda.current_stream(self.engine.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.body()
-        torch.cuda.current_stream(self.engine.device).wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=pool_handle):
-            self.body()
-        self.graph = g
-
-    def run(self) -> None:
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            self.body()
-        if self.engine.device.type == "cuda":
-            torch.cuda.current_stream(self.engine.device).synchronize()   # the step's one host sync
 
 
 class BatchedEngine:
@@ -175,27 +159,19 @@ class BatchedEngine:
         self.width_buckets = tuple(sorted({w for w in width_buckets if w < self.max_tree_width} | {self.max_tree_width}))
         self.batch_buckets = tuple(sorted(set(batch_buckets)))
         shape = PoolShape.of(self.cfg, self.max_context, self.max_tree_width)
-        slots = max_sessions
-        if memory_budget is not None:
-            slots = min(slots, memory_budget // shape.slot_bytes(self.dtype) - 1)   # the spare slot is paid too
-            if slots < 1:
-                raise ResourceExhausted(f"a memory budget of {memory_budget} bytes holds no session slot "
-                                        f"({shape.slot_bytes(self.dtype)} bytes each)")
-        self.max_sessions = int(slots)
+        self.max_sessions = slots_for_budget(memory_budget, shape.slot_bytes(self.dtype), max_sessions)
         self.pool = StatePool(shape, self.max_sessions, self.device, self.dtype)
         self.conv_kernel = shape.conv[0] + 1 if shape.conv else None
         self.rope = rope_table(self.max_context + self.max_tree_width + 1, self.cfg.rope_dim, self.cfg.rope_theta, self.device)
         self.taps = sorted(set(feature_layers))
         self.sessions: dict[str, PoolSession] = {}
-        self._runners: dict[tuple[int, int], _Runner] = {}
+        #: the step runners, keyed ``(batch, width, prefill)``
+        self.graphs = GraphSet(lambda key: _Runner(self, *key), self.cuda_graphs)
         #: prefill chunk sizes replayed as graphs (CUDA graphs only): powers of two up to
         #: ``prefill_chunk``; a prompt is cut into chunks of exactly these sizes, largest first,
         #: so no chunk is padded (padding nodes of a chain would be committed)
         self.prefill_buckets = tuple(1 << i for i in range(max(1, prefill_chunk).bit_length())) if self.cuda_graphs else ()
-        self._prefill_runners: dict[int, _Runner] = {}
-        self._graph_pool = None
-        #: graphs captured so far (recaptures after a tap change included), steps run, forwards
-        self.captures = 0
+        #: steps run, forwards (graphs captured: :attr:`captures`)
         self.steps = 0
         self.forwards = 0
 
@@ -204,64 +180,48 @@ class BatchedEngine:
     def feature_width(self) -> int:
         return len(self.taps) * self.cfg.hidden_size
 
+    @property
+    def captures(self) -> int:
+        """Graphs captured so far (recaptures after a tap change included)."""
+        return self.graphs.captures
+
+    @property
+    def _runners(self) -> dict[tuple[int, int], _Runner]:
+        """The verify runners built so far, by ``(batch, width)``."""
+        return {(b, w): r for (b, w, prefill), r in self.graphs.items() if not prefill}
+
+    @property
+    def _prefill_runners(self) -> dict[int, _Runner]:
+        """The prefill-chunk runners built so far, by chunk size."""
+        return {w: r for (_, w, prefill), r in self.graphs.items() if prefill}
+
     def _bucket(self, n: int, buckets: tuple[int, ...]) -> int:
-        if not self.pad:
-            return n
-        for b in buckets:
-            if b >= n:
-                return b
-        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+        return bucket_for(n, buckets) if self.pad else n
 
     def buckets(self) -> list[tuple[int, int]]:
         """The (batch, width) step shapes this engine captures: every pair within
         ``max_step_tokens`` nodes and ``max_sessions`` rows (batch buckets past the session count
         are not needed)."""
-        top = next((b for b in self.batch_buckets if b >= self.max_sessions), self.batch_buckets[-1])
-        rows = [b for b in self.batch_buckets if b < top] + [top]
-        return [(b, w) for b in sorted(set(rows)) for w in self.width_buckets if b * w <= self.max_step_tokens or b == 1]
+        rows = capped_buckets(self.batch_buckets, self.max_sessions)
+        return [(b, w) for b in rows for w in self.width_buckets if b * w <= self.max_step_tokens or b == 1]
 
     def _runner(self, b: int, w: int) -> _Runner:
-        r = self._runners.get((b, w))
-        if r is None:
-            r = self._runners[(b, w)] = _Runner(self, b, w)
-            if self.cuda_graphs:
-                self._capture(r)
-        return r
+        """The verify runner of ``(b, w)`` (built, and with CUDA graphs captured, on first use)."""
+        return self.graphs.get((b, w, False))
 
     def _prefill_runner(self, w: int) -> _Runner:
-        r = self._prefill_runners.get(w)
-        if r is None:
-            r = self._prefill_runners[w] = _Runner(self, 1, w, prefill=True)
-            self._capture(r)
-        return r
-
-    def _capture(self, r: _Runner) -> None:
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        r.capture(self._graph_pool)
-        self.captures += 1
+        """The runner of a prefill chunk of exactly ``w`` tokens."""
+        return self.graphs.get((1, w, True))
 
     def capture(self, progress: bool = False) -> int:
-        """Build the runner of every bucket (largest first, so the shared graph memory pool is
-        sized once) and, with CUDA graphs, capture it. Returns the number of runners.
-        ``progress`` shows a tqdm bar (graph capture also pays Triton JIT compilation)."""
+        """Build the runner of every bucket and prefill chunk size (largest first, so the shared
+        graph memory pool is sized once) and, with CUDA graphs, capture it; eagerly, run each
+        once. Returns the number of runners. ``progress`` shows a tqdm bar (graph capture also
+        pays Triton JIT compilation)."""
         shapes = [(b, w, False) for b, w in self.buckets()] + [(1, w, True) for w in self.prefill_buckets]
-        shapes.sort(key=lambda s: -s[0] * s[1])
-        it = shapes
-        if progress:
-            from tqdm import tqdm
-
-            it = tqdm(shapes, desc="capturing CUDA graphs" if self.cuda_graphs else "warming up", unit="graph")
-        for b, w, prefill in it:
-            if prefill:
-                self._prefill_runner(w)
-                continue
-            r = self._runner(b, w)
-            if not self.cuda_graphs:  # eager: still compile the kernels now, not at the first request
-                r.layout.fill_padding(r.host_np, self.pool.spare)
-                r.run()
+        n = self.graphs.capture(shapes, size=lambda s: s[0] * s[1], progress=progress)
         self._warm_prefill()
-        return len(shapes)
+        return n
 
     def _warm_prefill(self) -> None:
         """Compile the prefill path's kernels now (a long and a short chunk in a scratch session),
@@ -278,11 +238,9 @@ class BatchedEngine:
         if not missing:
             return
         self.taps = sorted(set(self.taps) | missing)
-        if self._runners or self._prefill_runners:
+        if self.graphs:
             log.warning("new feature layers requested: recapturing the step graphs", extra={"taps": self.taps})
-            self._runners.clear()
-            self._prefill_runners.clear()
-            self._graph_pool = None
+            self.graphs.reset()
 
     # ------------------------------------------------------------------ sessions
     def session(self, session_id: str) -> PoolSession:

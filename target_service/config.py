@@ -9,7 +9,7 @@ import dataclasses
 from typing import ClassVar
 
 from dflash_grpc.defaults import DEFAULT_HOST, TARGET_PORT
-from runtime.config import setting
+from runtime.config import BATCH_BUCKETS, setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +56,7 @@ class TargetConfig:
     feature_layers: tuple[int, ...] = setting(
         (), "target layers tapped for the drafter (e.g. 1,8,14); sessions asking for others extend the set "
         "(graphs are recaptured)")
-    batch_buckets: tuple[int, ...] = setting((1, 2, 4, 8, 16, 32, 64), "batched engine: batch sizes steps are padded to")
+    batch_buckets: tuple[int, ...] = setting(BATCH_BUCKETS, "batched engine: batch sizes steps are padded to")
     width_buckets: tuple[int, ...] = setting((1, 4, 8, 16, 32, 64), "batched engine: tree widths steps are padded to")
     max_step_tokens: int = setting(1024, "most tree nodes in one batched step")
     prefill_chunk: int = setting(512, "batched engine: most prompt tokens per prefill forward")

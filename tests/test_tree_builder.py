@@ -9,14 +9,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from draft_service.tree import build_chain, build_tree
-from runtime.tree import validate_tree
-
-
-def _depths(parents):
-    d = [0] * len(parents)
-    for i in range(1, len(parents)):
-        d[i] = d[parents[i]] + 1
-    return d
+from runtime.tree import tree_depths as _depths, validate_tree
 
 
 def test_chain_cases():

@@ -93,7 +93,8 @@ def run_prompt(target, draft, cfg: dict[str, Any], prompt: list[int], max_tokens
     tokens and per-step records ``[nodes, depth, accepted]`` with CPU seconds of drafting and
     verifying."""
     from draft_service.batched import DraftItem
-    from orchestrator.scheduler import adaptive_budget, tree_depth, trim_tree
+    from orchestrator.scheduler import adaptive_budget, trim_tree
+    from runtime.tree import tree_depths
     from target_service.engine import Sampling
 
     layers = feature_layers if cfg["speculative"] else []
@@ -139,7 +140,7 @@ def run_prompt(target, draft, cfg: dict[str, Any], prompt: list[int], max_tokens
             v = target.verify(sid, tokens, parents)
             verify_s += time.perf_counter() - t0
             k = len(v.accepted_tokens)
-            steps.append([len(tokens), tree_depth(parents), k])
+            steps.append([len(tokens), max(tree_depths(parents)), k])
             L, root = v.committed_length, v.bonus_token
             if cfg["speculative"] and v.features is not None:
                 pending = v.features if pending is None else torch.cat([pending, v.features])
