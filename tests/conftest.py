@@ -1,8 +1,20 @@
-"""Shared fixtures: the default model (SmolLM2-135M-Instruct Q4_1 GGUF), loaded once per run."""
+"""Shared fixtures and helpers.
+
+* The default model (SmolLM2-135M-Instruct Q4_1 GGUF), loaded once per run: ``smollm_*``, ``hf_smollm``.
+* Tiny synthetic models (``fixtures.tiny_models``), written once per run: ``tiny_llama`` (the common
+  target), ``tiny_drafter`` (a random drafter for it), ``tiny_llama_factory`` (other variants, each
+  written once). The files are read-only for the tests.
+* Services for tests: :func:`target_in_process`, :func:`draft_in_process` (servicers behind a real
+  gRPC server on a free loopback port, in this process) and :func:`module_service` (``python -m``
+  a service as a process, for ``client.launcher.ServiceGroup``).
+* :func:`assert_bits_on_gpu` for bit-exactness across shapes of the Triton kernels.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 
 import pytest
 import torch
@@ -21,6 +33,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def assert_bits_on_gpu(got: torch.Tensor, want: torch.Tensor, tol: float, msg: object = None) -> None:
+    """A bit-exactness property of a compiled Triton kernel across shapes (rows of an M-row call vs
+    a 1-row call, a tree node vs the width-1 step): bit for bit on a GPU; on the CPU within
+    ``max|got - want| <= tol * max|want|``.
+
+    On the CPU the kernels run in Triton's interpreter, where ``tl.dot`` is numpy's matmul on the
+    host BLAS: its blocking, and so the float32 summation order of one row, depends on the CPU
+    model and on the operands' shapes and positions, so exact equality there holds on some CPUs and
+    not on others (a 64-row call's row 40 differed in the last bit from the 1-row call on an AMD
+    EPYC). Exactness that holds by construction (integer ops, copies, elementwise ops in a fixed
+    order, the same call repeated) is asserted with ``torch.equal`` everywhere instead."""
+    if torch.cuda.is_available():
+        assert torch.equal(got, want), msg
+        return
+    got, want = got.double().cpu(), want.double().cpu()
+    err = float((got - want).abs().max()) if got.numel() else 0.0
+    assert got.shape == want.shape and err <= tol * float(want.abs().max().clamp_min(1e-30)), (msg, err)
 
 
 @pytest.fixture(scope="session")
@@ -53,6 +84,108 @@ def hf_smollm(smollm_path):
     )
     model.eval()
     return model
+
+
+# ------------------------------------------------------------------------------ tiny models
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_factory(tmp_path_factory):
+    """``make(**kw)``: ``fixtures.tiny_models.write_tiny_llama(path, **kw)`` (a ``TinyLlama``),
+    written once per distinct ``kw`` per run."""
+    from fixtures.tiny_models import write_tiny_llama
+
+    cache = {}
+
+    def make(**kw):
+        key = tuple(sorted(kw.items()))
+        if key not in cache:
+            cache[key] = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama") / "target.gguf", **kw)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_llama_factory):
+    """The tiny llama target most tests use: ``write_tiny_llama`` defaults (vocab 300), seed 3."""
+    return tiny_llama_factory(seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter(tiny_llama, tmp_path_factory) -> str:
+    """Path of a random float32 drafter for :func:`tiny_llama`: block 8, 3 target layers, std 0.1
+    (chains that are not all one token), seed 1."""
+    from draft_service.init_random import write_random_drafter
+
+    path = tmp_path_factory.mktemp("tiny-drafter") / "drafter.gguf"
+    write_random_drafter(tiny_llama.path, path, block_size=8, num_target_layers=3, std=0.1, dtype="f32", seed=1)
+    return str(path)
+
+
+# ------------------------------------------------------------------------------ services
+
+
+@contextlib.contextmanager
+def target_in_process(model_path: str, *, max_sessions: int, max_context: int, max_workers: int = 4, tls=None,
+                      name: str = "test-target"):
+    """The target service in this process, as ``python -m target_service`` builds it on the CPU
+    (``build_engine``: the reference engine; a ``StepLoop``; ``TargetServicer``), served by
+    ``make_server`` on a free loopback port (``tls``: a ``TlsConfig``). Yields the port."""
+    from dflash_grpc.serving import make_server
+    from dflash_grpc.v1 import target_pb2_grpc
+    from runtime.step_loop import StepLoop
+    from target_service.__main__ import build_engine
+    from target_service.servicer import TargetServicer
+
+    engine, info = build_engine(model_path, max_sessions=max_sessions, max_context=max_context)
+    loop = StepLoop(engine, name=name)
+    servicer = TargetServicer(loop, info)
+
+    def add(server):
+        target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
+        return ["dflash_grpc.v1.TargetService"]
+
+    try:
+        server, _, port = make_server(add, "127.0.0.1:0", max_workers=max_workers, tls=tls)
+        try:
+            yield port
+        finally:
+            server.stop(None)
+    finally:
+        loop.stop()
+
+
+@contextlib.contextmanager
+def draft_in_process(drafter_path: str, target_path: str, *, max_sessions: int, max_context: int, max_workers: int = 4):
+    """The draft service in this process (``DraftServiceServicer.from_paths``) behind ``make_server``
+    on a free loopback port. Yields ``(servicer, port)``; closes the servicer afterwards."""
+    from dflash_grpc.serving import make_server
+    from dflash_grpc.v1 import draft_pb2_grpc
+    from draft_service.servicer import SERVICE_NAME, DraftServiceServicer
+
+    servicer = DraftServiceServicer.from_paths(drafter_path, target_path, max_sessions=max_sessions, max_context=max_context)
+
+    def add(server):
+        draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
+        return [SERVICE_NAME]
+
+    try:
+        server, _, port = make_server(add, "127.0.0.1:0", max_workers=max_workers)
+        try:
+            yield servicer, port
+        finally:
+            server.stop(None)
+    finally:
+        servicer.close()
+
+
+def module_service(name: str, module: str, port: int, *args: str):
+    """``python -m <module> --port <port> <args>`` as a ``client.launcher.Service`` answering on
+    ``127.0.0.1:<port>`` (run it with ``ServiceGroup``)."""
+    from client.launcher import Service
+
+    return Service(name, [sys.executable, "-m", module, "--port", str(port), *args], f"127.0.0.1:{port}")
 
 
 #: Prompts used by the lossless tests (token ids come from the GGUF tokenizer).

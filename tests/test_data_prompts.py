@@ -14,11 +14,6 @@ import torch
 
 from training import data
 
-try:
-    from fixtures.tiny_models import write_tiny_llama
-except ImportError:  # pytest's rootdir-less "prepend" import mode
-    from fixtures.tiny_models import write_tiny_llama
-
 
 # ------------------------------------------------------------------------------------------------
 # stdlib stubs and code prompts
@@ -102,10 +97,10 @@ def test_export_writes_code_prompts(fake_sharegpt, tmp_path):
     assert data.load_prompts_file(path)["code"] == []
 
 
-def test_export_filters_code_prompts_by_tokens(fake_sharegpt, tmp_path):
+def test_export_filters_code_prompts_by_tokens(fake_sharegpt, tmp_path, tiny_llama_factory):
     from runtime.tokenizer import GGUFTokenizer
 
-    tiny = write_tiny_llama(tmp_path / "t.gguf", seed=0)
+    tiny = tiny_llama_factory(seed=0)
     tok = GGUFTokenizer.from_gguf(tiny.path)
     code = data.code_prompts(200)
     lens = sorted(len(data.chat_prompt_ids(tok, c)) for c in code)
@@ -178,10 +173,10 @@ def test_generate_responses_rejects_bad_budget():
 # ------------------------------------------------------------------------------------------------
 
 
-def test_build_sequences_appends_code_prompts(tmp_path):
+def test_build_sequences_appends_code_prompts(tmp_path, tiny_llama_factory):
     from runtime.tokenizer import GGUFTokenizer
 
-    tiny = write_tiny_llama(tmp_path / "t.gguf", seed=0)
+    tiny = tiny_llama_factory(seed=0)
     tok = GGUFTokenizer.from_gguf(tiny.path)
     short = ["Hello there", "What is the capital of France?", "def add(a, b):"]
     too_long = "word " * 200

@@ -14,14 +14,8 @@ import torch
 from draft_service.batched import BatchedDrafter, DraftItem, ReferenceDrafterEngine
 from draft_service.drafter import DFlashDrafter
 from draft_service.gguf_io import load_drafter
-from draft_service.init_random import write_random_drafter
 from draft_service.tree import TopK, build_tree, topk_table
 from runtime.errors import Code, EngineError, ResourceExhausted
-
-try:
-    from fixtures.tiny_models import write_tiny_llama
-except ImportError:  # pytest's rootdir-less "prepend" import mode
-    from fixtures.tiny_models import write_tiny_llama
 
 BLOCK = 8
 #: Tree params cycled through the steps: chain, chain cut to a budget, DDTrees (one with a depth).
@@ -29,13 +23,9 @@ TREES = [(0, 0, 0), (4, 1, 0), (10, 3, 0), (6, 4, 3), (20, 8, 0), (12, 2, 5)]
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("draft-batched")
-    tiny = write_tiny_llama(d / "target.gguf", seed=3)
-    drafter = d / "drafter.gguf"
-    # std 0.1: a random drafter whose chains are not all one token
-    write_random_drafter(tiny.path, drafter, block_size=BLOCK, num_target_layers=3, std=0.1, dtype="f32", seed=1)
-    return tiny, str(drafter)
+def files(tiny_llama, tiny_drafter):
+    """The shared tiny target and its random drafter (tests/conftest.py; block size :data:`BLOCK`)."""
+    return tiny_llama, tiny_drafter
 
 
 @pytest.fixture(scope="module")

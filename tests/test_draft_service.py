@@ -14,21 +14,15 @@ import grpc
 import pytest
 import torch
 
-from dflash_grpc.serving import make_server
 from dflash_grpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from dflash_grpc.wire import GRPC_OPTIONS, tensor_from_proto, tensor_to_proto
 from draft_service.drafter import DFlashDrafter
 from draft_service.gguf_io import load_drafter
-from draft_service.init_random import write_random_drafter
-from draft_service.servicer import SERVICE_NAME, DraftServiceServicer, file_sha256
+from draft_service.servicer import file_sha256
 from draft_service.tree import build_chain, build_tree
 from runtime.fingerprint import model_fingerprint, tokenizer_fingerprint
 from runtime.gguf_loader import GGUFFile
-
-try:
-    from fixtures.tiny_models import write_tiny_llama
-except ImportError:  # pytest's rootdir-less "prepend" import mode
-    from fixtures.tiny_models import write_tiny_llama
+from tests.conftest import draft_in_process
 
 OK = grpc.StatusCode.OK.value[0]
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -40,13 +34,9 @@ MAX_CONTEXT = 40
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("draft")
-    tiny = write_tiny_llama(d / "target.gguf", seed=3)
-    drafter = d / "drafter.gguf"
-    # std 0.1: a random drafter whose chains are not all one token
-    write_random_drafter(tiny.path, drafter, block_size=8, num_target_layers=3, std=0.1, dtype="f32", seed=1)
-    return tiny, str(drafter)
+def files(tiny_llama, tiny_drafter):
+    """The shared tiny target and its random drafter (tests/conftest.py)."""
+    return tiny_llama, tiny_drafter
 
 
 @pytest.fixture(scope="module")
@@ -59,19 +49,12 @@ def reference(files):
 def served(files):
     """A fresh servicer behind a real gRPC server; yields ``(servicer, stub)``."""
     tiny, drafter = files
-    servicer = DraftServiceServicer.from_paths(drafter, tiny.path, max_sessions=MAX_SESSIONS, max_context=MAX_CONTEXT)
-
-    def add(server):
-        draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
-        return [SERVICE_NAME]
-
-    server, _, port = make_server(add, "127.0.0.1:0", max_workers=4)
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
-    try:
-        yield servicer, draft_pb2_grpc.DraftServiceStub(channel)
-    finally:
-        channel.close()
-        server.stop(None)
+    with draft_in_process(drafter, tiny.path, max_sessions=MAX_SESSIONS, max_context=MAX_CONTEXT) as (servicer, port):
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
+        try:
+            yield servicer, draft_pb2_grpc.DraftServiceStub(channel)
+        finally:
+            channel.close()
 
 
 class Stream:

@@ -35,10 +35,7 @@ from draft_service.tree import build_chain
 from runtime.fingerprint import model_fingerprint
 from runtime.gguf_loader import GGUFFile
 
-try:
-    from fixtures.tiny_models import write_tiny_llama
-except ImportError:  # pytest's rootdir-less "prepend" import mode
-    from fixtures.tiny_models import write_tiny_llama
+from fixtures.tiny_models import write_tiny_llama
 
 
 # ------------------------------------------------------------------------------------------------
@@ -47,8 +44,8 @@ except ImportError:  # pytest's rootdir-less "prepend" import mode
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "target.gguf", seed=1)
+def tiny(tiny_llama_factory):
+    return tiny_llama_factory(seed=1)
 
 
 def make_drafter(tiny, seed: int = 0, dtype=torch.float32, **opts) -> DFlashDrafter:

@@ -20,7 +20,7 @@ import client as sdk
 from client.launcher import ServiceGroup, dflash_services, free_ports
 from dflash_grpc import serving
 from dflash_grpc.v1 import common_pb2, target_pb2, target_pb2_grpc
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, module_service
 
 pytestmark = pytest.mark.slow
 
@@ -231,23 +231,19 @@ def test_no_free_slot_waits_in_the_queue(services, smollm_path):
         assert len(out["r"].token_ids) == 3
 
 
-def test_mismatched_drafter_is_failed_precondition(services, smollm_path, tmp_path):
+def test_mismatched_drafter_is_failed_precondition(services, smollm_path, tmp_path, tiny_llama_factory):
     """A drafter built for another target: the orchestrator refuses speculative requests."""
     from draft_service.init_random import write_random_drafter
-    from fixtures.tiny_models import write_tiny_llama
 
-    tiny = str(tmp_path / "tiny.gguf")
-    write_tiny_llama(tiny)
+    tiny = str(tiny_llama_factory().path)
     other = str(tmp_path / "other-drafter.gguf")
     write_random_drafter(tiny, other, layers=1)
     dport, oport = free_ports(2)
-    import sys
-
     group = ServiceGroup(
         [
-            sdk_service("draft", [sys.executable, "-m", "draft_service", "--drafter", other, "--target", tiny, "--port", str(dport)], dport),
-            sdk_service("orchestrator", [sys.executable, "-m", "orchestrator", "--target", services[1]["target"], "--draft", f"127.0.0.1:{dport}",
-                                         "--model", smollm_path, "--port", str(oport)], oport),
+            module_service("draft", "draft_service", dport, "--drafter", other, "--target", tiny),
+            module_service("orchestrator", "orchestrator", oport, "--target", services[1]["target"], "--draft", f"127.0.0.1:{dport}",
+                           "--model", smollm_path),
         ],
         grace=5.0,
     )
@@ -258,12 +254,6 @@ def test_mismatched_drafter_is_failed_precondition(services, smollm_path, tmp_pa
             with pytest.raises(sdk.FailedPreconditionError):
                 c.generate(prompt="hello", max_tokens=4)
             assert len(c.generate(prompt="hello", max_tokens=4, ignore_eos=True, speculative=False).token_ids) == 4
-
-
-def sdk_service(name, argv, port):
-    from client.launcher import Service
-
-    return Service(name, argv, f"127.0.0.1:{port}", {})
 
 
 def test_draft_service_dies_mid_request(api, services, smollm_tokenizer):

@@ -15,7 +15,6 @@ a minute on a 2-core CPU.
 from __future__ import annotations
 
 import math
-import sys
 
 import grpc
 import pytest
@@ -25,7 +24,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from dflash_grpc import serving  # noqa: E402
-from dflash_grpc.v1 import draft_pb2_grpc, generation_pb2, generation_pb2_grpc, target_pb2_grpc  # noqa: E402
+from dflash_grpc.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
+from tests.conftest import draft_in_process, module_service, target_in_process  # noqa: E402
 
 ALLOWED = {
     grpc.StatusCode.INVALID_ARGUMENT,
@@ -43,58 +43,26 @@ FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthChe
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    try:
-        from fixtures.tiny_models import write_tiny_llama
-    except ImportError:  # pytest's rootdir-less "prepend" import mode
-        from fixtures.tiny_models import write_tiny_llama
-    from draft_service.init_random import write_random_drafter
-
-    d = tmp_path_factory.mktemp("fuzz")
-    tiny = write_tiny_llama(d / "target.gguf", vocab=VOCAB, seed=3)
-    drafter = d / "drafter.gguf"
-    write_random_drafter(tiny.path, drafter, block_size=8, num_target_layers=3, std=0.1, dtype="f32", seed=1)
-    return tiny.path, str(drafter)
+def files(tiny_llama, tiny_drafter):
+    """The shared tiny target (vocab :data:`VOCAB`) and its random drafter (tests/conftest.py)."""
+    assert tiny_llama.vocab == VOCAB
+    return tiny_llama.path, tiny_drafter
 
 
 @pytest.fixture(scope="module")
 def services(files):
     """``(orchestrator address, ServiceGroup)``: target and draft in-process, the orchestrator a process."""
-    from client.launcher import Service, ServiceGroup, free_ports
-    from draft_service.servicer import SERVICE_NAME, DraftServiceServicer
-    from target_service.__main__ import build_engine
-    from target_service.servicer import TargetServicer
-    from runtime.step_loop import StepLoop
+    from client.launcher import ServiceGroup, free_ports
 
     target_path, drafter_path = files
-    engine, info = build_engine(target_path, max_sessions=4, max_context=CONTEXT)
-    loop = StepLoop(engine, name="fuzz-target")
-    target = TargetServicer(loop, info)
-    draft = DraftServiceServicer.from_paths(drafter_path, target_path, max_sessions=4, max_context=CONTEXT)
-
-    def add_target(server):
-        target_pb2_grpc.add_TargetServiceServicer_to_server(target, server)
-        return ["dflash_grpc.v1.TargetService"]
-
-    def add_draft(server):
-        draft_pb2_grpc.add_DraftServiceServicer_to_server(draft, server)
-        return [SERVICE_NAME]
-
-    tserver, _, tport = serving.make_server(add_target, "127.0.0.1:0", max_workers=8)
-    dserver, _, dport = serving.make_server(add_draft, "127.0.0.1:0", max_workers=8)
-    (oport,) = free_ports(1)
-    argv = [sys.executable, "-m", "orchestrator", "--target", f"127.0.0.1:{tport}", "--draft", f"127.0.0.1:{dport}",
-            "--model", target_path, "--port", str(oport), "--max-tokens", "8"]  # fmt: skip
-    address = f"127.0.0.1:{oport}"
-    try:
-        with ServiceGroup([Service("orchestrator", argv, address)], grace=5.0) as group:
+    with target_in_process(target_path, max_sessions=4, max_context=CONTEXT, max_workers=8, name="fuzz-target") as tport, \
+            draft_in_process(drafter_path, target_path, max_sessions=4, max_context=CONTEXT, max_workers=8) as (_, dport):
+        (oport,) = free_ports(1)
+        orch = module_service("orchestrator", "orchestrator", oport, "--target", f"127.0.0.1:{tport}",
+                              "--draft", f"127.0.0.1:{dport}", "--model", target_path, "--max-tokens", "8")
+        with ServiceGroup([orch], grace=5.0) as group:
             group.wait_healthy(timeout=120)
-            yield address, group
-    finally:
-        tserver.stop(None)
-        dserver.stop(None)
-        draft.close()
-        loop.stop()
+            yield orch.address, group
 
 
 @pytest.fixture(scope="module")

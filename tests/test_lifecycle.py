@@ -214,18 +214,13 @@ def test_draft_items_and_propose_batch(fake):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    try:
-        from fixtures.tiny_models import write_tiny_llama
-    except ImportError:  # pytest's rootdir-less "prepend" import mode
-        from fixtures.tiny_models import write_tiny_llama
+def tiny(tiny_llama, tmp_path_factory):
+    """The shared tiny target (tests/conftest.py) and a small random drafter for it (block 4, one layer)."""
     from draft_service.init_random import write_random_drafter
 
-    d = tmp_path_factory.mktemp("lifecycle")
-    target = write_tiny_llama(d / "target.gguf", seed=3)
-    drafter = d / "drafter.gguf"
-    write_random_drafter(target.path, drafter, block_size=4, num_target_layers=2, layers=1, dtype="f32", seed=1)
-    return str(target.path), str(drafter)
+    drafter = tmp_path_factory.mktemp("lifecycle") / "drafter.gguf"
+    write_random_drafter(tiny_llama.path, drafter, block_size=4, num_target_layers=2, layers=1, dtype="f32", seed=1)
+    return str(tiny_llama.path), str(drafter)
 
 
 @pytest.mark.parametrize("kind", ["reference", "batched"])

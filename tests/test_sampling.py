@@ -35,12 +35,9 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module")
-def tiny_engine(tmp_path_factory):
-    from fixtures.tiny_models import write_tiny_llama
-
-    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
-    write_tiny_llama(str(path), vocab=300, seed=3)
-    model = LlamaModel.from_gguf(str(path))
+def tiny_engine(tiny_llama):
+    assert tiny_llama.vocab == 300                     # the shared tiny target (tests/conftest.py)
+    model = LlamaModel.from_gguf(str(tiny_llama.path))
     return TargetEngine(model, max_sessions=2, max_context=64, max_tree_width=16)
 
 

@@ -12,7 +12,6 @@ import argparse
 import datetime
 import ipaddress
 import json
-import sys
 
 import grpc
 import pytest
@@ -29,6 +28,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID  # noqa: E402
 
 import client as sdk  # noqa: E402
 from client.cli import main  # noqa: E402
+from tests.conftest import module_service, target_in_process  # noqa: E402
 
 CHECK = "/grpc.health.v1.Health/Check"
 
@@ -297,35 +297,18 @@ def test_serve_tls_dir_passes_flags_to_the_services(certs, monkeypatch, capsys):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    try:
-        from fixtures.tiny_models import write_tiny_llama
-    except ImportError:  # pytest's rootdir-less "prepend" import mode
-        from fixtures.tiny_models import write_tiny_llama
-    return write_tiny_llama(tmp_path_factory.mktemp("tls-tiny") / "target.gguf", seed=3).path
+def tiny(tiny_llama):
+    """The shared tiny target's path (tests/conftest.py)."""
+    return tiny_llama.path
 
 
 @pytest.fixture(scope="module")
 def mtls_target(certs, tiny):
     """An in-process target service (tiny model, reference engine) serving mutual TLS; its port."""
-    from dflash_grpc.v1 import target_pb2_grpc
-    from target_service.__main__ import build_engine
-    from target_service.servicer import TargetServicer
-    from runtime.step_loop import StepLoop
-
-    engine, info = build_engine(tiny, max_sessions=2, max_context=64)
-    loop = StepLoop(engine, name="tls-target")
-    servicer = TargetServicer(loop, info)
-
-    def add(server):
-        target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
-        return ["dflash_grpc.v1.TargetService"]
-
     s = _files(certs, "server")
-    server, _, port = serving.make_server(add, "127.0.0.1:0", max_workers=4, tls=TlsConfig(cert=s["cert"], key=s["key"], ca=s["ca"]))
-    yield port
-    server.stop(None)
-    loop.stop()
+    tls = TlsConfig(cert=s["cert"], key=s["key"], ca=s["ca"])
+    with target_in_process(tiny, max_sessions=2, max_context=64, tls=tls, name="tls-target") as port:
+        yield port
 
 
 def test_target_peer_over_mutual_tls(certs, mtls_target):
@@ -349,15 +332,15 @@ def test_target_peer_over_mutual_tls(certs, mtls_target):
 def test_orchestrator_process_over_mutual_tls(certs, tiny, mtls_target):
     """``python -m orchestrator`` with --peer-tls-* to the mutual-TLS target and --tls-* on its own
     port; the SDK generates through it over mutual TLS."""
-    from client.launcher import Service, ServiceGroup, free_ports
+    from client.launcher import ServiceGroup, free_ports
 
     (oport,) = free_ports(1)
     s, c = _files(certs, "server"), _files(certs, "client")
-    orch = [sys.executable, "-m", "orchestrator", "--target", f"127.0.0.1:{mtls_target}", "--model", tiny, "--port", str(oport),
-            "--tls-cert", s["cert"], "--tls-key", s["key"], "--tls-client-ca", s["ca"],
-            "--peer-tls-ca", c["ca"], "--peer-tls-cert", c["cert"], "--peer-tls-key", c["key"]]  # fmt: skip
+    orch = module_service("orchestrator", "orchestrator", oport, "--target", f"127.0.0.1:{mtls_target}", "--model", tiny,
+                          "--tls-cert", s["cert"], "--tls-key", s["key"], "--tls-client-ca", s["ca"],
+                          "--peer-tls-ca", c["ca"], "--peer-tls-cert", c["cert"], "--peer-tls-key", c["key"])  # fmt: skip
     serving.set_client_tls(TlsConfig(**c))  # the group's health checks
-    with ServiceGroup([Service("orchestrator", orch, f"127.0.0.1:{oport}")], grace=3.0) as group:
+    with ServiceGroup([orch], grace=3.0) as group:
         group.wait_healthy(timeout=60)
         with sdk.Client(f"127.0.0.1:{oport}", timeout=30, tls_ca=c["ca"], tls_cert=c["cert"], tls_key=c["key"]) as cl:
             r = cl.generate(tokens=[5, 6, 7], max_tokens=4, ignore_eos=True)

@@ -36,11 +36,6 @@ from training.train import (
 from target_service.models.llama import LlamaModel
 from runtime.tree import chain
 
-try:
-    from fixtures.tiny_models import write_tiny_llama
-except ImportError:  # pytest's rootdir-less "prepend" import mode
-    from fixtures.tiny_models import write_tiny_llama
-
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
@@ -53,8 +48,9 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny-train") / "target.gguf", seed=3)
+def tiny(tiny_llama):
+    """The shared tiny target (tests/conftest.py)."""
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")

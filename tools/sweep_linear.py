@@ -23,12 +23,11 @@ installed, else its known shapes) -- the fused ``qkv`` / GDN ``in_proj``, ``o`` 
 * candidate kernel configs: ``BLOCK_N`` {16,32,64,128} x ``BLOCK_K`` {64,128,256,512} x ``num_warps``
   {2,4,8} x ``num_stages`` {2,3,4,5}, pruned (:func:`candidates`: enough programs for the SMs,
   4-64 KB weight tiles, 16-128 tile elements per thread, 8-96 KB of weight in flight per program,
-  shared memory within the device's limit, with the SwiGLU prologue's extra tile for ``down``
-  shapes): 30-120 per shape, ~260 kernels in all, compiled up front on ``--jobs`` processes. Phase 1
+  shared memory within the device's limit): 30-120 per shape, ~260 kernels in all, compiled up front on ``--jobs`` processes. Phase 1
   times every candidate at the first ``M`` (1); the ``--keep`` fastest (plus the current default)
   are timed at every ``M`` in phase 2;
-* ``down`` shapes are timed as they run in ``mlp_then_norm``: the fused ``prologue="swiglu"`` kernel
-  on the ``[M, 2K]`` gate|up input; the unfused ``silu_mul`` + kernel pair is timed too;
+* ``down`` shapes are timed as they run in ``mlp_then_norm``: ``silu_mul`` on the ``[M, 2K]``
+  gate|up input, then the kernel;
 * cuBLAS (``torch.nn.functional.linear``; after ``silu_mul`` for ``down``), and a device-to-device
   copy of the same weight bytes (``copy GB/s`` counts read + write, as a bandwidth yardstick; a
   1 GiB copy gives the device's peak).
@@ -48,8 +47,7 @@ the weighted mean slowdown against the best config of each ``M``. The default co
 table entry) unless the winner's score beats it by more than ``--min-gain`` (default 3%).
 
 It also checks, on the GPU, for each chosen config: row ``i`` of a 64-row call equals the 1-row and
-16-row calls bit for bit, the fused SwiGLU path equals ``silu_mul`` + kernel bit for bit, and the
-relative error against a float32 product.
+16-row calls bit for bit, and the relative error against a float32 product.
 
 Output: a table per shape, a per-model estimate of one step's projection time (sum over the model's
 projections, by count) for default / tuned / cuBLAS / copy-bound, the ``CONFIGS`` lines to paste,
@@ -163,18 +161,17 @@ def model_uses(models: list[str]) -> list[Use]:
 
 
 # -------------------------------------------------------------------------------------- candidates
-def smem_bytes(block_n: int, block_k: int, stages: int, swiglu: bool, elem: int = 2) -> int:
+def smem_bytes(block_n: int, block_k: int, stages: int, elem: int = 2) -> int:
     """Shared memory Triton 3.x allocates for this kernel on sm_90 (checked against compiled
-    kernels): ``stages - 1`` buffers of the x tile(s) and the weight tile."""
-    return max(1, stages - 1) * (ROWS_PER_PROGRAM * (2 if swiglu else 1) + block_n) * block_k * elem
+    kernels): ``stages - 1`` buffers of the x tile and the weight tile."""
+    return max(1, stages - 1) * (ROWS_PER_PROGRAM + block_n) * block_k * elem
 
 
-def candidates(n: int, k: int, sms: int, smem_limit: int, swiglu: bool) -> list:
+def candidates(n: int, k: int, sms: int, smem_limit: int) -> list:
     """Configs worth timing for an ``[N, K]`` weight, the default included. Pruned: ``BLOCK_N > 16``
     only while every SM still gets a program; ``BLOCK_K`` not beyond ``K``; a weight tile of 4-64 KB
     per stage; 16-128 weight elements per thread per stage; 8-96 KB of weight in flight per program
-    (``(num_stages - 1)`` tiles); shared memory (with the SwiGLU prologue's second x tile for
-    ``down`` shapes) within ``smem_limit``."""
+    (``(num_stages - 1)`` tiles); shared memory within ``smem_limit``."""
     from kernels.linear.triton import Config, default_config
 
     out = []
@@ -191,7 +188,7 @@ def candidates(n: int, k: int, sms: int, smem_limit: int, swiglu: bool) -> list:
                 if not 16 <= tile // (32 * w) <= 128:
                     continue
                 for s in STAGES:
-                    if 8192 <= (s - 1) * tile * 2 <= 98304 and smem_bytes(bn, bk, s, swiglu) <= smem_limit:
+                    if 8192 <= (s - 1) * tile * 2 <= 98304 and smem_bytes(bn, bk, s) <= smem_limit:
                         out.append(Config(bn, bk, w, s))
     d = default_config(n, k, torch.bfloat16)
     if d not in out:
@@ -218,10 +215,10 @@ def _warm_worker(items: list[tuple]) -> int:
 
     failed = 0
     dt = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-    for (bn, bk, w, s, swiglu, x_dt, y_dt, n, k) in items:
+    for (bn, bk, w, s, x_dt, y_dt, n, k) in items:
         try:
-            T._skinny_kernel.warmup(dt[x_dt], dt[x_dt], dt[y_dt], 1, n, k, 2 * k if swiglu else k, k, n,
-                                    BLOCK_M=T.BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, IEEE=x_dt == "float32", SWIGLU=swiglu,
+            T._skinny_kernel.warmup(dt[x_dt], dt[x_dt], dt[y_dt], 1, n, k, k, k, n,
+                                    BLOCK_M=T.BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, IEEE=x_dt == "float32",
                                     num_warps=w, num_stages=s, grid=(1,))
         except Exception:
             failed += 1
@@ -337,16 +334,14 @@ class ShapeBench:
     def w_of(self, i: int) -> torch.Tensor:
         return self.w[i % self.copies]
 
-    def kernel_calls(self, m: int, cfg, fused: bool = True) -> list[Callable]:
+    def kernel_calls(self, m: int, cfg) -> list[Callable]:
         from kernels.activation.triton import silu_mul
         from kernels.linear import triton as T
 
         x = self.inp(m)
-        if self.swiglu and fused:
-            return [lambda w=self.w_of(i): T.linear(x, w, self.out_dtype, "swiglu", cfg) for i in range(self.ncalls)]
         if self.swiglu:
-            return [lambda w=self.w_of(i): T.linear(silu_mul(x), w, self.out_dtype, None, cfg) for i in range(self.ncalls)]
-        return [lambda w=self.w_of(i): T.linear(x, w, self.out_dtype, None, cfg) for i in range(self.ncalls)]
+            return [lambda w=self.w_of(i): T.linear(silu_mul(x), w, self.out_dtype, cfg) for i in range(self.ncalls)]
+        return [lambda w=self.w_of(i): T.linear(x, w, self.out_dtype, cfg) for i in range(self.ncalls)]
 
     def cublas_calls(self, m: int) -> list[Callable]:
         from kernels.activation.triton import silu_mul
@@ -403,22 +398,19 @@ def choose(times: dict[str, dict[int, float]], weights: dict[int, float], defaul
 
 
 def check_config(sb: ShapeBench, cfg, rows: list[int]) -> dict:
-    """Bit-exactness across M (and fused vs unfused) and the error against float32, on the GPU."""
+    """Bit-exactness across M and the error against float32, on the GPU."""
     from kernels.activation.triton import silu_mul
     from kernels.linear import triton as T
 
     w = sb.w[0]
     mmax = max(rows)
     x = sb.inp(mmax)
-    pro = "swiglu" if sb.swiglu else None
-    y = T.linear(x, w, sb.out_dtype, pro, cfg)
-    rows_ok = all(torch.equal(T.linear(x[i:i + 1], w, sb.out_dtype, pro, cfg)[0], y[i]) for i in sorted({0, 1, 15, mmax // 2, mmax - 1}))
-    for m in rows:
-        rows_ok &= torch.equal(T.linear(x[:m], w, sb.out_dtype, pro, cfg), y[:m])
-    res = {"rows_bit_identical": bool(rows_ok)}
     xa = silu_mul(x) if sb.swiglu else x
-    if sb.swiglu:
-        res["fused_bit_identical"] = bool(torch.equal(y, T.linear(xa, w, sb.out_dtype, None, cfg)))
+    y = T.linear(xa, w, sb.out_dtype, cfg)
+    rows_ok = all(torch.equal(T.linear(xa[i:i + 1], w, sb.out_dtype, cfg)[0], y[i]) for i in sorted({0, 1, 15, mmax // 2, mmax - 1}))
+    for m in rows:
+        rows_ok &= torch.equal(T.linear(xa[:m], w, sb.out_dtype, cfg), y[:m])
+    res = {"rows_bit_identical": bool(rows_ok)}
     ref = xa.float() @ w.float().t()
     res["rel_err_vs_fp32"] = float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
     return res
@@ -464,11 +456,11 @@ def main(argv=None) -> int:
             print("no CUDA device: showing the dry run", file=sys.stderr)
         union = set()
         for s in shapes:
-            cs = candidates(s.n, s.k, H200_SMS, H200_SMEM, s.variant == "swiglu")
-            union |= {(c, s.variant) for c in cs}
+            cs = candidates(s.n, s.k, H200_SMS, H200_SMEM)
+            union |= {(c, s.variant == "logits") for c in cs}
             print(f"N={s.n:6d} K={s.k:5d} {s.nbytes / 1e6:8.1f} MB {s.variant:6s} {len(cs):3d} candidates  "
                   + ", ".join(f"{u.model}:{u.name}x{u.count}" for u in s.uses))
-        print(f"{len(shapes)} shapes, {len(union)} distinct (config, variant) kernels to compile")
+        print(f"{len(shapes)} shapes, {len(union)} distinct (config, output dtype) kernels to compile")
         return 0
 
     from kernels.linear import triton as T
@@ -485,7 +477,7 @@ def main(argv=None) -> int:
           f"triton {__import__('triton').__version__}; {len(shapes)} shapes, M in {rows}, {a.dtype}")
     timer = Timer(a.reps, a.warmup, not a.no_graphs, cpu=a.smoke)
 
-    cands = {(s.n, s.k): candidates(s.n, s.k, sms, smem, s.variant == "swiglu") for s in shapes}
+    cands = {(s.n, s.k): candidates(s.n, s.k, sms, smem) for s in shapes}
     if a.max_candidates:
         for key, cs in cands.items():
             d = T.default_config(*key, dtype)
@@ -493,11 +485,10 @@ def main(argv=None) -> int:
     items = {}   # one per compiled kernel: Triton specialises integers only on divisibility by 16
     for s in shapes:
         y_dt = "float32" if s.variant == "logits" else a.dtype
-        sw = s.variant == "swiglu"
-        spec = (s.n % 16 == 0, s.k % 16 == 0, (2 * s.k if sw else s.k) % 16 == 0)
+        spec = (s.n % 16 == 0, s.k % 16 == 0)
         for c in cands[(s.n, s.k)]:
-            items.setdefault((c.block_n, c.block_k, c.num_warps, c.num_stages, sw, a.dtype, y_dt, spec),
-                             (c.block_n, c.block_k, c.num_warps, c.num_stages, sw, a.dtype, y_dt, s.n, s.k))
+            items.setdefault((c.block_n, c.block_k, c.num_warps, c.num_stages, a.dtype, y_dt, spec),
+                             (c.block_n, c.block_k, c.num_warps, c.num_stages, a.dtype, y_dt, s.n, s.k))
     precompile(sorted(items.values()), a.jobs)
 
     # bandwidth yardstick: a 1 GiB device-to-device copy
@@ -543,9 +534,6 @@ def main(argv=None) -> int:
         chosen = by_key[win]
         cublas = {m: timed(f"cuBLAS M={m}", lambda: sb.cublas_calls(m)) for m in rows}
         copy_us = timed("copy", sb.copy_calls)
-        unfused = {m: timed(f"unfused M={m}", lambda: sb.kernel_calls(m, chosen, fused=False)) for m in rows} if sb.swiglu else None
-        unfused_default = ({m: timed(f"unfused default M={m}", lambda: sb.kernel_calls(m, default, fused=False)) for m in rows}
-                           if sb.swiglu else None)
         try:
             chk = check_config(sb, chosen, rows)
         except Exception as exc:
@@ -559,7 +547,6 @@ def main(argv=None) -> int:
             "copy_us": copy_us, "copy_GBps": 2 * s.nbytes / copy_us / 1e3,
             "cublas_us": cublas, "default": {"config": cfg_dict(default), "us": times[cfg_str(default)]},
             "chosen": {"config": cfg_dict(chosen), "us": times[win], "score": score.get(win)},
-            "unfused_us": unfused, "unfused_default_us": unfused_default,
             "candidates": [{"config": cfg_dict(by_key[c]), "us": times[c], "score": score.get(c)} for c in ranked],
             "check": chk,
         }
@@ -578,9 +565,6 @@ def main(argv=None) -> int:
         for c in kept:
             line(c + (" *" if c == win else "") + (" (def)" if c == cfg_str(default) else ""), times[c], score.get(c))
         line("cuBLAS" + (" +silu" if sb.swiglu else ""), cublas)
-        if unfused:
-            line("unfused chosen", unfused)
-            line("unfused default", unfused_default)
         print(f"  check: {chk}")
         sb.free()
         if dev == "cuda":
@@ -594,13 +578,12 @@ def main(argv=None) -> int:
         mod = models.setdefault(u.model, {m: {"default_us": 0.0, "tuned_us": 0.0, "cublas_us": 0.0, "copy_bound_us": 0.0} for m in rows})
         for m in rows:
             e = mod[m]
-            e["default_us"] += u.count * (r["default"]["us"].get(m, math.nan) if u.variant != "swiglu" or r["unfused_default_us"] is None
-                                          else r["unfused_default_us"][m])
+            e["default_us"] += u.count * r["default"]["us"].get(m, math.nan)
             e["tuned_us"] += u.count * r["chosen"]["us"].get(m, math.nan)
             e["cublas_us"] += u.count * r["cublas_us"][m]
             e["copy_bound_us"] += u.count * u.n * u.k * 2 / peak * 1e-3
     print("\nProjection time per forward step (sum over the model's projections; default = current kernel "
-          "with silu_mul unfused; tuned = chosen configs with the fused SwiGLU; copy-bound = weight bytes / the 1 GiB copy's read+write GB/s)")
+          "(down: after silu_mul); tuned = chosen configs; copy-bound = weight bytes / the 1 GiB copy's read+write GB/s)")
     for model, mod in models.items():
         for m in rows:
             e = mod[m]
@@ -610,7 +593,7 @@ def main(argv=None) -> int:
     print("\n# kernels/linear/triton.py CONFIGS entries (or run with DFLASH_LINEAR_CONFIG=%s):" % a.out)
     for c in configs:
         print(f"    ({c['N']}, {c['K']}): Config({c['BLOCK_N']}, {c['BLOCK_K']}, {c['num_warps']}, {c['num_stages']}),  # {', '.join(c['uses'])}")
-    bad = {k: v for k, v in checks.items() if "error" not in v and not (v["rows_bit_identical"] and v.get("fused_bit_identical", True))}
+    bad = {k: v for k, v in checks.items() if "error" not in v and not v["rows_bit_identical"]}
     if bad:
         print(f"\n!! bit-exactness FAILED for {bad}")
     errs = {k: v["error"] for k, v in checks.items() if "error" in v}

@@ -2,10 +2,8 @@
 ``[gate | up]`` instead of two kernels; ``silu(gate)`` is rounded to the input dtype before the
 product, as the reference rounds it.
 
-The arithmetic lives in one ``@triton.jit`` helper, :func:`swiglu_tile`, which both
-``_silu_mul_kernel`` here and the fused prologue of ``kernels.linear.triton`` (``prologue="swiglu"``)
-inline, so the two compute the same bits: float32 ``g / (1 + exp(-g))`` rounded to the output
-dtype, widened back, times float32 ``u``, rounded to the output dtype.
+Per element: float32 ``g / (1 + exp(-g))`` rounded to the output dtype, widened back, times
+float32 ``u``, rounded to the output dtype.
 """
 
 from __future__ import annotations
@@ -16,22 +14,16 @@ import triton.language as tl
 
 
 @triton.jit
-def swiglu_tile(g, u, DTYPE: tl.constexpr):
-    """``silu(g) * u`` of float32 tiles ``g``, ``u`` (any shape): ``silu(g)`` is computed in
-    float32 and rounded to ``DTYPE`` (as ``F.silu`` on a ``DTYPE`` tensor rounds it), then
-    multiplied by ``u`` in float32 and rounded to ``DTYPE`` again (as the ``DTYPE`` product rounds)."""
-    s = (g / (1.0 + tl.exp(-g))).to(DTYPE)
-    return (s.to(tl.float32) * u).to(DTYPE)
-
-
-@triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, F, sgu, so, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < F
     g = tl.load(gu_ptr + row * sgu + cols, mask=m, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * sgu + F + cols, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * so + cols, swiglu_tile(g, u, out_ptr.dtype.element_ty), mask=m)
+    # silu(g) rounded to the output dtype (as F.silu on such a tensor rounds it), then the product
+    # in float32 rounded again (as the dtype's product rounds)
+    s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * so + cols, (s.to(tl.float32) * u).to(out_ptr.dtype.element_ty), mask=m)
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:

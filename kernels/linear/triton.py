@@ -41,18 +41,6 @@ from ``tools/sweep_linear.py``'s JSON: it prints the lines to paste); shapes not
 ``BLOCK_K`` 128 (IEEE dots). ``DFLASH_LINEAR_CONFIG=path.json`` (the sweep's output, or any JSON
 with a ``"configs"`` list of ``{"N", "K", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}``)
 overrides the table entry by entry; a bad file raises at the first projection.
-
-**SwiGLU prologue.** ``linear(gu, w_down, prologue="swiglu")`` takes the ``[..., 2K]`` gate|up
-projection and computes ``silu(gate) * up`` on the tiles it loads, with
-``kernels.activation.triton.swiglu_tile`` (the helper ``silu_mul``'s kernel runs), before the dot:
-float32 silu rounded to the input dtype, float32 product rounded to the input dtype. The dot then
-sees exactly the tile ``silu_mul(gu)`` would have stored, with the same config (keyed by the
-weight's ``(N, K)``), so the fused result is bit-identical to ``linear(silu_mul(gu), w_down)`` and
-saves the ``silu_mul`` launch and its ``[M, K]`` round trip. (Compiled for sm_90 both kernels run
-the same instructions on each element: ``ex2.approx.f32``, ``div.full.f32``, ``cvt.rn`` to the
-dtype, a correctly rounded 16-bit multiply.) The prologue needs a second ``[16, BLOCK_K]`` shared
-memory tile; a config whose fused kernel does not fit the device falls back to ``silu_mul`` and the
-plain kernel with the same config (the same bits) and is remembered.
 """
 
 from __future__ import annotations
@@ -65,16 +53,12 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
-
-from kernels.activation.triton import swiglu_tile
 
 MAX_ROWS = 64
 #: Rows per program (the tensor-core tile height); fixed, so it can never depend on ``M``.
 BLOCK_M = 16
 #: Environment variable naming a JSON file of configs that override :data:`CONFIGS`.
 CONFIG_ENV = "DFLASH_LINEAR_CONFIG"
-PROLOGUES = (None, "swiglu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,11 +167,9 @@ def config_for(n: int, k: int, dtype: torch.dtype) -> Config:
 
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                   SWIGLU: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     """``y = x @ w^T`` for one block of output features; the result is rounded to ``x``'s dtype
-    first (as ``F.linear`` rounds it) and then stored in ``y``'s dtype. ``SWIGLU``: ``x`` is the
-    ``[M, 2K]`` gate|up tensor and the dot's left operand is ``swiglu_tile(gate, up)``."""
+    first (as ``F.linear`` rounds it) and then stored in ``y``'s dtype."""
     # 1-D grid, row blocks fastest: the (up to 4) programs that share a weight block run side by
     # side, so a 17..64-row call reads each weight byte from HBM once (the others hit L2).
     num_m = tl.cdiv(M, BLOCK_M)
@@ -200,14 +182,7 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         km = rk < K
-        xp = x_ptr + rm[:, None] * sxm + rk[None, :]
-        xmask = mm[:, None] & km[None, :]
-        if SWIGLU:
-            g = tl.load(xp, mask=xmask, other=0.0).to(tl.float32)
-            u = tl.load(xp + K, mask=xmask, other=0.0).to(tl.float32)
-            x = swiglu_tile(g, u, x_ptr.dtype.element_ty)
-        else:
-            x = tl.load(xp, mask=xmask, other=0.0)
+        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
         w = tl.load(w_ptr + rn[:, None].to(tl.int64) * swn + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
         if IEEE:
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
@@ -218,33 +193,28 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
-           prologue: str | None = None, config: Config | None = None) -> torch.Tensor:
+           config: Config | None = None) -> torch.Tensor:
     """Triton version of ``kernels.linear.reference.linear`` for at most :data:`MAX_ROWS` rows
     (float32 inputs use IEEE float32 dots).
 
     Args:
-        x: ``[..., K]`` (``[..., 2K]`` gate|up with ``prologue="swiglu"``), float16 / bfloat16 / float32.
+        x: ``[..., K]``, float16 / bfloat16 / float32.
         weight: ``[N, K]``, same dtype, contiguous last dim.
         out_dtype: dtype of ``y`` (default ``x``'s); the value is ``x``'s dtype result widened.
-        prologue: ``None`` or ``"swiglu"`` (module docstring).
         config: launch config (default :func:`config_for` ``(N, K, dtype)``; benchmarks and tests only).
 
     Returns:
         ``[..., N]``.
 
     Raises:
-        ValueError: more than :data:`MAX_ROWS` rows, an unknown prologue, mismatched ``K``, or
+        ValueError: more than :data:`MAX_ROWS` rows, mismatched ``K``, or
             ``weight`` without a contiguous last dim.
     """
-    if prologue not in PROLOGUES:
-        raise ValueError(f"prologue {prologue!r}: expected one of {PROLOGUES}")
-    swiglu = prologue == "swiglu"
-    kx = x.shape[-1]
-    k = kx // 2 if swiglu else kx
+    k = x.shape[-1]
     n = weight.shape[0]
-    if weight.shape[-1] != k or (swiglu and kx % 2):
-        raise ValueError(f"x [..., {kx}] does not match weight {tuple(weight.shape)}" + (" with the swiglu prologue" if swiglu else ""))
-    x2 = x.reshape(-1, kx)
+    if weight.shape[-1] != k:
+        raise ValueError(f"x [..., {k}] does not match weight {tuple(weight.shape)}")
+    x2 = x.reshape(-1, k)
     m = x2.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"{m} rows: the skinny kernel takes at most {MAX_ROWS}")
@@ -255,31 +225,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None 
     y = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
     cfg = config or config_for(n, k, x.dtype)
     if m and n:
-        if swiglu and (cfg, x.dtype) in _UNFUSABLE:
-            from kernels.activation.triton import silu_mul
-
-            x2, swiglu = silu_mul(x2), False
-        try:
-            _launch(x2, weight, y, m, n, k, cfg, swiglu)
-        except OutOfResources:
-            if not swiglu:
-                raise
-            # The prologue's extra gate/up tiles overflow shared memory with this config: run
-            # silu_mul and the plain kernel with the same config instead (the same bits, module
-            # docstring), and remember it.
-            from kernels.activation.triton import silu_mul
-
-            _UNFUSABLE.add((cfg, x.dtype))
-            _launch(silu_mul(x2), weight, y, m, n, k, cfg, False)
+        _launch(x2, weight, y, m, n, k, cfg)
     return y.reshape(*x.shape[:-1], n)
 
 
-#: ``(Config, dtype)`` pairs whose SwiGLU-prologue kernel does not fit the device (see :func:`linear`).
-_UNFUSABLE: set = set()
-
-
-def _launch(x2, weight, y, m, n, k, cfg: Config, swiglu: bool) -> None:
+def _launch(x2, weight, y, m, n, k, cfg: Config) -> None:
     _skinny_kernel[(triton.cdiv(n, cfg.block_n) * triton.cdiv(m, BLOCK_M),)](
         x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=x2.dtype == torch.float32, SWIGLU=swiglu,
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=x2.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

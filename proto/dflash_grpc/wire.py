@@ -74,8 +74,3 @@ def tensor_from_proto(msg: common_pb2.Tensor) -> torch.Tensor:
 def tree_to_proto(tokens: list[int], parents: list[int]) -> common_pb2.TokenTree:
     """Build a :class:`TokenTree` from parallel lists (node 0 = root, parent -1)."""
     return common_pb2.TokenTree(tokens=list(tokens), parents=list(parents))
-
-
-def chain_parents(n: int) -> list[int]:
-    """Parent indices of a chain of ``n`` nodes: ``[-1, 0, 1, ..., n-2]``."""
-    return [i - 1 for i in range(n)]

@@ -24,7 +24,7 @@ def mlp_then_norm(x: torch.Tensor, h: torch.Tensor, lw: dict, next_norm: torch.T
     input norm, or the output norm), fused: returns ``(x + mlp(h), next_norm(x + mlp(h)))``.
 
     ``silu(gate) * up`` runs as its own kernel (``kernels.activation.silu_mul``) before the down
-    projection: the skinny kernel's fused ``swiglu`` prologue saves the launch but measured 3-4x
+    projection: a SwiGLU prologue fused into the skinny kernel saved the launch but measured 3-4x
     slower than the two kernels on an H200 (4B down projection: 100 vs 24 us at one row;
-    ``benchmarks/gpu/sweep-linear.json``), so it is not used here."""
+    ``benchmarks/gpu/sweep-linear.json``), so it was removed."""
     return add_rms_norm(x, linear(silu_mul(linear(h, lw["gate_up"])), lw["down"]), next_norm, eps)
