@@ -8,6 +8,9 @@
 #   bash tools/gpu_run.sh sweep            # without SmolLM2: kernel tests on CUDA, then the config sweeps
 #                                          # of the skinny linear and the GDN recurrence -> $OUT/sweep-*.json
 #   bash tools/gpu_run.sh checks           # GPU tests (pytest -m gpu) -> $OUT/gpu-tests.txt
+#   bash tools/gpu_run.sh tinychecks       # without SmolLM2 (one call): the same GPU tests with a
+#                                          # SmolLM2-shaped tiny llama as DFLASH_MODEL, the engine
+#                                          # benchmark on it, and the three services end to end
 #   bash tools/gpu_run.sh bench [MODELS]   # the benchmark of benchmarks/gpu/ -> $OUT/*.json, RESULTS.md
 #   bash tools/gpu_run.sh all [MODELS]     # checks, then bench
 #   bash tools/gpu_run.sh concurrency      # the three services with the shipped SmolLM2 pair: aggregate
@@ -118,6 +121,25 @@ cmd_checks() {
     tests/test_draft_batched.py tests/test_qwen35_gpu.py 2>&1 | tee -a "$OUT/gpu-tests.txt"
 }
 
+cmd_tinychecks() {
+  install_wheels
+  nvidia-smi -L | tee "$OUT/device.txt"
+  python3 -c "import torch, triton, grpc; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'grpc', grpc.__version__)" | tee -a "$OUT/device.txt"
+  python3 - <<'PY'
+from fixtures.tiny_models import write_tiny_llama
+write_tiny_llama("/tmp/models/llama-smollm2-shape.gguf", vocab=626, hidden=576, layers=30, heads=9, kv_heads=3, ffn=1536,
+                 tied=True, std=0.02, name="llama with SmolLM2-135M shapes, vocab 626")
+PY
+  export DFLASH_MODEL=$M/llama-smollm2-shape.gguf
+  python3 -m pytest -q -p no:cacheprovider --timeout 900 tests/test_kernels.py tests/test_linear_kernels.py \
+    tests/test_conv_kernels.py 2>&1 | tail -15 | tee "$OUT/gpu-tests.txt"
+  python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 900 tests/test_batched_engine_gpu.py tests/test_sampler_kernels.py \
+    tests/test_draft_batched.py tests/test_qwen35_gpu.py 2>&1 | tail -25 | tee -a "$OUT/gpu-tests.txt"
+  python3 -m bench.gpu engine --model "$DFLASH_MODEL" --name llama-smollm2-shape --reps 2 --out "$OUT/tiny-engine.json" 2>&1 | tail -8
+  timeout 420 python3 -m client.cli bench --device cuda --model "$DFLASH_MODEL" --prompts 4 --max-tokens 64 \
+    --configs ar,chain,tree:16:4 --json "$OUT/tiny-e2e.json" --out "$OUT/tiny-e2e.txt" 2>&1 | tail -15
+}
+
 cmd_bench() {
   install_wheels
   llamacpp_build_bg
@@ -171,6 +193,7 @@ case ${1:-all} in
   smoke) cmd_smoke ;;
   sweep) cmd_sweep ;;
   checks) cmd_checks ;;
+  tinychecks) cmd_tinychecks ;;
   bench) shift; cmd_bench "$@" ;;
   all) shift; cmd_checks; cmd_bench "$@" ;;
   concurrency) cmd_concurrency ;;
