@@ -36,7 +36,7 @@ from runtime.tree import TreeError, analyze_tree
 
 log = logging.getLogger(__name__)
 
-#: Default buckets (docs/ARCHITECTURE.md): a step of B trees of at most W nodes runs in the
+#: Default buckets (docs/ARCHITECTURE.md, "The GPU path"): a step of B trees of at most W nodes runs in the
 #: smallest bucket that holds it (:class:`TargetConfig` holds the numbers).
 BATCH_BUCKETS = TargetConfig.batch_buckets
 WIDTH_BUCKETS = TargetConfig.width_buckets

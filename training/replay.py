@@ -13,7 +13,7 @@ committed prefix:
 So τ can be computed from ``G`` and one forward of the target over it, with the drafter's blocks
 of many prompts batched into one forward per round. :func:`replay_tau` follows
 :func:`training.train.measure_tau` step for step (same stopping rules, same counts; tested
-equal on CPU in ``tests/test_replay.py``), and ``python -m training.evaluate`` runs both on
+equal on CPU in ``tests/test_train.py::test_replay_tau_equals_engine_tau``), and ``python -m training.evaluate`` runs both on
 a GPU to show the agreement on real prompts. The engine path stays the reference: replay is the
 fast way to evaluate all 164 HumanEval problems and 100 ShareGPT conversations, chain and tree.
 """

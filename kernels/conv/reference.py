@@ -1,7 +1,7 @@
 """Depthwise causal conv of the Gated DeltaNet layers along a token tree, plain PyTorch: the
 oracle for ``kernels/conv/triton.py`` and the CPU path.
 
-A GDN layer (Qwen3.5, docs/ARCHITECTURE.md) runs a depthwise causal conv of kernel ``K`` over
+A GDN layer (Qwen3.5, docs/ARCHITECTURE.md, "Models") runs a depthwise causal conv of kernel ``K`` over
 its pre-conv inputs, then SiLU. Over a token tree each node's window is its own input and its
 ``K - 1`` predecessors *along its ancestry*, reaching into the committed conv state (the
 committed sequence's last ``K - 1`` inputs, oldest first) past the root. Nothing here mutates
