@@ -47,10 +47,11 @@ def main(argv: list[str] | None = None) -> None:
     draft = DraftPeer(cfg.draft)
     tokenizer = GGUFTokenizer.from_gguf(cfg.model or default_model_path())
     info = target.info()
-    cfg = cfg.resolved(info.device, info.max_sessions)
+    cfg = cfg.resolved(info.device, info.max_sessions, info.max_context)
     scheduler = Scheduler(target, draft, max_sessions=cfg.max_sessions, max_queue=cfg.max_queue, step_nodes=cfg.step_nodes,
                           step_timeout=cfg.step_timeout, history_bytes=cfg.history_bytes)
-    servicer = GenerationServicer(target, draft, tokenizer, cfg.max_tokens, default_tree(cfg), scheduler)
+    servicer = GenerationServicer(target, draft, tokenizer, cfg.max_tokens, default_tree(cfg), scheduler,
+                                  max_prompt_chars=cfg.max_prompt_chars, max_request_bytes=cfg.max_request_bytes)
     if draft.state() is not None and drafter_mismatch(draft.state(), info) is not None:
         log.error("drafter does not match the target; speculative requests will fail with FAILED_PRECONDITION",
                   extra={"why": drafter_mismatch(draft.state(), info)})
@@ -64,7 +65,9 @@ def main(argv: list[str] | None = None) -> None:
         return ["dflash_grpc.v1.GenerationService"]
 
     max_workers = worker_threads(cfg.max_workers, cfg.max_sessions + cfg.max_queue)
-    server, health, port = serving.make_server(add, f"{cfg.host}:{cfg.port}", max_workers=max_workers, tls=tls)
+    # grpc refuses a larger request before decoding it (RESOURCE_EXHAUSTED)
+    server, health, port = serving.make_server(add, f"{cfg.host}:{cfg.port}", max_workers=max_workers, tls=tls,
+                                               max_receive_bytes=cfg.max_request_bytes)
     serving.serve_forever(server, health, "orchestrator", port)
 
 

@@ -9,6 +9,7 @@ import dataclasses
 from typing import ClassVar
 
 from dflash_grpc.defaults import DEFAULT_HOST, ORCHESTRATOR_PORT
+from dflash_grpc.transport import MAX_MESSAGE_BYTES
 from runtime.config import setting
 
 
@@ -20,12 +21,27 @@ class OrchestratorConfig:
     Units: ``max_tokens`` in tokens; ``tree_budget`` and ``step_nodes`` in tree nodes (draft nodes,
     the root not counted, resp. verify nodes); ``draft_top_k`` in candidates per depth;
     ``max_depth`` in tree levels; ``max_sessions`` and ``max_queue`` in requests;
-    ``step_timeout`` and ``target_wait`` in seconds; ``draft_history_mib`` in MiB (2**20 bytes).
+    ``step_timeout`` and ``target_wait`` in seconds; ``draft_history_mib`` in MiB (2**20 bytes);
+    ``max_prompt_chars`` in characters (Unicode code points); ``max_request_bytes`` in bytes.
 
     Defaults that depend on the target are 0 (auto) and decided by :meth:`resolved()` once the
     target's ``Info`` is known: ``step_nodes`` (:attr:`STEP_NODES_CUDA` on a CUDA target,
-    :attr:`STEP_NODES_CPU` on a CPU one) and ``max_sessions`` (the target's session slots,
-    :attr:`FALLBACK_SESSIONS` if it reports none).
+    :attr:`STEP_NODES_CPU` on a CPU one), ``max_sessions`` (the target's session slots,
+    :attr:`FALLBACK_SESSIONS` if it reports none), ``max_prompt_chars``
+    (:attr:`PROMPT_CHARS_PER_TOKEN` times the target's context) and ``max_request_bytes`` (4 bytes,
+    UTF-8's most per character, times ``max_prompt_chars``, plus :attr:`REQUEST_BYTES_SLACK` for
+    the other fields, at most 256 MiB).
+
+    Size limits are checked before any tokenizing, so a huge prompt is refused at once instead of
+    stalling the server while it is tokenized (a 20 MB prompt took 22 s and 2.7 GB to be refused
+    by its token count): a prompt, or a chat's roles and contents together, longer than
+    ``max_prompt_chars`` is refused with RESOURCE_EXHAUSTED, reason PROMPT_TOO_LONG; a request
+    message larger than ``max_request_bytes`` is refused by grpc itself (RESOURCE_EXHAUSTED, no
+    reason) before it is decoded. Why 16 characters per token: a BPE token of text or code averages
+    3 to 5 characters (this repository's Python: 3.3 with SmolLM2's tokenizer) and rarely passes 16,
+    so a longer prompt would almost never fit the context anyway, and tokenizing 16 characters per
+    token of an 8192-token context (131072) takes about 0.1 s. Only long runs of one character
+    (SmolLM2: 64 spaces in one token) pack denser; raise ``max_prompt_chars`` for such input.
 
     The default tree, a DDTree of 15 draft nodes with 4 candidates per depth: with the root it
     fills the 16-wide verify bucket of the GPU engine (16 draft nodes pad to 32: tok/s 1.27x the
@@ -39,6 +55,10 @@ class OrchestratorConfig:
     STEP_NODES_CPU: ClassVar[int] = 64
     #: ``max_sessions`` when neither the flag nor the target's Info gives one
     FALLBACK_SESSIONS: ClassVar[int] = 8
+    #: ``max_prompt_chars`` 0 resolves to this many characters per token of the target's context
+    PROMPT_CHARS_PER_TOKEN: ClassVar[int] = 16
+    #: bytes ``max_request_bytes`` 0 allows beyond 4 per prompt character (stop strings, roles, ...)
+    REQUEST_BYTES_SLACK: ClassVar[int] = 1 << 20
 
     target: str = setting(help="target service address host:port")
     draft: str | None = setting(None, "draft service address host:port (omit: autoregressive only)")
@@ -58,6 +78,13 @@ class OrchestratorConfig:
     step_timeout: float = setting(120.0, "seconds a Propose or Verify may take before the peer counts as failed")
     draft_history_mib: float = setting(
         64.0, "feature history kept per request to resume drafting after a drafter restart (MiB)")
+    max_prompt_chars: int = setting(
+        0, "most characters of a prompt, or of a chat's roles and contents together, checked before "
+        f"tokenizing; beyond: RESOURCE_EXHAUSTED, reason PROMPT_TOO_LONG (0: {PROMPT_CHARS_PER_TOKEN} per token "
+        "of the target's context)")
+    max_request_bytes: int = setting(
+        0, "most bytes of a GenerateRequest message; grpc refuses a larger one (RESOURCE_EXHAUSTED) before "
+        "decoding it (0: 4 x max_prompt_chars + 1 MiB, at most 256 MiB)")
     target_wait: float = setting(120.0, "seconds to wait for the target at start")
     metrics_port: int = setting(0, "Prometheus metrics HTTP port (0: off)")
     max_workers: int | None = setting(
@@ -76,13 +103,32 @@ class OrchestratorConfig:
         more than the target holds; :attr:`FALLBACK_SESSIONS` when neither is known."""
         return min(requested or target_slots, target_slots or requested or cls.FALLBACK_SESSIONS) or cls.FALLBACK_SESSIONS
 
+    @classmethod
+    def prompt_chars_for(cls, requested: int, target_context: int) -> int:
+        """``max_prompt_chars``: ``requested``, or (0) :attr:`PROMPT_CHARS_PER_TOKEN` times the
+        target's ``target_context`` (tokens; 0 if unknown: the 256 MiB message's characters)."""
+        if requested > 0:
+            return requested
+        return cls.PROMPT_CHARS_PER_TOKEN * target_context if target_context > 0 else MAX_MESSAGE_BYTES
+
+    @classmethod
+    def request_bytes_for(cls, requested: int, prompt_chars: int) -> int:
+        """``max_request_bytes``: ``requested``, or (0) 4 bytes per character of ``prompt_chars``
+        plus :attr:`REQUEST_BYTES_SLACK`; never more than ``MAX_MESSAGE_BYTES`` (256 MiB)."""
+        wanted = requested if requested > 0 else 4 * prompt_chars + cls.REQUEST_BYTES_SLACK
+        return min(wanted, MAX_MESSAGE_BYTES)
+
     @property
     def history_bytes(self) -> int:
         """``draft_history_mib`` in bytes."""
         return int(self.draft_history_mib * (1 << 20))
 
-    def resolved(self, target_device: str, target_slots: int) -> OrchestratorConfig:
+    def resolved(self, target_device: str, target_slots: int, target_context: int = 0) -> OrchestratorConfig:
         """This config with its auto (0) values decided for a target on ``target_device`` holding
-        ``target_slots`` sessions (its ``ModelInfo``): ``step_nodes`` and ``max_sessions``."""
+        ``target_slots`` sessions of ``target_context`` tokens (its ``ModelInfo``): ``step_nodes``,
+        ``max_sessions``, ``max_prompt_chars`` and ``max_request_bytes``."""
+        chars = self.prompt_chars_for(self.max_prompt_chars, target_context)
         return dataclasses.replace(self, step_nodes=self.step_nodes or self.auto_step_nodes(target_device),
-                                   max_sessions=self.sessions_for(self.max_sessions, target_slots))
+                                   max_sessions=self.sessions_for(self.max_sessions, target_slots),
+                                   max_prompt_chars=chars,
+                                   max_request_bytes=self.request_bytes_for(self.max_request_bytes, chars))

@@ -10,11 +10,24 @@ Status codes (docs/ARCHITECTURE.md, "Errors"), each with a reason code
   (:data:`LIMITS`) (``INVALID_ARGUMENT``);
 * FAILED_PRECONDITION: the configured drafter was built for another target
   (``DRAFTER_MISMATCH``);
-* RESOURCE_EXHAUSTED: the prompt does not fit the context (``PROMPT_TOO_LONG``), the server's
-  queue is full (``QUEUE_FULL``);
+* RESOURCE_EXHAUSTED: the prompt does not fit the context, or is too large before tokenizing:
+  more characters than ``--max-prompt-chars``, more chat messages or role characters than
+  :data:`LIMITS`, more bytes than ``--max-request-bytes`` (``PROMPT_TOO_LONG``); the server's
+  queue is full (``QUEUE_FULL``). A request message larger than ``--max-request-bytes`` that
+  arrives over gRPC is refused by grpc itself before decoding (RESOURCE_EXHAUSTED, no reason);
 * UNAVAILABLE: the target is down, did not answer or lost the session (``TARGET_UNAVAILABLE``),
   the orchestrator is stopping (``SHUTTING_DOWN``);
 * a status the target gave a request (e.g. out of memory) passes on with the target's reason.
+
+Sizes are checked before tokenizing (:meth:`GenerationServicer._check_size`): tokenizing is
+linear in the text but not free (a 20 MB prompt took 22 s and 2.7 GB), and it would run before
+the token-count check could refuse the prompt.
+
+Input text: a raw ``prompt`` is tokenized with special-token parsing, so ``"<|im_start|>"`` in it
+is that control token (the caller writes the whole prompt, markup included). A ``chat`` is
+rendered with the model's chat template and its messages' text is tokenized as plain text
+(:meth:`runtime.tokenizer.GGUFTokenizer.encode_chat`): only the template's own markup yields
+control tokens, so a message cannot open a turn of another role.
 
 A failing drafter is never an error: the request continues autoregressively (a warning in the
 log and ``draft_fallbacks`` counted).
@@ -79,13 +92,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         tree: default tree request (``budget``, ``top_k``, ``max_depth``); None:
             :func:`default_tree` (the config's defaults).
         scheduler: None: a :class:`Scheduler` with the config's defaults over the target's slots.
+        max_prompt_chars: most characters of a prompt (or of a chat's roles and contents);
+            0: :meth:`OrchestratorConfig.prompt_chars_for` the target's context.
+        max_request_bytes: most bytes of a request message (``ByteSize()``); 0:
+            :meth:`OrchestratorConfig.request_bytes_for` ``max_prompt_chars``. Serve with
+            ``make_server(..., max_receive_bytes=servicer.max_request_bytes)`` so that grpc refuses
+            larger messages before decoding them.
 
     Raises:
         ValueError: the tokenizer does not match the target (fingerprints differ).
     """
 
     def __init__(self, target: TargetPeer, draft: DraftPeer, tokenizer, default_max_tokens: int = OrchestratorConfig.max_tokens,
-                 tree: draft_pb2.TreeParams | None = None, scheduler: Scheduler | None = None):
+                 tree: draft_pb2.TreeParams | None = None, scheduler: Scheduler | None = None, *,
+                 max_prompt_chars: int = OrchestratorConfig.max_prompt_chars,
+                 max_request_bytes: int = OrchestratorConfig.max_request_bytes):
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
@@ -97,9 +118,50 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.scheduler = scheduler or Scheduler(target, draft, max_sessions=OrchestratorConfig.sessions_for(
             OrchestratorConfig.max_sessions, self.target_info.max_sessions))
         self.stats = GlobalStats()
+        self.max_prompt_chars = OrchestratorConfig.prompt_chars_for(max_prompt_chars, self.target_info.max_context)
+        self.max_request_bytes = OrchestratorConfig.request_bytes_for(max_request_bytes, self.max_prompt_chars)
 
     # ------------------------------------------------------------------ validation
+    def _check_size(self, req: generation_pb2.GenerateRequest) -> None:
+        """Refuse a request too large to tokenize, counting characters and bytes only (no
+        tokenizing): the whole message (``max_request_bytes``), a raw prompt's characters, a
+        chat's message count, each role's and content's characters and their sum
+        (``max_prompt_chars``). RESOURCE_EXHAUSTED, reason PROMPT_TOO_LONG; the message names
+        the limit."""
+        def refuse(message: str) -> RequestError:
+            return RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, message, Reason.PROMPT_TOO_LONG)
+
+        size = req.ByteSize()
+        if size > self.max_request_bytes:
+            raise refuse(f"request of {size} bytes is larger than the orchestrator's max_request_bytes "
+                         f"{self.max_request_bytes}")
+        limit = self.max_prompt_chars
+        which = req.WhichOneof("input")
+        if which == "prompt" and len(req.prompt) > limit:
+            raise refuse(f"prompt of {len(req.prompt)} characters is longer than the orchestrator's "
+                         f"max_prompt_chars {limit}")
+        if which == "chat":
+            messages = req.chat.messages
+            if len(messages) > LIMITS["chat_messages"]:
+                raise refuse(f"chat of {len(messages)} messages has more than {LIMITS['chat_messages']} (chat_messages)")
+            total = 0
+            for i, m in enumerate(messages):
+                if len(m.role) > LIMITS["chat_role_chars"]:
+                    raise refuse(f"chat message {i}: role of {len(m.role)} characters is longer than "
+                                 f"{LIMITS['chat_role_chars']} (chat_role_chars)")
+                if len(m.content) > limit:
+                    raise refuse(f"chat message {i}: content of {len(m.content)} characters is longer than the "
+                                 f"orchestrator's max_prompt_chars {limit}")
+                total += len(m.role) + len(m.content)
+            if total > limit:
+                raise refuse(f"chat of {total} characters (roles and contents) is longer than the orchestrator's "
+                             f"max_prompt_chars {limit}")
+
     def _prompt_ids(self, req: generation_pb2.GenerateRequest) -> list[int]:
+        """The request's prompt as token ids: a raw ``prompt`` with special-token parsing (its
+        ``"<|im_end|>"`` is that control token), ``prompt_tokens`` as given (checked against the
+        vocabulary), a ``chat`` through the template with the messages' text as plain text
+        (``encode_chat``). Call :meth:`_check_size` first."""
         which = req.WhichOneof("input")
         if which == "prompt":
             if not req.prompt:
@@ -116,11 +178,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if not req.chat.messages:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "chat has no messages")
             messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
-            try:
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.chat.add_generation_prompt)
+            try:  # the messages' special-token text stays text: no role injection
+                ids = self.tokenizer.encode_chat(messages, add_generation_prompt=req.chat.add_generation_prompt)
             except Exception as e:  # template errors are the caller's (bad roles, ...) or the model's
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"chat template failed: {e}") from e
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
         else:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "no input: set prompt, prompt_tokens or chat")
         if not ids:
@@ -175,14 +236,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                                f"at most {LIMITS['stop_strings']} stop strings of at most {LIMITS['stop_chars']} characters")
         if len(req.request_id) > LIMITS["request_id_chars"]:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"request_id longer than {LIMITS['request_id_chars']} characters")
-        if req.WhichOneof("input") == "chat" and len(req.chat.messages) > LIMITS["chat_messages"]:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"more than {LIMITS['chat_messages']} chat messages")
         return req.max_tokens or self.default_max_tokens
 
     # ------------------------------------------------------------------ RPCs
     def Generate(self, request, context):
         t0 = time.monotonic()
         try:
+            self._check_size(request)             # before any tokenizing
             self._check_sampling(request.sampling)
             max_tokens = self._check_bounds(request)
             prompt = self._prompt_ids(request)

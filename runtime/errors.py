@@ -68,7 +68,10 @@ class Reason(str, enum.Enum):
     CONTEXT_FULL = "CONTEXT_FULL"
     """The session's committed rows plus this step would pass its context."""
     PROMPT_TOO_LONG = "PROMPT_TOO_LONG"
-    """The prompt leaves no room in the context (the orchestrator and the target)."""
+    """The prompt leaves no room in the context (the orchestrator and the target), or, checked by
+    the orchestrator before tokenizing, it is too large: more characters than ``--max-prompt-chars``
+    (a raw prompt, or a chat's roles and contents together), more chat messages or role characters
+    than ``REQUEST_LIMITS`` allows, a message larger than ``--max-request-bytes``."""
     OUT_OF_MEMORY = "OUT_OF_MEMORY"
     """The device ran out of memory serving this item."""
     QUEUE_FULL = "QUEUE_FULL"

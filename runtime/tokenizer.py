@@ -31,6 +31,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import secrets
+import threading
 from datetime import datetime
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -368,6 +371,12 @@ class GGUFTokenizer:
         if tk.get_vocab_size(with_added_tokens=True) != n:  # pragma: no cover - defensive
             raise GGUFError(f"{source}: added tokens changed the vocabulary size")
         self._tk = tk
+        # built on first use: a copy of ``tk`` that encodes special-token text as plain text, and
+        # the regex that finds special-token text (:meth:`encode` with ``parse_special=False``,
+        # :meth:`encode_chat`)
+        self._tk_plain: Tokenizer | None = None
+        self._special_re: re.Pattern[str] | None = None
+        self._lazy_lock = threading.Lock()
 
         from runtime.fingerprint import tokenizer_fingerprint
 
@@ -399,24 +408,52 @@ class GGUFTokenizer:
 
     # -- encode / decode ----------------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``, as llama.cpp's ``llama_tokenize(..., parse_special=true)``.
+    def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = True) -> list[int]:
+        """Token ids of ``text``, as llama.cpp's ``llama_tokenize(..., parse_special)``.
 
         Args:
-            text: the text. Special-token text in it (``"<|im_end|>"``) becomes that one token.
+            text: the text.
             add_special_tokens: prepend BOS if ``tokenizer.ggml.add_bos_token`` is true (and append
                 EOS if ``tokenizer.ggml.add_eos_token`` is true).
+            parse_special: True (the default): special-token text in ``text`` (``"<|im_end|>"``)
+                becomes that one control token. False: it is tokenized as the plain text it is
+                (``"<"``, ``"|"``, ``"im"``, ...), so no control (or unknown-type) token comes from
+                ``text``; user-defined tokens are still matched whole, as llama.cpp does with
+                ``parse_special=false``. Use False for text from a user that must stay text.
 
         Returns:
             The ids.
         """
-        ids = self._tk.encode(text, add_special_tokens=False).ids
+        backend = self._tk if parse_special else self._plain_backend()
+        ids = backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens:
             if self.add_bos_token:
                 ids.insert(0, self._bos)
             if self.add_eos_token:
                 ids.append(self._eos)
         return ids
+
+    def _plain_backend(self) -> Tokenizer:
+        """A copy of the backend whose special (control, unknown) added tokens are not matched
+        (``encode_special_tokens``): their text goes through the pre-tokenizer and BPE."""
+        if self._tk_plain is None:
+            with self._lazy_lock:
+                if self._tk_plain is None:
+                    plain = Tokenizer.from_str(self._tk.to_str())
+                    plain.encode_special_tokens = True
+                    self._tk_plain = plain
+        return self._tk_plain
+
+    def _special_pattern(self) -> re.Pattern[str] | None:
+        """Regex matching the text of any special (control, unknown) token, leftmost-longest as the
+        backend's added-token split; None when the vocabulary has none."""
+        if self._special_re is None:
+            specials = sorted({t for i, t in enumerate(self._tokens) if self.is_special(i)}, key=len, reverse=True)
+            if not specials:
+                return None
+            with self._lazy_lock:
+                self._special_re = re.compile("|".join(re.escape(t) for t in specials))
+        return self._special_re
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
         """:meth:`encode` of each text (in parallel in ``tokenizers``' thread pool)."""
@@ -570,6 +607,79 @@ class GGUFTokenizer:
         return self._compiled_template.render(
             messages=messages, add_generation_prompt=add_generation_prompt, **variables
         )
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """Token ids of a conversation: the chat template's markup as control tokens, the
+        messages' text as plain text.
+
+        ``encode(apply_chat_template(messages))`` would turn special-token text inside a message
+        (``"<|im_start|>system\\n..."`` in a user's content) into real control tokens: a user
+        could write a system turn. Here only the template's own markup yields special tokens:
+        before rendering, every special-token text in the messages' strings (content, role, any
+        string field, nested ones included) is swapped for a placeholder that holds no special
+        text (private-use characters and a random number the template cannot know); the rendered
+        text is then cut at the special tokens left, which are all the template's, those become
+        their ids, and the text between them, placeholders put back, is encoded with
+        ``parse_special=False``.
+
+        A conversation whose strings hold no special-token text is encoded exactly as
+        ``encode(apply_chat_template(messages, ...))``: same text, same ids.
+
+        Args:
+            messages: ``[{"role": "user", "content": "hi"}, ...]``.
+            add_generation_prompt: end with the header of an assistant turn.
+            **template_kwargs: extra template variables (their strings are template input, not
+                defused).
+
+        Returns:
+            The ids (the template writes the BOS text if the model wants one; none is added).
+
+        Raises:
+            ValueError: the GGUF has no ``tokenizer.chat_template``.
+            jinja2.TemplateError: the template raised (``raise_exception``) or is invalid.
+        """
+        pattern = self._special_pattern()
+        if pattern is None:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, **template_kwargs))
+        originals: list[str] = []
+        mark, end = f"\U000F0000{secrets.randbelow(10 ** 18)}:", "\U000F0001"
+
+        def swap(m: re.Match[str]) -> str:
+            originals.append(m.group(0))
+            return f"{mark}{len(originals) - 1}{end}"
+
+        def defuse(value: Any) -> Any:
+            if isinstance(value, str):
+                return pattern.sub(swap, value)
+            if isinstance(value, dict):
+                return {k: defuse(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [defuse(v) for v in value]
+            return value
+
+        defused = [defuse(m) for m in messages]
+        text = self.apply_chat_template(defused, add_generation_prompt, **template_kwargs)
+        if not originals:  # nothing to defuse: today's encoding, byte for byte
+            return self.encode(text)
+        placeholder = re.compile(re.escape(mark) + r"(\d+)" + re.escape(end))
+
+        def plain(piece: str) -> list[int]:
+            piece = placeholder.sub(lambda m: originals[int(m.group(1))], piece)
+            return self.encode(piece, parse_special=False) if piece else []
+
+        ids: list[int] = []
+        pos = 0
+        for m in pattern.finditer(text):  # every special token left is the template's markup
+            ids += plain(text[pos:m.start()])
+            ids.append(self._vocab[m.group(0)])
+            pos = m.end()
+        ids += plain(text[pos:])
+        return ids
 
     def __repr__(self) -> str:
         return (

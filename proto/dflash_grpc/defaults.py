@@ -22,7 +22,11 @@ DEFAULT_ADDRESS = f"{DEFAULT_HOST}:{ORCHESTRATOR_PORT}"
 
 #: Bounds of client-supplied numbers in a ``GenerateRequest`` (beyond them the orchestrator answers
 #: INVALID_ARGUMENT): tree budget, draft top-k and depth (inclusive maxima), how many stop strings
-#: and characters per stop string, characters of a ``request_id``, chat messages. ``max_tokens`` is
-#: further bounded by the target's context, prompts by the context and the message size.
+#: and characters per stop string, characters of a ``request_id``. Two bound the size of a chat and
+#: are checked before anything is tokenized, like the prompt's characters (beyond them:
+#: RESOURCE_EXHAUSTED, reason ``PROMPT_TOO_LONG``): chat messages, characters of a message's role.
+#: ``max_tokens`` is further bounded by the target's context; prompts by the orchestrator's
+#: ``--max-prompt-chars`` (characters, before tokenizing), the context (tokens) and
+#: ``--max-request-bytes`` (the whole message).
 REQUEST_LIMITS = {"tree_budget": 1024, "top_k": 1024, "max_depth": 1024, "stop_strings": 16, "stop_chars": 1024,
-                  "request_id_chars": 128, "chat_messages": 1024}
+                  "request_id_chars": 128, "chat_messages": 1024, "chat_role_chars": 64}

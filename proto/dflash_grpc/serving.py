@@ -31,7 +31,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from dflash_grpc.transport import GRPC_OPTIONS, TlsConfig, TlsError, abort, is_loopback, open_channel
+from dflash_grpc.transport import GRPC_OPTIONS, MAX_MESSAGE_BYTES, TlsConfig, TlsError, abort, is_loopback, open_channel
 
 __all__ = [
     "GRPC_OPTIONS", "TlsConfig", "TlsError", "add_tls_flags", "channel", "client_tls", "is_loopback", "make_server",
@@ -176,10 +176,12 @@ def make_server(
     *,
     unary_workers: int = UNARY_WORKERS,
     tls: TlsConfig | None = None,
+    max_receive_bytes: int | None = None,
 ) -> tuple[grpc.Server, health.HealthServicer, int]:
     """Create, bind and start a gRPC server with health checking and reflection.
 
-    Messages are limited to 256 MiB each way (:data:`GRPC_OPTIONS`; larger: RESOURCE_EXHAUSTED).
+    Messages are limited to 256 MiB each way (:data:`GRPC_OPTIONS`; larger: RESOURCE_EXHAUSTED),
+    received ones to ``max_receive_bytes`` when given.
     A unary request that does not decode as its method's message is INVALID_ARGUMENT.
 
     Args:
@@ -196,6 +198,9 @@ def make_server(
             RESOURCE_EXHAUSTED instead of queueing (``maximum_concurrent_rpcs``).
         tls: serve TLS with ``tls.cert`` / ``tls.key``; with ``tls.ca`` also require client
             certificates signed by it (mutual TLS). None: plaintext.
+        max_receive_bytes: most bytes of one received message (at most :data:`MAX_MESSAGE_BYTES`);
+            grpc refuses a larger one with RESOURCE_EXHAUSTED after reading its length prefix,
+            before decoding it or calling the handler (the status carries no reason). None: 256 MiB.
 
     Returns:
         ``(server, health_servicer, bound_port)``; every service is marked SERVING.
@@ -207,7 +212,12 @@ def make_server(
     credentials = tls.server_credentials() if tls is not None else None
     max_workers, unary_workers = max(1, int(max_workers)), max(0, int(unary_workers))
     pool = max_workers + unary_workers
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=pool), options=GRPC_OPTIONS,
+    options = GRPC_OPTIONS
+    if max_receive_bytes is not None:
+        limit = max(1, min(int(max_receive_bytes), MAX_MESSAGE_BYTES))
+        options = [(k, v) for k, v in GRPC_OPTIONS if k != "grpc.max_receive_message_length"]
+        options.append(("grpc.max_receive_message_length", limit))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=pool), options=options,
                          interceptors=[_StreamLimit(max_workers), _MalformedRequestIsInvalidArgument()], maximum_concurrent_rpcs=pool)
     names = list(add_servicers(server))
     health_servicer = health.HealthServicer()
