@@ -11,7 +11,8 @@ that fails leaves its session exactly as it was, a new session is not created, a
 of the batch is affected):
 
 * ``INVALID_ARGUMENT``: empty session id; features not ``[rows, N*H]`` floating point; non-finite
-  features; root token outside the vocabulary; negative tree params;
+  features; root token outside the vocabulary; tree params negative or over the service's bounds
+  (``budget > MAX_TREE_BUDGET``, ``top_k > vocab_size``, ``max_depth > block_size - 1``);
 * ``RESOURCE_EXHAUSTED``: the session is new and every session slot is taken;
 * ``FAILED_PRECONDITION``: ``committed_length`` differs from rows held + rows sent;
 * ``RESOURCE_EXHAUSTED``: the session would exceed ``max_context`` rows.
@@ -77,6 +78,13 @@ BATCH_BUCKETS = DraftConfig.batch_buckets
 #: Default number of candidates per depth in the step's top-K table (requests asking more are cut to it).
 DEFAULT_MAX_TOP_K = DraftConfig.max_top_k
 
+#: Most non-root nodes a Propose item's tree ``budget`` may ask (larger: INVALID_ARGUMENT). The
+#: target verifies at most 64 nodes a tree (``TargetConfig.max_tree_width``, the attention
+#: kernel's 64-bit masks), so 1024 leaves room for any target while bounding the best-first
+#: search of :func:`draft_service.tree.build_tree` (one heap pop per node, about a millisecond
+#: at this size) that runs on the step loop's thread and delays every other stream.
+MAX_TREE_BUDGET = 1024
+
 _OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
@@ -93,7 +101,8 @@ class DraftItem(NamedTuple):
         budget, top_k, max_depth: tree params (``dflash_grpc.v1.TreeParams``): DDTree with
             ``top_k`` candidates per depth and at most ``budget`` non-root nodes when both are
             > 1, else the greedy chain (cut to ``budget`` nodes when ``budget > 0``); depth
-            ``max_depth`` (0 = ``block_size - 1``).
+            ``max_depth`` (0 = ``block_size - 1``). Bounds (:func:`check_item`): ``0 <= budget
+            <= MAX_TREE_BUDGET``, ``0 <= top_k <= vocab_size``, ``0 <= max_depth <= block_size - 1``.
     """
 
     session_id: str
@@ -144,7 +153,7 @@ def check_item(item: DraftItem, config) -> tuple[torch.Tensor, int]:
 
     Returns:
         ``(features [rows, N*H], depth)``: ``features`` as sent (an empty float32 tensor for
-        ``None``) and the tree depth (``max_depth`` or ``block_size - 1``, at most that).
+        ``None``) and the tree depth (``max_depth``, or ``block_size - 1`` when 0).
 
     Raises:
         InvalidArgument: see the module docstring.
@@ -169,7 +178,13 @@ def check_item(item: DraftItem, config) -> tuple[torch.Tensor, int]:
     if item.budget < 0 or item.top_k < 0 or item.max_depth < 0:
         raise InvalidArgument(f"negative tree params (budget={item.budget}, top_k={item.top_k}, max_depth={item.max_depth})")
     full = config.block_size - 1
-    return f, (full if item.max_depth == 0 else min(int(item.max_depth), full))
+    if item.budget > MAX_TREE_BUDGET:
+        raise InvalidArgument(f"tree budget {item.budget} is over the service's bound of {MAX_TREE_BUDGET} nodes")
+    if item.top_k > config.vocab_size:
+        raise InvalidArgument(f"tree top_k {item.top_k} is over the vocabulary size {config.vocab_size}")
+    if item.max_depth > full:
+        raise InvalidArgument(f"tree max_depth {item.max_depth} is over the drafter's block size - 1 = {full}")
+    return f, (full if item.max_depth == 0 else int(item.max_depth))
 
 
 def _check_session(sid: str, exists: bool, held: int, rows: int, committed: int, free: int, max_sessions: int,
@@ -629,4 +644,4 @@ class BatchedDrafter:
 
 
 __all__ = ["BATCH_BUCKETS", "BatchedDrafter", "DraftItem", "ProposeOutcome", "ReferenceDrafterEngine",
-           "all_finite", "check_item", "draft_step", "write_context"]
+           "all_finite", "check_item", "draft_step", "write_context", "MAX_TREE_BUDGET"]

@@ -116,6 +116,9 @@ def build_tree(root_token: int, logits: "torch.Tensor | TopK", budget: int, top_
         if budget > 0:
             tokens, parents = tokens[: budget + 1], parents[: budget + 1]
         return tokens, parents
+    # a node of rank r among its siblings comes after its r better siblings, so no tree of
+    # ``budget`` nodes uses a rank past ``budget - 1``: a larger top_k reads nothing more
+    top_k = min(top_k, budget)
     if table is None:
         table = topk_table(logits, top_k)  # the one host read
     k = min(top_k, table.k)

@@ -40,7 +40,9 @@ def check_prompt(session_id: str, prompt: list[int], feature_layers: list[int], 
 
     Raises:
         InvalidArgument: empty session id or prompt, a token outside ``[0, cfg.vocab_size)``, a
-            feature layer outside ``[0, cfg.num_layers)``.
+            feature layer outside ``[0, cfg.num_layers)`` or named twice (so at most
+            ``cfg.num_layers`` layers: each duplicate would repeat ``rows * hidden`` values of
+            the reply).
         ResourceExhausted: the prompt leaves no room in ``max_context``.
     """
     if not session_id:
@@ -51,9 +53,13 @@ def check_prompt(session_id: str, prompt: list[int], feature_layers: list[int], 
     bad = np.flatnonzero((arr < 0) | (arr >= cfg.vocab_size))
     if bad.size:
         raise InvalidArgument(f"prompt[{bad[0]}] = {prompt[bad[0]]} is outside the vocabulary [0, {cfg.vocab_size})", reason=Reason.INVALID_TOKEN)
+    seen: set[int] = set()
     for i in feature_layers:
         if not 0 <= i < cfg.num_layers:
             raise InvalidArgument(f"feature layer {i} outside [0, {cfg.num_layers})")
+        if i in seen:
+            raise InvalidArgument(f"feature layer {i} is named twice (each layer at most once, at most {cfg.num_layers} layers)")
+        seen.add(i)
     if len(prompt) >= max_context:
         raise ResourceExhausted(f"prompt of {len(prompt)} tokens leaves no room in a context of {max_context}", reason=Reason.PROMPT_TOO_LONG)
 

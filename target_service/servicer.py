@@ -16,10 +16,11 @@ import logging
 import grpc
 import torch
 
+from dflash_grpc.transport import MAX_MESSAGE_BYTES
 from dflash_grpc.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dflash_grpc.wire import tensor_to_proto
 from target_service.engine import Sampling
-from runtime.errors import EngineError, InvalidArgument, Reason
+from runtime.errors import EngineError, InvalidArgument, Reason, ResourceExhausted
 from runtime.status import abort_with, item_status, status_of  # noqa: F401 (re-exported)
 from runtime.step_loop import StepLoop, run_items
 
@@ -33,12 +34,38 @@ def _decode_verify_item(item: target_pb2.VerifyItem) -> tuple[str, list[int], li
     return item.session_id, list(item.tree.tokens), list(item.tree.parents)
 
 
+#: Bytes a ``PrefillResult`` may carry besides its features (session id, ints, the tensor's dtype
+#: and shape): a generous bound, so that :func:`prefill_reply_bytes` never underestimates.
+RESULT_OVERHEAD_BYTES = 1024
+
+
+def prefill_reply_bytes(items, hidden_size: int) -> int:
+    """An upper bound on the bytes of the ``PrefillResponse`` answering ``items``
+    (``PrefillItem`` messages): ``len(prompt) * len(feature_layer_ids) * hidden_size * 2``
+    (bfloat16 features of every prompt row) plus :data:`RESULT_OVERHEAD_BYTES` per item. Known
+    before any work, so a reply too large to send is refused before a session is opened.
+
+    Layers are counted once each: a list naming a layer twice is refused by the engine
+    (INVALID_ARGUMENT, the closer reason), not as too large."""
+    return sum(len(it.prompt_tokens) * len(set(it.feature_layer_ids)) * hidden_size * 2 + RESULT_OVERHEAD_BYTES
+               for it in items)
+
+
 def _features_proto(t: torch.Tensor | None) -> common_pb2.Tensor | None:
     return tensor_to_proto(t, torch.bfloat16) if t is not None else None
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    """Implements ``dflash_grpc.v1.TargetService`` over an engine run by ``loop``."""
+    """Implements ``dflash_grpc.v1.TargetService`` over an engine run by ``loop``.
+
+    A Prefill is all or nothing: when any item is refused, or the reply would pass
+    :attr:`max_reply_bytes` (checked before any work from :func:`prefill_reply_bytes`, and again
+    on the built reply), or the call ended before its reply, the items of the call that opened
+    are released and no session is left behind.
+    """
+
+    #: Most bytes of one reply: the transport's message limit (a larger reply cannot be sent).
+    max_reply_bytes: int = MAX_MESSAGE_BYTES
 
     def __init__(self, loop: StepLoop, info: common_pb2.ModelInfo):
         self.loop = loop
@@ -54,6 +81,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return info
 
     def Prefill(self, request, context):
+        engine = self.loop.engine
+        need = prefill_reply_bytes(request.items, engine.cfg.hidden_size)
+        if need > self.max_reply_bytes:   # refused before work: no session opened
+            abort_with(context, ResourceExhausted(
+                f"the reply would carry about {need} bytes of features (prompt rows x feature layers x hidden "
+                f"{engine.cfg.hidden_size} x 2 bytes), over the {self.max_reply_bytes}-byte message limit: "
+                "ask fewer feature layers or send fewer/shorter prompts per call"))
         futures = []
         for item in request.items:
             s = item.sampling
@@ -75,11 +109,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             opened.append(sid)
             results.append(target_pb2.PrefillResult(session_id=sid, first_token=out.first_token,
                                                     committed_length=out.committed_length, features=_features_proto(out.features)))
-        if error is not None:
+        response = target_pb2.PrefillResponse(results=results)
+        if error is None and response.ByteSize() > self.max_reply_bytes:
+            error = ResourceExhausted(f"the reply of {response.ByteSize()} bytes is over the "
+                                      f"{self.max_reply_bytes}-byte message limit")
+        if error is not None or not context.is_active():   # refused, or cancelled / past its deadline
             if opened:  # all-or-nothing: undo the items of this call that did open
                 self.loop.release(opened)
-            abort_with(context, error)
-        return target_pb2.PrefillResponse(results=results)
+            if error is not None:
+                abort_with(context, error)
+        return response
 
     def Verify(self, request_iterator, context):
         for request in request_iterator:

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from draft_service.batched import BatchedDrafter, DraftItem, ReferenceDrafterEngine
+from draft_service.batched import MAX_TREE_BUDGET, BatchedDrafter, DraftItem, ReferenceDrafterEngine
 from draft_service.drafter import DFlashDrafter
 from draft_service.gguf_io import load_drafter
 from draft_service.tree import TopK, build_tree, topk_table
@@ -149,6 +149,11 @@ def test_bad_items_get_their_status_and_leave_the_rest_alone(drafter):
         (a1._replace(root_token=c.vocab_size), Code.INVALID_ARGUMENT),
         (a1._replace(root_token=-1), Code.INVALID_ARGUMENT),
         (a1._replace(budget=-1), Code.INVALID_ARGUMENT),
+        (a1._replace(budget=MAX_TREE_BUDGET + 1, top_k=2), Code.INVALID_ARGUMENT),   # over the service's bounds
+        (a1._replace(budget=5_000_000, top_k=4), Code.INVALID_ARGUMENT),
+        (a1._replace(budget=8, top_k=c.vocab_size + 1), Code.INVALID_ARGUMENT),
+        (a1._replace(budget=8, top_k=2**31 - 1), Code.INVALID_ARGUMENT),
+        (a1._replace(max_depth=c.block_size), Code.INVALID_ARGUMENT),
         (a1._replace(session_id=""), Code.INVALID_ARGUMENT),
         (a1._replace(committed_length=a1.committed_length + 1), Code.FAILED_PRECONDITION),
         (a1._replace(features=torch.randn(41 - held, W), committed_length=41), Code.RESOURCE_EXHAUSTED),  # context full

@@ -9,6 +9,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import pytest
@@ -168,7 +169,7 @@ def test_tree_params(served, reference):
     stream = Stream(stub)
     full = stream(item("T", f, 5, 3))[0]
     assert len(full.tree.tokens) == 8
-    for tree, nodes in (({"max_depth": 3}, 4), ({"max_depth": 99}, 8), ({"budget": 4, "top_k": 1}, 5),
+    for tree, nodes in (({"max_depth": 3}, 4), ({"max_depth": 7}, 8), ({"budget": 4, "top_k": 1}, 5),
                         ({"budget": 1, "top_k": 8}, 2), ({"top_k": 1}, 8), ({"budget": 0, "top_k": 8}, 8)):  # fmt: skip
         (r,) = stream(item("T", None, 5, 3, **tree))
         assert r.status.code == OK and list(r.tree.tokens) == list(full.tree.tokens)[:nodes], tree
@@ -182,6 +183,31 @@ def test_tree_params(served, reference):
         assert r.status.code == OK
         expected = build_tree(5, logits[: depth or None], budget, top_k)
         assert tree_of(r) == expected and len(r.tree.tokens) == budget + 1
+    stream.close()
+
+
+def test_tree_params_over_the_service_bounds_are_refused_at_once(served, reference):
+    """budget, top_k and max_depth are bounded by the service's capacity (MAX_TREE_BUDGET nodes,
+    the vocabulary, block_size - 1): larger ones are refused with INVALID_ARGUMENT before any work,
+    naming the bound, and a valid item of the same message still gets its tree."""
+    from draft_service.batched import MAX_TREE_BUDGET
+
+    _, stub = served
+    c = reference.config
+    f = feats(3, c.feature_size, 11)
+    stream = Stream(stub)
+    assert stream(item("V", f, 5, 3))[0].status.code == OK
+    over = [({"budget": 5_000_000, "top_k": 8}, str(MAX_TREE_BUDGET)), ({"budget": MAX_TREE_BUDGET + 1, "top_k": 2}, str(MAX_TREE_BUDGET)),
+            ({"budget": 8, "top_k": 2**31 - 1}, str(c.vocab_size)), ({"budget": 2**31 - 1, "top_k": 2**31 - 1}, "budget"),
+            ({"max_depth": c.block_size}, str(c.block_size - 1)), ({"max_depth": 2**31 - 1}, "max_depth")]  # fmt: skip
+    t0 = time.monotonic()
+    res = stream(*(item("B", f, 5, 3, **tree) for tree, _ in over), item("V", None, 5, 3, budget=6, top_k=3))
+    assert time.monotonic() - t0 < 5.0
+    assert [r.status.code for r in res] == [INVALID_ARGUMENT] * len(over) + [OK]
+    for r, (_, bound) in zip(res, over):
+        assert bound in r.status.message and r.status.reason == "INVALID_ARGUMENT" and not r.tree.tokens, r.status.message
+    assert len(res[-1].tree.tokens) == 7                       # the valid item got its 6-node tree
+    assert stream(item("B", f, 5, 3, budget=MAX_TREE_BUDGET, top_k=c.vocab_size))[0].status.code == OK   # the bounds pass
     stream.close()
 
 

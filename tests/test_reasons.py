@@ -193,6 +193,65 @@ def test_malformed_request_carries_invalid_argument(target):
     assert _refused(lambda: call(b"\xff\xff\xff", timeout=30)) == (IA, "INVALID_ARGUMENT")
 
 
+def _free_slots(stub) -> int:
+    return stub.Info(target_pb2.TargetInfoRequest(), timeout=30).free_slots
+
+
+def test_target_prefill_feature_layers_bounded_and_leave_no_session(target):
+    """Feature layers named twice are refused (so at most the model's layer count), a reply that
+    would pass the message limit is refused with RESOURCE_EXHAUSTED before any work, and neither
+    refusal leaves a session behind."""
+    stub, _, servicer = target
+    engine = servicer.loop.engine
+    layers = engine.cfg.num_layers
+
+    def prefill(sid, prompt, feature_layers):
+        item = target_pb2.PrefillItem(session_id=sid, prompt_tokens=prompt, feature_layer_ids=feature_layers)
+        return stub.Prefill(target_pb2.PrefillRequest(items=[item]), timeout=60).results[0]
+
+    free = _free_slots(stub)
+    assert _refused(lambda: prefill("d", list(range(1, 21)), [0] * 1000)) == (IA, "INVALID_ARGUMENT")
+    assert _refused(lambda: prefill("d", [1, 2], [0, layers - 1, 0])) == (IA, "INVALID_ARGUMENT")
+    assert _refused(lambda: prefill("d", [1, 2], list(range(layers)) + [layers])) == (IA, "INVALID_ARGUMENT")
+    assert _free_slots(stub) == free and "d" not in engine.sessions
+    # a reply over the limit: rows x layers x hidden x 2 bytes (the limit lowered to fit the tiny model)
+    rows, hidden = 20, engine.cfg.hidden_size
+    servicer.max_reply_bytes = rows * layers * hidden * 2 - 1
+    forwards = engine.forwards
+    with pytest.raises(grpc.RpcError) as ei:
+        prefill("big", list(range(1, rows + 1)), list(range(layers)))
+    assert (ei.value.code(), reason_of(ei.value)) == (RE, "RESOURCE_EXHAUSTED")
+    assert "message limit" in ei.value.details()
+    assert engine.forwards == forwards and _free_slots(stub) == free and "big" not in engine.sessions   # no work, no session
+    # duplicates are refused as such whatever their count (not as a reply too large)
+    assert _refused(lambda: prefill("big", list(range(1, rows + 1)), [0] * 1000)) == (IA, "INVALID_ARGUMENT")
+    assert engine.forwards == forwards and _free_slots(stub) == free
+    # the same prompt with fewer layers fits; with the real limit the whole one does
+    assert len(prefill("small", list(range(1, rows + 1)), [0]).features.data) == rows * hidden * 2
+    servicer.max_reply_bytes = type(servicer).max_reply_bytes
+    res = prefill("big", list(range(1, rows + 1)), list(range(layers)))
+    assert list(res.features.shape) == [rows, layers * hidden] and _free_slots(stub) == free - 2
+
+
+def test_malformed_stream_messages_carry_invalid_argument(target, drafter):
+    """Bytes that are not a request message on the Verify and Propose streams end that stream with
+    INVALID_ARGUMENT (reason INVALID_ARGUMENT), not INTERNAL; the server serves the next stream."""
+    tstub, tchannel, _ = target
+    dstub, _, dchannel = drafter
+    for channel, method in ((tchannel, "/dflash_grpc.v1.TargetService/Verify"), (dchannel, "/dflash_grpc.v1.DraftService/Propose")):
+        call = channel.stream_stream(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        for garbage in ([b"\xff\xff\xff"], [b"\x0a\x05ab"], [b"", b"\xff\xff"]):  # bad tag; truncated; one good, one bad
+            assert _refused(lambda: list(call(iter(garbage), timeout=30))) == (IA, "INVALID_ARGUMENT"), (method, garbage)
+    # both servers still serve streams
+    first = _prefill(tstub, "ok", [1, 2]).first_token
+    (res,) = tstub.Verify(iter([target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
+        session_id="ok", tree=common_pb2.TokenTree(tokens=[first], parents=[-1]))])]), timeout=60)
+    assert res.results[0].status.code == 0, res.results[0].status.message
+    (res,) = dstub.Propose(iter([draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(session_id="ok", root_token=1)])]),
+                           timeout=60)
+    assert res.results[0].status.code == 0, res.results[0].status.message
+
+
 # ------------------------------------------------------------------------------------------------
 # draft service over gRPC
 
@@ -209,7 +268,7 @@ def drafter(tiny):
 
     server, channel = _serve(add)
     try:
-        yield draft_pb2_grpc.DraftServiceStub(channel), servicer
+        yield draft_pb2_grpc.DraftServiceStub(channel), servicer, channel
     finally:
         channel.close()
         server.stop(None)
@@ -219,7 +278,7 @@ def drafter(tiny):
 def test_draft_items_carry_their_reason(drafter):
     from dflash_grpc.wire import tensor_to_proto
 
-    stub, servicer = drafter
+    stub, servicer, _ = drafter
     width = servicer.config.feature_size
 
     def item(sid, rows, committed, root=1, features=None, w=width):

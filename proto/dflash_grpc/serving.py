@@ -137,16 +137,18 @@ class _StreamLimit(grpc.ServerInterceptor):
 
 
 class _MalformedRequestIsInvalidArgument(grpc.ServerInterceptor):
-    """Decode the request of unary-request methods inside the handler, so that bytes that are not
-    the method's message fail with INVALID_ARGUMENT (grpcio's own decoding failure is INTERNAL,
-    "Exception deserializing request!"), reason ``INVALID_ARGUMENT``. Streaming requests are left
-    to grpcio."""
+    """Decode every request message inside the handler, so that bytes that are not the method's
+    message end the call with INVALID_ARGUMENT, reason ``INVALID_ARGUMENT`` (grpcio's own decoding
+    failure is INTERNAL, "Exception deserializing request!"). Unary requests are decoded before
+    the method runs; the messages of a request stream one by one as the method reads them, so a
+    malformed message ends its own call only (the server and its other streams go on)."""
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        if handler is None or handler.request_deserializer is None:
             return handler
         parse = handler.request_deserializer
+        serialize = handler.response_serializer
 
         def decode(raw: bytes, context: grpc.ServicerContext):
             try:
@@ -154,19 +156,37 @@ class _MalformedRequestIsInvalidArgument(grpc.ServerInterceptor):
             except Exception as e:  # protobuf's DecodeError, or a UTF-8 error in a string field
                 abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {e}", "INVALID_ARGUMENT")
 
+        def decoded(raw_iterator, context: grpc.ServicerContext):
+            for raw in raw_iterator:
+                yield decode(raw, context)
+
+        if handler.request_streaming and handler.response_streaming:
+            behavior = handler.stream_stream
+
+            def stream_stream(raw_iterator, context):
+                yield from behavior(decoded(raw_iterator, context), context)
+
+            return grpc.stream_stream_rpc_method_handler(stream_stream, response_serializer=serialize)
+        if handler.request_streaming:
+            behavior = handler.stream_unary
+
+            def stream_unary(raw_iterator, context):
+                return behavior(decoded(raw_iterator, context), context)
+
+            return grpc.stream_unary_rpc_method_handler(stream_unary, response_serializer=serialize)
         if handler.response_streaming:
             behavior = handler.unary_stream
 
             def unary_stream(raw, context):
                 yield from behavior(decode(raw, context), context)
 
-            return grpc.unary_stream_rpc_method_handler(unary_stream, response_serializer=handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(unary_stream, response_serializer=serialize)
         behavior = handler.unary_unary
 
         def unary_unary(raw, context):
             return behavior(decode(raw, context), context)
 
-        return grpc.unary_unary_rpc_method_handler(unary_unary, response_serializer=handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(unary_unary, response_serializer=serialize)
 
 
 def make_server(
@@ -181,8 +201,9 @@ def make_server(
     """Create, bind and start a gRPC server with health checking and reflection.
 
     Messages are limited to 256 MiB each way (:data:`GRPC_OPTIONS`; larger: RESOURCE_EXHAUSTED),
-    received ones to ``max_receive_bytes`` when given.
-    A unary request that does not decode as its method's message is INVALID_ARGUMENT.
+    received ones to ``max_receive_bytes`` when given. A request message (unary, or one of a
+    request stream) that does not decode as its method's message ends its call with
+    INVALID_ARGUMENT.
 
     Args:
         add_servicers: called with the server; registers servicers and returns their full
