@@ -24,6 +24,7 @@ import torch
 from dflash_grpc import serving
 from dflash_grpc.transport import GRPC_OPTIONS, REASON_KEY, abort, reason_of
 from dflash_grpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc, target_pb2, target_pb2_grpc
+from fixtures.fakes import FakeTokenizer
 from runtime.errors import (Code, EngineError, FailedPrecondition, InvalidArgument, Reason, ResourceExhausted,
                             SessionNotFound, Unavailable)
 from runtime.status import abort_with, item_status, status_with_reason
@@ -365,17 +366,6 @@ def test_abort_with_sets_reason_metadata_then_aborts():
 
 # ------------------------------------------------------------------------------------------------
 # the orchestrator against a scripted fake target
-
-
-class FakeTokenizer:
-    fingerprint = "fp"
-    eos_token_ids = [0]
-
-    def encode(self, text, add_special_tokens=True):
-        return [5, 6, 7]
-
-    def decode(self, ids):
-        return "x" * len(ids)
 
 
 class ScriptedTarget(target_pb2_grpc.TargetServiceServicer):

@@ -17,21 +17,11 @@ sys.path[:0] = [".", "proto"]
 
 import client as sdk  # noqa: E402
 from dflash_grpc import serving  # noqa: E402
+from fixtures.fakes import FakeTokenizer  # noqa: E402
 from dflash_grpc.v1 import common_pb2, generation_pb2_grpc, target_pb2, target_pb2_grpc  # noqa: E402
 from orchestrator.peers import DraftPeer, TargetPeer  # noqa: E402
 from orchestrator.scheduler import Scheduler  # noqa: E402
 from orchestrator.servicer import GenerationServicer  # noqa: E402
-
-
-class FakeTokenizer:
-    fingerprint = "fp"
-    eos_token_ids = [0]
-
-    def encode(self, text, add_special_tokens=True):
-        return [5, 6, 7]
-
-    def decode(self, ids):
-        return "x" * len(ids)
 
 
 class InstantTarget(target_pb2_grpc.TargetServiceServicer):
