@@ -34,7 +34,8 @@ from grpc_reflection.v1alpha import reflection
 from dflash_grpc.transport import GRPC_OPTIONS, MAX_MESSAGE_BYTES, TlsConfig, TlsError, abort, is_loopback, open_channel
 
 __all__ = [
-    "GRPC_OPTIONS", "TlsConfig", "TlsError", "add_tls_flags", "channel", "client_tls", "is_loopback", "make_server",
+    "GRPC_OPTIONS", "TlsConfig", "TlsError", "add_client_metadata", "add_tls_flags", "channel", "client_metadata",
+    "client_tls", "set_client_metadata", "is_loopback", "make_server",
     "peer_tls_from_args", "serve_forever", "server_tls_from_args", "set_client_tls", "setup_logging", "wait_healthy",
 ]
 
@@ -268,7 +269,64 @@ def serve_forever(server: grpc.Server, health_servicer: health.HealthServicer, n
 
 
 _client_tls: TlsConfig | None = None
+_client_metadata: tuple[tuple[str, str], ...] = ()
 _UNSET: Any = object()
+
+
+class _AddMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Client interceptor that adds fixed metadata pairs to every call of a channel."""
+
+    def __init__(self, pairs: tuple[tuple[str, str], ...]):
+        self.pairs = tuple(pairs)
+
+    def _details(self, details):
+        md = [*(details.metadata or ()), *self.pairs]
+        return details._replace(metadata=md) if hasattr(details, "_replace") else _CallDetails(details, md)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+
+class _CallDetails(grpc.ClientCallDetails):
+    def __init__(self, base, metadata):
+        self.method = base.method
+        self.timeout = base.timeout
+        self.metadata = metadata
+        self.credentials = base.credentials
+        self.wait_for_ready = getattr(base, "wait_for_ready", None)
+        self.compression = getattr(base, "compression", None)
+
+
+def set_client_metadata(pairs: Iterable[tuple[str, str]]) -> None:
+    """Set metadata that every channel this process opens with :func:`channel` adds to each of
+    its calls (e.g. the shared token of the internal services, the orchestrator's identity).
+
+    Call it at start, before channels are opened (open channels keep their setting). Keys are
+    lower-case ASCII (gRPC's rule). Replaces any earlier setting; ``()`` clears it.
+    """
+    global _client_metadata
+    _client_metadata = tuple((str(k).lower(), str(v)) for k, v in pairs)
+
+
+def add_client_metadata(pairs: Iterable[tuple[str, str]]) -> None:
+    """Add pairs to :func:`set_client_metadata`'s, replacing those with the same key."""
+    new = {str(k).lower(): str(v) for k, v in pairs}
+    set_client_metadata([*((k, v) for k, v in _client_metadata if k not in new), *new.items()])
+
+
+def client_metadata() -> tuple[tuple[str, str], ...]:
+    """The metadata pairs :func:`channel` adds to every call (see :func:`set_client_metadata`)."""
+    return _client_metadata
 
 
 def set_client_tls(tls: TlsConfig | None) -> None:
@@ -292,9 +350,11 @@ def client_tls() -> TlsConfig | None:
 def channel(address: str, *, tls: TlsConfig | None = _UNSET) -> grpc.Channel:
     """Channel to ``address`` with the project's message-size limits (:data:`GRPC_OPTIONS`).
 
-    TLS per ``tls`` if given (None: plaintext), else per :func:`set_client_tls`.
+    TLS per ``tls`` if given (None: plaintext), else per :func:`set_client_tls`. Every call
+    carries the metadata of :func:`set_client_metadata` (none by default).
     """
-    return open_channel(address, _client_tls if tls is _UNSET else tls)
+    ch = open_channel(address, _client_tls if tls is _UNSET else tls)
+    return grpc.intercept_channel(ch, _AddMetadata(_client_metadata)) if _client_metadata else ch
 
 
 def wait_healthy(address: str, timeout: float = 60.0, service: str = "", *, tls: TlsConfig | None = _UNSET) -> None:
