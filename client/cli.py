@@ -19,6 +19,14 @@ A failed gRPC call prints ``error: <CODE>: <details>`` on stderr and exits with 
 service that does not come up exits with status 1. ``serve`` restarts a service that dies once
 up (``service 'draft' exited with code -9; restarting (restart 1)`` on stderr), with backoff, and
 exits with status 1 when one crashes more than 5 times in 60 s (``--no-restart``: at the first).
+
+``serve``, ``demo`` and ``bench`` start the target and draft services so that they take calls from
+their orchestrator only: a fresh random token (``secrets.token_urlsafe(32)``) is written to a
+file only this user can read, in a private temporary directory removed at exit, and passed as
+``--auth-token-file`` to all three services (``client.launcher.private_token_file``). A raw call
+to the target or draft port without it is answered UNAUTHENTICATED; the orchestrator's port, the
+public API, stays open. ``--auth-token-file PATH`` uses your own token file instead (chmod 600),
+e.g. to call the internal services yourself with ``authorization: Bearer <token>``.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from client import DEFAULT_ADDRESS, Client, DFlashError, GenerateRequest, GenerationResult, GenerationStream
-from client.launcher import Service, ServiceExited, ServiceGroup, dflash_services, free_ports
+from client.launcher import Service, ServiceExited, ServiceGroup, dflash_services, free_ports, private_token_file
 
 
 class CommandError(Exception):
@@ -109,6 +117,9 @@ def _build_parser() -> argparse.ArgumentParser:
     m.add_argument("--log-level", default=None, help="services' log level (default WARNING)")
     m.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for health (default %(default)s)")
     m.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL on stop")
+    m.add_argument("--auth-token-file", default=None, metavar="PATH",
+                   help="the token the target and draft services require of their callers (a chmod 600 file); "
+                   "default: a fresh random one in a private temporary file, removed at exit")
 
     p = sub.add_parser(
         "serve",
@@ -362,6 +373,23 @@ def _signals_ignored() -> Iterator[None]:
             signal.signal(s, h)
 
 
+@contextlib.contextmanager
+def _auth_token_file(args: argparse.Namespace) -> Iterator[str]:
+    """The ``--auth-token-file`` of the services: the user's (checked now, so a bad file fails
+    before anything starts) or, by default, a fresh :func:`private_token_file`."""
+    if args.auth_token_file is None:
+        with private_token_file() as path:
+            yield path
+        return
+    from dflash_grpc.serving import read_token_file
+
+    try:
+        read_token_file(args.auth_token_file)
+    except ValueError as e:
+        raise CommandError(f"--auth-token-file: {e}") from None
+    yield args.auth_token_file
+
+
 def _serve_tls(args: argparse.Namespace, extra: list[str]) -> int:
     """``serve --tls-dir DIR``: every service serves mutual TLS (server.pem, client certificates
     checked against ca.pem); the orchestrator presents client.pem to the target and draft services,
@@ -393,6 +421,11 @@ def _serve_tls(args: argparse.Namespace, extra: list[str]) -> int:
 
 def _cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     model, drafter = _model_paths(args)
+    with _auth_token_file(args) as token_file:
+        return _serve(args, extra, model, drafter, token_file)
+
+
+def _serve(args: argparse.Namespace, extra: list[str], model: str, drafter: str | None, token_file: str) -> int:
     services = dflash_services(
         model,
         drafter,
@@ -404,8 +437,11 @@ def _cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
         target_args=shlex.split(args.target_args),
         draft_args=shlex.split(args.draft_args),
         orchestrator_args=shlex.split(args.orchestrator_args),
+        auth_token_file=token_file,
     )
     group = ServiceGroup(services, grace=args.grace)
+    print(f"target and draft take calls carrying the token in {token_file} only (the orchestrator's)", file=sys.stderr,
+          flush=True)
 
     def ready(svc: Service) -> None:
         print(f"{svc.name:<12} serving at {svc.address} (pid {group.procs[svc.name].pid})", flush=True)
@@ -445,7 +481,14 @@ def _cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
     task_id, prompt = _humaneval_prompt(args.problem)
     request = _gen_request(args).replace(prompt=prompt)  # checked before the services start
     model, drafter = _model_paths(args)
-    services = dflash_services(model, drafter, ports=free_ports(3), device=args.device, log_level=args.log_level, extra=extra)
+    with _auth_token_file(args) as token_file:
+        return _demo(args, extra, task_id, prompt, request, model, drafter, token_file)
+
+
+def _demo(args: argparse.Namespace, extra: list[str], task_id: str, prompt: str, request: GenerateRequest, model: str,
+          drafter: str | None, token_file: str) -> int:
+    services = dflash_services(model, drafter, ports=free_ports(3), device=args.device, log_level=args.log_level, extra=extra,
+                               auth_token_file=token_file)
     group = ServiceGroup(services, grace=args.grace)
     err = sys.stderr
     print(f"model:   {model}\ndrafter: {drafter or '(none: autoregressive)'}", file=err)
@@ -507,12 +550,14 @@ def _cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
         result = measure(args.address)
     else:
         model, drafter = _model_paths(args)
-        services = dflash_services(model, drafter, ports=free_ports(3), device=args.device, log_level=args.log_level, extra=extra,
-                                   target_args=shlex.split(args.target_args), draft_args=shlex.split(args.draft_args),
-                                   orchestrator_args=shlex.split(args.orchestrator_args))
-        with _sigterm_interrupts(), _running(ServiceGroup(services, grace=args.grace)) as group:
-            group.wait_healthy(args.startup_timeout)
-            result = measure(services[-1].address)
+        with _auth_token_file(args) as token_file:
+            services = dflash_services(model, drafter, ports=free_ports(3), device=args.device, log_level=args.log_level,
+                                       extra=extra, target_args=shlex.split(args.target_args),
+                                       draft_args=shlex.split(args.draft_args),
+                                       orchestrator_args=shlex.split(args.orchestrator_args), auth_token_file=token_file)
+            with _sigterm_interrupts(), _running(ServiceGroup(services, grace=args.grace)) as group:
+                group.wait_healthy(args.startup_timeout)
+                result = measure(services[-1].address)
     table = f"model: {model}\ndrafter: {drafter}\ncommand: dflash-grpc bench {' '.join(sys.argv[2:])}\n" + format_table(result)
     if levels:
         table += "\n\n" + format_concurrency(result["concurrency"])

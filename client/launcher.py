@@ -15,24 +15,39 @@ Typical use::
 :meth:`ServiceGroup.supervise` restarts a service whose process exits (same command line), with
 exponential backoff, and gives up (stops the group, raises :class:`RestartBudgetExhausted`) when
 one crashes too often.
+
+**The internal services' token.** ``dflash_services(..., auth_token_file=PATH)`` passes
+``--auth-token-file PATH`` to all three services: the target and draft services then answer any
+call without that token UNAUTHENTICATED (health checks excepted) and the orchestrator sends it.
+:func:`private_token_file` makes one: a fresh ``secrets.token_urlsafe(32)`` in a file only this
+user may read, in a private temporary directory removed when the block ends. ``dflash-grpc
+serve``, ``demo`` and ``bench`` do this unless given ``--auth-token-file``::
+
+    with private_token_file() as token_file:
+        services = dflash_services(model, drafter, auth_token_file=token_file)
+        ...
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from dflash_grpc.defaults import DEFAULT_HOST, DRAFT_PORT, ORCHESTRATOR_PORT, TARGET_PORT
 
 __all__ = ["RestartBudgetExhausted", "RestartPolicy", "Service", "ServiceExited", "ServiceGroup", "dflash_services",
-           "free_ports"]
+           "free_ports", "private_token_file"]
 
 
 @dataclass
@@ -97,6 +112,27 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
+@contextlib.contextmanager
+def private_token_file(token: str | None = None) -> Iterator[str]:
+    """A file holding ``token`` (default: a fresh ``secrets.token_urlsafe(32)``, 43 characters),
+    for ``--auth-token-file``; yields its path.
+
+    The file (mode 0600) lies in a new directory (mode 0700, ``tempfile.mkdtemp``) that only this
+    user can enter; both are removed when the block ends (a SIGKILL of this process leaves them
+    behind, still private). The token itself is never printed or logged.
+    """
+    token = secrets.token_urlsafe(32) if token is None else token
+    d = tempfile.mkdtemp(prefix="dflash-token-")
+    try:
+        path = os.path.join(d, "auth-token")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(token + "\n")
+        yield path
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def dflash_services(
     model: str,
     drafter: str | None,
@@ -109,6 +145,7 @@ def dflash_services(
     target_args: Sequence[str] = (),
     draft_args: Sequence[str] = (),
     orchestrator_args: Sequence[str] = (),
+    auth_token_file: str | None = None,
 ) -> list[Service]:
     """The three dflash-grpc services (target, draft, orchestrator), in start order.
 
@@ -124,10 +161,14 @@ def dflash_services(
         log_level: ``DFLASH_LOG_LEVEL`` of every child (None: inherited, WARNING by default).
         extra: flags given to every service.
         target_args, draft_args, orchestrator_args: flags given to one service.
+        auth_token_file: ``--auth-token-file`` of every service (see :func:`private_token_file`):
+            the target and draft services take calls carrying that token only, the
+            orchestrator sends it. None: no token (anyone who reaches their ports may call them).
     """
     target_port, draft_port, orch_port = ports
     py = sys.executable
-    common = ["--host", host, *extra]
+    token = ["--auth-token-file", auth_token_file] if auth_token_file is not None else []
+    common = ["--host", host, *token, *extra]
     dev = ["--device", device] if device else []
     env = {"DFLASH_LOG_LEVEL": log_level.upper()} if log_level else {}
     target_addr, draft_addr = f"{host}:{target_port}", f"{host}:{draft_port}"

@@ -8,7 +8,10 @@
 shipped: it works but is untrained). On a CUDA device the batched engine
 (:class:`draft_service.batched.BatchedDrafter`: context pool, batched steps, one CUDA graph per
 batch bucket, captured at start behind a progress bar) serves; on the CPU the per-session
-reference engine. Prints ``READY draft port=N`` once serving.
+reference engine. Prints ``READY draft port=N`` once serving. ``--auth-token-file PATH`` (or
+``$DFLASH_AUTH_TOKEN``) makes every call but health checks require the orchestrator's token
+(UNAUTHENTICATED otherwise; :func:`dflash_grpc.serving.add_security_flags`); ``--reflection``
+turns on gRPC server reflection.
 """
 
 from __future__ import annotations
@@ -30,18 +33,20 @@ log = logging.getLogger("draft_service")
 
 def build_parser() -> argparse.ArgumentParser:
     """The draft service's command line: one flag per :class:`DraftConfig` field, plus the TLS
-    flags of :func:`dflash_grpc.serving.add_tls_flags`."""
-    from dflash_grpc.serving import add_tls_flags
+    flags of :func:`dflash_grpc.serving.add_tls_flags` and the access flags of
+    :func:`dflash_grpc.serving.add_security_flags`."""
+    from dflash_grpc.serving import add_security_flags, add_tls_flags
 
     ap = argparse.ArgumentParser(prog="python -m draft_service", description="DFlash draft service (gRPC)")
     add_flags(ap, DraftConfig)
     add_tls_flags(ap)
+    add_security_flags(ap)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``python -m draft_service`` with ``argv`` (default: ``sys.argv[1:]``) until stopped."""
-    from dflash_grpc.serving import make_server, serve_forever, server_tls_from_args, setup_logging
+    from dflash_grpc.serving import auth_token_from_args, make_server, serve_forever, server_tls_from_args, setup_logging
 
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -49,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     tls = server_tls_from_args(args, ap)  # before loading: a bad flag fails at once
 
     setup_logging(cfg.log_level)
+    token = auth_token_from_args(args, ap, warn_open=True)  # before loading: a bad file fails at once
 
     from dflash_grpc.v1 import draft_pb2_grpc
     from draft_service import default_drafter_path
@@ -88,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         return [SERVICE_NAME]
 
     max_workers = worker_threads(cfg.max_workers, servicer.max_sessions)
-    server, health, port = make_server(add, f"{cfg.host}:{cfg.port}", max_workers=max_workers, tls=tls)
+    server, health, port = make_server(add, f"{cfg.host}:{cfg.port}", max_workers=max_workers, tls=tls,
+                                       auth_token=token, reflection=args.reflection)
     serve_forever(server, health, "draft", port)
     servicer.close()
     return 0

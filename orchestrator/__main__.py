@@ -1,12 +1,18 @@
 """``python -m orchestrator``: the public GenerationService over a target and a draft service.
 
-Every setting is a field of :class:`orchestrator.config.OrchestratorConfig` (docs/CONFIG.md)."""
+Every setting is a field of :class:`orchestrator.config.OrchestratorConfig` (docs/CONFIG.md).
+``--auth-token-file PATH`` (or ``$DFLASH_AUTH_TOKEN``): the target and draft services' shared token,
+sent on every call to them; the public GenerationService stays open to every client.
+``--reflection`` turns on gRPC server reflection."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+import time
+
+import grpc
 
 from dflash_grpc import serving
 from dflash_grpc.v1 import generation_pb2_grpc
@@ -23,11 +29,31 @@ log = logging.getLogger("orchestrator")
 
 def build_parser() -> argparse.ArgumentParser:
     """The orchestrator's command line: one flag per :class:`OrchestratorConfig` field, plus the
-    TLS flags of :func:`dflash_grpc.serving.add_tls_flags` (serving and peers)."""
+    TLS flags of :func:`dflash_grpc.serving.add_tls_flags` (serving and peers) and the access
+    flags of :func:`dflash_grpc.serving.add_security_flags` (the token it sends to its peers)."""
     p = argparse.ArgumentParser(prog="python -m orchestrator", description=__doc__)
     add_flags(p, OrchestratorConfig)
     serving.add_tls_flags(p, peers=True)
+    serving.add_security_flags(p, peers=True)
     return p
+
+
+def _wait_target(target: TargetPeer, timeout: float) -> None:
+    """Poll the target's Info until it answers, for at most ``timeout`` seconds; a refusal of our
+    token (UNAUTHENTICATED) ends the wait at once, as waiting cannot mend it.
+
+    Raises:
+        grpc.RpcError: UNAUTHENTICATED at once, or the last error after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            target.info()
+            return
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED or time.monotonic() > deadline:
+                raise
+            time.sleep(0.25)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,12 +64,21 @@ def main(argv: list[str] | None = None) -> None:
     tls = serving.server_tls_from_args(args, p)
     serving.set_client_tls(serving.peer_tls_from_args(args, p))  # channels to the target and draft services
     serving.setup_logging(cfg.log_level)
+    token = serving.auth_token_from_args(args, p)
+    if token is not None:  # before the peers open their channels
+        serving.add_client_metadata([(serving.AUTH_METADATA_KEY, serving.bearer(token))])
     # The scheduler thread is on every request's critical path; handler threads (one per stream)
     # must not hold the GIL for the default 5 ms when it wakes (tools/orchestrator_overhead.py,
     # one stream: 0.87 -> 0.65 ms per tick).
     sys.setswitchinterval(0.001)
     target = TargetPeer(cfg.target)
-    target.wait_info(cfg.target_wait)
+    try:
+        _wait_target(target, cfg.target_wait)
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.UNAUTHENTICATED:
+            raise
+        p.exit(2, f"{p.prog}: error: the target service at {cfg.target} refused this orchestrator's token "
+                  "(UNAUTHENTICATED): give --auth-token-file with the token the target was started with\n")
     draft = DraftPeer(cfg.draft)
     tokenizer = GGUFTokenizer.from_gguf(cfg.model or default_model_path())
     info = target.info()
@@ -67,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     max_workers = worker_threads(cfg.max_workers, cfg.max_sessions + cfg.max_queue)
     # grpc refuses a larger request before decoding it (RESOURCE_EXHAUSTED)
     server, health, port = serving.make_server(add, f"{cfg.host}:{cfg.port}", max_workers=max_workers, tls=tls,
-                                               max_receive_bytes=cfg.max_request_bytes)
+                                               max_receive_bytes=cfg.max_request_bytes, reflection=args.reflection)
     serving.serve_forever(server, health, "orchestrator", port)
 
 

@@ -85,6 +85,11 @@ class Reason(str, enum.Enum):
     DRAFTER_MISMATCH = "DRAFTER_MISMATCH"
     """The configured drafter was built for another target (orchestrator)."""
 
+    # -- access (UNAUTHENTICATED)
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    """An internal service's call without its orchestrator's token, or with a wrong one
+    (``dflash_grpc.serving.make_server(auth_token=...)``)."""
+
     # -- availability (UNAVAILABLE)
     SHUTTING_DOWN = "SHUTTING_DOWN"
     """The service (its step loop, or the orchestrator's scheduler) is stopping."""

@@ -5,6 +5,9 @@ pool, batched fixed-shape steps, CUDA graphs captured at start behind a progress
 on the CPU the plain-PyTorch reference engine (:class:`~target_service.engine.TargetEngine`).
 ``--engine`` picks one explicitly (the batched engine also runs on the CPU, eagerly).
 Every setting is a field of :class:`target_service.config.TargetConfig` (docs/CONFIG.md).
+``--auth-token-file PATH`` (or ``$DFLASH_AUTH_TOKEN``) makes every call but health checks require
+the orchestrator's token (UNAUTHENTICATED otherwise; :func:`dflash_grpc.serving.add_security_flags`);
+``--reflection`` turns on gRPC server reflection.
 """
 
 from __future__ import annotations
@@ -108,11 +111,13 @@ def build_engine(model_path: str, config: TargetConfig | None = None, *, progres
 
 def build_parser() -> argparse.ArgumentParser:
     """The target service's command line: one flag per :class:`TargetConfig` field, plus the TLS
-    flags of :func:`dflash_grpc.serving.add_tls_flags`."""
+    flags of :func:`dflash_grpc.serving.add_tls_flags` and the access flags of
+    :func:`dflash_grpc.serving.add_security_flags`."""
     p = argparse.ArgumentParser(prog="python -m target_service", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flags(p, TargetConfig)
     serving.add_tls_flags(p)
+    serving.add_security_flags(p)
     return p
 
 
@@ -123,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = from_args(TargetConfig, args)
     tls = serving.server_tls_from_args(args, p)  # before loading: a bad flag fails at once
     serving.setup_logging(cfg.log_level)
+    token = serving.auth_token_from_args(args, p, warn_open=True)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     t0 = time.monotonic()
@@ -141,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
         return ["dflash_grpc.v1.TargetService"]
 
     max_workers = worker_threads(cfg.max_workers, engine.max_sessions)
-    server, health, port = serving.make_server(add, f"{cfg.host}:{cfg.port}", max_workers=max_workers, tls=tls)
+    server, health, port = serving.make_server(add, f"{cfg.host}:{cfg.port}", max_workers=max_workers, tls=tls,
+                                                 auth_token=token, reflection=args.reflection)
     serving.serve_forever(server, health, "target", port)
     loop.stop()
 

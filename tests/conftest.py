@@ -128,10 +128,11 @@ def tiny_drafter(tiny_llama, tmp_path_factory) -> str:
 
 @contextlib.contextmanager
 def target_in_process(model_path: str, *, max_sessions: int, max_context: int, max_workers: int = 4, tls=None,
-                      name: str = "test-target"):
+                      name: str = "test-target", **server_kw):
     """The target service in this process, as ``python -m target_service`` builds it on the CPU
     (``build_engine``: the reference engine; a ``StepLoop``; ``TargetServicer``), served by
-    ``make_server`` on a free loopback port (``tls``: a ``TlsConfig``). Yields the port."""
+    ``make_server`` on a free loopback port (``tls``: a ``TlsConfig``; ``server_kw``: more of
+    ``make_server``'s arguments, e.g. ``auth_token``). Yields the port."""
     from dflash_grpc.serving import make_server
     from dflash_grpc.v1 import target_pb2_grpc
     from runtime.step_loop import StepLoop
@@ -147,7 +148,7 @@ def target_in_process(model_path: str, *, max_sessions: int, max_context: int, m
         return ["dflash_grpc.v1.TargetService"]
 
     try:
-        server, _, port = make_server(add, "127.0.0.1:0", max_workers=max_workers, tls=tls)
+        server, _, port = make_server(add, "127.0.0.1:0", max_workers=max_workers, tls=tls, **server_kw)
         try:
             yield port
         finally:
@@ -157,9 +158,11 @@ def target_in_process(model_path: str, *, max_sessions: int, max_context: int, m
 
 
 @contextlib.contextmanager
-def draft_in_process(drafter_path: str, target_path: str, *, max_sessions: int, max_context: int, max_workers: int = 4):
+def draft_in_process(drafter_path: str, target_path: str, *, max_sessions: int, max_context: int, max_workers: int = 4,
+                     **server_kw):
     """The draft service in this process (``DraftServiceServicer.from_paths``) behind ``make_server``
-    on a free loopback port. Yields ``(servicer, port)``; closes the servicer afterwards."""
+    on a free loopback port (``server_kw``: more of ``make_server``'s arguments, e.g.
+    ``auth_token``). Yields ``(servicer, port)``; closes the servicer afterwards."""
     from dflash_grpc.serving import make_server
     from dflash_grpc.v1 import draft_pb2_grpc
     from draft_service.servicer import SERVICE_NAME, DraftServiceServicer
@@ -171,7 +174,7 @@ def draft_in_process(drafter_path: str, target_path: str, *, max_sessions: int, 
         return [SERVICE_NAME]
 
     try:
-        server, _, port = make_server(add, "127.0.0.1:0", max_workers=max_workers)
+        server, _, port = make_server(add, "127.0.0.1:0", max_workers=max_workers, **server_kw)
         try:
             yield servicer, port
         finally:

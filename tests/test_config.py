@@ -23,8 +23,9 @@ from target_service.config import TargetConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = [TargetConfig, DraftConfig, OrchestratorConfig]
+# flags of dflash_grpc.serving (add_tls_flags, add_security_flags), not of the config dataclasses
 TLS_FLAGS = {"--tls-cert", "--tls-key", "--tls-client-ca", "--insecure", "--peer-tls-ca", "--peer-tls-cert",
-             "--peer-tls-key", "--peer-tls-server-name"}
+             "--peer-tls-key", "--peer-tls-server-name", "--auth-token-file", "--reflection"}
 
 
 def _parser(cls) -> argparse.ArgumentParser:

@@ -15,6 +15,7 @@ The module's tests share one ``serve`` process and run in file order.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -48,8 +49,15 @@ class Serve:
         self.stderr = open(os.devnull, "w") if os.environ.get("DFLASH_QUIET_SERVE") else None
         self.log_path = f"/tmp/dflash-serve-{os.getpid()}.log"
         self.log = open(self.log_path, "w+")
+        # our own token, so that the test can look at the target (serve's own is private)
+        self.token = secrets.token_urlsafe(32)
+        self.token_file = f"/tmp/dflash-serve-{os.getpid()}.token"
+        fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.token)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "client.cli", "serve", "--model", smollm_path, "--port", str(self.ports[0]),
+             "--auth-token-file", self.token_file,
              "--target-port", str(self.ports[1]), "--draft-port", str(self.ports[2]),
              "--target-args", f"--max-sessions {SLOTS} --max-context 512",
              "--orchestrator-args", "--max-queue 64"],
@@ -82,6 +90,7 @@ class Serve:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self.log.close()
+        os.unlink(self.token_file)
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +120,10 @@ def refs(serve, smollm_tokenizer):
         return list(zip(prompts, outs))
 
 
-def _target_free_slots(addr: str) -> int:
-    with serving.channel(addr) as ch:
-        return target_pb2_grpc.TargetServiceStub(ch).Info(target_pb2.TargetInfoRequest(), timeout=10).free_slots
+def _target_free_slots(serve: Serve) -> int:
+    with serving.channel(serve.addr["target"]) as ch:  # the target takes calls with serve's token only
+        return target_pb2_grpc.TargetServiceStub(ch).Info(target_pb2.TargetInfoRequest(), timeout=10,
+                                                          metadata=[("authorization", serving.bearer(serve.token))]).free_slots
 
 
 def test_32_clients_lossless_and_nothing_leaks(serve, refs):
@@ -160,7 +170,7 @@ def test_32_clients_lossless_and_nothing_leaks(serve, refs):
         ticks = sched.ticks - s0.ticks
         mean_batch = (sched.mean_batch * sched.ticks - s0.mean_batch * s0.ticks) / ticks
         assert mean_batch > SLOTS / 2, f"requests were not batched: {mean_batch:.2f} per tick"
-    assert _target_free_slots(serve.addr["target"]) == SLOTS
+    assert _target_free_slots(serve) == SLOTS
     half = [r for t, r in rss if t >= LOAD_SECONDS / 2]
     growth = (max(half[len(half) // 2:]) - half[0]) / half[0]
     print(f"requests {sum(done)} in {LOAD_SECONDS:.0f} s, {mean_batch:.2f} per tick, peak queue {peak_queue}, RSS {half[0] >> 20} -> "

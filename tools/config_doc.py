@@ -1,5 +1,6 @@
 """Write docs/CONFIG.md: every flag of the three services, its default and help, generated from
-their config dataclasses (and the TLS flags from :func:`dflash_grpc.serving.add_tls_flags`).
+their config dataclasses (and the TLS and access flags from :func:`dflash_grpc.serving.add_tls_flags`
+and :func:`dflash_grpc.serving.add_security_flags`).
 
     python tools/config_doc.py           # rewrite docs/CONFIG.md
     python tools/config_doc.py --check   # exit status 1 if docs/CONFIG.md is not what it would write
@@ -63,6 +64,16 @@ def _tls_rows() -> list[tuple[str, str, str]]:
     return rows
 
 
+def _security_rows() -> list[tuple[str, str, str]]:
+    """The access flags every service takes (the target's and draft's wording)."""
+    from dflash_grpc.serving import add_security_flags
+
+    p = argparse.ArgumentParser(add_help=False)
+    add_security_flags(p)
+    return [(a.option_strings[0], "off" if isinstance(a, argparse._StoreTrueAction) else "none", a.help or "")
+            for a in p._actions]
+
+
 def render() -> str:
     """The text of docs/CONFIG.md."""
     lines = [
@@ -92,6 +103,11 @@ def render() -> str:
               "Added by `dflash_grpc.serving.add_tls_flags`; the `--peer-*` flags only by the orchestrator,",
               "which calls the other two.", ""]
     lines += _table(_tls_rows()) + [""]
+    lines += ["## Access flags (every service)", "",
+              "Added by `dflash_grpc.serving.add_security_flags`. The target and draft services require the",
+              "token of `--auth-token-file` (or `$DFLASH_AUTH_TOKEN`) of every caller; the orchestrator sends",
+              "it to them and keeps its own public service open (docs/ARCHITECTURE.md, \"Who may call what\").", ""]
+    lines += _table(_security_rows()) + [""]
     return "\n".join(lines)
 
 
