@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import socket
 import sys
+import uuid
 
 from dflash_grpc import serving
 from dflash_grpc.v1 import generation_pb2_grpc
@@ -16,6 +19,7 @@ from orchestrator.scheduler import Scheduler
 from orchestrator.servicer import GenerationServicer, default_tree
 from runtime.config import add_flags, from_args, worker_threads
 from runtime.defaults import default_model_path
+from runtime.owners import EPOCH_KEY, OWNER_KEY
 from runtime.tokenizer import GGUFTokenizer
 
 log = logging.getLogger("orchestrator")
@@ -42,6 +46,10 @@ def main(argv: list[str] | None = None) -> None:
     # must not hold the GIL for the default 5 ms when it wakes (tools/orchestrator_overhead.py,
     # one stream: 0.87 -> 0.65 ms per tick).
     sys.setswitchinterval(0.001)
+    # Who we are to the target and draft services (every call of the peers' channels carries it): a
+    # name kept across restarts and a new epoch per start, so that the first call (Info, below) frees
+    # the sessions a predecessor of the same name left behind. Before the peers are created.
+    serving.add_client_metadata([(OWNER_KEY, instance_name(cfg)), (EPOCH_KEY, uuid.uuid4().hex)])
     target = TargetPeer(cfg.target)
     target.wait_info(cfg.target_wait)
     draft = DraftPeer(cfg.draft)
@@ -68,7 +76,18 @@ def main(argv: list[str] | None = None) -> None:
     # grpc refuses a larger request before decoding it (RESOURCE_EXHAUSTED)
     server, health, port = serving.make_server(add, f"{cfg.host}:{cfg.port}", max_workers=max_workers, tls=tls,
                                                max_receive_bytes=cfg.max_request_bytes)
-    serving.serve_forever(server, health, "orchestrator", port)
+    # SIGTERM: admit nothing new, let requests finish (--shutdown-timeout), end the rest
+    # UNAVAILABLE / SHUTTING_DOWN, release every session on both services, exit
+    serving.serve_forever(server, health, "orchestrator", port, shutdown_timeout=cfg.shutdown_timeout,
+                          drain=scheduler.drain)
+
+
+def instance_name(cfg: OrchestratorConfig) -> str:
+    """``--instance-name``, else ``orchestrator@<host name>:<port>`` (with port 0, which changes at
+    each start, the process id instead: ``orchestrator@<host name>:pid<pid>``)."""
+    if cfg.instance_name:
+        return cfg.instance_name
+    return f"orchestrator@{socket.gethostname()}:{cfg.port if cfg.port else f'pid{os.getpid()}'}"
 
 
 if __name__ == "__main__":
