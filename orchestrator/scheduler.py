@@ -323,8 +323,9 @@ class Scheduler:
                 on_target.add(req.session_id)
             except grpc.FutureTimeoutError:
                 on_target.add(req.session_id)   # still running: release it on the target anyway
-            except grpc.RpcError:
-                pass                           # refused: nothing opened
+            except Exception:  # noqa: BLE001 - refused or cancelled: nothing opened
+                pass
+        self._prefilling = []
         released = {"target": 0, "draft": 0}
         for peer, who, ids in (("target", self.target, on_target), ("draft", self.draft, on_drafter)):
             stub = getattr(who, "stub", None) if ids else None
@@ -333,8 +334,9 @@ class Scheduler:
                 continue
             try:
                 released[peer] = stub.Release(common_pb2.ReleaseRequest(session_ids=sorted(ids)), timeout=left).released
-            except grpc.RpcError as e:
-                log.warning("release at shutdown failed", extra={"peer": peer, "code": e.code().name, "sessions": len(ids)})
+            except Exception as e:  # noqa: BLE001 - an RPC error, or a channel already closed
+                code = e.code().name if isinstance(e, grpc.RpcError) else type(e).__name__
+                log.warning("release at shutdown failed", extra={"peer": peer, "code": code, "sessions": len(ids)})
         if on_target or on_drafter:
             log.info("released the sessions left at shutdown",
                      extra={"target": len(on_target), "draft": len(on_drafter), "released": released})

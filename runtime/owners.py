@@ -44,6 +44,9 @@ OWNER_KEY = "dflash-owner"
 EPOCH_KEY = "dflash-owner-epoch"
 #: Superseded epochs remembered per name (older ones are forgotten).
 RETIRED_EPOCHS = 16
+#: Seconds after which an owner that holds nothing and makes no call is forgotten (its name's
+#: epochs too, once no owner of that name is left), so that the bookkeeping stays bounded.
+QUIET_S = 60.0
 
 
 class Owner(NamedTuple):
@@ -128,6 +131,25 @@ class Owners:
         with self._lock:
             rec = self._session.get(session_id)
         return rec is None or rec == owner
+
+    def foreign(self, session_ids: Iterable[str], owner: Owner | None) -> set[str]:
+        """Those of ``session_ids`` that ``owner`` may not touch (:meth:`may_touch`), in one look."""
+        if owner is None:
+            return set()
+        with self._lock:
+            return {sid for sid in session_ids if self._session.get(sid, owner) != owner}
+
+    def claim(self, session_ids: Iterable[str], owner: Owner | None) -> None:
+        """Record ``owner`` for those of ``session_ids`` that have no owner yet (sessions it just
+        used successfully: a new drafter session, a session opened in-process), in one look."""
+        if owner is None:
+            return
+        with self._lock:
+            for sid in session_ids:
+                if sid and sid not in self._session:
+                    self._session[sid] = owner
+                    self._by_owner[owner].add(sid)
+            self._last.setdefault(owner, self.clock())
 
     def record(self, session_id: str, owner: Owner | None, *, replace: bool = True) -> None:
         """Note ``owner`` as the session's owner (``replace`` False: only if it has none);
@@ -222,10 +244,16 @@ class Owners:
         now = self.clock()
         out = []
         with self._lock:
-            for owner in [o for o, t in self._last.items()   # owners that hold nothing and went quiet
-                          if not self._by_owner.get(o) and not self._active.get(o) and now - t > max(self.lease_s, 60.0)]:
+            quiet = [o for o, t in self._last.items()   # owners that hold nothing and went quiet: forget them
+                     if not self._by_owner.get(o) and not self._active.get(o) and now - t > max(self.lease_s, QUIET_S)]
+            for owner in quiet:
                 self._last.pop(owner, None)
                 self._by_owner.pop(owner, None)
+            if quiet:
+                names = {o.name for o in self._last}
+                for name in [n for n in self._epoch if n not in names]:
+                    del self._epoch[name]
+                    self._retired.pop(name, None)
             if self.lease_s <= 0:
                 return out
             for owner, ids in list(self._by_owner.items()):

@@ -243,9 +243,10 @@ class StepLoop:
         items = []
         now = self.clock()
         for wi, w in enumerate(batches):
-            for ii, item in enumerate(w.payload):
-                sid = _session_of(item)
-                if w.owner is not None and sid and not self.owners.may_touch(sid, w.owner):
+            sids = [_session_of(item) for item in w.payload]
+            foreign = self.owners.foreign([sid for sid in sids if sid], w.owner)
+            for ii, (item, sid) in enumerate(zip(w.payload, sids)):
+                if sid in foreign:
                     refused[(wi, ii)] = NotOwner(f"session {sid!r} belongs to another owner")
                     continue
                 self._touch(sid, now)
@@ -267,14 +268,15 @@ class StepLoop:
             self.busy_s += dt
         it = iter(results)
         for wi, w in enumerate(batches):
-            out = []
+            out, used = [], []
             for ii, item in enumerate(w.payload):
                 r = refused.get((wi, ii))
                 if r is None:
                     r = next(it)
-                    if w.owner is not None and not isinstance(r, BaseException):
-                        self.owners.record(_session_of(item) or "", w.owner, replace=False)  # a new session is its
+                    if not isinstance(r, BaseException):
+                        used.append(_session_of(item) or "")
                 out.append(r)
+            self.owners.claim(used, w.owner)   # a session it just opened (a drafter's first item) is its
             w.future.set_result(BatchResult(out, dt, len(items), t0 - w.enqueued))
 
     def _run_prefills(self) -> None:

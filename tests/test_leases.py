@@ -69,13 +69,18 @@ def test_owners_bookkeeping():
     o.call_started(b)                                             # b has a call in flight
     clock.t += 0.5
     assert o.expired() == [(a1, ["x", "y"])] and o.owner_of("x") is None
-    clock.t += 100
-    assert o.expired() == [] and o.owner_of("z") == b and o.owner_of("anon") == ANONYMOUS
     # epochs: a new one frees the older's sessions; a superseded one never frees the newer's
     o.record("p", a1)
     assert o.call_started(a2) == ["p"] and o.owner_of("p") is None
     o.record("q", a2)
     assert o.call_started(a1) == [] and o.owner_of("q") == a2
+    o.call_ended(a1)
+    o.call_ended(a2)
+    clock.t += 100
+    assert o.expired() == [(a2, ["q"])]
+    assert o.owner_of("z") == b and o.owner_of("anon") == ANONYMOUS   # a call in flight; anonymous: no lease
+    clock.t += 100
+    assert o.expired() == [] and "a" not in o._epoch   # noqa: SLF001 - quiet owners holding nothing are forgotten
 
 
 # --------------------------------------------------------------------------------------------
