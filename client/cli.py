@@ -43,7 +43,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from client import DEFAULT_ADDRESS, Client, DFlashError, GenerateRequest, GenerationResult, GenerationStream
-from client.launcher import Service, ServiceExited, ServiceGroup, dflash_services, free_ports, private_token_file
+from client.launcher import DEFAULT_GRACE, Service, ServiceExited, ServiceGroup, dflash_services, free_ports, private_token_file
 
 
 class CommandError(Exception):
@@ -116,7 +116,9 @@ def _build_parser() -> argparse.ArgumentParser:
     m.add_argument("--device", default=None, help="device of the target and draft services, e.g. cpu, cuda:0")
     m.add_argument("--log-level", default=None, help="services' log level (default WARNING)")
     m.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for health (default %(default)s)")
-    m.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL on stop")
+    m.add_argument("--grace", type=float, default=DEFAULT_GRACE,
+                   help="seconds between SIGTERM and SIGKILL on stop, per service (the orchestrator first): its "
+                        "--shutdown-timeout plus a margin (default %(default)s)")
     m.add_argument("--auth-token-file", default=None, metavar="PATH",
                    help="the token the target and draft services require of their callers (a chmod 600 file); "
                    "default: a fresh random one in a private temporary file, removed at exit")

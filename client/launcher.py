@@ -46,8 +46,14 @@ from dataclasses import dataclass, field
 
 from dflash_grpc.defaults import DEFAULT_HOST, DRAFT_PORT, ORCHESTRATOR_PORT, TARGET_PORT
 
-__all__ = ["RestartBudgetExhausted", "RestartPolicy", "Service", "ServiceExited", "ServiceGroup", "dflash_services",
-           "free_ports", "private_token_file"]
+__all__ = ["DEFAULT_GRACE", "RestartBudgetExhausted", "RestartPolicy", "Service", "ServiceExited", "ServiceGroup",
+           "dflash_services", "free_ports",
+           "private_token_file"]
+
+#: Seconds :meth:`ServiceGroup.stop` gives each service between SIGTERM and SIGKILL by default: the
+#: services' default ``--shutdown-timeout`` (30 s: requests in flight may finish) plus a margin for
+#: releasing sessions and exiting.
+DEFAULT_GRACE = 40.0
 
 
 @dataclass
@@ -202,13 +208,14 @@ class ServiceGroup:
     """A group of service processes started, health-checked and stopped together.
 
     Args:
-        services: what to run, in start order (stopped in reverse order).
-        grace: seconds :meth:`stop` waits after SIGTERM before it sends SIGKILL.
+        services: what to run, in start order (stopped in reverse order, one after the other).
+        grace: seconds :meth:`stop` waits after SIGTERM before it sends SIGKILL, per service; at
+            least the services' ``--shutdown-timeout`` plus a few seconds (:data:`DEFAULT_GRACE`).
         forward_output: forward the children's stdout (minus READY lines) to our stderr;
             False discards it.
     """
 
-    def __init__(self, services: Sequence[Service], *, grace: float = 10.0, forward_output: bool = True):
+    def __init__(self, services: Sequence[Service], *, grace: float = DEFAULT_GRACE, forward_output: bool = True):
         names = [s.name for s in services]
         if len(set(names)) != len(names):
             raise ValueError(f"service names must be distinct: {names}")
@@ -363,7 +370,10 @@ class ServiceGroup:
                 on_ready(svc)
 
     def stop(self, grace: float | None = None) -> dict[str, int | None]:
-        """Stop every service: SIGTERM (last started first), then SIGKILL after ``grace`` seconds.
+        """Stop every service, last started first and one at a time: SIGTERM, wait for it to
+        exit, SIGKILL after ``grace`` seconds; then the next one. So the orchestrator (started
+        last) drains first (its requests finish or end, and it releases its sessions on the
+        target and the drafter) while those are still up, and they stop after it.
 
         Signals go to each child's process group, so helper processes it started go too.
         Idempotent. Returns the exit status of each service.
@@ -371,17 +381,13 @@ class ServiceGroup:
         grace = self.grace if grace is None else grace
         with self._lock:
             self._stopping = True
-        running = [(n, p) for n, p in reversed(self.procs.items()) if p.poll() is None]
-        for _, proc in running:
+        for _, proc in reversed(list(self.procs.items())):
+            if proc.poll() is not None:
+                continue
             _signal_group(proc, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for _, proc in running:
             try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                proc.wait(timeout=max(0.0, grace))
             except subprocess.TimeoutExpired:
-                pass
-        for _, proc in running:
-            if proc.poll() is None:
                 _signal_group(proc, signal.SIGKILL)
                 proc.wait()
         for t in self._readers:

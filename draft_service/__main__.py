@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``python -m draft_service`` with ``argv`` (default: ``sys.argv[1:]``) until stopped."""
-    from dflash_grpc.serving import auth_token_from_args, make_server, serve_forever, server_tls_from_args, setup_logging
+    from dflash_grpc.serving import (auth_token_from_args, make_server, serve_forever, server_tls_from_args, setup_logging,
+                                     streams_in_flight)
+    from runtime.step_loop import wait_drained
 
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("drafter ready", extra={"engine": type(servicer.engine).__name__, "graph_captures": servicer.engine.captures,
                                      "max_sessions": servicer.max_sessions, "seconds": round(time.monotonic() - t0, 2)})
     servicer.loop.idle_timeout = cfg.session_idle_timeout  # read by the loop thread at each look
+    servicer.loop.owners.lease_s = cfg.lease_s
 
     if cfg.metrics_port:
         from dflash_grpc.service_metrics import serve_metrics
@@ -96,7 +99,16 @@ def main(argv: list[str] | None = None) -> int:
     max_workers = worker_threads(cfg.max_workers, servicer.max_sessions)
     server, health, port = make_server(add, f"{cfg.host}:{cfg.port}", max_workers=max_workers, tls=tls,
                                        auth_token=token, reflection=args.reflection)
-    serve_forever(server, health, "draft", port)
+    # SIGTERM: refuse new work; wait (--shutdown-timeout) until the clients released their sessions
+    # or closed their streams; release what is left
+    serve_forever(server, health, "draft", port, shutdown_timeout=cfg.shutdown_timeout,
+                  drain=lambda left: wait_drained(servicer.loop, lambda: streams_in_flight(server), left))
+    try:
+        n = servicer.loop.release_all()
+    except Exception:  # noqa: BLE001 - exiting anyway
+        log.exception("releasing the sessions left failed")
+        n = -1
+    log.info("stopped; released the sessions left", extra={"sessions": n})
     servicer.close()
     return 0
 

@@ -19,7 +19,7 @@ class DraftConfig:
 
     Units: ``max_context`` and ``prefill_chunk`` in rows (tokens) per session; ``max_top_k`` in
     candidates per tree depth; ``gpu_memory_bytes`` in bytes; ``batch_buckets`` in sessions;
-    ``session_idle_timeout`` in seconds.
+    ``session_idle_timeout``, ``lease_s`` and ``shutdown_timeout`` in seconds.
 
     Device-dependent defaults are ``auto`` / ``None``: :meth:`resolved()` decides ``dtype`` (bf16 on
     CUDA, f32 on the CPU) and ``engine`` (batched on CUDA, reference on the CPU); ``max_context``
@@ -59,6 +59,12 @@ class DraftConfig:
         "8 more are kept for unary calls")
     session_idle_timeout: float = setting(
         300.0, "release a session unused for this long (its Release was lost); 0 = never", metavar="SECONDS")
+    lease_s: float = setting(
+        5.0, "release every session of an owner (an orchestrator: its dflash-owner metadata) that has no call in "
+        "flight, an open stream included, for this long; 0 = never", metavar="SECONDS")
+    shutdown_timeout: float = setting(
+        30.0, "on SIGTERM: refuse new work, wait this long at most for clients to release their sessions "
+        "(or close their streams), then end the streams left and exit", metavar="SECONDS")
     metrics_port: int = setting(0, "Prometheus metrics HTTP port on --host: step time, batch size, pool use (0: off)")
     log_level: str | None = setting(None, "log level (default WARNING, or $DFLASH_LOG_LEVEL)")
 

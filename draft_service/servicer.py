@@ -30,7 +30,13 @@ not created) and every other item alone:
 * ``RESOURCE_EXHAUSTED``: all session slots are taken and this session is new
   (``NO_FREE_SLOT``); the session would exceed ``max_context`` rows (``CONTEXT_FULL``); out of
   device memory (``OUT_OF_MEMORY``);
+* ``PERMISSION_DENIED``: the session belongs to another owner (reason ``NOT_OWNER``: the
+  caller's ``dflash-owner`` metadata differs from the one that opened it; :mod:`runtime.owners`);
 * ``INTERNAL``: anything unexpected (reason ``INTERNAL``, logged).
+
+Owners: a session is the caller's that opened it (its first Propose); a Release naming another
+owner's session skips it. Every call, a Propose stream for its whole life, holds the caller's
+lease (:meth:`runtime.step_loop.StepLoop.enter`).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from draft_service.batched import BatchedDrafter, DraftItem, ReferenceDrafterEng
 from draft_service.drafter import DFlashDrafter
 from draft_service.gguf_io import load_drafter
 from runtime.errors import InvalidArgument, Reason
+from runtime.owners import Owner, caller
 from runtime.status import item_status
 from runtime.step_loop import StepLoop, run_items
 
@@ -209,14 +216,21 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
     # ---- RPCs ----------------------------------------------------------------------------------
 
     def Info(self, request: draft_pb2.DrafterInfoRequest, context: grpc.ServicerContext) -> draft_pb2.DrafterInfo:
-        return self.info()
+        with self.loop.enter(caller(context)):   # a restarted owner frees its predecessor's sessions here
+            return self.info()
 
     def Propose(self, request_iterator: Iterable[draft_pb2.ProposeRequest], context: grpc.ServicerContext) -> Iterator[draft_pb2.ProposeResponse]:
-        for request in request_iterator:
-            yield self.propose(request)
+        owner = caller(context)
+        scope = self.loop.enter(owner)   # the open stream holds the owner's lease
+        context.add_callback(scope.close)
+        with scope:
+            for request in request_iterator:
+                yield self.propose(request, owner)
 
     def Release(self, request: common_pb2.ReleaseRequest, context: grpc.ServicerContext) -> common_pb2.ReleaseResponse:
-        return common_pb2.ReleaseResponse(released=self.release(request.session_ids))
+        owner = caller(context)
+        with self.loop.enter(owner):
+            return common_pb2.ReleaseResponse(released=self.release(request.session_ids, owner))
 
     # ---- plain-Python API (the RPCs call these) ------------------------------------------------
 
@@ -246,9 +260,11 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
             mask_token_id=c.mask_token_id,
         )
 
-    def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
-        """One result per item, in order; the items that decode go to the engine as one batch."""
-        outs, done = run_items(self.loop, request.items, decode_item)
+    def propose(self, request: draft_pb2.ProposeRequest, owner: Owner | None = None) -> draft_pb2.ProposeResponse:
+        """One result per item, in order; the items that decode go to the engine as one batch
+        (for ``owner``: an item naming another owner's session is refused, ``NOT_OWNER``; None:
+        unchecked)."""
+        outs, done = run_items(self.loop, request.items, decode_item, owner)
         results = []
         for item, out in zip(request.items, outs):
             if isinstance(out, BaseException):
@@ -259,9 +275,10 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.ProposeResponse(results=results, compute_s=done.compute_s, batch_items=done.batch_items,
                                          queue_s=done.queue_s)
 
-    def release(self, session_ids: Iterable[str]) -> int:
-        """Drop the sessions (on the loop thread); returns how many existed (unknown ids are ignored)."""
-        return self.loop.release(list(session_ids))
+    def release(self, session_ids: Iterable[str], owner: Owner | None = None) -> int:
+        """Drop the sessions (on the loop thread); returns how many existed (unknown ids, and with
+        ``owner`` those of another owner, are skipped)."""
+        return self.loop.release(list(session_ids), owner)
 
     def session_length(self, session_id: str) -> int | None:
         """Context rows held for a session, or None when it does not exist."""

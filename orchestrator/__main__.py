@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import socket
 import sys
 import time
+import uuid
 
 import grpc
 
@@ -22,6 +25,7 @@ from orchestrator.scheduler import Scheduler
 from orchestrator.servicer import GenerationServicer, default_tree
 from runtime.config import add_flags, from_args, worker_threads
 from runtime.defaults import default_model_path
+from runtime.owners import EPOCH_KEY, OWNER_KEY
 from runtime.tokenizer import GGUFTokenizer
 
 log = logging.getLogger("orchestrator")
@@ -71,6 +75,10 @@ def main(argv: list[str] | None = None) -> None:
     # must not hold the GIL for the default 5 ms when it wakes (tools/orchestrator_overhead.py,
     # one stream: 0.87 -> 0.65 ms per tick).
     sys.setswitchinterval(0.001)
+    # Who we are to the target and draft services (every call of the peers' channels carries it): a
+    # name kept across restarts and a new epoch per start, so that the first call (Info, below) frees
+    # the sessions a predecessor of the same name left behind. Before the peers are created.
+    serving.add_client_metadata([(OWNER_KEY, instance_name(cfg)), (EPOCH_KEY, uuid.uuid4().hex)])
     target = TargetPeer(cfg.target)
     try:
         _wait_target(target, cfg.target_wait)
@@ -103,7 +111,18 @@ def main(argv: list[str] | None = None) -> None:
     # grpc refuses a larger request before decoding it (RESOURCE_EXHAUSTED)
     server, health, port = serving.make_server(add, f"{cfg.host}:{cfg.port}", max_workers=max_workers, tls=tls,
                                                max_receive_bytes=cfg.max_request_bytes, reflection=args.reflection)
-    serving.serve_forever(server, health, "orchestrator", port)
+    # SIGTERM: admit nothing new, let requests finish (--shutdown-timeout), end the rest
+    # UNAVAILABLE / SHUTTING_DOWN, release every session on both services, exit
+    serving.serve_forever(server, health, "orchestrator", port, shutdown_timeout=cfg.shutdown_timeout,
+                          drain=scheduler.drain)
+
+
+def instance_name(cfg: OrchestratorConfig) -> str:
+    """``--instance-name``, else ``orchestrator@<host name>:<port>`` (with port 0, which changes at
+    each start, the process id instead: ``orchestrator@<host name>:pid<pid>``)."""
+    if cfg.instance_name:
+        return cfg.instance_name
+    return f"orchestrator@{socket.gethostname()}:{cfg.port if cfg.port else f'pid{os.getpid()}'}"
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ class OrchestratorConfig:
     Units: ``max_tokens`` in tokens; ``tree_budget`` and ``step_nodes`` in tree nodes (draft nodes,
     the root not counted, resp. verify nodes); ``draft_top_k`` in candidates per depth;
     ``max_depth`` in tree levels; ``max_sessions`` and ``max_queue`` in requests;
-    ``step_timeout`` and ``target_wait`` in seconds; ``draft_history_mib`` in MiB (2**20 bytes);
+    ``step_timeout``, ``target_wait`` and ``shutdown_timeout`` in seconds; ``draft_history_mib`` in MiB (2**20 bytes);
     ``max_prompt_chars`` in characters (Unicode code points); ``max_request_bytes`` in bytes.
 
     Defaults that depend on the target are 0 (auto) and decided by :meth:`resolved()` once the
@@ -86,6 +86,12 @@ class OrchestratorConfig:
         0, "most bytes of a GenerateRequest message; grpc refuses a larger one (RESOURCE_EXHAUSTED) before "
         "decoding it (0: 4 x max_prompt_chars + 1 MiB, at most 256 MiB)")
     target_wait: float = setting(120.0, "seconds to wait for the target at start")
+    instance_name: str | None = setting(
+        None, "this orchestrator's name to the target and draft services (dflash-owner metadata): keep it across "
+        "restarts, so that a restart frees its predecessor's sessions at once (default: orchestrator@<host>:<port>)")
+    shutdown_timeout: float = setting(
+        30.0, "on SIGTERM: admit no new request, let running and queued ones finish for this long at most, then "
+        "end them UNAVAILABLE (SHUTTING_DOWN), release every session and exit", metavar="SECONDS")
     metrics_port: int = setting(0, "Prometheus metrics HTTP port (0: off)")
     max_workers: int | None = setting(
         None, "gRPC worker threads (one per open Generate stream; default: max sessions + max queue + 16); "

@@ -227,6 +227,7 @@ class Scheduler:
         self._verify: StreamCall | None = None
         self._propose: StreamCall | None = None
         self._stop = threading.Event()
+        self._draining = False   # drain(): admit nothing new
         self.ticks = 0
         self.batched_items = 0
         self.fallbacks = 0
@@ -241,11 +242,11 @@ class Scheduler:
 
         Raises:
             Rejected: RESOURCE_EXHAUSTED / ``QUEUE_FULL`` when ``max_queue`` requests already
-                wait, or UNAVAILABLE / ``SHUTTING_DOWN`` when the scheduler is stopped.
+                wait, or UNAVAILABLE / ``SHUTTING_DOWN`` when the scheduler is draining or stopped.
         """
         req.speculative = req.speculative and self.draft.address is not None  # no drafter configured: plain
         with self._lock:
-            if self._stop.is_set():
+            if self._stop.is_set() or self._draining:
                 raise Rejected(grpc.StatusCode.UNAVAILABLE, "orchestrator is shutting down", Reason.SHUTTING_DOWN)
             held = self._held()
             if len(self._queue) >= self.max_queue and (held >= self.max_sessions or self._queue):
@@ -282,11 +283,63 @@ class Scheduler:
             ticks=self.ticks, mean_batch=self.batched_items / self.ticks if self.ticks else 0.0,
             tree_budget_now=self.budget_now, drafting=self.drafting, draft_fallbacks=self.fallbacks)
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """End every request (UNAVAILABLE), release their sessions and stop the thread."""
+    def drain(self, timeout: float, release_timeout: float = 5.0) -> bool:
+        """Graceful shutdown (``--shutdown-timeout``): admit nothing new (:meth:`submit` raises
+        UNAVAILABLE / ``SHUTTING_DOWN``), let running and queued requests go on until none is left
+        or ``timeout`` seconds passed, then :meth:`stop` (what is left ends UNAVAILABLE /
+        ``SHUTTING_DOWN``; every session is released, waiting for the Release calls at most
+        ``release_timeout`` seconds). Returns True when every request had finished by itself."""
+        with self._lock:
+            self._draining = True
+            left = len(self._queue) + self._held()
+        log.info("draining", extra={"requests": left, "timeout_s": timeout})
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            with self._lock:
+                busy = len(self._queue) + self._held()
+            if not busy or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        self.stop(release_timeout=release_timeout)
+        return not busy
+
+    def stop(self, timeout: float = 5.0, release_timeout: float = 5.0) -> None:
+        """End every request (UNAVAILABLE / ``SHUTTING_DOWN``), release their sessions on the
+        target and the drafter and stop the thread. Returns once the Release calls were answered
+        (at most ``timeout`` seconds for the thread, then ``release_timeout`` for the releases)."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        deadline = time.monotonic() + max(0.0, release_timeout)
+        # the thread's last act released its requests' sessions asynchronously: wait for the answers
+        while (self._releasing["target"] or self._releasing["draft"]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # sessions it could not release: prefills answered after it stopped, or a thread stuck in a tick
+        on_target = {r.session_id for r in self._active if r.on_target}
+        on_drafter = {r.session_id for r in self._active if r.on_drafter}
+        for req, fut in list(self._prefilling):
+            try:
+                fut.result(timeout=max(0.0, deadline - time.monotonic() - 1.0))   # keep 1 s for the Releases
+                on_target.add(req.session_id)
+            except grpc.FutureTimeoutError:
+                on_target.add(req.session_id)   # still running: release it on the target anyway
+            except Exception:  # noqa: BLE001 - refused or cancelled: nothing opened
+                pass
+        self._prefilling = []
+        released = {"target": 0, "draft": 0}
+        for peer, who, ids in (("target", self.target, on_target), ("draft", self.draft, on_drafter)):
+            stub = getattr(who, "stub", None) if ids else None
+            left = max(1.0, deadline - time.monotonic())
+            if stub is None:
+                continue
+            try:
+                released[peer] = stub.Release(common_pb2.ReleaseRequest(session_ids=sorted(ids)), timeout=left).released
+            except Exception as e:  # noqa: BLE001 - an RPC error, or a channel already closed
+                code = e.code().name if isinstance(e, grpc.RpcError) else type(e).__name__
+                log.warning("release at shutdown failed", extra={"peer": peer, "code": code, "sessions": len(ids)})
+        if on_target or on_drafter:
+            log.info("released the sessions left at shutdown",
+                     extra={"target": len(on_target), "draft": len(on_drafter), "released": released})
 
     # ------------------------------------------------------------------ scheduler thread
     def _end(self, req: Request, event) -> None:

@@ -17,6 +17,7 @@ class Code(enum.Enum):
 
     INVALID_ARGUMENT = "INVALID_ARGUMENT"
     NOT_FOUND = "NOT_FOUND"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     FAILED_PRECONDITION = "FAILED_PRECONDITION"
     UNAVAILABLE = "UNAVAILABLE"
@@ -61,6 +62,12 @@ class Reason(str, enum.Enum):
     SESSION_NOT_FOUND = "SESSION_NOT_FOUND"
     """The session is not (or no longer) live: never opened, released, reaped, or the service
     restarted."""
+
+    # -- ownership (PERMISSION_DENIED)
+    NOT_OWNER = "NOT_OWNER"
+    """The session belongs to another owner (``dflash-owner`` / ``dflash-owner-epoch`` metadata:
+    another orchestrator, or an older start of this one); it was not touched (PERMISSION_DENIED;
+    :mod:`runtime.owners`)."""
 
     # -- capacity (RESOURCE_EXHAUSTED)
     NO_FREE_SLOT = "NO_FREE_SLOT"

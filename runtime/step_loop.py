@@ -12,6 +12,14 @@ through ``engine.release`` the sessions unused for longer than ``idle_timeout`` 
 Release was lost must not hold a slot forever). A session whose prefill is in progress is never
 idle.
 
+Owners and leases (:mod:`runtime.owners`; docs/ARCHITECTURE.md, "Owners, leases and shutdown"):
+work submitted with an ``owner`` is checked on the loop thread against ``loop.owners``: an item
+or a release naming a session of another owner is refused for that item
+(:class:`~runtime.owners.NotOwner`) and never reaches the engine; a session an owner opened (a
+prefill that finished, a first item that succeeded) is recorded as its. Every tick the loop also
+releases the sessions of owners whose lease ran out (:meth:`Owners.expired`), and
+:meth:`StepLoop.enter` releases at once the sessions of an owner's superseded epochs.
+
 Used by both services: the target's engine (:class:`target_service.engine.TargetEngine` or
 :class:`target_service.batched_engine.BatchedEngine`) and the draft service's engine, through the
 ``verify_batch`` / ``start_prefill`` / ``run_prefill`` methods (a draft engine has no prefill:
@@ -30,6 +38,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from runtime.errors import EngineError, Reason, SessionNotFound, Unavailable
+from runtime.owners import NotOwner, Owner, Owners
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +49,7 @@ class _Work:
     payload: Any
     future: Future
     enqueued: float = dataclasses.field(default_factory=time.perf_counter)
+    owner: Owner | None = None     # None: an in-process caller, not checked
 
 
 @dataclasses.dataclass
@@ -68,15 +78,19 @@ class StepLoop:
             changed later (``loop.idle_timeout = ...``).
         reap_interval: most seconds between two looks for idle sessions (at most ``idle_timeout``).
         clock: the monotonic clock of the idle times (tests inject a fake one).
+        owners: the session owners and leases (default: a new :class:`~runtime.owners.Owners`
+            without leases, on ``clock``); ``loop.owners.lease_s`` may be changed later.
     """
 
     def __init__(self, engine, prefill_budget: int = 512, name: str = "engine", batch_method: str = "verify_batch",
-                 idle_timeout: float = 0.0, reap_interval: float = 5.0, clock: Callable[[], float] = time.monotonic):
+                 idle_timeout: float = 0.0, reap_interval: float = 5.0, clock: Callable[[], float] = time.monotonic,
+                 owners: Owners | None = None):
         self.engine = engine
+        self.name = name
         self._batch_fn = getattr(engine, batch_method)
         self.prefill_budget = max(1, int(prefill_budget))
         self._q: queue.Queue[_Work | None] = queue.Queue()
-        self._prefills: collections.deque[tuple[Any, Future]] = collections.deque()
+        self._prefills: collections.deque[tuple[Any, Future, Owner | None]] = collections.deque()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-step-loop", daemon=True)
         #: ticks that ran a batch, batched items, seconds in batches, prefill tokens
@@ -91,47 +105,79 @@ class StepLoop:
         self.reaped = 0
         self._last_used: dict[str, float] = {}   # session id -> clock() of its last item / prefill
         self._next_reap: float | None = None
+        self.owners = owners if owners is not None else Owners(clock=clock)
+        self._next_lease_check = 0.0
         self._thread.start()
 
     # ------------------------------------------------------------------ submitting
-    def _submit(self, kind: str, payload) -> Future:
+    def _submit(self, kind: str, payload, owner: Owner | None = None) -> Future:
         if self._stop.is_set():
             raise Unavailable("the step loop is stopped")
         fut: Future = Future()
-        self._q.put(_Work(kind, payload, fut))
+        self._q.put(_Work(kind, payload, fut, owner=owner))
         return fut
 
-    def submit_batch(self, items: list) -> Future:
-        """Queue items for the next batched step; the future gives a :class:`BatchResult`."""
-        return self._submit("batch", list(items))
+    def submit_batch(self, items: list, owner: Owner | None = None) -> Future:
+        """Queue items for the next batched step; the future gives a :class:`BatchResult`.
+        With ``owner``, an item naming a session of another owner gets
+        :class:`~runtime.owners.NotOwner` as its result instead of running."""
+        return self._submit("batch", list(items), owner)
 
-    def batch(self, items: list) -> BatchResult:
+    def batch(self, items: list, owner: Owner | None = None) -> BatchResult:
         """:meth:`submit_batch` and wait."""
-        return self.submit_batch(items).result()
+        return self.submit_batch(items, owner).result()
 
-    def submit_prefill(self, *args) -> Future:
+    def submit_prefill(self, *args, owner: Owner | None = None) -> Future:
         """Queue ``engine.start_prefill(*args)`` and its chunks; the future gives ``job.outcome``
-        (or raises the engine's error)."""
-        return self._submit("prefill", args)
+        (or raises the engine's error). The session is recorded as ``owner``'s once it opened."""
+        return self._submit("prefill", args, owner)
 
-    def prefill(self, *args) -> Any:
+    def prefill(self, *args, owner: Owner | None = None) -> Any:
         """:meth:`submit_prefill` and wait."""
-        return self.submit_prefill(*args).result()
+        return self.submit_prefill(*args, owner=owner).result()
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn()`` on the loop thread (between steps) and return its result."""
         return self._submit("call", fn).result()
 
-    def release(self, session_ids: list[str]) -> int:
-        """``engine.release(session_ids)`` on the loop thread."""
+    def release(self, session_ids: list[str], owner: Owner | None = None) -> int:
+        """``engine.release(session_ids)`` on the loop thread; returns how many existed. With
+        ``owner``, the ids of sessions of another owner are skipped (not released, not
+        counted)."""
         ids = list(session_ids)
 
         def release() -> int:
-            for sid in ids:
-                self._last_used.pop(sid, None)
-            return self.engine.release(ids)
+            mine = [sid for sid in ids if self.owners.may_touch(sid, owner)]
+            if len(mine) < len(ids):
+                log.info("release refused for sessions of another owner", extra={"owner": str(owner),
+                                                                                  "refused": len(ids) - len(mine)})
+            return self._release_ids(mine)
 
         return self.call(release)
+
+    def release_all(self) -> int:
+        """Release every session the engine holds (on the loop thread); returns how many."""
+        return self.call(lambda: self._release_ids(list(getattr(self.engine, "sessions", ()))))
+
+    def held(self) -> int:
+        """Sessions the engine holds now (read without waiting for the loop: a snapshot)."""
+        return len(getattr(self.engine, "sessions", ()))
+
+    def enter(self, owner: Owner) -> "CallScope":
+        """A call of ``owner`` begins (a unary call or a whole stream): it holds the owner's lease
+        until the returned scope is closed (``with``, or ``scope.close()``; idempotent). A new
+        epoch of a known owner name releases the sessions of its older epochs here, at once."""
+        stale = self.owners.call_started(owner)
+        scope = CallScope(self.owners, owner)
+        if stale:
+            try:
+                n = self.call(lambda: self._release_ids(stale))
+            except EngineError:  # the loop is stopping
+                n = 0
+            log.info("an owner restarted: released its predecessor's sessions",
+                     extra={"loop": self.name, "owner": owner.name, "epoch": owner.epoch[:8], "sessions": len(stale),
+                            "released": n})
+        return scope
 
     def reap(self) -> list[str]:
         """Release the sessions idle for longer than ``idle_timeout`` now (on the loop thread, as
@@ -147,10 +193,13 @@ class StepLoop:
 
     # ------------------------------------------------------------------ the loop
     def _take(self) -> list[_Work]:
-        """Everything queued; waits (up to 0.5 s) for the first item only when no prefill is pending."""
+        """Everything queued; waits (up to 0.5 s, less with short leases) for the first item only
+        when no prefill is pending."""
         work = []
+        lease = self.owners.lease_s
+        wait = min(0.5, max(0.02, lease / 4)) if lease > 0 else 0.5
         try:
-            work.append(self._q.get(timeout=0.5) if not self._prefills else self._q.get_nowait())
+            work.append(self._q.get(timeout=wait) if not self._prefills else self._q.get_nowait())
             while True:
                 work.append(self._q.get_nowait())
         except queue.Empty:
@@ -162,6 +211,7 @@ class StepLoop:
             try:
                 self._tick(self._take())
                 self._maybe_reap()
+                self._expire_leases()
             except Exception:  # noqa: BLE001 - the loop must survive a bug in one tick
                 log.exception("step loop tick failed")
         for w in self._take():
@@ -173,8 +223,6 @@ class StepLoop:
         for w in work:
             if w.kind == "batch":
                 batches.append(w)
-                for item in w.payload:
-                    self._touch(_session_of(item), now)
             elif w.kind == "call":
                 _settle(w.future, w.payload)
             elif w.kind == "prefill":
@@ -183,36 +231,58 @@ class StepLoop:
                 except BaseException as e:  # noqa: BLE001
                     w.future.set_exception(e)
                     continue
-                self._prefills.append((job, w.future))
+                self._prefills.append((job, w.future, w.owner))
                 self._touch(_session_of(job) or _session_of(w.payload), now)
         if batches:
             self._run_batches(batches)
         self._run_prefills()
 
     def _run_batches(self, batches: list[_Work]) -> None:
-        items = [item for w in batches for item in w.payload]
+        # items naming another owner's session are refused here, on the loop thread, untouched
+        refused: dict[tuple[int, int], EngineError] = {}
+        items = []
+        now = self.clock()
+        for wi, w in enumerate(batches):
+            sids = [_session_of(item) for item in w.payload]
+            foreign = self.owners.foreign([sid for sid in sids if sid], w.owner)
+            for ii, (item, sid) in enumerate(zip(w.payload, sids)):
+                if sid in foreign:
+                    refused[(wi, ii)] = NotOwner(f"session {sid!r} belongs to another owner")
+                    continue
+                self._touch(sid, now)
+                items.append(item)
+        if refused:
+            log.info("items refused for sessions of another owner", extra={"refused": len(refused)})
         t0 = time.perf_counter()
         try:
-            results = self._batch_fn(items)
+            results = self._batch_fn(items) if items else []
         except BaseException as e:  # noqa: BLE001 - a failed step fails its requests, not the loop
             log.exception("batched step failed", extra={"items": len(items)})
             for w in batches:
                 w.future.set_exception(e)
             return
         dt = time.perf_counter() - t0
-        self.ticks += 1
-        self.items += len(items)
-        self.busy_s += dt
-        at = 0
-        for w in batches:
-            n = len(w.payload)
-            w.future.set_result(BatchResult(results[at : at + n], dt, len(items), t0 - w.enqueued))
-            at += n
+        if items:
+            self.ticks += 1
+            self.items += len(items)
+            self.busy_s += dt
+        it = iter(results)
+        for wi, w in enumerate(batches):
+            out, used = [], []
+            for ii, item in enumerate(w.payload):
+                r = refused.get((wi, ii))
+                if r is None:
+                    r = next(it)
+                    if not isinstance(r, BaseException):
+                        used.append(_session_of(item) or "")
+                out.append(r)
+            self.owners.claim(used, w.owner)   # a session it just opened (a drafter's first item) is its
+            w.future.set_result(BatchResult(out, dt, len(items), t0 - w.enqueued))
 
     def _run_prefills(self) -> None:
         budget = self.prefill_budget
         while budget > 0 and self._prefills:
-            job, fut = self._prefills[0]
+            job, fut, owner = self._prefills[0]
             try:
                 n = self.engine.run_prefill(job, budget)
             except BaseException as e:  # noqa: BLE001
@@ -220,6 +290,7 @@ class StepLoop:
                 if getattr(e, "reason", None) is not Reason.SESSION_EXISTS:  # else the live session is another's
                     self.engine.release([job.session_id])
                     self._last_used.pop(job.session_id, None)
+                    self.owners.forget([job.session_id])
                 fut.set_exception(e)
                 continue
             self.prefill_tokens += n
@@ -228,6 +299,7 @@ class StepLoop:
                 self._prefills.popleft()
                 self._touch(job.session_id, self.clock())
                 if job.outcome is not None:
+                    self.owners.record(job.session_id, owner)
                     fut.set_result(job.outcome)
                 else:
                     fut.set_exception(SessionNotFound(f"session {job.session_id!r} was released during its prefill"))
@@ -264,7 +336,7 @@ class StepLoop:
                 del self._last_used[sid]
             for sid in live:
                 self._last_used.setdefault(sid, now)
-        for job, _ in self._prefills:  # a prefill in progress is use
+        for job, _, _ in self._prefills:  # a prefill in progress is use
             self._touch(job.session_id, now)
         idle = [(sid, now - t) for sid, t in self._last_used.items() if now - t > timeout]
         if not idle:
@@ -272,6 +344,7 @@ class StepLoop:
         ids = [sid for sid, _ in idle]
         for sid in ids:
             del self._last_used[sid]
+        self.owners.forget(ids)
         try:
             self.engine.release(ids)
         except Exception:  # noqa: BLE001 - keep serving; the ids are forgotten either way
@@ -284,6 +357,74 @@ class StepLoop:
         return ids
 
 
+    # ------------------------------------------------------------------ owners and leases
+    def _release_ids(self, ids: list[str]) -> int:
+        """``engine.release(ids)`` and forget them (loop thread only); returns how many existed."""
+        for sid in ids:
+            self._last_used.pop(sid, None)
+        self.owners.forget(ids)
+        return self.engine.release(ids) if ids else 0
+
+    def _expire_leases(self) -> None:
+        """Release the sessions of owners whose lease ran out (:meth:`Owners.expired`), and
+        forget the records of sessions the engine no longer holds; loop thread, at most every
+        0.05 s."""
+        now = time.monotonic()
+        if now < self._next_lease_check:
+            return
+        self._next_lease_check = now + 0.05
+        live = getattr(self.engine, "sessions", None)
+        if live is not None:
+            self.owners.keep_only(list(live))
+        for owner, ids in self.owners.expired():
+            try:
+                n = self._release_ids(ids)
+            except Exception:  # noqa: BLE001 - keep serving; the ids are forgotten either way
+                log.exception("releasing the sessions of an expired lease failed", extra={"sessions": len(ids)})
+                continue
+            log.info("lease expired: released the owner's sessions",
+                     extra={"loop": self.name, "owner": owner.name, "epoch": owner.epoch[:8], "sessions": len(ids),
+                            "released": n, "lease_s": self.owners.lease_s})
+
+
+class CallScope:
+    """One call of an owner (:meth:`StepLoop.enter`): holds the owner's lease until closed."""
+
+    def __init__(self, owners: Owners, owner: Owner):
+        self.owners = owners
+        self.owner = owner
+        self._lock = threading.Lock()
+        self._open = True
+
+    def close(self) -> None:
+        """End the call (idempotent: safe from both the handler and a gRPC done-callback)."""
+        with self._lock:
+            if not self._open:
+                return
+            self._open = False
+        self.owners.call_ended(self.owner)
+
+    def __enter__(self) -> "CallScope":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def wait_drained(loop: StepLoop, streams_in_flight: Callable[[], int], timeout: float, poll: float = 0.05) -> bool:
+    """Graceful shutdown of a target or draft service (docs/ARCHITECTURE.md, "Owners, leases and
+    shutdown"): wait until the engine holds no session (its clients released them) or no stream
+    is in flight (``streams_in_flight()``, e.g. :func:`dflash_grpc.serving.streams_in_flight`),
+    at most ``timeout`` seconds. Returns True when drained before the timeout."""
+    deadline = time.monotonic() + max(0.0, timeout)
+    while True:
+        if loop.held() == 0 or streams_in_flight() == 0:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll)
+
+
 def _session_of(item) -> str | None:
     """The session id an item, prefill job or ``start_prefill`` arguments name: a
     ``session_id`` attribute (:class:`draft_service.batched.DraftItem`, prefill jobs) or the
@@ -294,11 +435,13 @@ def _session_of(item) -> str | None:
     return sid if isinstance(sid, str) else None
 
 
-def run_items(loop: "StepLoop", items: list, decode: Callable[[Any], Any]) -> tuple[list, BatchResult]:
+def run_items(loop: "StepLoop", items: list, decode: Callable[[Any], Any],
+              owner: Owner | None = None) -> tuple[list, BatchResult]:
     """What a servicer does with a stream message: ``decode`` each item (an
     :class:`EngineError` it raises becomes that item's outcome), run the decoded ones as one batch
-    on ``loop``, and return ``(outcomes, batch)``: one outcome per item in order (a result or an
-    exception; a failed step gives every batched item its exception) and the batch's timing."""
+    on ``loop`` for ``owner`` (:meth:`StepLoop.submit_batch`), and return ``(outcomes, batch)``:
+    one outcome per item in order (a result or an exception; a failed step gives every batched
+    item its exception) and the batch's timing."""
     decoded, outcomes = [], []
     for item in items:
         try:
@@ -309,7 +452,7 @@ def run_items(loop: "StepLoop", items: list, decode: Callable[[Any], Any]) -> tu
     done = BatchResult([], 0.0, 0, 0.0)
     if decoded:
         try:
-            done = loop.batch(decoded)
+            done = loop.batch(decoded, owner)
         except Exception as e:  # noqa: BLE001 - the step itself failed: each item says why
             done = BatchResult([e] * len(decoded), 0.0, len(decoded), 0.0)
     it = iter(done.results)
@@ -323,4 +466,4 @@ def _settle(fut: Future, fn: Callable[[], Any]) -> None:
         fut.set_exception(e)
 
 
-__all__ = ["BatchResult", "EngineError", "StepLoop", "run_items"]
+__all__ = ["BatchResult", "CallScope", "EngineError", "StepLoop", "run_items", "wait_drained"]

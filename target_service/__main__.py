@@ -27,7 +27,8 @@ from runtime.config import add_flags, from_args, worker_threads
 from runtime.defaults import default_model_path
 from runtime.fingerprint import model_fingerprint, tokenizer_fingerprint
 from runtime.gguf_loader import open_gguf
-from runtime.step_loop import StepLoop
+from runtime.owners import Owners
+from runtime.step_loop import StepLoop, wait_drained
 from target_service.config import TargetConfig
 from target_service.engine import TargetEngine
 from target_service.models import load_model
@@ -135,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     engine, info = build_engine(cfg.model or default_model_path(), cfg,
                                 progress=log.isEnabledFor(logging.INFO) or sys.stderr.isatty())
     log.info("target loaded", extra={"model": info.model_name, "seconds": round(time.monotonic() - t0, 2)})
-    loop = StepLoop(engine, prefill_budget=cfg.prefill_budget, name="target", idle_timeout=cfg.session_idle_timeout)
+    loop = StepLoop(engine, prefill_budget=cfg.prefill_budget, name="target", idle_timeout=cfg.session_idle_timeout,
+                    owners=Owners(lease_s=cfg.lease_s))
     servicer = TargetServicer(loop, info)
     if cfg.metrics_port:
         from dflash_grpc.service_metrics import serve_metrics
@@ -149,7 +151,16 @@ def main(argv: list[str] | None = None) -> None:
     max_workers = worker_threads(cfg.max_workers, engine.max_sessions)
     server, health, port = serving.make_server(add, f"{cfg.host}:{cfg.port}", max_workers=max_workers, tls=tls,
                                                  auth_token=token, reflection=args.reflection)
-    serving.serve_forever(server, health, "target", port)
+    # SIGTERM: refuse new work; wait (--shutdown-timeout) until the clients released their sessions
+    # or closed their streams; release what is left
+    serving.serve_forever(server, health, "target", port, shutdown_timeout=cfg.shutdown_timeout,
+                          drain=lambda left: wait_drained(loop, lambda: serving.streams_in_flight(server), left))
+    try:
+        n = loop.release_all()
+    except Exception:  # noqa: BLE001 - exiting anyway
+        log.exception("releasing the sessions left failed")
+        n = -1
+    log.info("stopped; released the sessions left", extra={"sessions": n})
     loop.stop()
 
 

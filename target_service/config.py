@@ -20,7 +20,7 @@ class TargetConfig:
     Units: ``max_context``, ``max_step_tokens``, ``prefill_chunk`` and ``prefill_budget`` in
     tokens (rows); ``max_tree_width`` in tree nodes, ``max_tree_depth`` in tree levels;
     ``gpu_memory_fraction`` a share of the device's memory (0..1); ``gpu_memory_bytes`` in bytes;
-    ``session_idle_timeout`` in seconds; ``batch_buckets`` in sessions, ``width_buckets`` in tree
+    ``session_idle_timeout``, ``lease_s`` and ``shutdown_timeout`` in seconds; ``batch_buckets`` in sessions, ``width_buckets`` in tree
     nodes.
 
     Device-dependent defaults are ``auto`` / ``None`` and resolved once by :meth:`resolved()`:
@@ -63,6 +63,12 @@ class TargetConfig:
     prefill_budget: int = setting(512, "prompt tokens prefilled per step-loop tick")
     session_idle_timeout: float = setting(
         300.0, "release a session unused for this long (its Release was lost); 0 = never", metavar="SECONDS")
+    lease_s: float = setting(
+        5.0, "release every session of an owner (an orchestrator: its dflash-owner metadata) that has no call in "
+        "flight, an open stream included, for this long; 0 = never", metavar="SECONDS")
+    shutdown_timeout: float = setting(
+        30.0, "on SIGTERM: refuse new work, wait this long at most for clients to release their sessions "
+        "(or close their streams), then end the streams left and exit", metavar="SECONDS")
     max_workers: int | None = setting(
         None, "gRPC worker threads for streams (one per open Verify stream; default: session slots + 16); "
         "8 more are kept for unary calls")

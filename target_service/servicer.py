@@ -7,6 +7,12 @@ is RESOURCE_EXHAUSTED / ``OUT_OF_MEMORY``, anything else INTERNAL (logged). A un
 (Prefill) aborts with the status and the reason in trailing metadata (``dflash-reason``); inside
 a Verify stream message each item gets its own ``ItemStatus`` (``code``, ``reason``,
 ``message``), so one bad item touches no other session.
+
+Owners (:mod:`runtime.owners`): every call is made by the owner its metadata names (anonymous
+without it). A Prefill records the sessions it opens as the caller's; a Verify item or a Release
+naming another owner's session is refused for that item (PERMISSION_DENIED, reason
+``NOT_OWNER``; a Release just skips it) and the session is not touched. Every call, a Verify
+stream for its whole life, holds the caller's lease (:meth:`runtime.step_loop.StepLoop.enter`).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from dflash_grpc.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dflash_grpc.wire import tensor_to_proto
 from target_service.engine import Sampling
 from runtime.errors import EngineError, InvalidArgument, Reason, ResourceExhausted
+from runtime.owners import caller
 from runtime.status import abort_with, item_status, status_of  # noqa: F401 (re-exported)
 from runtime.step_loop import StepLoop, run_items
 
@@ -72,6 +79,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.info = info
 
     def Info(self, request, context):
+        with self.loop.enter(caller(context)):   # a restarted owner frees its predecessor's sessions here
+            return self._info()
+
+    def _info(self) -> common_pb2.ModelInfo:
         info = common_pb2.ModelInfo()
         info.CopyFrom(self.info)
         engine = self.loop.engine
@@ -81,6 +92,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return info
 
     def Prefill(self, request, context):
+        owner = caller(context)
+        with self.loop.enter(owner):
+            return self._prefill(request, context, owner)
+
+    def _prefill(self, request, context, owner):
         engine = self.loop.engine
         need = prefill_reply_bytes(request.items, engine.cfg.hidden_size)
         if need > self.max_reply_bytes:   # refused before work: no session opened
@@ -94,7 +110,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             try:
                 sampling = Sampling.checked(s.temperature, s.top_k, s.top_p, s.seed if s.HasField("seed") else None)
                 futures.append((item.session_id, self.loop.submit_prefill(item.session_id, list(item.prompt_tokens), sampling,
-                                                                           list(item.feature_layer_ids))))
+                                                                           list(item.feature_layer_ids), owner=owner)))
             except EngineError as e:  # bad sampling, or the loop is stopped (UNAVAILABLE)
                 futures.append((item.session_id, e))
         results, opened, error = [], [], None
@@ -115,14 +131,21 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                       f"{self.max_reply_bytes}-byte message limit")
         if error is not None or not context.is_active():   # refused, or cancelled / past its deadline
             if opened:  # all-or-nothing: undo the items of this call that did open
-                self.loop.release(opened)
+                self.loop.release(opened, owner)
             if error is not None:
                 abort_with(context, error)
         return response
 
     def Verify(self, request_iterator, context):
+        owner = caller(context)
+        scope = self.loop.enter(owner)   # the open stream holds the owner's lease
+        context.add_callback(scope.close)
+        with scope:
+            yield from self._verify(request_iterator, owner)
+
+    def _verify(self, request_iterator, owner):
         for request in request_iterator:
-            outs, done = run_items(self.loop, request.items, _decode_verify_item)
+            outs, done = run_items(self.loop, request.items, _decode_verify_item, owner)
             results = []
             for item, out in zip(request.items, outs):
                 if isinstance(out, BaseException):
@@ -136,4 +159,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                             queue_s=done.queue_s)
 
     def Release(self, request, context):
-        return common_pb2.ReleaseResponse(released=self.loop.release(list(request.session_ids)))
+        owner = caller(context)
+        with self.loop.enter(owner):
+            return common_pb2.ReleaseResponse(released=self.loop.release(list(request.session_ids), owner))

@@ -307,7 +307,7 @@ def test_target_and_draft_main_wire_the_token(monkeypatch, tiny_llama, tiny_draf
     monkeypatch.setattr(serving, "setup_logging", lambda level=None: None)  # keep pytest's log capture
     seen = {}
 
-    def serve_forever(server, health, name, port):
+    def serve_forever(server, health, name, port, **kwargs):
         try:
             with _channel(port) as ch:
                 info = ch.unary_unary(f"/dflash_grpc.v1.{name.title()}Service/Info")

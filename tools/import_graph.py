@@ -43,7 +43,7 @@ ENTRY_POINTS = {"client.cli", "client.launcher"}
 
 #: modules of the runtime the orchestrator may stand on: those that import no torch
 TORCH_FREE = {"runtime", "runtime.errors", "runtime.sampling", "runtime.defaults", "runtime.gguf_loader",
-              "runtime.tokenizer", "runtime.fingerprint", "runtime.config", "runtime.tree"}
+              "runtime.tokenizer", "runtime.fingerprint", "runtime.config", "runtime.tree", "runtime.owners"}
 
 
 def modules() -> dict[str, str]:

@@ -25,6 +25,12 @@ draft service on a non-loopback ``--host`` logs a warning: anyone who reaches it
 it (mutual TLS alone does not help when clients of the orchestrator hold certificates of the
 same CA). The token is compared in constant time and never logged. Server reflection is off
 unless ``--reflection`` (``make_server(..., reflection=True)``).
+
+Graceful shutdown (:func:`serve_forever`, :func:`graceful_stop`; docs/ARCHITECTURE.md, "Owners,
+leases and shutdown"): on SIGTERM or SIGINT every health name turns NOT_SERVING, new calls are
+refused UNAVAILABLE with reason ``SHUTTING_DOWN`` (health, reflection and ``Release`` calls
+excepted), the streams in flight may finish for up to ``shutdown_timeout`` seconds (or the
+service's ``drain`` decides), then those left end UNAVAILABLE and the server stops.
 """
 
 from __future__ import annotations
@@ -51,9 +57,9 @@ from dflash_grpc.transport import GRPC_OPTIONS, MAX_MESSAGE_BYTES, TlsConfig, Tl
 __all__ = [
     "AUTH_METADATA_KEY", "AUTH_TOKEN_ENV", "GRPC_OPTIONS", "MIN_TOKEN_CHARS", "TlsConfig", "TlsError",
     "add_client_metadata", "add_security_flags", "add_tls_flags", "auth_token_from_args", "bearer", "channel",
-    "check_token", "client_metadata", "client_tls", "set_client_metadata", "is_loopback", "make_server",
+    "check_token", "client_metadata", "client_tls", "graceful_stop", "set_client_metadata", "is_loopback", "make_server",
     "peer_tls_from_args", "read_token_file", "serve_forever", "server_tls_from_args", "set_client_tls", "setup_logging",
-    "wait_healthy",
+    "start_draining", "streams_in_flight", "wait_healthy",
 ]
 
 log = logging.getLogger("dflash_grpc.serving")
@@ -154,6 +160,106 @@ class _StreamLimit(grpc.ServerInterceptor):
                 release()
 
         return run
+
+
+#: Reason code of a call refused or ended because the server is shutting down
+#: (``runtime.errors.Reason.SHUTTING_DOWN``; this package imports nothing of ours).
+SHUTTING_DOWN = "SHUTTING_DOWN"
+
+#: Calls a draining server still answers: health, reflection, and releases (they free work).
+_ALWAYS_OPEN = ("/grpc.health.", "/grpc.reflection.")
+
+
+class _DrainGate(grpc.ServerInterceptor):
+    """The server's shutdown gate, outermost of :func:`make_server`'s interceptors.
+
+    Counts the streaming calls in flight (:attr:`streams`). Once :attr:`draining`, a new call is
+    refused UNAVAILABLE, reason ``SHUTTING_DOWN``, except health, reflection and methods named
+    ``Release`` (a draining service must still let its clients free their sessions). Once
+    :attr:`ending`, a request stream still open ends UNAVAILABLE / ``SHUTTING_DOWN`` when its next
+    message arrives (one waiting for a message ends when the server stops).
+    """
+
+    def __init__(self):
+        self.draining = False
+        self.ending = False
+        self._lock = threading.Lock()
+        self.streams = 0
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        method = handler_call_details.method or ""
+        if handler is None or method.startswith(_ALWAYS_OPEN):
+            return handler
+        keep_open = method.rsplit("/", 1)[-1] == "Release"
+        rs, ss = handler.request_streaming, handler.response_streaming
+        des, ser = handler.request_deserializer, handler.response_serializer
+        if not rs and not ss:
+            behavior = handler.unary_unary
+
+            def unary_unary(request, context):
+                self._admit(context, method, keep_open)
+                return behavior(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(unary_unary, des, ser)
+        if rs and ss:
+            behavior = handler.stream_stream
+
+            def stream_stream(request_iterator, context):
+                done = self._enter(context, method, keep_open)
+                try:
+                    yield from behavior(self._requests(request_iterator, context), context)
+                finally:
+                    done()
+
+            return grpc.stream_stream_rpc_method_handler(stream_stream, des, ser)
+        if ss:
+            behavior = handler.unary_stream
+
+            def unary_stream(request, context):
+                done = self._enter(context, method, keep_open)
+                try:
+                    yield from behavior(request, context)
+                finally:
+                    done()
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, des, ser)
+        behavior = handler.stream_unary
+
+        def stream_unary(request_iterator, context):
+            done = self._enter(context, method, keep_open)
+            try:
+                return behavior(self._requests(request_iterator, context), context)
+            finally:
+                done()
+
+        return grpc.stream_unary_rpc_method_handler(stream_unary, des, ser)
+
+    def _admit(self, context, method: str, keep_open: bool) -> None:
+        if self.draining and not keep_open:
+            abort(context, grpc.StatusCode.UNAVAILABLE, f"{method}: the server is shutting down", SHUTTING_DOWN)
+
+    def _enter(self, context, method: str, keep_open: bool) -> Callable[[], None]:
+        self._admit(context, method, keep_open)
+        with self._lock:
+            self.streams += 1
+        held = [True]
+
+        def done() -> None:
+            with self._lock:
+                if held[0]:
+                    held[0] = False
+                    self.streams -= 1
+
+        context.add_callback(done)   # however the call ends
+        return done
+
+    def _requests(self, request_iterator, context):
+        for request in request_iterator:
+            if self.ending:
+                abort(context, grpc.StatusCode.UNAVAILABLE, "the server is shutting down: its shutdown timeout passed",
+                      SHUTTING_DOWN)
+            yield request
 
 
 class _MalformedRequestIsInvalidArgument(grpc.ServerInterceptor):
@@ -329,9 +435,11 @@ def make_server(
         limit = max(1, min(int(max_receive_bytes), MAX_MESSAGE_BYTES))
         options = [(k, v) for k, v in GRPC_OPTIONS if k != "grpc.max_receive_message_length"]
         options.append(("grpc.max_receive_message_length", limit))
+    gate = _DrainGate()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=pool), options=options,
-                         interceptors=[*interceptors, _StreamLimit(max_workers), _MalformedRequestIsInvalidArgument()],
+                         interceptors=[*interceptors, gate, _StreamLimit(max_workers), _MalformedRequestIsInvalidArgument()],
                          maximum_concurrent_rpcs=pool)
+    server._dflash_gate = gate  # read by serve_forever / graceful_stop / streams_in_flight
     names = list(add_servicers(server))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -346,8 +454,76 @@ def make_server(
     return server, health_servicer, port
 
 
-def serve_forever(server: grpc.Server, health_servicer: health.HealthServicer, name: str, port: int) -> None:
-    """Block until SIGINT/SIGTERM, then mark NOT_SERVING and stop the server (5 s grace)."""
+def streams_in_flight(server: grpc.Server) -> int:
+    """Streaming calls in flight on a server of :func:`make_server` (health watches and
+    reflection not counted); 0 for another server."""
+    gate = getattr(server, "_dflash_gate", None)
+    return gate.streams if gate is not None else 0
+
+
+def start_draining(server: grpc.Server, health_servicer: health.HealthServicer | None = None) -> None:
+    """First step of a graceful shutdown (:func:`graceful_stop` does it): every health name
+    NOT_SERVING (for good), and new calls refused UNAVAILABLE / ``SHUTTING_DOWN`` (health,
+    reflection and ``Release`` excepted; a server of :func:`make_server` only)."""
+    if health_servicer is not None:
+        health_servicer.enter_graceful_shutdown()
+    gate = getattr(server, "_dflash_gate", None)
+    if gate is not None:
+        gate.draining = True
+
+
+def graceful_stop(server: grpc.Server, health_servicer: health.HealthServicer, *, shutdown_timeout: float = 5.0,
+                  drain: Callable[[float], Any] | None = None, name: str = "server") -> None:
+    """Shut a server of :func:`make_server` down gracefully, like vLLM's ``--shutdown-timeout``.
+
+    1. :func:`start_draining`: health NOT_SERVING for every name, new calls refused UNAVAILABLE /
+       ``SHUTTING_DOWN``;
+    2. ``drain(seconds_left)`` when given (the service's own wait, which decides when it is
+       done: e.g. the orchestrator's scheduler finishing its requests and releasing their
+       sessions; it should return within the seconds given), else wait until no stream is in
+       flight; at most ``shutdown_timeout`` s;
+    3. streams still open end UNAVAILABLE / ``SHUTTING_DOWN`` at their next request message
+       (handlers the drain ended get 0.5 s to send their status), and the server stops: grpc
+       cancels what is left (UNAVAILABLE, no reason).
+
+    Args:
+        shutdown_timeout: seconds streams in flight may take to finish (>= 0).
+        drain: called with the seconds left; exceptions are logged, not raised.
+    """
+    log = logging.getLogger(name)
+    t0 = time.monotonic()
+    deadline = t0 + max(0.0, float(shutdown_timeout))
+    start_draining(server, health_servicer)
+    log.info("shutting down", extra={"shutdown_timeout_s": shutdown_timeout, "streams": streams_in_flight(server)})
+    if drain is not None:
+        try:
+            drain(max(0.0, deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001 - stop the server whatever the drain did
+            log.exception("drain failed")
+    else:
+        _wait(lambda: streams_in_flight(server) == 0, deadline)
+    gate = getattr(server, "_dflash_gate", None)
+    if gate is not None:
+        gate.ending = True
+    # handlers the drain ended (e.g. Generate streams told SHUTTING_DOWN) send their status now
+    _wait(lambda: streams_in_flight(server) == 0, time.monotonic() + 0.5)
+    log.info("stopped", extra={"seconds": round(time.monotonic() - t0, 2), "streams_cut": streams_in_flight(server)})
+    server.stop(grace=0.25).wait()
+
+
+def _wait(done: Callable[[], bool], deadline: float, poll: float = 0.02) -> bool:
+    while not done():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll)
+    return True
+
+
+def serve_forever(server: grpc.Server, health_servicer: health.HealthServicer, name: str, port: int, *,
+                  shutdown_timeout: float = 5.0, drain: Callable[[float], Any] | None = None) -> None:
+    """Print ``READY <name> port=<port>``, block until SIGINT/SIGTERM, then
+    :func:`graceful_stop` (``shutdown_timeout`` seconds for the streams in flight, ``drain``).
+    A second signal during the shutdown changes nothing."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -356,8 +532,7 @@ def serve_forever(server: grpc.Server, health_servicer: health.HealthServicer, n
     print(f"READY {name} port={port}", flush=True)
     while not stop.wait(0.5):
         pass
-    health_servicer.enter_graceful_shutdown()
-    server.stop(grace=5).wait()
+    graceful_stop(server, health_servicer, shutdown_timeout=shutdown_timeout, drain=drain, name=name)
 
 
 _client_tls: TlsConfig | None = None
