@@ -357,7 +357,8 @@ class DraftPeer:
             info = self.stub.Info(draft_pb2.DrafterInfoRequest(), timeout=self.probe_timeout_s)
         except grpc.RpcError as e:
             if not self.breaker.allows():
-                self.detail = f"{self._open_detail()}; probe: {e.code().name}"
+                why = self.breaker.why
+                self.detail = f"circuit open: {why}; probe: {e.code().name}" if why else f"unreachable: {e.code().name}"
             return False
         with self._lock:
             self._layers = list(info.target_layer_ids)
@@ -365,9 +366,6 @@ class DraftPeer:
                 self._info = info
                 self.detail = "half-open: the drafter answered a probe; the next Propose decides"
         return True
-
-    def _open_detail(self) -> str:
-        return f"circuit open: {self.breaker.why}" if self.breaker.why else "unreachable"
 
     def _watch(self) -> None:
         while not self._closed.is_set():
@@ -400,7 +398,7 @@ class DraftPeer:
         with self._lock:
             self.breaker.failed(why)
             self._info = None
-            self.detail = f"{self._open_detail()}; probing"
+            self.detail = f"circuit open: {why}; probing"
         self._failed.set()
 
     def mark_ok(self) -> None:
