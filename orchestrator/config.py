@@ -21,7 +21,9 @@ class OrchestratorConfig:
     Units: ``max_tokens`` in tokens; ``tree_budget`` and ``step_nodes`` in tree nodes (draft nodes,
     the root not counted, resp. verify nodes); ``draft_top_k`` in candidates per depth;
     ``max_depth`` in tree levels; ``max_sessions`` and ``max_queue`` in requests;
-    ``step_timeout``, ``target_wait`` and ``shutdown_timeout`` in seconds; ``draft_history_mib`` in MiB (2**20 bytes);
+    ``step_timeout``, ``target_wait`` and ``shutdown_timeout`` in seconds; ``draft_deadline_min_ms`` and
+    ``draft_deadline_ms`` in milliseconds, ``draft_deadline_row_us`` in microseconds per feature
+    row; ``draft_deadline_factor`` in measured Propose round trips; ``draft_history_mib`` in MiB (2**20 bytes);
     ``max_prompt_chars`` in characters (Unicode code points); ``max_request_bytes`` in bytes.
 
     Defaults that depend on the target are 0 (auto) and decided by :meth:`resolved()` once the
@@ -30,7 +32,10 @@ class OrchestratorConfig:
     :attr:`FALLBACK_SESSIONS` if it reports none), ``max_prompt_chars``
     (:attr:`PROMPT_CHARS_PER_TOKEN` times the target's context) and ``max_request_bytes`` (4 bytes,
     UTF-8's most per character, times ``max_prompt_chars``, plus :attr:`REQUEST_BYTES_SLACK` for
-    the other fields, at most 256 MiB).
+    the other fields, at most 256 MiB). Defaults that depend on the drafter are decided when it is
+    reached (:meth:`draft_deadline_for`): ``draft_deadline_ms`` and ``draft_deadline_row_us``
+    (:attr:`DRAFT_DEADLINE_MS_CUDA`, :attr:`DRAFT_ROW_US_CUDA` for a CUDA drafter, the ``_CPU``
+    ones for any other).
 
     Size limits are checked before any tokenizing, so a huge prompt is refused at once instead of
     stalling the server while it is tokenized (a 20 MB prompt took 22 s and 2.7 GB to be refused
@@ -59,6 +64,15 @@ class OrchestratorConfig:
     PROMPT_CHARS_PER_TOKEN: ClassVar[int] = 16
     #: bytes ``max_request_bytes`` 0 allows beyond 4 per prompt character (stop strings, roles, ...)
     REQUEST_BYTES_SLACK: ClassVar[int] = 1 << 20
+    #: ``draft_deadline_ms`` 0 resolves to this for a CUDA drafter ...
+    DRAFT_DEADLINE_MS_CUDA: ClassVar[int] = 500
+    #: ... and to this for any other (CPU Propose round trips of the shipped drafter: 0.4 s median, 1.5 s with
+    #: two torch threads on a busy 2-core machine)
+    DRAFT_DEADLINE_MS_CPU: ClassVar[int] = 10000
+    #: ``draft_deadline_row_us`` 0 resolves to this for a CUDA drafter ...
+    DRAFT_ROW_US_CUDA: ClassVar[int] = 50
+    #: ... and to this for any other (the shipped drafter appends about 1 ms per row on a busy 2-core CPU)
+    DRAFT_ROW_US_CPU: ClassVar[int] = 2000
 
     target: str = setting(help="target service address host:port")
     draft: str | None = setting(None, "draft service address host:port (omit: autoregressive only)")
@@ -75,7 +89,18 @@ class OrchestratorConfig:
     step_nodes: int = setting(
         0, f"verify nodes per tick shared by the batch: trees shrink as the batch grows "
         f"(0: {STEP_NODES_CUDA} on a CUDA target, {STEP_NODES_CPU} on a CPU one)")
-    step_timeout: float = setting(120.0, "seconds a Propose or Verify may take before the peer counts as failed")
+    step_timeout: float = setting(120.0, "seconds a Verify may take before the target counts as failed (and the most a "
+                                         "Propose may take, past its own deadline)")
+    draft_deadline_factor: float = setting(
+        4.0, "a Propose may take this many times the drafter's measured round trip (moving average) before the "
+        "tick goes on without trees and the drafter's circuit opens (0: no drafter deadline but the step timeout)")
+    draft_deadline_min_ms: float = setting(50.0, "least Propose deadline (ms)")
+    draft_deadline_ms: float = setting(
+        0.0, "most Propose deadline (ms), and the deadline before a round trip is measured "
+        f"(0: {DRAFT_DEADLINE_MS_CUDA:g} for a CUDA drafter, {DRAFT_DEADLINE_MS_CPU:g} for a CPU one)")
+    draft_deadline_row_us: float = setting(
+        0.0, "more Propose deadline per feature row of a new or recreated drafter session (a prompt or a history) "
+        f"(us; 0: {DRAFT_ROW_US_CUDA:g} for a CUDA drafter, {DRAFT_ROW_US_CPU:g} for a CPU one)")
     draft_history_mib: float = setting(
         64.0, "feature history kept per request to resume drafting after a drafter restart (MiB)")
     max_prompt_chars: int = setting(
@@ -102,6 +127,16 @@ class OrchestratorConfig:
     def auto_step_nodes(cls, target_device: str) -> int:
         """``step_nodes`` 0 decided for a target on ``target_device`` (its ``ModelInfo.device``)."""
         return cls.STEP_NODES_CUDA if str(target_device).startswith("cuda") else cls.STEP_NODES_CPU
+
+    @classmethod
+    def draft_deadline_for(cls, drafter_device: str, max_ms: float = 0.0, row_us: float = 0.0) -> tuple[float, float]:
+        """``(draft_deadline_ms, draft_deadline_row_us)`` for a drafter on ``drafter_device`` (its
+        ``ModelInfo.device``): ``max_ms`` and ``row_us``, each of them 0 decided by the device
+        (:attr:`DRAFT_DEADLINE_MS_CUDA` / :attr:`DRAFT_ROW_US_CUDA` on CUDA, the ``_CPU`` ones
+        otherwise). Resolved when the drafter is reached, not at start: it may be reached later."""
+        cuda = str(drafter_device).startswith("cuda")
+        return (max_ms or (cls.DRAFT_DEADLINE_MS_CUDA if cuda else cls.DRAFT_DEADLINE_MS_CPU),
+                row_us or (cls.DRAFT_ROW_US_CUDA if cuda else cls.DRAFT_ROW_US_CPU))
 
     @classmethod
     def sessions_for(cls, requested: int, target_slots: int) -> int:

@@ -7,7 +7,10 @@ Three kinds of call feed them:
 * :func:`observe_verify`, once per item of every verify step: the speculative-decoding counters
   (named like vLLM's ``spec_decode_*`` metrics), acceptance length, forwards, autoregressive steps;
 * :func:`observe_tick`, :func:`set_queue_depth`, :func:`set_active_sessions`,
-  :func:`observe_fallback`, :func:`observe_admission`: the batching scheduler, per tick or event.
+  :func:`observe_fallback`, :func:`observe_admission`: the batching scheduler, per tick or event;
+* :func:`set_draft_deadline`, :func:`observe_deadline_miss`, :func:`set_draft_circuit`: the
+  drafter's Propose deadline and circuit breaker (docs/ARCHITECTURE.md, "Drafter deadlines and
+  circuit breaker").
 
 The per-step functions run on the scheduler thread every tick, so they only bump pre-resolved
 metric children (a label lookup happens once per label value, then is cached here).
@@ -21,6 +24,7 @@ Useful queries::
       / rate(dflash_spec_decode_num_drafted_per_pos_total[5m])                # by position
     rate(dflash_acceptance_length_sum[1m]) / rate(dflash_acceptance_length_count[1m])  # tau
     histogram_quantile(0.99, rate(dflash_scheduler_step_seconds_bucket{part="verify"}[1m]))
+    dflash_draft_circuit{state="open"}                                       # 1 while no Propose is sent
 """
 
 from __future__ import annotations
@@ -62,6 +66,11 @@ QUEUE_DEPTH = Gauge("dflash_queue_depth", "Requests admitted and waiting for a s
 ACTIVE_SESSIONS = Gauge("dflash_active_sessions", "Requests decoding now (one target session each)")
 FALLBACKS = Counter("dflash_draft_fallbacks_total", "Times the drafter failed and sessions went on without it, by reason", ["reason"])
 ADMISSIONS = Counter("dflash_admissions_total", "Admission decisions on new requests (admitted, queued, rejected)", ["outcome"])
+DEADLINE_MISSES = Counter("dflash_draft_deadline_misses_total", "Propose calls the drafter did not answer within their deadline")
+DRAFT_DEADLINE = Gauge("dflash_draft_deadline_seconds", "Deadline of the latest Propose call, seconds")
+CIRCUIT = Gauge("dflash_draft_circuit", "The drafter's circuit breaker: 1 for its current state (closed, half_open, open), 0 for the others",
+                ["state"])
+_CIRCUIT_STATES = ("closed", "half_open", "open")
 
 _STEP_DRAFT = STEP_SECONDS.labels(part="draft")
 _STEP_VERIFY = STEP_SECONDS.labels(part="verify")
@@ -154,3 +163,20 @@ def observe_admission(outcome: str) -> None:
     if c is None:
         c = _ADMISSION[outcome] = ADMISSIONS.labels(outcome=outcome)
     c.inc()
+
+
+def observe_deadline_miss() -> None:
+    """Count one Propose call the drafter did not answer within its deadline (it also counts as a
+    fallback, :func:`observe_fallback` with reason ``draft_deadline``)."""
+    DEADLINE_MISSES.inc()
+
+
+def set_draft_deadline(seconds: float) -> None:
+    """The deadline of the Propose call being sent, seconds."""
+    DRAFT_DEADLINE.set(seconds)
+
+
+def set_draft_circuit(state: str) -> None:
+    """The drafter's circuit breaker is now in ``state`` (``closed``, ``half_open`` or ``open``)."""
+    for s in _CIRCUIT_STATES:
+        CIRCUIT.labels(state=s).set(1 if s == state else 0)

@@ -22,13 +22,36 @@ head of the queue. Refusals are told apart by their reason code (``ItemStatus.re
 trailing metadata of a refused call: :func:`dflash_grpc.transport.reason_of`), never by their
 message text.
 
-Faults: a drafter failure (RPC error, or an item error) never fails a request: the tick goes on
-with root-only trees (plain autoregressive decoding) and the drafter is probed again with
-backoff (:class:`orchestrator.peers.DraftPeer`). Each request keeps the features of its
-committed rows (up to ``history_bytes``), so when the drafter is back, its sessions are
-re-created from that history and speculation resumes. A target failure ends every request of
-the batch with UNAVAILABLE (reason ``TARGET_UNAVAILABLE``) after the tokens already delivered;
-the Verify stream is re-opened on the next tick, so a restarted target serves new requests.
+Faults: a drafter failure (RPC error, a missed deadline, or an item error) never fails a
+request: the tick goes on with root-only trees (plain autoregressive decoding). Each request
+keeps the features of its committed rows (up to ``history_bytes``), so when the drafter is back,
+its sessions are re-created from that history and speculation resumes. A target failure ends
+every request of the batch with UNAVAILABLE (reason ``TARGET_UNAVAILABLE``) after the tokens
+already delivered; the Verify stream is re-opened on the next tick, so a restarted target serves
+new requests.
+
+Drafter deadlines and circuit breaker (docs/ARCHITECTURE.md, same heading): a drafter that is
+slow or stopped (not dead: its connection stays open) must not stall the ticks. Each Propose
+exchange gets a deadline (:class:`orchestrator.peers.DraftDeadline`): ``draft_deadline_factor``
+times the moving average of the drafter's successful round trips, clamped to
+``[draft_deadline_min_ms, draft_deadline_ms]`` (``draft_deadline_ms`` until a round trip is
+measured), plus ``draft_deadline_row_us`` per feature row of a new or re-created drafter session,
+never more than ``step_timeout`` (the maximum and the per-row allowance default by the
+drafter's device: :meth:`OrchestratorConfig.draft_deadline_for`). A miss (or a failed call)
+makes that tick root-only for the requests it carried and opens the drafter's circuit
+(:class:`orchestrator.peers.CircuitBreaker` in :class:`orchestrator.peers.DraftPeer`): no
+Propose is sent, so ticks decode plainly at full speed with no wait, until the drafter answers a
+background Info probe; the circuit is then half-open, the next tick sends one Propose, and its
+answer in time closes the circuit. A stopped
+drafter thus costs each stream one deadline, then nothing until it is back. The timed-out stream
+is cancelled (its late reply can never pass for a later tick's) and a new one is opened when the
+circuit lets a Propose through. The drafter may still hold the sessions of the lost exchange, in
+an unknown state, so each affected request's drafter session is re-created under a new id
+(``Request.draft_id``: ``session_id~generation``) and the old ids are released once the drafter
+answers again (best effort; counted as held slots until answered, like every release). Deadline
+misses and the circuit's state are counted in :mod:`orchestrator.metrics`
+(``dflash_draft_deadline_misses_total``, ``dflash_draft_circuit``; misses are also fallbacks
+with reason ``draft_deadline``) and shown in ``DrafterStatus.detail``.
 """
 
 from __future__ import annotations
@@ -46,7 +69,7 @@ from dflash_grpc.transport import reason_of
 from dflash_grpc.v1 import common_pb2, draft_pb2, generation_pb2, target_pb2
 from orchestrator import metrics
 from orchestrator.config import OrchestratorConfig
-from orchestrator.peers import DraftPeer, StreamCall, TargetPeer, drafter_mismatch, status_code
+from orchestrator.peers import DraftDeadline, DraftPeer, ExchangeTimeout, StreamCall, TargetPeer, drafter_mismatch, status_code
 from orchestrator.stats import AcceptanceStats
 from runtime.errors import Reason
 from runtime.tree import TreeError, tree_depths
@@ -54,6 +77,12 @@ from runtime.tree import TreeError, tree_depths
 log = logging.getLogger(__name__)
 
 FINISH_EOS, FINISH_LENGTH, FINISH_CONTEXT = "eos", "length", "context"
+
+#: most drafter session ids kept for a later release (older ones are left to the drafter's idle reaper)
+STALE_IDS = 4096
+#: a Release that failed with one of these may not have reached the service: it is sent again later
+_TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+              grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class Rejected(Exception):
@@ -112,7 +141,8 @@ class Request:
     length: int = 0                 # L: committed rows on the target
     emitted: int = 0
     on_target: bool = False         # the target holds a session for it
-    on_drafter: bool = False        # the drafter may hold a session for it
+    on_drafter: bool = False        # the drafter may hold a session for it (under draft_id)
+    draft_gen: int = 0              # generation of its drafter session (draft_id); bumped to re-create it
     draft_synced: bool = False      # the drafter holds rows [0, L) of it
     history: list = dataclasses.field(default_factory=list)  # committed rows' features, in order
     history_bytes: int = 0
@@ -122,6 +152,12 @@ class Request:
     enqueued: float = dataclasses.field(default_factory=time.monotonic)
     closed: bool = False            # the handler is done with it (finished, cancelled, failed)
     ended: bool = False             # the scheduler sent its last event
+
+    @property
+    def draft_id(self) -> str:
+        """The id of its session on the drafter: ``session_id``, then ``session_id~N`` once it has
+        had to be re-created N times (the drafter may still hold the old one, in an unknown state)."""
+        return f"{self.session_id}~{self.draft_gen}" if self.draft_gen else self.session_id
 
 
 def trim_tree(tokens: list[int], parents: list[int], max_depth: int) -> tuple[list[int], list[int]]:
@@ -200,15 +236,25 @@ class Scheduler:
         max_queue: most requests waiting for a session; beyond it :meth:`submit` rejects.
         step_nodes: verify nodes per tick shared by the batch (:func:`adaptive_budget`); 0:
             :meth:`OrchestratorConfig.auto_step_nodes` of the target's device.
-        step_timeout: seconds a Propose or Verify exchange may take before the peer is
-            treated as failed.
+        step_timeout: seconds a Verify exchange may take before the target is treated as failed
+            (and the most any Propose may take).
         history_bytes: most bytes of feature history kept per request for drafter resync.
+        draft_deadline_factor, draft_deadline_min_ms, draft_deadline_ms, draft_deadline_row_us: the
+            Propose deadline (:class:`orchestrator.peers.DraftDeadline`; module docstring):
+            measured round trips (0: no deadline but ``step_timeout``), least and most
+            milliseconds, microseconds per feature row of a new or re-created drafter session;
+            ``draft_deadline_ms`` and ``draft_deadline_row_us`` 0 are decided by the drafter's
+            device (:meth:`OrchestratorConfig.draft_deadline_for`) when it is reached.
     """
 
     def __init__(self, target: TargetPeer, draft: DraftPeer, *, max_sessions: int,
                  max_queue: int = OrchestratorConfig.max_queue, step_nodes: int = OrchestratorConfig.step_nodes,
                  step_timeout: float = OrchestratorConfig.step_timeout,
-                 history_bytes: int = int(OrchestratorConfig.draft_history_mib * (1 << 20))):
+                 history_bytes: int = int(OrchestratorConfig.draft_history_mib * (1 << 20)),
+                 draft_deadline_factor: float = OrchestratorConfig.draft_deadline_factor,
+                 draft_deadline_min_ms: float = OrchestratorConfig.draft_deadline_min_ms,
+                 draft_deadline_ms: float = OrchestratorConfig.draft_deadline_ms,
+                 draft_deadline_row_us: float = OrchestratorConfig.draft_deadline_row_us):
         self.target = target
         self.draft = draft
         self.info = target.info()
@@ -226,6 +272,16 @@ class Scheduler:
         self._releasing = {"target": 0, "draft": 0}  # sessions whose Release is unanswered: slots not free yet
         self._verify: StreamCall | None = None
         self._propose: StreamCall | None = None
+        self._deadline_ask = (draft_deadline_ms, draft_deadline_row_us)  # 0: by the drafter's device
+        self._deadline_device: str | None = None  # the device they were decided for
+        max_ms, row_us = OrchestratorConfig.draft_deadline_for("", draft_deadline_ms, draft_deadline_row_us)
+        self.deadline = DraftDeadline(draft_deadline_factor, draft_deadline_min_ms / 1e3, max_ms / 1e3, row_us / 1e6,
+                                      cap_s=step_timeout)
+        # drafter session ids that may still be held (their Propose was lost, or their Release
+        # failed): released when the drafter answers again; they count as held slots till then
+        self._draft_stale: collections.deque[str] = collections.deque(maxlen=STALE_IDS)
+        self._stale_retry_at = 0.0
+        self.deadline_misses = 0
         self._stop = threading.Event()
         self._draining = False   # drain(): admit nothing new
         self.ticks = 0
@@ -396,23 +452,51 @@ class Scheduler:
     def _release(self, on_target: list[Request], on_drafter: list[Request]) -> None:
         """Release sessions on the target and the drafter (one asynchronous call each). Until a
         call is answered its sessions count as held (``_releasing``), so admission never sends a
-        prefill or a Propose past a service's slots while the release is in flight."""
-        for peer, stub, reqs, timeout in (("target", self.target.stub, on_target, 5.0),
-                                          ("draft", self.draft.stub, on_drafter, 2.0)):
-            if not reqs or stub is None:
-                continue
-            n = len(reqs)
+        prefill or a Propose past a service's slots while the release is in flight. Drafter ids
+        whose release fails are kept to be released again when the drafter answers."""
+        self._release_ids("target", [r.session_id for r in on_target])
+        self._release_ids("draft", [r.draft_id for r in on_drafter])
+
+    def _release_ids(self, peer: str, ids: list[str]) -> None:
+        stub, timeout = (self.target.stub, 5.0) if peer == "target" else (self.draft.stub, 2.0)
+        if not ids or stub is None:
+            return
+        n = len(ids)
+        with self._lock:
+            self._releasing[peer] += n
+
+        def freed(f, peer=peer, n=n):
             with self._lock:
-                self._releasing[peer] += n
+                self._releasing[peer] -= n
+                if peer == "draft" and f.exception() is not None and f.exception().code() in _TRANSIENT:
+                    self._draft_stale.extend(ids)  # maybe still held: again when the drafter answers
+            if f.exception() is not None:
+                log.warning("release failed", extra={"peer": peer, "code": str(f.exception().code())})
+            self._wake.set()
 
-            def freed(f, peer=peer, n=n):
-                with self._lock:
-                    self._releasing[peer] -= n
-                if f.exception() is not None:
-                    log.warning("release failed", extra={"peer": peer, "code": str(f.exception().code())})
-                self._wake.set()
+        stub.Release.future(common_pb2.ReleaseRequest(session_ids=ids), timeout=timeout).add_done_callback(freed)
 
-            stub.Release.future(common_pb2.ReleaseRequest(session_ids=[r.session_id for r in reqs]), timeout=timeout).add_done_callback(freed)
+    def _release_stale(self) -> None:
+        """Release the drafter ids that may still be held (the drafter answers again), at most
+        once a second."""
+        now = time.monotonic()
+        if not self._draft_stale or now < self._stale_retry_at:
+            return
+        self._stale_retry_at = now + 1.0
+        with self._lock:
+            ids = list(self._draft_stale)
+            self._draft_stale.clear()
+        self._release_ids("draft", ids)
+
+    def _new_draft_session(self, r: Request) -> None:
+        """``r``'s drafter session is lost or in an unknown state: its old id is to be released
+        (later, :meth:`_release_stale`) and its next Propose re-creates it from the history
+        under a new id."""
+        with self._lock:
+            self._draft_stale.append(r.draft_id)
+        r.draft_gen += 1
+        r.on_drafter = False
+        r.draft_synced = False
 
     def _admit(self) -> None:
         """Start prefills for queued requests while sessions are free (oldest first)."""
@@ -531,6 +615,9 @@ class Scheduler:
             self._verify_failed(batch, e)
             return
         verify_s = time.perf_counter() - t1
+        if self._verify.broken:  # its deadline passed just after the reply came: the reply stands
+            self._verify.close()
+            self._verify = None
         for i, (r, res) in enumerate(zip(batch, reply.results)):
             r.stats.verify_time_s += verify_s
             r.stats.verify_compute_s += reply.compute_s
@@ -556,10 +643,17 @@ class Scheduler:
         block = drafter.model.block_size or 1
         width_cap = self.info.max_tree_width or 1
         depth_cap = self.info.max_tree_depth or 10**9
+        self._release_stale()
+        if drafter.model.device != self._deadline_device:
+            self._deadline_device = drafter.model.device
+            max_ms, row_us = OrchestratorConfig.draft_deadline_for(self._deadline_device, *self._deadline_ask)
+            self.deadline.max_s, self.deadline.row_s = max_ms / 1e3, row_us / 1e6
         # the drafter's slots: sessions it holds for us, those being released, then new ones
         with self._lock:
-            room = (drafter.model.max_sessions or 10**9) - sum(r.on_drafter for r in self._active) - self._releasing["draft"]
+            room = ((drafter.model.max_sessions or 10**9) - sum(r.on_drafter for r in self._active)
+                    - self._releasing["draft"] - len(self._draft_stale))
         items, who = [], []
+        extra_rows = 0  # feature rows beyond a step's worth (new or re-created sessions)
         for i, r in enumerate(batch):
             if not r.speculative or (not r.draft_synced and not r.history_complete):
                 continue  # not drafting, or the drafter lost this session and its history was dropped
@@ -577,22 +671,33 @@ class Scheduler:
             if not r.draft_synced:
                 r.sent = 0  # (re-)create the drafter's session from the whole history
             features = join_features(r.history[r.sent:])
+            if features is not None and features.shape[0] > block:
+                extra_rows += features.shape[0] - block
             tree = (draft_pb2.TreeParams(top_k=r.tree.top_k, max_depth=max_depth, budget=nodes) if r.tree.budget
                     else draft_pb2.TreeParams(top_k=r.tree.top_k, max_depth=nodes))
-            items.append(draft_pb2.ProposeItem(session_id=r.session_id, features=features, root_token=r.root,
+            items.append(draft_pb2.ProposeItem(session_id=r.draft_id, features=features, root_token=r.root,
                                                committed_length=r.length, tree=tree))
             who.append(i)
         if not items:
             return {}, 0.0
+        timeout = self.deadline.timeout(len(items), extra_rows)
+        if timeout is not None:
+            metrics.set_draft_deadline(timeout)
         t0 = time.perf_counter()
         try:
             if self._propose is None:
                 self._propose = self.draft.propose_stream(None)
-            reply = self._propose.exchange(draft_pb2.ProposeRequest(items=items), self.step_timeout)
+            reply = self._propose.exchange(draft_pb2.ProposeRequest(items=items), timeout)
         except grpc.RpcError as e:
             self._draft_failed([batch[i] for i in who], e)
             return {}, time.perf_counter() - t0
         draft_s = time.perf_counter() - t0
+        if self._propose.broken:  # its deadline passed just after the reply came: the reply stands
+            self._propose.close()
+            self._propose = None
+        self.draft.mark_ok()
+        if not extra_rows:
+            self.deadline.observe(draft_s, len(items))
         trees = {}
         for i, item, res in zip(who, items, reply.results):
             r = batch[i]
@@ -603,9 +708,9 @@ class Scheduler:
                 log.warning("drafter refused an item; this step goes on without a tree",
                             extra={"session": r.session_id, "code": status_code(res.status.code).name,
                                    "reason": res.status.reason, "error": res.status.message[:200]})
-                r.draft_synced = False
-                self._release([], [r])  # its next Propose re-creates the session from the history
-                r.on_drafter = False
+                self._release([], [r])  # its next Propose re-creates the session from the history, under a new id
+                r.draft_gen += 1
+                r.on_drafter = r.draft_synced = False
                 r.stats.draft_fallbacks += 1
                 self.fallbacks += 1
                 metrics.observe_fallback("draft_item_error")
@@ -624,21 +729,34 @@ class Scheduler:
         return trees, draft_s
 
     def _draft_failed(self, asked: list[Request], e: grpc.RpcError) -> None:
-        """The Propose call failed: every request goes on root-only; those that asked for a tree
-        count a fallback; the drafter's sessions are gone (re-created from history later)."""
+        """The Propose call failed or missed its deadline: every request goes on root-only this
+        tick; those that asked for a tree count a fallback; the drafter's circuit opens (no
+        Propose until it answers a probe); the stream is dropped (a late reply must never pass for
+        a later tick's); every drafter session that may exist is re-created later from the
+        history under a new id, the old ids released when the drafter answers again."""
         code = e.code()
-        log.warning("draft service failed; decoding goes on without it", extra={"code": code.name, "error": str(e.details())[:200]})
+        if isinstance(e, ExchangeTimeout):
+            why, reason = f"Propose missed its {e.timeout * 1e3:.0f} ms deadline", "draft_deadline"
+            self.deadline_misses += 1
+            metrics.observe_deadline_miss()
+        else:
+            why, reason = f"Propose failed: {code.name}", "draft_unavailable"
+        log.warning("draft service failed; decoding goes on without it until it answers a probe",
+                    extra={"code": code.name, "why": why, "error": str(e.details())[:200]})
         if self._propose is not None:
             self._propose.close()
             self._propose = None
-        self.draft.mark_failed(f"failed: {code.name}")
+        self.draft.mark_failed(why)
+        asked_ids = {id(r) for r in asked}
         for r in asked:
             r.stats.draft_fallbacks += 1
         for r in self._active:
+            if r.on_drafter or id(r) in asked_ids:
+                self._new_draft_session(r)
             r.draft_synced = False
             r.on_drafter = False
         self.fallbacks += 1
-        metrics.observe_fallback("draft_unavailable")
+        metrics.observe_fallback(reason)
 
     def _verify_failed(self, batch: list[Request], e: grpc.RpcError) -> None:
         code, reason = target_status(e.code(), reason_of(e))

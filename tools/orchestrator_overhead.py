@@ -1,10 +1,13 @@
 """Host cost of the orchestrator alone: its scheduler and gRPC path against an instant fake target.
 
-    python tools/orchestrator_overhead.py [STREAMS ...]   # default 1 16 32 64; 100 tokens each, AR
+    python tools/orchestrator_overhead.py [--draft] [STREAMS ...]   # default 1 16 32 64; 100 tokens each
 
 The fake target answers Prefill and every Verify item at once (bonus token only), in this process,
 as do the client streams, so the figures are an upper bound on the orchestrator's throughput on
-this machine: tokens/s, ticks, milliseconds per tick and items per tick.
+this machine: tokens/s, ticks, milliseconds per tick and items per tick. Without ``--draft`` the
+requests decode autoregressively (no draft service); with it an instant fake drafter (in this
+process too) answers every tick's Propose with a one-token chain, which the target rejects, so each
+tick is one Propose and one Verify exchange.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ sys.path[:0] = [".", "proto"]
 import client as sdk  # noqa: E402
 from dflash_grpc import serving  # noqa: E402
 from fixtures.fakes import FakeTokenizer  # noqa: E402
-from dflash_grpc.v1 import common_pb2, generation_pb2_grpc, target_pb2, target_pb2_grpc  # noqa: E402
+from dflash_grpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc, generation_pb2_grpc, target_pb2, target_pb2_grpc  # noqa: E402
 from orchestrator.peers import DraftPeer, TargetPeer  # noqa: E402
 from orchestrator.scheduler import Scheduler  # noqa: E402
 from orchestrator.servicer import GenerationServicer  # noqa: E402
@@ -43,9 +46,25 @@ class InstantTarget(target_pb2_grpc.TargetServiceServicer):
         return common_pb2.ReleaseResponse()
 
 
+class InstantDrafter(draft_pb2_grpc.DraftServiceServicer):
+    def Info(self, request, context):
+        return draft_pb2.DrafterInfo(model=common_pb2.ModelInfo(vocab_size=1000, block_size=16, max_sessions=256, device="cuda:0"),
+                                     target_fingerprint="m")
+
+    def Propose(self, requests, context):
+        for req in requests:
+            yield draft_pb2.ProposeResponse(results=[draft_pb2.ProposeResult(
+                session_id=x.session_id, tree=common_pb2.TokenTree(tokens=[x.root_token, 1], parents=[-1, 0])) for x in req.items])
+
+    def Release(self, request, context):
+        return common_pb2.ReleaseResponse()
+
+
 def main() -> None:
     sys.setswitchinterval(0.001)  # as the orchestrator's main sets it
-    levels = [int(a) for a in sys.argv[1:]] or [1, 16, 32, 64]
+    args = sys.argv[1:]
+    drafting = "--draft" in args
+    levels = [int(a) for a in args if a != "--draft"] or [1, 16, 32, 64]
     tokens = 100
 
     def add_target(s):
@@ -53,7 +72,15 @@ def main() -> None:
         return ["dflash_grpc.v1.TargetService"]
 
     tsrv, _, tport = serving.make_server(add_target, "127.0.0.1:0", max_workers=8)
-    target, draft = TargetPeer(f"127.0.0.1:{tport}"), DraftPeer(None)
+    dsrv, daddr = None, None
+    if drafting:
+        def add_draft(s):
+            draft_pb2_grpc.add_DraftServiceServicer_to_server(InstantDrafter(), s)
+            return ["dflash_grpc.v1.DraftService"]
+
+        dsrv, _, dport = serving.make_server(add_draft, "127.0.0.1:0", max_workers=8)
+        daddr = f"127.0.0.1:{dport}"
+    target, draft = TargetPeer(f"127.0.0.1:{tport}"), DraftPeer(daddr)
     sched = Scheduler(target, draft, max_sessions=64, step_nodes=512)
     servicer = GenerationServicer(target, draft, FakeTokenizer(), 256, None, sched)
 
@@ -68,7 +95,7 @@ def main() -> None:
         def one():
             with sdk.Client(f"127.0.0.1:{oport}", timeout=100) as c:
                 barrier.wait()
-                c.generate(prompt="a", max_tokens=tokens, ignore_eos=True, speculative=False)
+                c.generate(prompt="a", max_tokens=tokens, ignore_eos=True, speculative=drafting, tree_budget=0, max_depth=1)
 
         threads = [threading.Thread(target=one) for _ in range(n)]
         for t in threads:
@@ -83,6 +110,8 @@ def main() -> None:
     sched.stop()
     osrv.stop(0)
     tsrv.stop(0)
+    if dsrv is not None:
+        dsrv.stop(0)
     target.close()
 
 
