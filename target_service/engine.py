@@ -263,7 +263,19 @@ class TargetEngine:
 
     def start_prefill(self, session_id: str, prompt: list[int], sampling: Sampling, feature_layers: list[int]) -> "PrefillJob":
         """A prefill the step loop runs with :meth:`run_prefill` (this engine prefills whole, in
-        its own chunks, on the first call; what :meth:`prefill` raises comes from there)."""
+        its own chunks, on the first call).
+
+        The request is checked here first, as :class:`BatchedEngine.start_prefill` does, so a
+        refused prompt naming a live session is refused before the step loop holds a job for it
+        (the loop releases the session of a job that fails).
+
+        Raises:
+            InvalidArgument, ResourceExhausted: what :func:`check_prompt` raises; the session id
+                is already live (``SESSION_EXISTS``).
+        """
+        check_prompt(session_id, prompt, feature_layers, self.cfg, self.max_context)
+        if session_id in self.sessions:
+            raise InvalidArgument(f"session {session_id!r} already exists", reason=Reason.SESSION_EXISTS)
         return PrefillJob(session_id, prompt, sampling, list(feature_layers))
 
     def run_prefill(self, job: "PrefillJob", budget: int) -> int:

@@ -4,9 +4,9 @@
 * Tiny synthetic models (``fixtures.tiny_models``), written once per run: ``tiny_llama`` (the common
   target), ``tiny_drafter`` (a random drafter for it), ``tiny_llama_factory`` (other variants, each
   written once). The files are read-only for the tests.
-* Services for tests: :func:`target_in_process`, :func:`draft_in_process` (servicers behind a real
-  gRPC server on a free loopback port, in this process) and :func:`module_service` (``python -m``
-  a service as a process, for ``client.launcher.ServiceGroup``).
+* Services for tests: :func:`target_in_process`, :func:`draft_in_process`, :func:`orchestrator_in_process`
+  (servicers behind a real gRPC server on a free loopback port, in this process) and
+  :func:`module_service` (``python -m`` a service as a process, for ``client.launcher.ServiceGroup``).
 * :func:`assert_bits_on_gpu` for bit-exactness across shapes of the Triton kernels.
 """
 
@@ -181,6 +181,51 @@ def draft_in_process(drafter_path: str, target_path: str, *, max_sessions: int, 
             server.stop(None)
     finally:
         servicer.close()
+
+
+@contextlib.contextmanager
+def orchestrator_in_process(model_path: str, target_port: int, draft_port: int | None = None, *, max_sessions: int,
+                            max_queue: int = 64, max_tokens: int = 8, metadata=(), max_workers: int = 32,
+                            **scheduler_kw):
+    """The orchestrator in this process, as ``python -m orchestrator`` builds it: ``TargetPeer`` and
+    ``DraftPeer`` (their channels carry ``metadata``, e.g. the peers' token and the
+    ``dflash-owner`` / ``dflash-owner-epoch`` pair; no other channel of the process does), a
+    ``Scheduler`` (``max_sessions``, ``max_queue``, ``scheduler_kw``) and ``GenerationServicer``
+    with the GGUF tokenizer of ``model_path``, served by ``make_server`` on a free loopback port.
+    Yields ``(servicer, port)``; stops the scheduler (releasing what it holds) afterwards."""
+    from dflash_grpc import serving
+    from dflash_grpc.v1 import generation_pb2_grpc
+    from orchestrator.peers import DraftPeer, TargetPeer
+    from orchestrator.scheduler import Scheduler
+    from orchestrator.servicer import GenerationServicer
+    from runtime.tokenizer import GGUFTokenizer
+
+    before = serving.client_metadata()
+    serving.add_client_metadata(metadata)   # the peers' channels take the metadata when they are made
+    try:
+        target = TargetPeer(f"127.0.0.1:{target_port}")
+        draft = DraftPeer(f"127.0.0.1:{draft_port}" if draft_port else None)
+    finally:
+        serving.set_client_metadata(before)
+    try:
+        sched = Scheduler(target, draft, max_sessions=max_sessions, max_queue=max_queue, **scheduler_kw)
+        try:
+            servicer = GenerationServicer(target, draft, GGUFTokenizer.from_gguf(model_path), max_tokens, None, sched)
+
+            def add(server):
+                generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+                return ["dflash_grpc.v1.GenerationService"]
+
+            server, _, port = serving.make_server(add, "127.0.0.1:0", max_workers=max_workers)
+            try:
+                yield servicer, port
+            finally:
+                server.stop(None)
+        finally:
+            sched.stop()
+    finally:
+        draft.close()
+        target.close()
 
 
 def module_service(name: str, module: str, port: int, *args: str):

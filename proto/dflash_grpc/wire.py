@@ -50,8 +50,8 @@ def tensor_from_proto(msg: common_pb2.Tensor) -> torch.Tensor:
     """Decode a :class:`Tensor` message into a CPU tensor of its dtype and shape.
 
     Raises:
-        WireError: unknown dtype, negative dimension, or ``len(data)`` not equal to
-            ``prod(shape) * itemsize``.
+        WireError: unknown dtype, negative dimension, a shape whose sizes multiply (zeros
+            left out) past int64 bytes, or ``len(data)`` not equal to ``prod(shape) * itemsize``.
     """
     if msg.dtype not in _FROM_WIRE:
         raise WireError(f"unsupported wire dtype {msg.dtype}")
@@ -59,10 +59,13 @@ def tensor_from_proto(msg: common_pb2.Tensor) -> torch.Tensor:
     shape = tuple(int(d) for d in msg.shape)
     if any(d < 0 for d in shape):
         raise WireError(f"negative dimension in shape {shape}")
-    numel = 1
+    numel = span = 1
     for d in shape:
         numel *= d
+        span *= max(d, 1)
     itemsize = torch.empty(0, dtype=dtype).element_size()
+    if span * itemsize >= 1 << 63:  # torch multiplies every size, zeros last: it would overflow
+        raise WireError(f"tensor shape {shape} is too large")
     if len(msg.data) != numel * itemsize:
         raise WireError(f"tensor of shape {shape} and dtype {dtype} needs {numel * itemsize} bytes, got {len(msg.data)}")
     if numel == 0:
