@@ -13,6 +13,9 @@
 #                                          # benchmark on it, and the three services end to end
 #   bash tools/gpu_run.sh bench [MODELS]   # the benchmark of benchmarks/gpu/ -> $OUT/*.json, RESULTS.md
 #   bash tools/gpu_run.sh all [MODELS]     # checks, then bench
+#   bash tools/gpu_run.sh e2e-ab           # one stream, shipped SmolLM2 pair: this tree vs .peer/old.tar.gz
+#                                          # (git archive of an older commit), AR + speculative, then
+#                                          # llama-bench on the same file -> $OUT/e2e-{after,before}.*
 #   bash tools/gpu_run.sh concurrency      # the three services with the shipped SmolLM2 pair: aggregate
 #                                          # tok/s at 1-64 concurrent streams, AR vs speculative
 #                                          # -> $OUT/concurrency.{txt,json} (PNG: made from the JSON locally)
@@ -188,6 +191,31 @@ cmd_concurrency() {
     --orchestrator-args="${ORCH_ARGS:-}" --json "$OUT/concurrency.json" --out "$OUT/concurrency.txt"
 }
 
+cmd_e2e_ab() {
+  # one stream, shipped SmolLM2 pair, 8 HumanEval prompts x 128 tokens: this tree ("after") and the
+  # tree of .peer/old.tar.gz ("before", a git archive without the drafter GGUF, which is taken from
+  # here), each with AR and the speculative configs, then llama-bench on the same file. Waits for
+  # the llama.cpp build (started by `stage`) first, so nothing else runs while we time.
+  install_wheels
+  llamacpp_build_bg
+  local smol; smol=$(smollm) || exit 1
+  for _ in $(seq 1 120); do [ -e /tmp/llbuild.done ] && break; sleep 5; done
+  nvidia-smi -L | tee "$OUT/device.txt"
+  local cfgs=${CONFIGS:-ar,chain,tree:15:4,tree:16:4,tree:32:4}
+  python3 -m client.cli bench --device cuda --model "$smol" --prompts 8 --max-tokens 128 --configs "$cfgs" \
+    --json "$OUT/e2e-after.json" --out "$OUT/e2e-after.txt"
+  if [ -s .peer/old.tar.gz ]; then
+    rm -rf /tmp/old && mkdir -p /tmp/old && tar xzf .peer/old.tar.gz -C /tmp/old && cp draft_service/data/*.gguf /tmp/old/draft_service/data/
+    (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old:/tmp/old/proto python3 -m client.cli bench --device cuda --model "$smol" \
+      --prompts 8 --max-tokens 128 --configs "$cfgs" --json "$OUT/e2e-before.json" --out "$OUT/e2e-before.txt")
+  fi
+  if [ -x $LL/build/bin/llama-bench ]; then
+    bash /tmp/peer/llamacpp-bench.sh /tmp/peer/llama.cpp.tar.gz "$smol" | tee "$OUT/llamacpp.jsonl"
+  else
+    echo "llama.cpp build missing: $(tail -5 /tmp/llbuild.log 2>/dev/null)" | tee -a "$OUT/llamacpp.err"
+  fi
+}
+
 case ${1:-all} in
   stage) cmd_stage ;;
   smoke) cmd_smoke ;;
@@ -197,5 +225,6 @@ case ${1:-all} in
   bench) shift; cmd_bench "$@" ;;
   all) shift; cmd_checks; cmd_bench "$@" ;;
   concurrency) cmd_concurrency ;;
+  e2e-ab) cmd_e2e_ab ;;
   *) echo "usage: $0 stage|smoke|checks|bench|all [models]|concurrency" >&2; exit 2 ;;
 esac
