@@ -224,6 +224,7 @@ def test_cancel_storm_leaves_nothing_behind(storm, tiny_llama):
     assert dservicer.num_sessions == 0
 
     # and a normal request after the storm decodes exactly like target-only greedy decoding
+    _wait(lambda: servicer.draft.state() is not None, "the drafter is usable")
     prompt = [7, 42, 9, 100, 250]
     req = generation_pb2.GenerateRequest(prompt_tokens=generation_pb2.PromptTokens(ids=prompt), max_tokens=24,
                                          ignore_eos=True)

@@ -27,9 +27,12 @@ After every example:
   decodes exactly like target-only greedy decoding of its prompt, its drafter session proposing
   exactly the trees of an untouched reference drafter fed the same features.
 
-Examples are derandomized (the same programs on every run): about 330 examples, 1,000 calls and
-1,000 items; the module runs in about 35 s on a busy 2-core CPU (torch on one thread, as is
-fastest for these tiny shapes). Two bugs it found have tests of their own at the end.
+Examples are derandomized (the same programs on every run): about 330 examples, 1,200 calls and
+1,100 items; the module runs in about 40 s on a busy 2-core CPU (torch on one thread, as is
+fastest for these tiny shapes). What an example draws never depends on what the services
+answered (hypothesis replays examples and requires it): choices among the sessions an example
+opened are drawn as indexes, and a stream that failed still draws its remaining messages. Two
+bugs it found have tests of their own at the end.
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ ORCH_NAME = "orchestrator-beside-the-fuzz"
 RESERVED_NAMES = {LIVE_NAME, ORCH_NAME}
 LIVE_PROMPT = [5, 17, 42, 9, 100, 7, 250, 3]
 CALL_TIMEOUT = 30.0
+#: deadline of the live session's long-lived streams; they are opened again after half of it
+LIVE_STREAM_S = 600.0
 #: a spec step (Propose + Verify) of the live session every this many examples, else a plain one
 SPEC_EVERY = 3
 
@@ -136,9 +141,10 @@ class Stream:
     """One bidirectional stream driven a message at a time (each message may depend on the
     previous replies): ``send(msg)`` -> reply, or a ``grpc.RpcError`` (checked by the caller)."""
 
-    def __init__(self, method, metadata):
+    def __init__(self, method, metadata, timeout: float = CALL_TIMEOUT):
         self._q: queue.Queue = queue.Queue()
-        self._replies = method(iter(self._q.get, None), metadata=metadata, timeout=CALL_TIMEOUT)
+        self._replies = method(iter(self._q.get, None), metadata=metadata, timeout=timeout)
+        self.opened = time.monotonic()
 
     def send(self, msg):
         self._q.put(msg)
@@ -214,22 +220,38 @@ def metadata(draw) -> tuple:
     return tuple(md)
 
 
+def pick(draw, seq: list, default=None):
+    """An element of ``seq`` (``default`` if empty), by an index drawn the same way whatever
+    ``seq`` holds: what an example draws never depends on what the services answered (hypothesis
+    replays examples and insists on that)."""
+    i = draw(st.integers(0, 255))
+    return seq[i % len(seq)] if seq else default
+
+
+def one_of_pool(pool: list[str]):
+    """An id of ``pool`` (:func:`pick`'s way)."""
+    return st.integers(0, 255).map(lambda i: pool[i % len(pool)])
+
+
 def next_metadata(data, previous: tuple | None, opened: dict) -> tuple:
     """The metadata of an example's next call: usually that of a caller that opened a session in
-    the example (``opened``: id -> metadata) or of the previous call, else new."""
+    the example (``opened``: id -> metadata) or of the previous call, else new. (Every choice is
+    drawn whatever the example opened.)"""
     callers = sorted(set(opened.values()))
-    if callers and data.draw(st.integers(0, 3), label="a caller with sessions"):
-        return data.draw(st.sampled_from(callers), label="metadata")
-    if previous is not None and data.draw(st.integers(0, 2), label="same caller"):
+    reuse, again, caller = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 2)), pick(data.draw, callers)
+    fresh = data.draw(metadata(), label="metadata")
+    if caller is not None and reuse:
+        return caller
+    if previous is not None and again:
         return previous
-    return data.draw(metadata(), label="metadata")
+    return fresh
 
 
 def session_ids(pool: list[str]):
     """Mostly one of a few ids (collisions within an example; the sessions the example opened),
     sometimes the live session's, the empty id or any text."""
-    return usually(st.sampled_from(pool), st.one_of(st.just(LIVE_ID), st.just(""), st.text(max_size=40),
-                                                    st.text(min_size=200, max_size=2000)), 6)
+    return usually(one_of_pool(pool), st.one_of(st.just(LIVE_ID), st.just(""), st.text(max_size=40),
+                                                st.text(min_size=200, max_size=2000)), 6)
 
 
 TARGET_IDS = ["a", "b", "c", "d"]
@@ -304,8 +326,10 @@ def verify_item(draw, pool=TARGET_IDS, roots: dict | None = None, greedy=None) -
     ``greedy(session_id, n)`` (the target's next ``n`` greedy tokens, or None), sometimes a tree
     whose first branch the target accepts, in part or whole, the rest random."""
     known = sorted(roots or {})
-    good = bool(known) and draw(st.booleans())   # a valid tree for a session of the example
-    sid = draw(st.sampled_from(known)) if good else draw(session_ids(pool))
+    good = draw(st.booleans())   # a valid tree, for a session of the example if there is one
+    sid = pick(draw, known, None)
+    other = draw(session_ids(pool))
+    sid = sid if good and sid is not None else other
     item = target_pb2.VerifyItem(session_id=sid)
     if not good and draw(st.integers(0, 9)) == 0:
         return item   # no tree
@@ -318,14 +342,15 @@ def verify_item(draw, pool=TARGET_IDS, roots: dict | None = None, greedy=None) -
         tokens = draw(usually(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n),
                               st.lists(usually(st.integers(0, VOCAB - 1), odd_tokens, 4), min_size=n, max_size=n)))
         parents = draw(parents_for(n))
+    use_root, want_right, wrong_last = draw(st.integers(0, 3)), draw(st.booleans()), draw(st.booleans())
     root = (roots or {}).get(sid)
-    if tokens and root is not None and (good or draw(st.integers(0, 3))):
+    if tokens and root is not None and (good or use_root):
         tokens[0] = root
-        right = greedy(sid, min(n - 1, 4)) if greedy is not None and n > 1 and draw(st.booleans()) else None
+        right = greedy(sid, min(n - 1, 4)) if greedy is not None and n > 1 and want_right else None
         if right:   # nodes 1..m: a chain of the target's own choices (the last one sometimes wrong)
             m = len(right)
             tokens[1:m + 1] = right
-            if draw(st.booleans()):
+            if wrong_last:
                 tokens[m] = (tokens[m] + 1) % VOCAB
             parents[:m + 1] = list(range(-1, m))
             event("verify item with the target's choices")
@@ -485,10 +510,21 @@ class Live:
         ref = DraftServiceServicer.from_paths(env.drafter_path, env.target_path, max_sessions=1, max_context=CONTEXT)
         ref.close()
         self.ref_drafter = ref.engine
-        self.verify = Stream(env.target.Verify, LIVE_MD)
-        self.propose = Stream(env.draft.Propose, LIVE_MD)
+        self.verify = self.propose = None
         self.steps = self.spec_steps = self.restarts = 0
+        self.streams()
         self.start()
+
+    def streams(self, force: bool = False) -> None:
+        """(Re)open the live owner's Verify and Propose streams when ``force``d or half their
+        deadline has passed."""
+        if not force and self.verify is not None and time.monotonic() - self.verify.opened < LIVE_STREAM_S / 2:
+            return
+        for old in (self.verify, self.propose):
+            if old is not None:
+                old.cancel()
+        self.verify = Stream(self.env.target.Verify, LIVE_MD, LIVE_STREAM_S)
+        self.propose = Stream(self.env.draft.Propose, LIVE_MD, LIVE_STREAM_S)
 
     def start(self) -> None:
         item = target_pb2.PrefillItem(session_id=LIVE_ID, prompt_tokens=LIVE_PROMPT, feature_layer_ids=self.env.layers)
@@ -503,10 +539,7 @@ class Live:
         self.env.tloop.release([LIVE_ID])
         self.env.dservicer.loop.release([LIVE_ID])
         self.ref_drafter.release([LIVE_ID])
-        self.verify.cancel()
-        self.propose.cancel()
-        self.verify = Stream(self.env.target.Verify, LIVE_MD)
-        self.propose = Stream(self.env.draft.Propose, LIVE_MD)
+        self.streams(force=True)
         self.start()
 
     def restart(self) -> None:
@@ -540,6 +573,7 @@ class Live:
         return list(res.tree.tokens), list(res.tree.parents)
 
     def step(self, spec: bool) -> None:
+        self.streams()
         room = CONTEXT - self.length - 1   # deepest node the context still takes
         if room < 0:
             self.restart()
@@ -783,28 +817,48 @@ def orch(env):
 # The target service
 
 
-def _verify_stream(env: Env, ex: Example, data, md) -> None:
+def _stream(env: Env, ex: Example, data, method, md, draw_request, check, what: str, opens: bool = False) -> None:
+    """A stream of a few messages, each drawn after the previous reply (``draw_request()``), its
+    reply checked (``check(request, reply)``); sometimes cancelled with a reply unread (``opens``:
+    the unread message may have opened drafter sessions). A stream that fails (an allowed status)
+    still draws its remaining messages: what an example draws never depends on the answers."""
     n = data.draw(usually(st.integers(1, 4), st.sampled_from([0, 12])), label="messages")
     cancel_at = data.draw(usually(st.none(), st.integers(0, max(0, n - 1)), 6), label="cancel at")
-    stream = Stream(env.target.Verify, md)
-    try:
-        for i in range(n):
-            pool = sorted(ex.t_open) or TARGET_IDS
-            request = data.draw(verify_request(pool, ex.roots, lambda sid, n: ex.continuation(env, sid, n)), label="verify")
+    stream, alive = Stream(method, md), True
+    for i in range(n):
+        request = draw_request()
+        if not alive:
+            continue
+        try:
             if cancel_at == i:
                 stream._q.put(request)   # sent, its reply never read
+                if opens:
+                    ex.d_maybe += [(item.session_id, md) for item in request.items]
                 stream.cancel()
                 ex.stream_cancelled()
-                event("verify stream cancelled")
+                event(f"{what} stream cancelled")
                 return
-            reply = stream.send(request)
             env.calls += 1
-            ex.verified(request, reply)
-        stream.finish()
-    except grpc.RpcError as e:
-        refused(e, "verify stream")
-        stream.cancel()
-        ex.stream_cancelled()
+            check(request, stream.send(request))
+            if i == n - 1:
+                stream.finish()
+        except grpc.RpcError as e:
+            refused(e, f"{what} stream")
+            stream.cancel()
+            ex.stream_cancelled()
+            alive = False
+    if n == 0:
+        try:
+            stream.finish()
+        except grpc.RpcError as e:
+            refused(e, f"{what} stream")
+
+
+def _verify_stream(env: Env, ex: Example, data, md) -> None:
+    greedy = lambda sid, n: ex.continuation(env, sid, n)  # noqa: E731
+    _stream(env, ex, data, env.target.Verify, md,
+            lambda: data.draw(verify_request(sorted(ex.t_open) or TARGET_IDS, ex.roots, greedy), label="verify"),
+            ex.verified, "verify")
 
 
 @settings(FUZZ, max_examples=100)
@@ -874,27 +928,9 @@ def test_fuzz_draft_service(env, data):
 
 
 def _propose_stream(env: Env, ex: Example, data, md) -> None:
-    n = data.draw(usually(st.integers(1, 3), st.sampled_from([0, 10])), label="messages")
-    cancel_at = data.draw(usually(st.none(), st.integers(0, max(0, n - 1)), 6), label="cancel at")
-    stream = Stream(env.draft.Propose, md)
-    try:
-        for i in range(n):
-            pool = sorted(set(DRAFT_IDS) | set(ex.d_open))
-            request = data.draw(propose_request(env.width, pool, ex.d_held), label="propose")
-            if cancel_at == i:
-                stream._q.put(request)   # sent, its reply never read: it may have opened sessions
-                ex.d_maybe += [(item.session_id, md) for item in request.items]
-                stream.cancel()
-                ex.stream_cancelled()
-                event("propose stream cancelled")
-                return
-            env.calls += 1
-            ex.proposed(request, stream.send(request), md)
-        stream.finish()
-    except grpc.RpcError as e:
-        refused(e, "propose stream")
-        stream.cancel()
-        ex.stream_cancelled()
+    _stream(env, ex, data, env.draft.Propose, md,
+            lambda: data.draw(propose_request(env.width, sorted(set(DRAFT_IDS) | set(ex.d_open)), ex.d_held), label="propose"),
+            lambda request, reply: ex.proposed(request, reply, md), "propose", opens=True)
 
 
 # --------------------------------------------------------------------------------------------
