@@ -25,7 +25,9 @@ machine is shared and noisy: noise only ever adds, so the best round is the clos
 Variants run side by side (their own child processes), so a change can be compared with the
 baseline in the same run: ``--variant queue:inline=0 --variant inline:inline=1`` (child settings:
 ``inline`` = the step loop's inline fast path on/off; ``switch`` = the services' switch interval
-in seconds). Without ``--variant`` one variant runs with the services' defaults.
+in seconds) and of this process (``direct`` = the orchestrator's streams are
+:class:`orchestrator.peers.DirectStreamCall` or grpcio's threaded ones). Without ``--variant``
+one variant runs with the defaults.
 """
 
 from __future__ import annotations
@@ -226,7 +228,7 @@ class Recorder:
         from dflash_grpc.v1 import draft_pb2
         from orchestrator import metrics, peers
 
-        real_tick, real_exchange = metrics.observe_tick, peers.StreamCall.exchange
+        real_tick = metrics.observe_tick
         rec = self
 
         def observe_tick(batch, draft_s, verify_s, overhead_s):
@@ -234,14 +236,18 @@ class Recorder:
                 rec.ticks.append((draft_s, verify_s, overhead_s))
             real_tick(batch, draft_s, verify_s, overhead_s)
 
-        def exchange(call, request, timeout=None):
-            reply = real_exchange(call, request, timeout)
-            if rec.on:
-                rec.compute["draft" if isinstance(request, draft_pb2.ProposeRequest) else "verify"].append(reply.compute_s)
-            return reply
+        def recorded(real_exchange):
+            def exchange(call, request, timeout=None):
+                reply = real_exchange(call, request, timeout)
+                if rec.on:
+                    rec.compute["draft" if isinstance(request, draft_pb2.ProposeRequest) else "verify"].append(reply.compute_s)
+                return reply
+            return exchange
 
         metrics.observe_tick = observe_tick
-        peers.StreamCall.exchange = exchange
+        for cls in (getattr(peers, "StreamCall", None), getattr(peers, "DirectStreamCall", None)):
+            if cls is not None:
+                cls.exchange = recorded(cls.exchange)
 
     def reset(self) -> None:
         self.ticks = []
@@ -293,7 +299,7 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=4, help="draft chain nodes (default 4)")
     ap.add_argument("--accept", type=int, default=2, help="chain nodes the target accepts (default 2)")
     ap.add_argument("--variant", action="append", default=[],
-                    help="NAME:key=value,... child settings (inline=0|1, switch=SECONDS); repeatable")
+                    help="NAME:key=value,... settings (inline=0|1, switch=SECONDS, direct=0|1); repeatable")
     args = ap.parse_args()
     if args.serve:
         serve(args.serve, dict(kv.split("=", 1) for kv in args.settings.split(",") if kv))
@@ -321,6 +327,8 @@ def main() -> None:
             dp, daddr = spawn("draft", settings)
             children += [tp, dp]
             target, draft = TargetPeer(taddr), DraftPeer(daddr)
+            if "direct" in settings:   # this process's side: DirectStreamCall or grpcio's threaded streams
+                target.direct_streams = draft.direct_streams = settings["direct"] == "1"
             target.wait_info(30)
             scheds[name] = Scheduler(target, draft, max_sessions=64, step_nodes=4096, draft_deadline_factor=0)
         cases = [(v, m, s) for s in args.streams for m in args.modes for v, _ in variants]
