@@ -2,7 +2,9 @@
 
 The scheduler (:mod:`orchestrator.scheduler`) keeps one bidirectional Verify stream and one
 Propose stream open for the whole process; each tick sends one message carrying every active
-request's item and reads one reply (:class:`StreamCall`, whose exchanges time out precisely).
+request's item and reads one reply (:func:`open_stream`: a :class:`DirectStreamCall`, whose
+exchanges run wholly on the scheduler's thread, or grpcio's threaded :class:`StreamCall`; both
+time out precisely).
 
 The drafter is never waited on for long (docs/ARCHITECTURE.md, "Drafter deadlines and circuit
 breaker"): each Propose gets a deadline of a few of its measured round trips

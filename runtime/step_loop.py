@@ -1,6 +1,11 @@
 """The step loop: one thread owns an engine (its model, pool and sessions); RPC handlers enqueue
 work and wait for its result (docs/ARCHITECTURE.md, "Step loop").
 
+Inline fast path (:meth:`StepLoop.batch`): when the loop is idle (no tick running, nothing
+queued, no prefill in progress) a batch runs on the calling handler's thread instead, under the
+engine lock the loop thread holds for every tick (with its reaping and lease checks), so the
+engine is never run by two threads at once and a lone stream pays no thread hand-off.
+
 Each tick the loop takes everything queued: calls (release, info, ...) run first, in order; then
 every queued verify item, from every request, runs as one ``engine.verify_batch`` (continuous
 batching: requests join and leave between ticks); then prefill chunks run under a token budget,
@@ -283,17 +288,21 @@ class StepLoop:
         :class:`BatchResult` per work, or the exception of a failed step for each."""
         # items naming another owner's session are refused here, under the engine lock, untouched
         refused: dict[tuple[int, int], EngineError] = {}
-        items = []
+        items: list = []
+        sids_of: list[list[str | None]] = []
+        last_used = self._last_used
         now = self.clock()
         for wi, w in enumerate(batches):
             sids = [_session_of(item) for item in w.payload]
-            foreign = self.owners.foreign([sid for sid in sids if sid], w.owner)
-            for ii, (item, sid) in enumerate(zip(w.payload, sids)):
+            sids_of.append(sids)
+            foreign = self.owners.foreign([sid for sid in sids if sid], w.owner) if w.owner is not None else ()
+            for ii, sid in enumerate(sids):
                 if sid in foreign:
                     refused[(wi, ii)] = NotOwner(f"session {sid!r} belongs to another owner")
                     continue
-                self._touch(sid, now)
-                items.append(item)
+                if sid:
+                    last_used[sid] = now   # _touch
+                items.append(w.payload[ii])
         if refused:
             log.info("items refused for sessions of another owner", extra={"refused": len(refused)})
         t0 = time.perf_counter()
@@ -307,18 +316,23 @@ class StepLoop:
             self.ticks += 1
             self.items += len(items)
             self.busy_s += dt
-        it = iter(results)
         done: list[BatchResult | BaseException] = []
+        pos = 0
         for wi, w in enumerate(batches):
-            out, used = [], []
-            for ii, item in enumerate(w.payload):
-                r = refused.get((wi, ii))
-                if r is None:
-                    r = next(it)
-                    if not isinstance(r, BaseException):
-                        used.append(_session_of(item) or "")
-                out.append(r)
-            self.owners.claim(used, w.owner)   # a session it just opened (a drafter's first item) is its
+            if refused:
+                out = []
+                for ii in range(len(w.payload)):
+                    r = refused.get((wi, ii))
+                    if r is None:
+                        r = results[pos]
+                        pos += 1
+                    out.append(r)
+            else:
+                out = results[pos:pos + len(w.payload)]
+                pos += len(w.payload)
+            if w.owner is not None:   # a session it just opened (a drafter's first item) is its
+                self.owners.claim([sid or "" for sid, r in zip(sids_of[wi], out) if not isinstance(r, BaseException)],
+                                  w.owner)
             done.append(BatchResult(out, dt, len(items), t0 - w.enqueued))
         return done
 

@@ -12,7 +12,8 @@ of the right types, features of the right size). The real :class:`orchestrator.s
 in this process (``sys.setswitchinterval(0.001)`` and owner metadata as the orchestrator's main)
 drives ``S`` streams of ``N`` tokens each, autoregressive (``ar``: one Verify exchange per tick)
 or speculative (``spec``: one Propose and one Verify per tick; the drafter proposes a chain of
-``--depth`` nodes and the target accepts ``--accept`` of them).
+``--depth`` nodes and the target accepts ``--accept`` of them). ``--compute-us`` makes every
+engine step busy-wait that long holding the GIL (a model of a step's host-side work).
 
 Per tick (milliseconds, as the scheduler's ``dflash_scheduler_step_seconds`` splits a tick):
 ``draft`` and ``verify`` are the two exchanges' round trips, ``orch`` the rest of the tick;
@@ -49,13 +50,21 @@ VOCAB = 49152
 
 
 # ---------------------------------------------------------------------------------- the engines
+def spin(seconds: float) -> None:
+    """Busy-wait ``seconds`` holding the GIL (a model of a step's host-side Python work)."""
+    if seconds > 0:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+
 class InstantTargetEngine:
     """A target engine whose steps take no time: prefill answers token 7 and ``[len(prompt),
     N*H]`` features; ``verify_batch`` accepts the first ``accept`` nodes of each chain (a node's
     parent the previous node), answers bonus token 9 and the committed rows' features (a slice of
     one preallocated bf16 buffer, as the batched engine's host buffers)."""
 
-    def __init__(self, max_sessions: int = 64, accept: int = 2, hidden: int = HIDDEN):
+    def __init__(self, max_sessions: int = 64, accept: int = 2, hidden: int = HIDDEN, compute_s: float = 0.0):
         import torch
 
         from target_service.engine import PrefillJob, PrefillOutcome, VerifyOutcome
@@ -65,6 +74,7 @@ class InstantTargetEngine:
         self.max_context = 1 << 20
         self.max_tree_width = 64
         self.accept = accept
+        self.compute_s = compute_s
         self.cfg = type("Cfg", (), {"hidden_size": hidden, "vocab_size": VOCAB})()
         self.sessions: dict[str, list] = {}   # id -> [length, feature layers]
         self._rows = torch.zeros(4096, hidden * len(LAYERS), dtype=torch.bfloat16)
@@ -88,6 +98,7 @@ class InstantTargetEngine:
     def verify_batch(self, items):
         from runtime.errors import SessionNotFound
 
+        spin(self.compute_s)
         out = []
         for sid, tokens, parents in items:
             s = self.sessions.get(sid)
@@ -111,13 +122,14 @@ class InstantDraftEngine:
     chain ``root, 11, 12, ...`` of its ``max_depth`` (or ``budget``) nodes. Sessions count the
     feature rows they were sent (no check)."""
 
-    def __init__(self, max_sessions: int = 64, block: int = 16):
+    def __init__(self, max_sessions: int = 64, block: int = 16, compute_s: float = 0.0):
         import torch
 
         from draft_service.batched import ProposeOutcome
         from draft_service.drafter import DrafterConfig
 
         self._out = ProposeOutcome
+        self.compute_s = compute_s
         self.max_sessions = max_sessions
         self.max_context = 1 << 20
         cfg = DrafterConfig(hidden_size=HIDDEN, num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64,
@@ -135,6 +147,7 @@ class InstantDraftEngine:
         return self.sessions.get(sid)
 
     def propose_batch(self, items):
+        spin(self.compute_s)
         out = []
         for it in items:
             rows = 0 if it.features is None else int(it.features.shape[0])
@@ -160,20 +173,13 @@ def serve(kind: str, settings: dict[str, str]) -> None:
     from runtime.owners import Owners
     from runtime.step_loop import StepLoop
 
-    if kind == "target":
-        import target_service.__main__ as service_main
-    else:
-        import draft_service.__main__ as service_main
-    tune = getattr(service_main, "tune_interpreter", None)   # what the service's main does to the interpreter
-    if tune is not None:
-        tune()
-    if "switch" in settings:
+    if "switch" in settings:   # the services' mains leave the default (5 ms)
         sys.setswitchinterval(float(settings["switch"]))
     extra = {"inline": settings["inline"] == "1"} if "inline" in settings else {}
     if kind == "target":
         from target_service.servicer import FEATURES, TargetServicer
 
-        engine = InstantTargetEngine(accept=int(settings.get("accept", 2)))
+        engine = InstantTargetEngine(accept=int(settings.get("accept", 2)), compute_s=float(settings.get("compute", 0)))
         loop = StepLoop(engine, name="target", idle_timeout=300.0, owners=Owners(lease_s=5.0), **extra)
         info = common_pb2.ModelInfo(model_name="hop", architecture="llama", vocab_size=VOCAB, model_fingerprint="hop-target",
                                     tokenizer_fingerprint="hop-tok", max_context=engine.max_context, max_tree_width=64,
@@ -187,7 +193,7 @@ def serve(kind: str, settings: dict[str, str]) -> None:
     else:
         from draft_service.servicer import SERVICE_NAME, DraftServiceServicer
 
-        engine = InstantDraftEngine()
+        engine = InstantDraftEngine(compute_s=float(settings.get("compute", 0)))
         loop = StepLoop(engine, name="draft", batch_method="propose_batch", idle_timeout=300.0,
                         owners=Owners(lease_s=5.0), **extra)
         servicer = DraftServiceServicer(engine, loop=loop, tokenizer_fingerprint="hop-tok")
@@ -298,6 +304,8 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["ar", "spec"], choices=["ar", "spec"])
     ap.add_argument("--depth", type=int, default=4, help="draft chain nodes (default 4)")
     ap.add_argument("--accept", type=int, default=2, help="chain nodes the target accepts (default 2)")
+    ap.add_argument("--compute-us", type=float, default=0.0,
+                    help="each engine step busy-waits this long holding the GIL (default 0: instant)")
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME:key=value,... settings (inline=0|1, switch=SECONDS, direct=0|1); repeatable")
     args = ap.parse_args()
@@ -317,6 +325,7 @@ def main() -> None:
         name, _, kvs = spec.partition(":")
         settings = dict(kv.split("=", 1) for kv in kvs.split(",") if kv)
         settings["accept"] = str(args.accept)
+        settings["compute"] = str(args.compute_us / 1e6)
         variants.append((name, settings))
     rec = Recorder()
     rec.install()
