@@ -326,7 +326,10 @@ class DirectStreamCall(_Watched):
 
     def _cancel(self, details: str = "Locally cancelled by application!") -> None:
         if self._error is None:
-            self._call.cancel(_cygrpc.StatusCode.cancelled, details)
+            try:
+                self._call.cancel(_cygrpc.StatusCode.cancelled, details)
+            except ValueError:   # grpcio refused the cancel: the call is over already
+                pass
 
     # ---- the contract
     def exchange(self, request, timeout: float | None = None):
@@ -375,10 +378,7 @@ class DirectStreamCall(_Watched):
         """Cancel the stream (idempotent) and, unless an exchange is reading it now (that one
         then does), read what is left of it so the call is freed."""
         self._stop_watch()
-        try:
-            self._cancel()
-        except ValueError:   # grpcio refused the cancel: the call is over
-            pass
+        self._cancel()
         if self._lock.acquire(blocking=False):
             try:
                 self._finish()

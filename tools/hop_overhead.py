@@ -349,7 +349,8 @@ def main() -> None:
             for c in order:
                 results[c].append(run_once(scheds[c[0]], rec, c[2], args.tokens, c[1] == "spec", args.depth))
             print(f"round {rnd + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-        print(f"# hop_overhead: CPU ({os.cpu_count()} cores), instant engines, {args.tokens} tokens per stream, "
+        engines = f"engine steps spin {args.compute_us:g} us" if args.compute_us else "instant engines"
+        print(f"# hop_overhead: CPU ({os.cpu_count()} cores), {engines}, {args.tokens} tokens per stream, "
               f"{args.rounds} rounds; ms per tick, mean of a round: best / median over rounds")
         keys = ["tick", "draft", "dc", "verify", "vc", "orch", "hop"]
         print(f"{'variant':<10} {'mode':<4} {'S':>3} " + " ".join(f"{k:>13}" for k in keys) + f" {'tok/s':>13}")
