@@ -2,7 +2,9 @@
 
 The scheduler (:mod:`orchestrator.scheduler`) keeps one bidirectional Verify stream and one
 Propose stream open for the whole process; each tick sends one message carrying every active
-request's item and reads one reply (:class:`StreamCall`, whose exchanges time out precisely).
+request's item and reads one reply (:func:`open_stream`: a :class:`DirectStreamCall`, whose
+exchanges run wholly on the scheduler's thread, or grpcio's threaded :class:`StreamCall`; both
+time out precisely).
 
 The drafter is never waited on for long (docs/ARCHITECTURE.md, "Drafter deadlines and circuit
 breaker"): each Propose gets a deadline of a few of its measured round trips
@@ -68,31 +70,21 @@ class ExchangeTimeout(grpc.RpcError):
         return ()
 
 
-class StreamCall:
-    """One open bidirectional stream used as a sequence of request/reply exchanges.
+class _Watched:
+    """What both stream kinds share: the per-exchange deadline watch (a thread per stream that
+    sleeps until the deadline of the exchange in flight and then cancels the stream), and the
+    ``broken`` / ``close`` bookkeeping. A subclass provides :meth:`_cancel`."""
 
-    Raises ``grpc.RpcError`` from :meth:`exchange` when the stream fails, and
-    :class:`ExchangeTimeout` (a ``grpc.RpcError`` too) when a reply is later than the exchange's
-    timeout. A timed-out stream is cancelled, so its late reply can never be read as a later
-    exchange's: the caller opens a new ``StreamCall``.
-
-    The timeout is watched by one thread per stream that sleeps until the deadline of the
-    exchange in flight (``threading.Condition.wait`` with the exact time left, so a timeout fires
-    within a millisecond or so of its deadline, not on a polling grain). The caller's thread reads
-    the reply itself, as without a timeout, so the happy path gains no thread hand-off; the watch
-    thread is woken only when an exchange's deadline is earlier than the one it sleeps toward
-    (in steady ticks it wakes about once per timeout, not once per exchange).
-    """
-
-    def __init__(self, method, timeout: float | None = None):
-        self._q: queue.Queue = queue.Queue()
-        self._responses = method(iter(self._q.get, _END), timeout=timeout)
+    def __init__(self):
         self._cond = threading.Condition(threading.Lock())
         self._deadline: float | None = None  # of the exchange in flight (monotonic s)
         self._watching = float("inf")          # the deadline the watch thread sleeps toward
         self._closed = False
         self._expired = False                  # the watch thread cancelled the stream
         self._watchdog: threading.Thread | None = None
+
+    def _cancel(self) -> None:
+        raise NotImplementedError
 
     def _watch(self) -> None:
         # ``_deadline`` is written by the caller without the lock (one attribute store); the caller
@@ -116,7 +108,58 @@ class StreamCall:
             self._watching = float("inf")
             expired = self._expired
         if expired:
-            self._responses.cancel()
+            self._cancel()
+
+    def _arm(self, timeout: float) -> None:
+        """Watch the exchange about to start: cancel the stream ``timeout`` seconds from now."""
+        deadline = time.monotonic() + timeout
+        self._deadline = deadline
+        if deadline < self._watching:  # the watch thread sleeps past it (or idles): wake it
+            with self._cond:
+                self._cond.notify()
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, name="stream-watchdog", daemon=True)
+            self._watchdog.start()
+
+    @property
+    def broken(self) -> bool:
+        """The stream was cancelled (closed, or a deadline passed: possibly just after an exchange
+        got its reply in time), so the next exchange would fail: open a new one instead."""
+        return self._expired or self._closed
+
+    def _stop_watch(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+
+class StreamCall(_Watched):
+    """One open bidirectional stream used as a sequence of request/reply exchanges.
+
+    Raises ``grpc.RpcError`` from :meth:`exchange` when the stream fails, and
+    :class:`ExchangeTimeout` (a ``grpc.RpcError`` too) when a reply is later than the exchange's
+    timeout. A timed-out stream is cancelled, so its late reply can never be read as a later
+    exchange's: the caller opens a new ``StreamCall``.
+
+    The timeout is watched by one thread per stream that sleeps until the deadline of the
+    exchange in flight (``threading.Condition.wait`` with the exact time left, so a timeout fires
+    within a millisecond or so of its deadline, not on a polling grain). The caller's thread reads
+    the reply itself, as without a timeout, so the happy path gains no thread hand-off; the watch
+    thread is woken only when an exchange's deadline is earlier than the one it sleeps toward
+    (in steady ticks it wakes about once per timeout, not once per exchange).
+
+    grpcio's own streaming path: a request reaches the wire through grpcio's request-iterator
+    thread and the reply through its channel thread. :class:`DirectStreamCall` keeps the same
+    contract without either (:func:`open_stream` picks it where it can).
+    """
+
+    def __init__(self, method, timeout: float | None = None):
+        super().__init__()
+        self._q: queue.Queue = queue.Queue()
+        self._responses = method(iter(self._q.get, _END), timeout=timeout)
+
+    def _cancel(self) -> None:
+        self._responses.cancel()
 
     def exchange(self, request, timeout: float | None = None):
         """Send ``request`` and wait for its reply.
@@ -131,14 +174,7 @@ class StreamCall:
             grpc.RpcError: the stream failed (or was closed).
         """
         if timeout is not None:
-            deadline = time.monotonic() + timeout
-            self._deadline = deadline
-            if deadline < self._watching:  # the watch thread sleeps past it (or idles): wake it
-                with self._cond:
-                    self._cond.notify()
-            if self._watchdog is None:
-                self._watchdog = threading.Thread(target=self._watch, name="stream-watchdog", daemon=True)
-                self._watchdog.start()
+            self._arm(timeout)
         self._q.put(request)
         try:
             return next(self._responses)
@@ -150,19 +186,215 @@ class StreamCall:
             if timeout is not None:
                 self._deadline = None
 
-    @property
-    def broken(self) -> bool:
-        """The stream was cancelled (closed, or a deadline passed: possibly just after an exchange
-        got its reply in time), so the next exchange would fail: open a new one instead."""
-        return self._expired or self._closed
-
     def close(self) -> None:
         """Half-close and cancel the stream (idempotent)."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
+        self._stop_watch()
         self._q.put(_END)
         self._responses.cancel()
+
+
+class StreamError(grpc.RpcError):
+    """A :class:`DirectStreamCall` that failed: the stream's status (``code``, ``details``) and
+    trailing metadata (where the peer's reason code is: :func:`dflash_grpc.transport.reason_of`),
+    as a ``grpc.RpcError`` raised from a failed grpcio call carries them."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple = ()):
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details, self._trailing = code, details, tuple(trailing or ())
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple:
+        return self._trailing
+
+
+try:  # grpcio's internals that DirectStreamCall drives (absent or changed: StreamCall serves)
+    from grpc import _channel as _grpc_channel
+    from grpc import _interceptor as _grpc_interceptor
+    from grpc._cython import cygrpc as _cygrpc
+
+    _OP = _cygrpc.OperationType
+    _RECV_MESSAGE, _RECV_STATUS = _OP.receive_message, _OP.receive_status_on_client
+except (ImportError, AttributeError):  # pragma: no cover - another grpcio
+    _cygrpc = None
+
+#: Use :class:`DirectStreamCall` where the channel allows it (:func:`open_stream`); False: always
+#: grpcio's threaded path (:class:`StreamCall`).
+DIRECT_STREAMS = True
+
+_EXCHANGE, _STATUS, _OTHER = "exchange", "status", "other"
+
+
+def _direct_target(channel) -> tuple[object, tuple] | None:
+    """The core channel under ``channel`` and the metadata its interceptors add to every call, or
+    None when that cannot be known: a channel of :func:`dflash_grpc.serving.channel` (plain, or
+    intercepted only to add fixed metadata pairs) qualifies."""
+    if _cygrpc is None:
+        return None
+    pairs: list = []
+    while isinstance(channel, _grpc_interceptor._Channel):
+        extra = getattr(channel._interceptor, "pairs", None)   # serving's metadata interceptor
+        if extra is None:
+            return None                                         # an interceptor we cannot replay
+        pairs.extend(extra)
+        channel = channel._channel
+    if not isinstance(channel, _grpc_channel.Channel):
+        return None
+    core = getattr(channel, "_channel", None)
+    if core is None or not hasattr(core, "segregated_call"):
+        return None
+    return core, tuple((str(k), v) for k, v in pairs)
+
+
+class DirectStreamCall(_Watched):
+    """:class:`StreamCall`'s contract (exchanges, a precise timeout per exchange, ``broken``,
+    ``close``) with every exchange run on the caller's thread.
+
+    grpcio's streaming API hands each request to a thread of its own (the request iterator's)
+    and each reply back from another (the channel's); on a loaded host each hand-off costs a
+    thread wake-up, a large part of a step's round trip (tools/hop_overhead.py). Here the stream
+    is one grpcio "segregated" call (the kind grpcio's blocking unary calls use), with its own
+    completion queue: an exchange starts one batch (send the request, receive the reply) and the
+    caller's thread waits on that queue itself. The deadline watch thread cancels the call as
+    :class:`StreamCall`'s does. Built by :func:`open_stream` (which falls back to
+    :class:`StreamCall` where grpcio's internals differ); not for use by several threads at once
+    (the scheduler's thread alone exchanges, as with :class:`StreamCall`).
+
+    Args:
+        core: the core channel (:func:`_direct_target`).
+        method: the full method name, e.g. ``/dflash_grpc.v1.TargetService/Verify``.
+        deserialize: bytes -> reply message.
+        metadata: the call's metadata pairs.
+        timeout: seconds the whole stream may live (None: no limit).
+
+    Raises:
+        StreamError: UNAVAILABLE, the channel is closed.
+    """
+
+    def __init__(self, core, method: str, deserialize, metadata: tuple = (), timeout: float | None = None):
+        super().__init__()
+        self._deserialize = deserialize
+        self._lock = threading.Lock()     # held while the call's queue is read
+        self._due = 0                     # batches started and not yet seen on the queue
+        self._reply: bytes | None = None
+        self._status: StreamError | None = None   # the stream's end, once known
+        self._error: grpc.RpcError | None = None  # what every later exchange raises
+        deadline = None if timeout is None else time.time() + timeout
+        c = _cygrpc
+        ops = (((c.SendInitialMetadataOperation(metadata, 0),), _OTHER),
+               ((c.ReceiveInitialMetadataOperation(0),), _OTHER),
+               ((c.ReceiveStatusOnClientOperation(0),), _STATUS))
+        try:
+            self._call = core.segregated_call(c.PropagationConstants.GRPC_PROPAGATE_DEFAULTS, method.encode(), None,
+                                              deadline, metadata, None, ops, None, None)
+        except ValueError as e:   # the channel is closed
+            raise StreamError(grpc.StatusCode.UNAVAILABLE, f"cannot open the stream: {e}") from None
+        self._due = len(ops)
+
+    # ---- the call's completion queue (caller's thread, ``_lock`` held)
+    def _pump(self) -> str:
+        """Wait for the next completed batch; note a reply or the stream's status; its tag."""
+        event = self._call.next_event()   # the GIL is released while it waits
+        self._due -= 1
+        for op in event.batch_operations:
+            kind = op.type()
+            if kind == _RECV_MESSAGE:
+                self._reply = op.message()
+            elif kind == _RECV_STATUS:
+                details = op.details()
+                details = details.decode("utf-8", "replace") if isinstance(details, bytes) else str(details or "")
+                self._status = StreamError(status_code(op.code()), details, op.trailing_metadata())
+        return event.tag
+
+    def _finish(self) -> grpc.RpcError:
+        """The stream ended: read its status and every batch still due (the call is then freed;
+        the queue must never be read again), and keep the error later exchanges raise."""
+        if self._error is None:
+            while self._due and self._status is None:
+                self._pump()
+            while self._due:
+                self._pump()
+            status = self._status or StreamError(grpc.StatusCode.UNAVAILABLE, "the stream ended")
+            if status.code() == grpc.StatusCode.OK:   # ended by the peer without an error: still unusable
+                status = StreamError(grpc.StatusCode.UNAVAILABLE, "the peer ended the stream", status.trailing_metadata())
+            self._error = status
+        return self._error
+
+    def _cancel(self, details: str = "Locally cancelled by application!") -> None:
+        if self._error is None:
+            try:
+                self._call.cancel(_cygrpc.StatusCode.cancelled, details)
+            except ValueError:   # grpcio refused the cancel: the call is over already
+                pass
+
+    # ---- the contract
+    def exchange(self, request, timeout: float | None = None):
+        """Send ``request`` and wait for its reply (as :meth:`StreamCall.exchange`).
+
+        Raises:
+            ExchangeTimeout: no reply within ``timeout`` (the stream is cancelled).
+            grpc.RpcError: the stream failed, ended or was closed (:class:`StreamError`).
+        """
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            if timeout is not None:
+                self._arm(timeout)
+            try:
+                return self._exchange(request)
+            except grpc.RpcError as e:
+                if self._expired and timeout is not None:
+                    raise ExchangeTimeout(timeout) from e
+                raise
+            finally:
+                if timeout is not None:
+                    self._deadline = None
+
+    def _exchange(self, request):
+        c = _cygrpc
+        self._reply = None
+        if not self._call.operate((c.SendMessageOperation(request.SerializeToString(), 0),
+                                   c.ReceiveMessageOperation(0)), _EXCHANGE):
+            raise self._finish()
+        self._due += 1
+        while self._pump() != _EXCHANGE:
+            pass
+        reply = self._reply
+        if reply is None:            # no reply: the stream ended (or was cancelled)
+            raise self._finish()
+        try:
+            return self._deserialize(reply)
+        except Exception as e:  # noqa: BLE001 - a reply that does not decode ends the stream
+            self._cancel("the reply did not decode")
+            self._finish()
+            self._error = StreamError(grpc.StatusCode.INTERNAL, f"the reply did not decode: {e}")
+            raise self._error from None
+
+    def close(self) -> None:
+        """Cancel the stream (idempotent) and, unless an exchange is reading it now (that one
+        then does), read what is left of it so the call is freed."""
+        self._stop_watch()
+        self._cancel()
+        if self._lock.acquire(blocking=False):
+            try:
+                self._finish()
+            finally:
+                self._lock.release()
+
+
+def open_stream(channel, method: str, multicallable, deserialize, timeout: float | None = None,
+                direct: bool | None = None):
+    """A stream of exchanges on ``channel``: a :class:`DirectStreamCall` where ``direct`` (None:
+    :data:`DIRECT_STREAMS`) and the channel allow it (:func:`_direct_target`), else a
+    :class:`StreamCall` over ``multicallable`` (the stub's method)."""
+    target = _direct_target(channel) if (DIRECT_STREAMS if direct is None else direct) else None
+    if target is not None:
+        return DirectStreamCall(target[0], method, deserialize, target[1], timeout)
+    return StreamCall(multicallable, timeout)
 
 
 class DraftDeadline:
@@ -290,6 +522,7 @@ class TargetPeer:
         self.channel = serving.channel(address)
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
         self._info: common_pb2.ModelInfo | None = None
+        self.direct_streams: bool | None = None   # Verify streams: DirectStreamCall (None: DIRECT_STREAMS)
 
     def info(self, timeout: float = 5.0) -> common_pb2.ModelInfo:
         if self._info is None:
@@ -307,8 +540,10 @@ class TargetPeer:
                     raise
                 time.sleep(0.25)
 
-    def verify_stream(self, timeout: float | None) -> StreamCall:
-        return StreamCall(self.stub.Verify, timeout)
+    def verify_stream(self, timeout: float | None) -> "StreamCall | DirectStreamCall":
+        """A Verify stream (:func:`open_stream`; ``direct_streams`` None: :data:`DIRECT_STREAMS`)."""
+        return open_stream(self.channel, "/dflash_grpc.v1.TargetService/Verify", self.stub.Verify,
+                           target_pb2.VerifyResponse.FromString, timeout, self.direct_streams)
 
     def close(self) -> None:
         self.channel.close()
@@ -336,6 +571,7 @@ class DraftPeer:
         self.channel = serving.channel(address) if address else None
         self.stub = draft_pb2_grpc.DraftServiceStub(self.channel) if self.channel else None
         self.breaker = CircuitBreaker(min_backoff_s, max_backoff_s)
+        self.direct_streams: bool | None = None   # Propose streams: DirectStreamCall (None: DIRECT_STREAMS)
         self._info: draft_pb2.DrafterInfo | None = None
         self._layers: list[int] | None = None
         self._lock = threading.Lock()
@@ -407,8 +643,10 @@ class DraftPeer:
             self.breaker.succeeded()
             self.detail = "ok"
 
-    def propose_stream(self, timeout: float | None) -> StreamCall:
-        return StreamCall(self.stub.Propose, timeout)
+    def propose_stream(self, timeout: float | None) -> "StreamCall | DirectStreamCall":
+        """A Propose stream (:func:`open_stream`; ``direct_streams`` None: :data:`DIRECT_STREAMS`)."""
+        return open_stream(self.channel, "/dflash_grpc.v1.DraftService/Propose", self.stub.Propose,
+                           draft_pb2.ProposeResponse.FromString, timeout, self.direct_streams)
 
     def close(self) -> None:
         self._closed.set()

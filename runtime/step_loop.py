@@ -1,6 +1,11 @@
 """The step loop: one thread owns an engine (its model, pool and sessions); RPC handlers enqueue
 work and wait for its result (docs/ARCHITECTURE.md, "Step loop").
 
+Inline fast path (:meth:`StepLoop.batch`): when the loop is idle (no tick running, nothing
+queued, no prefill in progress) a batch runs on the calling handler's thread instead, under the
+engine lock the loop thread holds for every tick (with its reaping and lease checks), so the
+engine is never run by two threads at once and a lone stream pays no thread hand-off.
+
 Each tick the loop takes everything queued: calls (release, info, ...) run first, in order; then
 every queued verify item, from every request, runs as one ``engine.verify_batch`` (continuous
 batching: requests join and leave between ticks); then prefill chunks run under a token budget,
@@ -47,7 +52,7 @@ log = logging.getLogger(__name__)
 class _Work:
     kind: str                      # "batch", "prefill" or "call"
     payload: Any
-    future: Future
+    future: Future | None          # None: an inline batch (its caller waits for nothing)
     enqueued: float = dataclasses.field(default_factory=time.perf_counter)
     owner: Owner | None = None     # None: an in-process caller, not checked
 
@@ -84,7 +89,7 @@ class StepLoop:
 
     def __init__(self, engine, prefill_budget: int = 512, name: str = "engine", batch_method: str = "verify_batch",
                  idle_timeout: float = 0.0, reap_interval: float = 5.0, clock: Callable[[], float] = time.monotonic,
-                 owners: Owners | None = None):
+                 owners: Owners | None = None, inline: bool = True):
         self.engine = engine
         self.name = name
         self._batch_fn = getattr(engine, batch_method)
@@ -107,6 +112,13 @@ class StepLoop:
         self._next_reap: float | None = None
         self.owners = owners if owners is not None else Owners(clock=clock)
         self._next_lease_check = 0.0
+        #: run a batch on the calling thread when the loop is idle (:meth:`batch`); may be changed later
+        self.inline = bool(inline)
+        #: batches run inline, on the caller's thread
+        self.inline_batches = 0
+        # held by whoever runs the engine: the loop thread for a tick (and its reaping and lease
+        # checks), or a caller for an inline batch; never both at once
+        self._engine_lock = threading.Lock()
         self._thread.start()
 
     # ------------------------------------------------------------------ submitting
@@ -124,7 +136,30 @@ class StepLoop:
         return self._submit("batch", list(items), owner)
 
     def batch(self, items: list, owner: Owner | None = None) -> BatchResult:
-        """:meth:`submit_batch` and wait."""
+        """Run ``items`` as one batch and wait for its :class:`BatchResult` (as :meth:`submit_batch`).
+
+        Inline fast path (``inline``): when the loop is idle (it holds no tick, nothing is queued
+        and no prefill is in progress) the batch runs here, on the calling thread, under the
+        engine lock, with the same owner checks, idle-time notes, counters and timing as on the
+        loop thread; this saves the two thread hand-offs of a queued batch (docs/ARCHITECTURE.md,
+        "Step loop"). Otherwise it is queued and batched with the others on the loop thread.
+
+        Raises:
+            Unavailable: the loop is stopped.
+            BaseException: what the engine's batch method raised (the step failed).
+        """
+        if self.inline and not self._prefills and self._q.empty() and self._engine_lock.acquire(blocking=False):
+            try:
+                if self._stop.is_set():
+                    raise Unavailable("the step loop is stopped")
+                if not self._prefills:   # stable under the lock: only a lock holder changes it
+                    done = self._run_batches([_Work("batch", list(items), None, owner=owner)])[0]
+                    self.inline_batches += 1
+                    if isinstance(done, BaseException):
+                        raise done
+                    return done
+            finally:
+                self._engine_lock.release()
         return self.submit_batch(items, owner).result()
 
     def submit_prefill(self, *args, owner: Owner | None = None) -> Future:
@@ -192,14 +227,19 @@ class StepLoop:
         self._thread.join(timeout)
 
     # ------------------------------------------------------------------ the loop
-    def _take(self) -> list[_Work]:
-        """Everything queued; waits (up to 0.5 s, less with short leases) for the first item only
-        when no prefill is pending."""
-        work = []
+    def _wait(self) -> list[_Work]:
+        """The first item queued, waiting for it (up to 0.5 s, less with short leases) only when
+        no prefill is pending; empty when none came."""
         lease = self.owners.lease_s
         wait = min(0.5, max(0.02, lease / 4)) if lease > 0 else 0.5
         try:
-            work.append(self._q.get(timeout=wait) if not self._prefills else self._q.get_nowait())
+            return [self._q.get(timeout=wait) if not self._prefills else self._q.get_nowait()]
+        except queue.Empty:
+            return []
+
+    def _drain(self, work: list[_Work]) -> list[_Work]:
+        """``work`` and everything queued now, the stop marks (None) left out."""
+        try:
             while True:
                 work.append(self._q.get_nowait())
         except queue.Empty:
@@ -208,13 +248,15 @@ class StepLoop:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                self._tick(self._take())
-                self._maybe_reap()
-                self._expire_leases()
-            except Exception:  # noqa: BLE001 - the loop must survive a bug in one tick
-                log.exception("step loop tick failed")
-        for w in self._take():
+            first = self._wait()
+            with self._engine_lock:   # an inline batch in progress finishes first
+                try:
+                    self._tick(self._drain(first))   # what queued meanwhile joins this tick
+                    self._maybe_reap()
+                    self._expire_leases()
+                except Exception:  # noqa: BLE001 - the loop must survive a bug in one tick
+                    log.exception("step loop tick failed")
+        for w in self._drain([]):
             w.future.set_exception(Unavailable("the step loop stopped"))
 
     def _tick(self, work: list[_Work]) -> None:
@@ -234,23 +276,33 @@ class StepLoop:
                 self._prefills.append((job, w.future, w.owner))
                 self._touch(_session_of(job) or _session_of(w.payload), now)
         if batches:
-            self._run_batches(batches)
+            for w, done in zip(batches, self._run_batches(batches)):
+                if isinstance(done, BaseException):
+                    w.future.set_exception(done)
+                else:
+                    w.future.set_result(done)
         self._run_prefills()
 
-    def _run_batches(self, batches: list[_Work]) -> None:
-        # items naming another owner's session are refused here, on the loop thread, untouched
+    def _run_batches(self, batches: list[_Work]) -> list[BatchResult | BaseException]:
+        """Run the items of ``batches`` as one engine batch (engine lock held); one
+        :class:`BatchResult` per work, or the exception of a failed step for each."""
+        # items naming another owner's session are refused here, under the engine lock, untouched
         refused: dict[tuple[int, int], EngineError] = {}
-        items = []
+        items: list = []
+        sids_of: list[list[str | None]] = []
+        last_used = self._last_used
         now = self.clock()
         for wi, w in enumerate(batches):
             sids = [_session_of(item) for item in w.payload]
-            foreign = self.owners.foreign([sid for sid in sids if sid], w.owner)
-            for ii, (item, sid) in enumerate(zip(w.payload, sids)):
+            sids_of.append(sids)
+            foreign = self.owners.foreign([sid for sid in sids if sid], w.owner) if w.owner is not None else ()
+            for ii, sid in enumerate(sids):
                 if sid in foreign:
                     refused[(wi, ii)] = NotOwner(f"session {sid!r} belongs to another owner")
                     continue
-                self._touch(sid, now)
-                items.append(item)
+                if sid:
+                    last_used[sid] = now   # _touch
+                items.append(w.payload[ii])
         if refused:
             log.info("items refused for sessions of another owner", extra={"refused": len(refused)})
         t0 = time.perf_counter()
@@ -258,26 +310,31 @@ class StepLoop:
             results = self._batch_fn(items) if items else []
         except BaseException as e:  # noqa: BLE001 - a failed step fails its requests, not the loop
             log.exception("batched step failed", extra={"items": len(items)})
-            for w in batches:
-                w.future.set_exception(e)
-            return
+            return [e] * len(batches)
         dt = time.perf_counter() - t0
         if items:
             self.ticks += 1
             self.items += len(items)
             self.busy_s += dt
-        it = iter(results)
+        done: list[BatchResult | BaseException] = []
+        pos = 0
         for wi, w in enumerate(batches):
-            out, used = [], []
-            for ii, item in enumerate(w.payload):
-                r = refused.get((wi, ii))
-                if r is None:
-                    r = next(it)
-                    if not isinstance(r, BaseException):
-                        used.append(_session_of(item) or "")
-                out.append(r)
-            self.owners.claim(used, w.owner)   # a session it just opened (a drafter's first item) is its
-            w.future.set_result(BatchResult(out, dt, len(items), t0 - w.enqueued))
+            if refused:
+                out = []
+                for ii in range(len(w.payload)):
+                    r = refused.get((wi, ii))
+                    if r is None:
+                        r = results[pos]
+                        pos += 1
+                    out.append(r)
+            else:
+                out = results[pos:pos + len(w.payload)]
+                pos += len(w.payload)
+            if w.owner is not None:   # a session it just opened (a drafter's first item) is its
+                self.owners.claim([sid or "" for sid, r in zip(sids_of[wi], out) if not isinstance(r, BaseException)],
+                                  w.owner)
+            done.append(BatchResult(out, dt, len(items), t0 - w.enqueued))
+        return done
 
     def _run_prefills(self) -> None:
         budget = self.prefill_budget
