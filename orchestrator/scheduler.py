@@ -305,6 +305,9 @@ class Scheduler:
             if self._stop.is_set() or self._draining:
                 raise Rejected(grpc.StatusCode.UNAVAILABLE, "orchestrator is shutting down", Reason.SHUTTING_DOWN)
             held = self._held()
+            if len(self._queue) >= self.max_queue and any(r.closed for r in self._queue):
+                # requests cancelled while queued hold no session: they never count against the queue
+                self._queue = collections.deque(r for r in self._queue if not r.closed)
             if len(self._queue) >= self.max_queue and (held >= self.max_sessions or self._queue):
                 metrics.observe_admission("rejected")
                 raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
