@@ -85,6 +85,8 @@ class StepLoop:
         clock: the monotonic clock of the idle times (tests inject a fake one).
         owners: the session owners and leases (default: a new :class:`~runtime.owners.Owners`
             without leases, on ``clock``); ``loop.owners.lease_s`` may be changed later.
+        inline: run a batch on the calling thread when the loop is idle (:meth:`batch`); may be
+            changed later (``loop.inline = ...``).
     """
 
     def __init__(self, engine, prefill_budget: int = 512, name: str = "engine", batch_method: str = "verify_batch",
