@@ -85,6 +85,8 @@ class StepLoop:
         clock: the monotonic clock of the idle times (tests inject a fake one).
         owners: the session owners and leases (default: a new :class:`~runtime.owners.Owners`
             without leases, on ``clock``); ``loop.owners.lease_s`` may be changed later.
+        inline: run a batch on the calling thread when the loop is idle (:meth:`batch`); may be
+            changed later (``loop.inline = ...``).
     """
 
     def __init__(self, engine, prefill_budget: int = 512, name: str = "engine", batch_method: str = "verify_batch",
@@ -119,6 +121,7 @@ class StepLoop:
         # held by whoever runs the engine: the loop thread for a tick (and its reaping and lease
         # checks), or a caller for an inline batch; never both at once
         self._engine_lock = threading.Lock()
+        self._loop_waits = False   # the loop thread has queued work and waits for the engine lock
         self._thread.start()
 
     # ------------------------------------------------------------------ submitting
@@ -138,17 +141,19 @@ class StepLoop:
     def batch(self, items: list, owner: Owner | None = None) -> BatchResult:
         """Run ``items`` as one batch and wait for its :class:`BatchResult` (as :meth:`submit_batch`).
 
-        Inline fast path (``inline``): when the loop is idle (it holds no tick, nothing is queued
-        and no prefill is in progress) the batch runs here, on the calling thread, under the
-        engine lock, with the same owner checks, idle-time notes, counters and timing as on the
-        loop thread; this saves the two thread hand-offs of a queued batch (docs/ARCHITECTURE.md,
-        "Step loop"). Otherwise it is queued and batched with the others on the loop thread.
+        Inline fast path (``inline``): when the loop is idle (it holds no tick and waits for
+        none, nothing is queued and no prefill is in progress) the batch runs here, on the
+        calling thread, under the engine lock, with the same owner checks, idle-time notes,
+        counters and timing as on the loop thread; this saves the two thread hand-offs of a
+        queued batch (docs/ARCHITECTURE.md, "Step loop"). Otherwise it is queued and batched
+        with the others on the loop thread (queued work is never overtaken by inline batches).
 
         Raises:
             Unavailable: the loop is stopped.
             BaseException: what the engine's batch method raised (the step failed).
         """
-        if self.inline and not self._prefills and self._q.empty() and self._engine_lock.acquire(blocking=False):
+        if (self.inline and not self._loop_waits and not self._prefills and self._q.empty()
+                and self._engine_lock.acquire(blocking=False)):
             try:
                 if self._stop.is_set():
                     raise Unavailable("the step loop is stopped")
@@ -249,7 +254,9 @@ class StepLoop:
     def _run(self) -> None:
         while not self._stop.is_set():
             first = self._wait()
+            self._loop_waits = bool(first)   # queued work goes first: no new inline batch meanwhile
             with self._engine_lock:   # an inline batch in progress finishes first
+                self._loop_waits = False
                 try:
                     self._tick(self._drain(first))   # what queued meanwhile joins this tick
                     self._maybe_reap()
