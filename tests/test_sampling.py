@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.sampling import filtered_logprobs, select_tokens
+from kernels.sampling import filter_thresholds, filtered_logprobs, sample_tokens, select_tokens
+from kernels.sampling.reference import sampling_tensors
 from target_service.engine import Sampling, TargetEngine
 from target_service.models.llama import LlamaModel
 from runtime.tree import chain
@@ -41,6 +42,17 @@ def tiny_engine(tiny_llama):
     return TargetEngine(model, max_sessions=2, max_context=64, max_tree_width=16)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """One torch thread for this module: its tensors are tiny (rows of 64 and 300 floats), so a
+    second thread only adds hand-off cost; on a busy 2-core runner a [7, 64] x [64, 300] matmul
+    took 5 ms with two threads and 0.05 ms with one."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _next_logits(engine: TargetEngine, prefix: list[int]) -> torch.Tensor:
     cache = engine.model.new_cache(64)
     tr = chain(prefix)
@@ -51,9 +63,16 @@ def _next_logits(engine: TargetEngine, prefix: list[int]) -> torch.Tensor:
 def test_sampler_matches_softmax(tiny_engine, temperature, top_k, top_p):
     logits = _next_logits(tiny_engine, [5, 17, 42]).unsqueeze(0)
     probs = filtered_logprobs(logits, temperature, top_k, top_p)[0].exp()
-    counts = torch.zeros_like(probs)
-    for seed in range(N_SAMPLES):
-        counts[select_tokens(logits, [3], temperature, top_k, top_p, seed)[0]] += 1
+    # N_SAMPLES seeds in one call of the kernels that select_tokens runs (row r: seed r, position
+    # 3; rows are independent), ...
+    rows = logits.expand(N_SAMPLES, -1)
+    inv_t, k, p, _ = sampling_tensors(N_SAMPLES, logits.device, temperature, top_k, top_p, 0)
+    tokens = sample_tokens(rows, inv_t, filter_thresholds(rows, inv_t, k, p), torch.arange(N_SAMPLES),
+                           torch.full((N_SAMPLES,), 3))
+    # ... the tokens select_tokens gives one seed at a time
+    for seed in range(0, N_SAMPLES, 97):
+        assert int(select_tokens(logits, [3], temperature, top_k, top_p, seed)[0]) == int(tokens[seed]), seed
+    counts = torch.bincount(tokens, minlength=probs.numel()).to(probs.dtype)
     assert chi_square_p(counts, probs) > 1e-3
     assert counts[probs == 0].sum() == 0
 
@@ -71,15 +90,28 @@ def test_tree_verify_emits_target_distribution(tiny_engine, temperature, top_k, 
     parents = [-1, 0, 0, 0, 0, 1, 5]
     counts = torch.zeros_like(probs)
     accepted = 0
-    for seed in range(N_SAMPLES):
-        sid = f"s{seed}"
-        tiny_engine.prefill(sid, prompt, Sampling(temperature, top_k, top_p, seed), [])
-        tiny_engine.sessions[sid].root = root  # fix the prefix (white-box): the root is not sampled here
-        out = tiny_engine.verify(sid, tokens, parents)
+    # One prefill, then one verify per seed from the same state (white-box): the cache rows after
+    # the prompt are identical for every seed and the prefill's own sample is overwritten by the
+    # fixed root, so each iteration rewinds the session to just after the prompt (rows past
+    # cache.length are never read) and swaps in the seed. Each verify sees exactly what a fresh
+    # prefill + verify with that seed would (same cache, positions and Philox counters); this
+    # halves the test's time (the prefill forward and its sampling were half of each iteration).
+    sid = "s"
+    tiny_engine.prefill(sid, prompt, Sampling(temperature, top_k, top_p, 0), [])
+    session = tiny_engine.sessions[sid]
+    committed = session.length
+    try:
+        for seed in range(N_SAMPLES):
+            session.cache.length = committed
+            session.sampling = Sampling(temperature, top_k, top_p, seed)
+            session.root = root  # fix the prefix: the root is not sampled here
+            out = tiny_engine.verify(sid, tokens, parents)
+            assert out.committed_length == committed + 1 + len(out.accepted_tokens)
+            first = (out.accepted_tokens + [out.bonus_token])[0]
+            accepted += bool(out.accepted_tokens)
+            counts[first] += 1
+    finally:
         tiny_engine.release([sid])
-        first = (out.accepted_tokens + [out.bonus_token])[0]
-        accepted += bool(out.accepted_tokens)
-        counts[first] += 1
     assert 0 < accepted < N_SAMPLES, "both accepted and rejected paths must occur"
     assert chi_square_p(counts, probs) > 1e-3
     # The test has power: the same counts are far from a distribution that favours the drafts.

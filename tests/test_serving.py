@@ -6,7 +6,7 @@
   sessions and slots back to zero at the end; the services' RSS flat over the second half.
 * Faults: the draft service killed under load (every stream completes, lossless, the fallback
   counted; ``serve`` restarts it and decoding is speculative again); the target killed under load
-  (every stream ends UNAVAILABLE within 2 s, after a prefix of its reference; ``serve`` restarts
+  (every stream ends UNAVAILABLE within 5 s, after a prefix of its reference; ``serve`` restarts
   it and new requests succeed).
 
 The module's tests share one ``serve`` process and run in file order.
@@ -108,15 +108,22 @@ def serve(smollm_path):
         s.stop()
 
 
+#: tokens of the target-only references that the fault tests compare with (their first SLOTS prompts)
+FAULT_TOKENS = 24
+
+
 @pytest.fixture(scope="module")
 def refs(serve, smollm_tokenizer):
-    """Target-only greedy tokens of each prompt (speculation off), 24 tokens each."""
+    """Target-only greedy tokens of each prompt (speculation off): ``FAULT_TOKENS`` for the first
+    ``SLOTS`` prompts (the fault tests' streams), ``N_TOKENS`` for the others (the load test's)."""
     from concurrent.futures import ThreadPoolExecutor
 
     prompts = [smollm_tokenizer.encode(p) for p in PROMPTS]
+    lengths = [FAULT_TOKENS if i < SLOTS else N_TOKENS for i in range(len(prompts))]
     with sdk.Client(serve.addr["orchestrator"], timeout=300) as c, ThreadPoolExecutor(len(prompts)) as pool:
         # one at a time would be the same tokens (the batch never changes them), only slower
-        outs = pool.map(lambda ids: c.generate(tokens=ids, max_tokens=24, ignore_eos=True, speculative=False).token_ids, prompts)
+        outs = pool.map(lambda a: c.generate(tokens=a[0], max_tokens=a[1], ignore_eos=True, speculative=False).token_ids,
+                        zip(prompts, lengths))
         return list(zip(prompts, outs))
 
 
@@ -207,13 +214,13 @@ def _run_streams(addr: str, refs, n: int, max_tokens: int, started: threading.Ev
 def test_draft_service_killed_under_load(serve, refs):
     with sdk.Client(serve.addr["orchestrator"], timeout=60) as c:
         before = c.stats().draft_fallbacks
-        threads, out = _run_streams(serve.addr["orchestrator"], refs, 8, 24)
+        threads, out = _run_streams(serve.addr["orchestrator"], refs, SLOTS, FAULT_TOKENS)
         serve.child("draft_service").send_signal(signal.SIGKILL)
         for t in threads:
             t.join(300)
         for i, (got, err, _) in enumerate(out):
             assert err is None, err
-            assert got == refs[i % len(refs)][1][:24]
+            assert got == refs[i % len(refs)][1][:FAULT_TOKENS]
         assert c.stats().draft_fallbacks > before
         # `serve` restarts the drafter; decoding is speculative again once it is back
         deadline = time.monotonic() + 120
@@ -222,13 +229,13 @@ def test_draft_service_killed_under_load(serve, refs):
             time.sleep(0.5)
         assert "service 'draft' exited" in serve.output() and "restarting" in serve.output()
         ids, ref = refs[0]
-        res = c.generate(tokens=ids, max_tokens=24, ignore_eos=True)
-        assert res.token_ids == ref[:24] and res.stats.drafts > 0
+        res = c.generate(tokens=ids, max_tokens=FAULT_TOKENS, ignore_eos=True)
+        assert res.token_ids == ref[:FAULT_TOKENS] and res.stats.drafts > 0
 
 
 def test_target_killed_under_load(serve, refs):
     addr = serve.addr["orchestrator"]
-    threads, out = _run_streams(addr, refs, 8, 24)
+    threads, out = _run_streams(addr, refs, SLOTS, FAULT_TOKENS)
     killed = time.monotonic()
     serve.child("target_service").send_signal(signal.SIGKILL)
     for t in threads:
@@ -238,7 +245,8 @@ def test_target_killed_under_load(serve, refs):
         assert got == ref[:len(got)], "tokens before the failure must be the target's"
         if err is not None:  # a stream may have finished before the kill
             assert err.code == grpc.StatusCode.UNAVAILABLE, err
-            assert ended - killed < 2.0, f"stream {i} ended {ended - killed:.1f} s after the kill"
+            # promptly, not at its deadline (5 s: a loaded 2-core runner has taken 2-4 s)
+            assert ended - killed < 5.0, f"stream {i} ended {ended - killed:.1f} s after the kill"
     assert any(err is not None for _, err, _ in out)
     # `serve` restarts the target; new requests succeed once it is back
     with sdk.Client(addr, timeout=60) as c:
