@@ -18,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+from typing import Any, Callable
 
 import grpc
 
@@ -110,6 +111,19 @@ class _Watched:
         if expired:
             self._cancel()
 
+    def _timed(self, timeout: float, exchange: Callable[[], Any]) -> Any:
+        """``exchange()`` under a deadline of ``timeout`` seconds (:meth:`_arm`): its reply, or
+        :class:`ExchangeTimeout` when the watch cancelled the stream first."""
+        self._arm(timeout)
+        try:
+            return exchange()
+        except grpc.RpcError as e:
+            if self._expired:
+                raise ExchangeTimeout(timeout) from e
+            raise
+        finally:
+            self._deadline = None
+
     def _arm(self, timeout: float) -> None:
         """Watch the exchange about to start: cancel the stream ``timeout`` seconds from now."""
         deadline = time.monotonic() + timeout
@@ -173,18 +187,11 @@ class StreamCall(_Watched):
             ExchangeTimeout: no reply within ``timeout``.
             grpc.RpcError: the stream failed (or was closed).
         """
-        if timeout is not None:
-            self._arm(timeout)
-        self._q.put(request)
-        try:
+        def send_and_read():
+            self._q.put(request)
             return next(self._responses)
-        except grpc.RpcError as e:
-            if self._expired and timeout is not None:
-                raise ExchangeTimeout(timeout) from e
-            raise
-        finally:
-            if timeout is not None:
-                self._deadline = None
+
+        return send_and_read() if timeout is None else self._timed(timeout, send_and_read)
 
     def close(self) -> None:
         """Half-close and cancel the stream (idempotent)."""
@@ -342,17 +349,9 @@ class DirectStreamCall(_Watched):
         with self._lock:
             if self._error is not None:
                 raise self._error
-            if timeout is not None:
-                self._arm(timeout)
-            try:
+            if timeout is None:
                 return self._exchange(request)
-            except grpc.RpcError as e:
-                if self._expired and timeout is not None:
-                    raise ExchangeTimeout(timeout) from e
-                raise
-            finally:
-                if timeout is not None:
-                    self._deadline = None
+            return self._timed(timeout, lambda: self._exchange(request))
 
     def _exchange(self, request):
         c = _cygrpc

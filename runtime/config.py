@@ -43,6 +43,19 @@ def setting(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | N
     return dataclasses.field(default=default, metadata=meta)
 
 
+def session_lifetime_settings() -> tuple[Any, Any, Any]:
+    """The three session-lifetime fields the target and the draft service share, as
+    ``session_idle_timeout, lease_s, shutdown_timeout = session_lifetime_settings()`` inside a
+    config dataclass (seconds each; docs/ARCHITECTURE.md, "Owners, leases and shutdown")."""
+    return (
+        setting(300.0, "release a session unused for this long (its Release was lost); 0 = never", metavar="SECONDS"),
+        setting(5.0, "release every session of an owner (an orchestrator: its dflash-owner metadata) that has no "
+                "call in flight, an open stream included, for this long; 0 = never", metavar="SECONDS"),
+        setting(30.0, "on SIGTERM: refuse new work, wait this long at most for clients to release their sessions "
+                "(or close their streams), then end the streams left and exit", metavar="SECONDS"),
+    )
+
+
 def ints(text: str) -> tuple[int, ...]:
     """``"1,2,4"`` -> ``(1, 2, 4)`` (empty items skipped)."""
     return tuple(int(x) for x in text.split(",") if x.strip())

@@ -9,7 +9,7 @@ import dataclasses
 from typing import ClassVar
 
 from dflash_grpc.defaults import DEFAULT_HOST, TARGET_PORT
-from runtime.config import BATCH_BUCKETS, setting
+from runtime.config import BATCH_BUCKETS, session_lifetime_settings, setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,14 +61,10 @@ class TargetConfig:
     max_step_tokens: int = setting(1024, "most tree nodes in one batched step")
     prefill_chunk: int = setting(512, "batched engine: most prompt tokens per prefill forward")
     prefill_budget: int = setting(512, "prompt tokens prefilled per step-loop tick")
-    session_idle_timeout: float = setting(
-        300.0, "release a session unused for this long (its Release was lost); 0 = never", metavar="SECONDS")
-    lease_s: float = setting(
-        5.0, "release every session of an owner (an orchestrator: its dflash-owner metadata) that has no call in "
-        "flight, an open stream included, for this long; 0 = never", metavar="SECONDS")
-    shutdown_timeout: float = setting(
-        30.0, "on SIGTERM: refuse new work, wait this long at most for clients to release their sessions "
-        "(or close their streams), then end the streams left and exit", metavar="SECONDS")
+    session_idle_timeout: float
+    lease_s: float
+    shutdown_timeout: float
+    session_idle_timeout, lease_s, shutdown_timeout = session_lifetime_settings()
     max_workers: int | None = setting(
         None, "gRPC worker threads for streams (one per open Verify stream; default: session slots + 16); "
         "8 more are kept for unary calls")
