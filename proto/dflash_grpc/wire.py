@@ -17,6 +17,7 @@ _TO_WIRE = {
     torch.float32: common_pb2.DTYPE_F32,
 }
 _FROM_WIRE = {v: k for k, v in _TO_WIRE.items()}
+_ITEMSIZE = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}   # bytes per element
 
 #: ``MAX_MESSAGE_BYTES`` (256 MiB) and ``GRPC_OPTIONS`` (that limit for sending and receiving) are
 #: defined in :mod:`dflash_grpc.transport` (torch-free, shared with the SDK) and re-exported here:
@@ -63,7 +64,7 @@ def tensor_from_proto(msg: common_pb2.Tensor) -> torch.Tensor:
     for d in shape:
         numel *= d
         span *= max(d, 1)
-    itemsize = torch.empty(0, dtype=dtype).element_size()
+    itemsize = _ITEMSIZE[dtype]
     if span * itemsize >= 1 << 63:  # torch multiplies every size, zeros last: it would overflow
         raise WireError(f"tensor shape {shape} is too large")
     if len(msg.data) != numel * itemsize:
