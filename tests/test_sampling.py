@@ -42,17 +42,6 @@ def tiny_engine(tiny_llama):
     return TargetEngine(model, max_sessions=2, max_context=64, max_tree_width=16)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One torch thread for this module: its tensors are tiny (rows of 64 and 300 floats), so a
-    second thread only adds hand-off cost; on a busy 2-core runner a [7, 64] x [64, 300] matmul
-    took 5 ms with two threads and 0.05 ms with one."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _next_logits(engine: TargetEngine, prefix: list[int]) -> torch.Tensor:
     cache = engine.model.new_cache(64)
     tr = chain(prefix)
