@@ -58,7 +58,7 @@ def test_trees_equal_target_only(qwen35_services):
 def test_seeded_sampling_equals_target_only(qwen35_services):
     # top_k 20 then top_p 0.9: the random target's logits are nearly flat, so top_p alone keeps
     # ~90% of the 49152 tokens and the sampler draws Philox noise for all of them at every tree
-    # node (4 s per 16-node verify on a CPU, 38 s for this request; 7 s with top_k)
+    # node (on a busy 2-core CPU: 4 s per 16-node verify, 38 s for this request; 7 s with top_k)
     kw = dict(max_tokens=16, temperature=0.8, top_k=20, top_p=0.9, seed=5, ignore_eos=True)
     spec = qwen35_services.generate("Hello", **kw)
     assert spec.token_ids == qwen35_services.generate("Hello", speculative=False, **kw).token_ids
