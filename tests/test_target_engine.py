@@ -89,11 +89,18 @@ BAD_TREES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(BAD_TREES))
-def test_rejected_tree_leaves_session_unchanged(engine, smollm_tokenizer, name):
+@pytest.fixture(scope="module")
+def victim_ref(engine, smollm_tokenizer):
+    """``(prompt, its first 4 greedy tokens)`` on ``engine``, for the rejected-tree tests (one
+    autoregressive run per engine, not one per tree)."""
     prompt = smollm_tokenizer.encode("The capital of France is")
+    return prompt, _ar(engine, prompt, Sampling.checked(0.0, 0, 0.0, 0), 4, sid="ref")[0]
+
+
+@pytest.mark.parametrize("name", sorted(BAD_TREES))
+def test_rejected_tree_leaves_session_unchanged(engine, victim_ref, name):
+    prompt, ref = victim_ref
     s = Sampling.checked(0.0, 0, 0.0, 0)
-    ref, _ = _ar(engine, prompt, s, 4, sid="ref")
     out = engine.prefill("victim", prompt, s, [])
     tokens, parents = BAD_TREES[name](out.first_token, engine.cfg.vocab_size)
     with pytest.raises(Exception) as exc:
