@@ -19,6 +19,7 @@ import pytest
 from runtime.errors import InvalidArgument, SessionNotFound, Unavailable
 from runtime.owners import NotOwner, Owner, Owners
 from runtime.step_loop import StepLoop, run_items
+from tests.test_lifecycle import FakeEngine
 
 
 class Job:
@@ -26,11 +27,12 @@ class Job:
         self.session_id, self.left, self.outcome = sid, n, None
 
 
-class GuardedEngine:
+class GuardedEngine(FakeEngine):
     """A fake engine that records the thread of every batch and fails the test (``overlaps``)
     when two threads are inside it at once. ``boom`` in an item's tokens makes the step raise."""
 
     def __init__(self, step_s: float = 0.0):
+        super().__init__()
         self.step_s = step_s
         self.sessions: dict[str, int] = {}
         self.threads: list[int] = []
@@ -56,14 +58,7 @@ class GuardedEngine:
                 time.sleep(self.step_s)
             if any("boom" in tokens for _, tokens, _ in items):
                 raise RuntimeError("the step failed")
-            out = []
-            for sid, tokens, _ in items:
-                if sid not in self.sessions:
-                    out.append(SessionNotFound(sid))
-                else:
-                    self.sessions[sid] += len(tokens)
-                    out.append(self.sessions[sid])
-            return out
+            return FakeEngine.verify_batch(self, items)   # the verify semantics of test_lifecycle's fake
         finally:
             self._leave()
 
