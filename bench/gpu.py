@@ -447,12 +447,14 @@ def drafter_timing(target_path: str, drafter_path: str | None = None, configs=DR
     Timed after ``warmup`` proposals: ``wall_ms``, ``propose_batch`` from call to return (inputs
     staged, the step, its host sync, the tree built on the host); ``device_ms``, CUDA events
     around the engine's step (replay plus the host sync), CUDA only; ``tree_us``, the host tree
-    building alone.
+    building alone. On CUDA the step runs twice per configuration: as served (the fused step,
+    :mod:`draft_service.fused_step`) into ``configs``, and its plain-PyTorch reference (the step
+    as it was before) into ``reference_step``.
 
     Returns:
         ``{"drafter", "source", "trained", "device", "block_size", "rows_per_step", "configs":
-        {name: {"nodes", "wall_ms", "device_ms", "tree_us"}}}`` (``_stats`` dicts; ``device_ms``
-        None off CUDA).
+        {name: {"nodes", "wall_ms", "device_ms", "tree_us"}}, "reference_step": {same}}``
+        (``_stats`` dicts; ``device_ms`` None and ``reference_step`` empty off CUDA).
     """
     import shutil
     import tempfile
@@ -490,9 +492,6 @@ def drafter_timing(target_path: str, drafter_path: str | None = None, configs=DR
             shutil.rmtree(tmp, ignore_errors=True)
     c = model.config
     rows_total = prompt_rows + (warmup + steps) * rows_per_step
-    engine = BatchedDrafter(model, max_sessions=1, max_context=rows_total + c.block_size, cuda_graphs=cuda_graphs,
-                            batch_buckets=(1,), append_rows=max(rows_per_step, c.block_size))
-    engine.capture()
     times: list[float] = []
     orig = dbatched._Runner.run
 
@@ -509,43 +508,54 @@ def drafter_timing(target_path: str, drafter_path: str | None = None, configs=DR
 
     gen = torch.Generator().manual_seed(0)
     out: dict = {"drafter": name, "source": source, "trained": trained, "device": str(dev), "block_size": c.block_size,
-                 "rows_per_step": rows_per_step, "configs": {}}
+                 "rows_per_step": rows_per_step, "configs": {}, "reference_step": {}}
     dbatched._Runner.run = timed_run
     try:
-        for cfg in configs:
-            budget, top_k = _draft_params(cfg)
-            sid = f"draft-{cfg}"
-            L = 0
-            walls, trees, nodes = [], [], 0
-            times.clear()
-            for i in range(warmup + steps + 1):
-                n = prompt_rows if i == 0 else rows_per_step
-                feats = torch.randn(n, c.feature_size, generator=gen).to(model.dtype)
-                root = int(torch.randint(0, c.vocab_size, (1,), generator=gen))
-                L += n
-                item = DraftItem(sid, feats, root, L, budget=budget, top_k=top_k, max_depth=c.block_size - 1)
-                tree_s = engine.tree_s
-                if cuda:
-                    torch.cuda.synchronize(dev)
-                t0 = time.perf_counter()
-                (res,) = engine.propose_batch([item])
-                wall = time.perf_counter() - t0
-                if isinstance(res, BaseException):
-                    raise res
-                if i > warmup:  # the first call carries the prompt rows
-                    walls.append(wall * 1e3)
-                    trees.append((engine.tree_s - tree_s) * 1e6)
-                nodes = len(res.tokens)
-            engine.release([sid])
-            dev_times = times[-steps:] if cuda else []
-            out["configs"][cfg] = {"nodes": nodes, "wall_ms": _stats(walls), "tree_us": _stats(trees),
-                                   "device_ms": _stats(dev_times) if dev_times else None}
-            log(f"drafter {cfg}: {nodes} nodes, propose {out['configs'][cfg]['wall_ms']['median']:.3f} ms wall"
-                + (f", step {out['configs'][cfg]['device_ms']['median']:.3f} ms device" if dev_times else "")
-                + f", tree {out['configs'][cfg]['tree_us']['median']:.0f} us host")
+        # the step as served (fused kernels on CUDA), then its plain-PyTorch reference (the
+        # step before issue 18's fusion) on the same drafter
+        for key, fused in (("configs", None), ("reference_step", False)):
+            if key == "reference_step" and not cuda:
+                break
+            engine = BatchedDrafter(model, max_sessions=1, max_context=rows_total + c.block_size, cuda_graphs=cuda_graphs,
+                                    batch_buckets=(1,), append_rows=max(rows_per_step, c.block_size), fused=fused)
+            engine.capture()
+            for cfg in configs:
+                budget, top_k = _draft_params(cfg)
+                sid = f"draft-{cfg}"
+                L = 0
+                walls, trees, nodes = [], [], 0
+                times.clear()
+                for i in range(warmup + steps + 1):
+                    n = prompt_rows if i == 0 else rows_per_step
+                    feats = torch.randn(n, c.feature_size, generator=gen).to(model.dtype)
+                    root = int(torch.randint(0, c.vocab_size, (1,), generator=gen))
+                    L += n
+                    item = DraftItem(sid, feats, root, L, budget=budget, top_k=top_k, max_depth=c.block_size - 1)
+                    tree_s = engine.tree_s
+                    if cuda:
+                        torch.cuda.synchronize(dev)
+                    t0 = time.perf_counter()
+                    (res,) = engine.propose_batch([item])
+                    wall = time.perf_counter() - t0
+                    if isinstance(res, BaseException):
+                        raise res
+                    if i > warmup:  # the first call carries the prompt rows
+                        walls.append(wall * 1e3)
+                        trees.append((engine.tree_s - tree_s) * 1e6)
+                    nodes = len(res.tokens)
+                engine.release([sid])
+                dev_times = times[-steps:] if cuda else []
+                row = {"nodes": nodes, "wall_ms": _stats(walls), "tree_us": _stats(trees),
+                       "device_ms": _stats(dev_times) if dev_times else None}
+                out[key][cfg] = row
+                log(f"drafter {cfg} ({'fused' if key == 'configs' and engine.fused is not None else 'reference'} step): "
+                    f"{nodes} nodes, propose {row['wall_ms']['median']:.3f} ms wall"
+                    + (f", step {row['device_ms']['median']:.3f} ms device" if dev_times else "")
+                    + f", tree {row['tree_us']['median']:.0f} us host")
+            del engine
     finally:
         dbatched._Runner.run = orig
-    del engine, model
+    del model
     return out
 
 

@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         max_context=cfg.max_context,
         engine=cfg.engine,
         cuda_graphs=cfg.cuda_graphs,
+        fused_step=cfg.fused_step,
         memory_budget=cfg.gpu_memory_bytes,
         batch_buckets=cfg.batch_buckets,
         max_top_k=cfg.max_top_k,

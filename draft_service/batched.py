@@ -65,6 +65,7 @@ import torch
 
 from draft_service.config import DraftConfig
 from draft_service.drafter import DFlashDrafter, DrafterContext
+from draft_service.fused_step import FusedDrafter
 from draft_service.tree import TopK, build_tree
 from kernels import attention as attn_ops
 from runtime.errors import EngineError, FailedPrecondition, InvalidArgument, Reason, ResourceExhausted
@@ -398,7 +399,10 @@ class _Runner(StepGraph):
         self.copy(self.dev, self.host)
         self.copy(self.feats_dev, self.feats_host)
         slots, held, n_rows, roots = self.dev.unbind(0)
-        lp, tok = draft_step(e.drafter, e.pool, slots, held, n_rows, roots, self.feats_dev, e.k, self.splits)
+        if e.fused is not None:
+            lp, tok = e.fused.step(e.pool, slots, held, n_rows, roots, self.feats_dev, e.k, self.splits)
+        else:
+            lp, tok = draft_step(e.drafter, e.pool, slots, held, n_rows, roots, self.feats_dev, e.k, self.splits)
         packed = torch.stack([lp.contiguous().view(torch.int32), tok.to(torch.int32)], dim=-1)
         self.out.copy_(packed, non_blocking=True)
 
@@ -431,6 +435,8 @@ class BatchedDrafter:
         prefill_chunk: most rows per eager append (the excess rows).
         pad_batches: pad batches to the buckets and carry ``A`` rows per session also when not on
             CUDA (default: only on CUDA; used by tests to run the padded shapes on the CPU).
+        fused: run the step on the fused kernels (:class:`draft_service.fused_step.FusedDrafter`)
+            instead of its plain-PyTorch reference :func:`draft_step` (default: on CUDA).
 
     Raises:
         ResourceExhausted: ``memory_budget`` holds no session slot.
@@ -441,7 +447,8 @@ class BatchedDrafter:
                  max_context: int = DraftConfig.BATCHED_CONTEXT_CAP, memory_budget: int | None = None,
                  cuda_graphs: bool = DraftConfig.cuda_graphs, batch_buckets: Sequence[int] = BATCH_BUCKETS,
                  append_rows: int | None = None, max_top_k: int = DEFAULT_MAX_TOP_K,
-                 prefill_chunk: int = DraftConfig.prefill_chunk, pad_batches: bool | None = None):
+                 prefill_chunk: int = DraftConfig.prefill_chunk, pad_batches: bool | None = None,
+                 fused: bool | None = None):
         c = drafter.config
         if max_sessions < 1 or max_context < 1:
             raise ValueError(f"max_sessions ({max_sessions}) and max_context ({max_context}) must be >= 1")
@@ -463,6 +470,8 @@ class BatchedDrafter:
         self.max_sessions = slots_for_budget(memory_budget, shape.slot_bytes(self.dtype), max_sessions,
                                              what="drafter session")
         self.pool = StatePool(shape, self.max_sessions, self.device, self.dtype)
+        #: the fused step's packed weights and rotary table, or None (the reference step)
+        self.fused = FusedDrafter(drafter, shape.rows) if (self.cuda if fused is None else fused) else None
         self.sessions: dict[str, DraftSession] = {}
         #: the step runners of the fixed shapes, keyed ``(batch, rows)``
         self.graphs = GraphSet(lambda key: _Runner(self, *key), self.cuda_graphs)

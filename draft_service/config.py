@@ -15,7 +15,7 @@ from runtime.config import BATCH_BUCKETS, session_lifetime_settings, setting
 @dataclasses.dataclass(frozen=True)
 class DraftConfig:
     """Settings of ``python -m draft_service``; each field is the flag ``--<field-with-dashes>``
-    (``cuda_graphs``: ``--no-cuda-graphs``).
+    (``cuda_graphs``: ``--no-cuda-graphs``, ``fused_step``: ``--no-fused-step``).
 
     Units: ``max_context`` and ``prefill_chunk`` in rows (tokens) per session; ``max_top_k`` in
     candidates per tree depth; ``gpu_memory_bytes`` in bytes; ``batch_buckets`` in sessions;
@@ -44,6 +44,8 @@ class DraftConfig:
         "auto", "auto: the batched engine (context pool, CUDA graphs) on CUDA, the per-session reference on the CPU",
         choices=ENGINES)
     cuda_graphs: bool = setting(True, "batched engine: capture the steps as CUDA graphs (off: run them eagerly)")
+    fused_step: bool = setting(True, "batched engine on CUDA: run the step on the fused kernels "
+                                     "(off: its plain-PyTorch reference, for bisecting a numerical difference)")
     gpu_memory_bytes: int | None = setting(
         None, "batched engine: bytes for the context pool (fewer session slots if it holds fewer than --max-sessions)")
     batch_buckets: tuple[int, ...] = setting(BATCH_BUCKETS, "batched engine: batch sizes steps are padded to")

@@ -152,6 +152,7 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         max_context: int | None = DraftConfig.max_context,
         engine: str = DraftConfig.engine,
         cuda_graphs: bool = DraftConfig.cuda_graphs,
+        fused_step: bool = DraftConfig.fused_step,
         memory_budget: int | None = DraftConfig.gpu_memory_bytes,
         batch_buckets: tuple[int, ...] | None = None,
         max_top_k: int | None = None,
@@ -168,7 +169,7 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
                 absent = unlimited for the reference engine; the batched engine, whose pool is
                 allocated at start, caps it at :data:`DEFAULT_BATCHED_CONTEXT`).
             engine: ``auto`` (batched on CUDA, reference on the CPU), ``reference`` or ``batched``.
-            cuda_graphs, memory_budget, batch_buckets, max_top_k, prefill_chunk: the batched
+            cuda_graphs, fused_step, memory_budget, batch_buckets, max_top_k, prefill_chunk: the batched
                 engine's options (:class:`BatchedDrafter`; None: :class:`DraftConfig`'s defaults);
                 its graphs are captured here (``progress``: a tqdm bar).
 
@@ -196,7 +197,8 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
             ctx = max_context if max_context else min(target_context or DEFAULT_BATCHED_CONTEXT, DEFAULT_BATCHED_CONTEXT)
             eng = BatchedDrafter(drafter, max_sessions=max_sessions, max_context=ctx, memory_budget=memory_budget,
                                  cuda_graphs=cuda_graphs, batch_buckets=batch_buckets or DraftConfig.batch_buckets,
-                                 max_top_k=max_top_k or DraftConfig.max_top_k, prefill_chunk=prefill_chunk)
+                                 max_top_k=max_top_k or DraftConfig.max_top_k, prefill_chunk=prefill_chunk,
+                                 fused=None if fused_step else False)
             eng.capture(progress=progress)
         else:
             eng = ReferenceDrafterEngine(drafter, max_sessions=max_sessions,
