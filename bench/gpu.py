@@ -20,7 +20,8 @@ spread):
 * verify latency per width bucket (a chain and a DDTree-shaped tree of ``W`` nodes, batch 1) and
   per batch bucket (1, 4, 16 sessions of 16-node trees): wall time of ``verify_batch`` and device
   time of the replay;
-* commit latency of a 16-node verify (eager, CUDA events around the commit alone);
+* commit latency of a 16-node verify (CUDA events around the commit alone: eager, ``commit_ms``, and
+  replayed as a CUDA graph as it runs inside the served step, ``commit_graph_ms``);
 * the drafter's propose time at batch 1 (:func:`drafter_timing`, key ``draft_propose``; off with
   ``--no-drafter``): the shipped drafter of the target when there is one, else a random-weight
   drafter of the shipped drafter's shape built for this target (its cost, not its acceptance),
@@ -258,9 +259,12 @@ def bench_engine(path: str, name: str, reps: int = 5, hf: bool = False, max_cont
         log(f"[{name}] verify B={b} W=16: {out['verify_batch'][b]['device_ms']['median']:.3f} ms device")
     try:
         out["commit_ms"] = commit_timing(engine)
-        log(f"[{name}] commit of a 16-node verify: {out['commit_ms']['median']:.3f} ms (eager)")
+        out["commit_graph_ms"] = commit_timing(engine, graph=True)
+        log(f"[{name}] commit of a 16-node verify: {out['commit_ms']['median']:.3f} ms eager, "
+            f"{out['commit_graph_ms']['median']:.3f} ms as a CUDA graph")
     except Exception as e:  # noqa: BLE001 - report and go on
-        out["commit_ms"] = {"error": repr(e)}
+        out.setdefault("commit_ms", {"error": repr(e)})
+        out["commit_graph_ms"] = {"error": repr(e)}
     for key, kw in PROFILES.items():
         try:
             out.setdefault("profile", {})[key] = pr = profile_step(engine, **kw)
@@ -292,9 +296,11 @@ def bench_engine(path: str, name: str, reps: int = 5, hf: bool = False, max_cont
 
 
 @torch.no_grad()
-def commit_timing(engine, width: int = 16, reps: int = 20) -> dict:
-    """Milliseconds of the commit of a ``width``-node chain whose whole path is accepted, run
-    eagerly on the spare slot (CUDA events around the commit only)."""
+def commit_timing(engine, width: int = 16, reps: int = 20, graph: bool = False) -> dict:
+    """Milliseconds of the commit of a ``width``-node chain whose whole path is accepted, on the
+    spare slot (CUDA events around the commit only): eager, or with ``graph`` the commit alone
+    captured as a CUDA graph and replayed (how it runs inside the served step, whose graph holds
+    it: ``target_service.pooled.run_step``)."""
     import numpy as np
 
     from target_service.pooled import StepLayout, StepTensors, forward
@@ -311,12 +317,23 @@ def commit_timing(engine, width: int = 16, reps: int = 20) -> dict:
     _, _, backend = forward(engine.model, engine.pool, st, engine.rope, engine.taps, commit_chain=False)
     path = torch.arange(width, device=engine.device)[None]
     n_acc = torch.full((1,), width, device=engine.device)
+    run = lambda: backend.commit(path, n_acc)  # noqa: E731
+    if graph:
+        side = torch.cuda.Stream(engine.device)
+        side.wait_stream(torch.cuda.current_stream(engine.device))
+        with torch.cuda.stream(side):
+            run()                                   # warm-up (Triton compiles) off the capture
+        torch.cuda.current_stream(engine.device).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            run()
+        run = g.replay
     times = []
     for _ in range(reps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         s.record()
-        backend.commit(path, n_acc)
+        run()
         e.record()
         e.synchronize()
         times.append(s.elapsed_time(e))
@@ -845,14 +862,15 @@ def report(d: str, out_path: str, command: str = "", acceptance: str | None = DE
                 ratio = vw[16][shape][kind]["median"] / vw[1]["chain"][kind]["median"] if shape in vw.get(16, {}) else 0
                 L.append(f"| {name} | {shape} {kind[:-3]} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
     L += ["", "## Verify latency per batch bucket (16-node trees; ms)", "",
-          "| model | " + " | ".join(f"B={b} device / wall" for b in (1, 4, 16)) + " | B=16 / B=1 (device) | commit of 16 nodes (eager) |",
+          "| model | " + " | ".join(f"B={b} device / wall" for b in (1, 4, 16)) + " | B=16 / B=1 (device) | commit of 16 nodes: eager / graph |",
           "|---|---|---|---|---|---|"]
     for name, r in engines.items():
         vb = {int(k): v for k, v in r["verify_batch"].items()}
         cells = [f"{vb[b]['device_ms']['median']:.3f} / {vb[b]['wall_ms']['median']:.3f}" if b in vb else "-" for b in (1, 4, 16)]
         ratio = vb[16]["device_ms"]["median"] / vb[1]["device_ms"]["median"] if 16 in vb and 1 in vb else 0
-        cm = r.get("commit_ms", {})
-        L.append(f"| {name} | " + " | ".join(cells) + f" | {ratio:.2f}x | {cm.get('median', float('nan')):.3f} |")
+        cm, cg = r.get("commit_ms", {}), r.get("commit_graph_ms", {})
+        L.append(f"| {name} | " + " | ".join(cells) + f" | {ratio:.2f}x | {cm.get('median', float('nan')):.3f} / "
+                 f"{cg.get('median', float('nan')):.3f} |")
     L += ["", "## Kernel profile of one eager step (PyTorch profiler; kernels, device microseconds per family)", "",
           "| model | width | kernels | device us | by family (count x, us) |", "|---|---|---|---|---|"]
     for name, r in engines.items():
