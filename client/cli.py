@@ -113,6 +113,9 @@ def _build_parser() -> argparse.ArgumentParser:
     m.add_argument("--model", default=None, help="target GGUF (default: runtime.defaults.default_model_path())")
     m.add_argument("--drafter", default=None, help="drafter GGUF (default: draft_service.default_drafter_path(model))")
     m.add_argument("--no-draft", action="store_true", help="run without the draft service (autoregressive)")
+    m.add_argument("--colocate", action="store_true",
+                   help="run the target inside the orchestrator's process (no gRPC between them; --target-args go to "
+                   "it); the draft service stays its own process")
     m.add_argument("--device", default=None, help="device of the target and draft services, e.g. cpu, cuda:0")
     m.add_argument("--log-level", default=None, help="services' log level (default WARNING)")
     m.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for health (default %(default)s)")
@@ -440,6 +443,7 @@ def _serve(args: argparse.Namespace, extra: list[str], model: str, drafter: str 
         draft_args=shlex.split(args.draft_args),
         orchestrator_args=shlex.split(args.orchestrator_args),
         auth_token_file=token_file,
+        colocate=args.colocate,
     )
     group = ServiceGroup(services, grace=args.grace)
     print(f"target and draft take calls carrying the token in {token_file} only (the orchestrator's)", file=sys.stderr,
@@ -490,7 +494,7 @@ def _cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
 def _demo(args: argparse.Namespace, extra: list[str], task_id: str, prompt: str, request: GenerateRequest, model: str,
           drafter: str | None, token_file: str) -> int:
     services = dflash_services(model, drafter, ports=free_ports(3), device=args.device, log_level=args.log_level, extra=extra,
-                               auth_token_file=token_file)
+                               auth_token_file=token_file, colocate=args.colocate)
     group = ServiceGroup(services, grace=args.grace)
     err = sys.stderr
     print(f"model:   {model}\ndrafter: {drafter or '(none: autoregressive)'}", file=err)
@@ -556,7 +560,8 @@ def _cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
             services = dflash_services(model, drafter, ports=free_ports(3), device=args.device, log_level=args.log_level,
                                        extra=extra, target_args=shlex.split(args.target_args),
                                        draft_args=shlex.split(args.draft_args),
-                                       orchestrator_args=shlex.split(args.orchestrator_args), auth_token_file=token_file)
+                                       orchestrator_args=shlex.split(args.orchestrator_args), auth_token_file=token_file,
+                                       colocate=args.colocate)
             with _sigterm_interrupts(), _running(ServiceGroup(services, grace=args.grace)) as group:
                 group.wait_healthy(args.startup_timeout)
                 result = measure(services[-1].address)

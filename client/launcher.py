@@ -35,6 +35,7 @@ import os
 import secrets
 import shutil
 import signal
+import shlex
 import socket
 import subprocess
 import sys
@@ -152,8 +153,11 @@ def dflash_services(
     draft_args: Sequence[str] = (),
     orchestrator_args: Sequence[str] = (),
     auth_token_file: str | None = None,
+    colocate: bool = False,
 ) -> list[Service]:
-    """The three dflash-grpc services (target, draft, orchestrator), in start order.
+    """The three dflash-grpc services (target, draft, orchestrator), in start order; with
+    ``colocate`` two processes (draft, then the orchestrator running the target in its own
+    process: ``--target in-process``, :mod:`orchestrator.local_target`).
 
     Args:
         model: target GGUF path (target ``--model``, draft ``--target``, orchestrator ``--model``).
@@ -170,6 +174,8 @@ def dflash_services(
         auth_token_file: ``--auth-token-file`` of every service (see :func:`private_token_file`):
             the target and draft services take calls carrying that token only, the
             orchestrator sends it. None: no token (anyone who reaches their ports may call them).
+        colocate: run the target inside the orchestrator's process (``target_args``, ``device``
+            and ``extra`` go to it through ``--target-args``; the target port is unused).
     """
     target_port, draft_port, orch_port = ports
     py = sys.executable
@@ -178,7 +184,7 @@ def dflash_services(
     dev = ["--device", device] if device else []
     env = {"DFLASH_LOG_LEVEL": log_level.upper()} if log_level else {}
     target_addr, draft_addr = f"{host}:{target_port}", f"{host}:{draft_port}"
-    services = [
+    services = [] if colocate else [
         Service(
             "target",
             [py, "-m", "target_service", "--model", model, "--port", str(target_port), *dev, *common, *target_args],
@@ -196,7 +202,11 @@ def dflash_services(
                 env,
             )  # fmt: skip
         )
-    orch = [py, "-m", "orchestrator", "--target", target_addr]
+    if colocate:
+        orch = [py, "-m", "orchestrator", "--target", "in-process",
+                f"--target-args={shlex.join(['--model', model, *dev, *extra, *target_args])}"]
+    else:
+        orch = [py, "-m", "orchestrator", "--target", target_addr]
     if drafter is not None:
         orch += ["--draft", draft_addr]
     orch += ["--model", model, "--port", str(orch_port), *common, *orchestrator_args]

@@ -3,13 +3,17 @@
 Every setting is a field of :class:`orchestrator.config.OrchestratorConfig` (docs/CONFIG.md).
 ``--auth-token-file PATH`` (or ``$DFLASH_AUTH_TOKEN``): the target and draft services' shared token,
 sent on every call to them; the public GenerationService stays open to every client.
-``--reflection`` turns on gRPC server reflection."""
+``--reflection`` turns on gRPC server reflection. ``--target in-process`` runs the target in this
+process (``--target-args``: its flags; :mod:`orchestrator.local_target`): no gRPC between the
+orchestrator and the target, the draft service still its own process."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
+import shlex
 import socket
 import sys
 import time
@@ -20,6 +24,7 @@ import grpc
 from dflash_grpc import serving
 from dflash_grpc.v1 import generation_pb2_grpc
 from orchestrator.config import OrchestratorConfig
+from orchestrator.local_target import LocalTargetPeer
 from orchestrator.peers import DraftPeer, TargetPeer, drafter_mismatch
 from orchestrator.scheduler import Scheduler
 from orchestrator.servicer import GenerationServicer, default_tree
@@ -79,14 +84,19 @@ def main(argv: list[str] | None = None) -> None:
     # name kept across restarts and a new epoch per start, so that the first call (Info, below) frees
     # the sessions a predecessor of the same name left behind. Before the peers are created.
     serving.add_client_metadata([(OWNER_KEY, instance_name(cfg)), (EPOCH_KEY, uuid.uuid4().hex)])
-    target = TargetPeer(cfg.target)
-    try:
-        _wait_target(target, cfg.target_wait)
-    except grpc.RpcError as e:
-        if e.code() != grpc.StatusCode.UNAUTHENTICATED:
-            raise
-        p.exit(2, f"{p.prog}: error: the target service at {cfg.target} refused this orchestrator's token "
-                  "(UNAUTHENTICATED): give --auth-token-file with the token the target was started with\n")
+    local = None
+    if cfg.target == OrchestratorConfig.IN_PROCESS:
+        local = _local_target(cfg, p)
+        target = local
+    else:
+        target = TargetPeer(cfg.target)
+        try:
+            _wait_target(target, cfg.target_wait)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAUTHENTICATED:
+                raise
+            p.exit(2, f"{p.prog}: error: the target service at {cfg.target} refused this orchestrator's token "
+                      "(UNAUTHENTICATED): give --auth-token-file with the token the target was started with\n")
     draft = DraftPeer(cfg.draft)
     tokenizer = GGUFTokenizer.from_gguf(cfg.model or default_model_path())
     info = target.info()
@@ -117,6 +127,31 @@ def main(argv: list[str] | None = None) -> None:
     # UNAVAILABLE / SHUTTING_DOWN, release every session on both services, exit
     serving.serve_forever(server, health, "orchestrator", port, shutdown_timeout=cfg.shutdown_timeout,
                           drain=scheduler.drain)
+    if local is not None:
+        from target_service.__main__ import stop_servicer
+
+        local.close()
+        stop_servicer(local.servicer)
+
+
+def _local_target(cfg: OrchestratorConfig, p: argparse.ArgumentParser) -> LocalTargetPeer:
+    """``--target in-process``: build the target service's servicer from ``--target-args`` (its
+    ``--model`` defaulting to ``--model``) in this process and wrap it as the target peer. The
+    target's modules (torch) are imported here only."""
+    from target_service.__main__ import build_parser as target_parser
+    from target_service.__main__ import build_servicer
+    from target_service.config import TargetConfig
+
+    tp = target_parser()
+    try:
+        targs = tp.parse_args(shlex.split(cfg.target_args))
+    except SystemExit:
+        p.exit(2, f"{p.prog}: error: bad --target-args {cfg.target_args!r} (flags of python -m target_service)\n")
+    tcfg = from_args(TargetConfig, targs)
+    if tcfg.model is None:
+        tcfg = dataclasses.replace(tcfg, model=cfg.model)
+    servicer = build_servicer(tcfg, progress=log.isEnabledFor(logging.INFO) or sys.stderr.isatty())
+    return LocalTargetPeer(servicer)
 
 
 def instance_name(cfg: OrchestratorConfig) -> str:

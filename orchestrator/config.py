@@ -16,7 +16,8 @@ from runtime.config import setting
 @dataclasses.dataclass(frozen=True)
 class OrchestratorConfig:
     """Settings of ``python -m orchestrator``; each field is the flag ``--<field-with-dashes>``.
-    ``target`` has no default (``--target`` is required).
+    ``target`` has no default (``--target`` is required): an address, or :attr:`IN_PROCESS` to run
+    the target service's engine in the orchestrator's process (:mod:`orchestrator.local_target`).
 
     Units: ``max_tokens`` in tokens; ``tree_budget`` and ``step_nodes`` in tree nodes (draft nodes,
     the root not counted, resp. verify nodes); ``draft_top_k`` in candidates per depth;
@@ -54,6 +55,8 @@ class OrchestratorConfig:
     16-node tree ran 18.0 tokens/s vs 14.6 for the chain, 12.6 plain (benchmarks/tau-cpu.txt).
     """
 
+    #: ``target`` value that runs the target in this process
+    IN_PROCESS: ClassVar[str] = "in-process"
     #: ``step_nodes`` 0 resolves to this on a CUDA target ...
     STEP_NODES_CUDA: ClassVar[int] = 512
     #: ... and to this on any other
@@ -74,7 +77,10 @@ class OrchestratorConfig:
     #: ... and to this for any other (the shipped drafter appends about 1 ms per row on a busy 2-core CPU)
     DRAFT_ROW_US_CPU: ClassVar[int] = 2000
 
-    target: str = setting(help="target service address host:port")
+    target: str = setting(help="target service address host:port, or in-process: run the target in this process "
+                               "(no gRPC between the orchestrator and the target; its flags: --target-args)")
+    target_args: str = setting("", "with --target in-process: the target's flags (those of python -m target_service) "
+                                   "as one string; its --model defaults to --model")
     draft: str | None = setting(None, "draft service address host:port (omit: autoregressive only)")
     model: str | None = setting(None, "target GGUF, read for its tokenizer and chat template (default: the default model)")
     host: str = setting(DEFAULT_HOST, "interface to listen on")

@@ -122,6 +122,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def build_servicer(cfg: TargetConfig, progress: bool = False) -> TargetServicer:
+    """Load the target (``cfg.model``, else the default model), build its engine and step loop
+    (started) and return the servicer: what ``main`` serves, and what ``python -m orchestrator
+    --target in-process`` runs in its own process (:mod:`orchestrator.local_target`).
+    ``progress``: progress bars while loading and capturing graphs. Raises as
+    :func:`build_engine`."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    t0 = time.monotonic()
+    engine, info = build_engine(cfg.model or default_model_path(), cfg, progress=progress)
+    log.info("target loaded", extra={"model": info.model_name, "seconds": round(time.monotonic() - t0, 2)})
+    loop = StepLoop(engine, prefill_budget=cfg.prefill_budget, name="target", idle_timeout=cfg.session_idle_timeout,
+                    owners=Owners(lease_s=cfg.lease_s))
+    return TargetServicer(loop, info)
+
+
+def stop_servicer(servicer: TargetServicer) -> None:
+    """Release every session left and stop the step loop (after serving ended)."""
+    loop = servicer.loop
+    try:
+        n = loop.release_all()
+    except Exception:  # noqa: BLE001 - exiting anyway
+        log.exception("releasing the sessions left failed")
+        n = -1
+    log.info("stopped; released the sessions left", extra={"sessions": n})
+    loop.stop()
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run ``python -m target_service`` with ``argv`` (default: ``sys.argv[1:]``) until stopped."""
     p = build_parser()
@@ -130,15 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     tls = serving.server_tls_from_args(args, p)  # before loading: a bad flag fails at once
     serving.setup_logging(cfg.log_level)
     token = serving.auth_token_from_args(args, p, warn_open=True)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    t0 = time.monotonic()
-    engine, info = build_engine(cfg.model or default_model_path(), cfg,
-                                progress=log.isEnabledFor(logging.INFO) or sys.stderr.isatty())
-    log.info("target loaded", extra={"model": info.model_name, "seconds": round(time.monotonic() - t0, 2)})
-    loop = StepLoop(engine, prefill_budget=cfg.prefill_budget, name="target", idle_timeout=cfg.session_idle_timeout,
-                    owners=Owners(lease_s=cfg.lease_s))
-    servicer = TargetServicer(loop, info)
+    servicer = build_servicer(cfg, progress=log.isEnabledFor(logging.INFO) or sys.stderr.isatty())
+    loop, engine = servicer.loop, servicer.loop.engine
     if cfg.metrics_port:
         from dflash_grpc.service_metrics import serve_metrics
 
@@ -155,13 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     # or closed their streams; release what is left
     serving.serve_forever(server, health, "target", port, shutdown_timeout=cfg.shutdown_timeout,
                           drain=lambda left: wait_drained(loop, lambda: serving.streams_in_flight(server), left))
-    try:
-        n = loop.release_all()
-    except Exception:  # noqa: BLE001 - exiting anyway
-        log.exception("releasing the sessions left failed")
-        n = -1
-    log.info("stopped; released the sessions left", extra={"sessions": n})
-    loop.stop()
+    stop_servicer(servicer)
 
 
 if __name__ == "__main__":

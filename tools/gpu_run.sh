@@ -16,6 +16,7 @@
 #   bash tools/gpu_run.sh e2e-ab           # one stream, shipped SmolLM2 pair: this tree vs .peer/old.tar.gz
 #                                          # (git archive of an older commit), AR + speculative, then
 #                                          # llama-bench on the same file -> $OUT/e2e-{after,before}.*
+#                                          # (COLOCATE=1: this tree also with --colocate -> e2e-colocated.*)
 #   bash tools/gpu_run.sh concurrency      # the three services with the shipped SmolLM2 pair: aggregate
 #                                          # tok/s at 1-64 concurrent streams, AR vs speculative
 #                                          # -> $OUT/concurrency.{txt,json} (PNG: made from the JSON locally)
@@ -204,6 +205,10 @@ cmd_e2e_ab() {
   local cfgs=${CONFIGS:-ar,chain,tree:15:4,tree:16:4,tree:32:4}
   python3 -m client.cli bench --device cuda --model "$smol" --prompts 8 --max-tokens 128 --configs "$cfgs" \
     --json "$OUT/e2e-after.json" --out "$OUT/e2e-after.txt"
+  if [ -n "${COLOCATE:-}" ]; then   # this tree again with the target inside the orchestrator's process
+    python3 -m client.cli bench --device cuda --model "$smol" --prompts 8 --max-tokens 128 --configs "$cfgs" --colocate \
+      --json "$OUT/e2e-colocated.json" --out "$OUT/e2e-colocated.txt"
+  fi
   if [ -s .peer/old.tar.gz ]; then
     rm -rf /tmp/old && mkdir -p /tmp/old && tar xzf .peer/old.tar.gz -C /tmp/old && cp draft_service/data/*.gguf /tmp/old/draft_service/data/
     (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old:/tmp/old/proto python3 -m client.cli bench --device cuda --model "$smol" \

@@ -37,9 +37,11 @@ ALLOWED = {
     "bench": {"dflash_grpc", "kernels", "runtime", "target_service", "draft_service", "client", "fixtures"},
 }
 
-#: entry points that start or drive everything (the ``dflash-grpc`` command): they may import any
-#: package, lazily, inside the command that needs it
-ENTRY_POINTS = {"client.cli", "client.launcher"}
+#: entry points that start or drive everything (the ``dflash-grpc`` command; ``python -m
+#: orchestrator``, which builds the target in its own process for ``--target in-process``): they may
+#: import any package, lazily, inside the command that needs it (tests/test_layering.py checks the
+#: orchestrator still starts without torch)
+ENTRY_POINTS = {"client.cli", "client.launcher", "orchestrator.__main__"}
 
 #: modules of the runtime the orchestrator may stand on: those that import no torch
 TORCH_FREE = {"runtime", "runtime.errors", "runtime.sampling", "runtime.defaults", "runtime.gguf_loader",
