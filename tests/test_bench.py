@@ -121,3 +121,30 @@ def test_drafter_timing_on_cpu(tmp_path):
     assert r["source"].startswith("random") and not r["trained"]
     assert r["configs"]["chain"]["nodes"] == 16 and r["configs"]["tree:16:4"]["nodes"] == 17
     assert r["configs"]["chain"]["wall_ms"]["n"] == 2 and r["configs"]["chain"]["device_ms"] is None
+
+
+def test_step_report_tables(tmp_path):
+    """bench/step_report.py: repeats of a layout give the median and the spread, ratios to
+    llama.cpp and to the same layout's AR, host = service step time minus device time."""
+    import json
+
+    from bench.step_report import report
+
+    def e2e(tps_ar, tps_tree):
+        step = {"total": 3.0, "draft_compute": 0.9, "verify_compute": 1.6, "grpc_and_queue": 0.3, "orchestrator": 0.2}
+        return {"configs": {"ar": {"tokens_per_second": tps_ar, "tau": 1.0, "lossless": True, "step_ms": dict(step, draft_compute=0.0)},
+                            "tree:15:4": {"tokens_per_second": tps_tree, "tau": 3.7, "lossless": True, "step_ms": step}}}
+
+    (tmp_path / "e2e-colocated-1.json").write_text(json.dumps(e2e(600, 1000)))
+    (tmp_path / "e2e-colocated-2.json").write_text(json.dumps(e2e(700, 1100)))
+    engine = {"ar_step_device_ms": {"median": 1.0},
+              "draft_propose": {"configs": {"tree:15:4": {"nodes": 16, "device_ms": {"median": 0.35}}}},
+              "verify_width": {"16": {"tree": {"device_ms": {"median": 1.1}}, "chain": {"device_ms": {"median": 1.1}}}}}
+    (tmp_path / "smollm2-135m-q4_1.json").write_text(json.dumps(engine))
+    (tmp_path / "llamacpp.jsonl").write_text(json.dumps({"n_prompt": 0, "n_gen": 128, "avg_ts": 500.0}) + "\n")
+    text = report(str(tmp_path))
+    row = next(line for line in text.splitlines() if "| tree:15:4 |" in line)
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[:4] == ["colocated", "tree:15:4", "3.70", "1050 [1000, 1100], 2"]
+    assert cells[4:6] == ["2.10x", "1.62x"]                 # 1050 / 500, 1050 / 650
+    assert cells[7:11] == ["0.35", "0.55", "1.10", "0.50"]  # draft device / host, verify device / host

@@ -17,6 +17,11 @@
 #                                          # (git archive of an older commit), AR + speculative, then
 #                                          # llama-bench on the same file -> $OUT/e2e-{after,before}.*
 #                                          # (COLOCATE=1: this tree also with --colocate -> e2e-colocated.*)
+#   bash tools/gpu_run.sh step             # issue 18's table: engine benchmark of SmolLM2, then the pair end
+#                                          # to end, colocated and 3 processes, twice each, and llama-bench
+#                                          # -> $OUT/STEP.md (bench/step_report.py)
+#   bash tools/gpu_run.sh step-load        # concurrency 1-64, AR and the default tree, both layouts
+#                                          # -> $OUT/concurrency-*.json, STEP-load.md
 #   bash tools/gpu_run.sh concurrency      # the three services with the shipped SmolLM2 pair: aggregate
 #                                          # tok/s at 1-64 concurrent streams, AR vs speculative
 #                                          # -> $OUT/concurrency.{txt,json} (PNG: made from the JSON locally)
@@ -221,6 +226,46 @@ cmd_e2e_ab() {
   fi
 }
 
+cmd_step() {
+  # issue 18's end-to-end table from one call: the engine benchmark of the SmolLM2 file (device
+  # times of the AR step, the verify, the drafter step, the commit), then the shipped pair end to
+  # end with the target in the orchestrator's process and with three processes, twice each,
+  # alternating, then llama-bench on the same file -> $OUT/STEP.md (bench/step_report.py)
+  install_wheels
+  llamacpp_build_bg
+  local smol; smol=$(smollm) || exit 1
+  for _ in $(seq 1 120); do [ -e /tmp/llbuild.done ] && break; sleep 5; done
+  nvidia-smi -L | tee "$OUT/device.txt"
+  python3 -m bench.gpu engine --model "$smol" --name smollm2-135m-q4_1 --reps 3 --out "$OUT/smollm2-135m-q4_1.json" 2>&1 | tail -20
+  local cfgs=${CONFIGS:-ar,chain,tree:15:4,tree:16:4,tree:32:4}
+  for i in 1 2; do
+    for layout in colocated 3proc; do
+      local flag=""; [ $layout = colocated ] && flag=--colocate
+      python3 -m client.cli bench --device cuda --model "$smol" --prompts 8 --max-tokens 128 --configs "$cfgs" $flag \
+        --json "$OUT/e2e-$layout-$i.json" --out "$OUT/e2e-$layout-$i.txt" 2>&1 | grep -E "^(ar|chain|tree)"
+    done
+  done
+  if [ -x $LL/build/bin/llama-bench ]; then
+    bash /tmp/peer/llamacpp-bench.sh /tmp/peer/llama.cpp.tar.gz "$smol" > "$OUT/llamacpp.jsonl"
+  fi
+  python3 -m bench.step_report --dir "$OUT" --out "$OUT/STEP.md" --command "bash tools/gpu_run.sh step" | tail -20
+}
+
+cmd_step_load() {
+  # the concurrency table of issue 18 (goal 5): aggregate tok/s at 1-64 streams, AR and the default
+  # tree, target in the orchestrator's process and three processes -> $OUT/concurrency-*.json
+  install_wheels
+  local smol; smol=$(smollm) || exit 1
+  nvidia-smi -L | tee "$OUT/device.txt"
+  for layout in colocated 3proc; do
+    local flag=""; [ $layout = colocated ] && flag=--colocate
+    python3 -m client.cli bench --device cuda --model "$smol" --prompts 16 --max-tokens 128 --configs ar,tree:15:4 $flag \
+      --concurrency "${CONCURRENCY:-1,4,8,16,32,64}" --requests-per-stream "${REQUESTS_PER_STREAM:-2}" \
+      --json "$OUT/concurrency-$layout.json" --out "$OUT/concurrency-$layout.txt" 2>&1 | tail -12
+  done
+  python3 -m bench.step_report --dir "$OUT" --out "$OUT/STEP-load.md" --command "bash tools/gpu_run.sh step-load" | tail -16
+}
+
 case ${1:-all} in
   stage) cmd_stage ;;
   smoke) cmd_smoke ;;
@@ -231,5 +276,7 @@ case ${1:-all} in
   all) shift; cmd_checks; cmd_bench "$@" ;;
   concurrency) cmd_concurrency ;;
   e2e-ab) cmd_e2e_ab ;;
+  step) cmd_step ;;
+  step-load) cmd_step_load ;;
   *) echo "usage: $0 stage|smoke|checks|bench|all [models]|concurrency" >&2; exit 2 ;;
 esac
