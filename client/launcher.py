@@ -140,6 +140,27 @@ def private_token_file(token: str | None = None) -> Iterator[str]:
         shutil.rmtree(d, ignore_errors=True)
 
 
+def drafter_feature_layers(path: str) -> list[int] | None:
+    """The target layers a drafter GGUF reads (``{arch}.dflash.target_layer_ids``), or None when
+    the file cannot be read or holds no such key (the draft service reports the problem itself).
+
+    :func:`dflash_services` starts the target with them (``--feature-layers``), so its step graphs
+    are captured for them at start: otherwise the first speculative request asks for new taps and
+    the target recaptures every graph inside that request (logged as "new feature layers
+    requested"), a stall of that request, and of the first speculative configuration that
+    ``dflash-grpc bench`` times)."""
+    from runtime.gguf_loader import open_gguf
+
+    try:
+        ids = open_gguf(path).get("{arch}.dflash.target_layer_ids")
+    except Exception:  # noqa: BLE001 - not readable: the draft service will say why
+        return None
+    if ids is None:
+        return None
+    ids = ids if isinstance(ids, (list, tuple)) else [ids]
+    return [int(i) for i in ids]
+
+
 def dflash_services(
     model: str,
     drafter: str | None,
@@ -178,6 +199,10 @@ def dflash_services(
             and ``extra`` go to it through ``--target-args``; the target port is unused).
     """
     target_port, draft_port, orch_port = ports
+    if drafter is not None and not any(a == "--feature-layers" or a.startswith("--feature-layers=") for a in target_args):
+        layers = drafter_feature_layers(drafter)
+        if layers:   # graphs captured for the drafter's taps at start: no recapture at the first request
+            target_args = ["--feature-layers", ",".join(map(str, layers)), *target_args]
     py = sys.executable
     token = ["--auth-token-file", auth_token_file] if auth_token_file is not None else []
     common = ["--host", host, *token, *extra]

@@ -662,6 +662,24 @@ def test_dflash_services_command_lines():
     assert svcs[0].env == {}
 
 
+def test_dflash_services_taps_the_drafters_layers_and_colocates(tiny_drafter):
+    """The target starts with the drafter's feature layers (its graphs captured for them at start),
+    unless --feature-layers is given; --colocate runs the target inside the orchestrator."""
+    from draft_service.gguf_io import read_drafter_config
+
+    ids = ",".join(map(str, read_drafter_config(tiny_drafter).target_layer_ids))
+    t = dflash_services("m.gguf", tiny_drafter, ports=(1, 2, 3))[0].argv
+    assert t[t.index("--feature-layers") + 1] == ids
+    t = dflash_services("m.gguf", tiny_drafter, ports=(1, 2, 3), target_args=["--feature-layers", "0"])[0].argv
+    assert t.count("--feature-layers") == 1 and t[t.index("--feature-layers") + 1] == "0"
+    svcs = dflash_services("m.gguf", tiny_drafter, ports=(1, 2, 3), device="cpu", target_args=["--max-sessions", "2"],
+                           colocate=True)
+    assert [s.name for s in svcs] == ["draft", "orchestrator"]
+    o = svcs[1].argv
+    assert o[o.index("--target") + 1] == "in-process"
+    assert f"--target-args=--model m.gguf --device cpu --feature-layers {ids} --max-sessions 2" in o
+
+
 # --------------------------------------------------------------------------------------------
 # serve / demo with stand-in services
 
