@@ -111,8 +111,12 @@ def main(argv: list[str] | None = None) -> None:
         log.error("drafter does not match the target; speculative requests will fail with FAILED_PRECONDITION",
                   extra={"why": drafter_mismatch(draft.state(), info)})
     if cfg.metrics_port:
-        from prometheus_client import start_http_server
+        from prometheus_client import REGISTRY, start_http_server
 
+        if local is not None:   # the in-process target's step-loop metrics (service="target") on the same page
+            from dflash_grpc.service_metrics import StepLoopCollector
+
+            REGISTRY.register(StepLoopCollector(local.servicer.loop, "target"))
         start_http_server(cfg.metrics_port, addr=cfg.host)
 
     def add(server):
