@@ -256,7 +256,12 @@ def test_mismatched_drafter_is_failed_precondition(services, smollm_path, tmp_pa
     with group:
         group.wait_healthy(timeout=180)
         with sdk.Client(f"127.0.0.1:{oport}", timeout=60) as c:
-            assert not c.info().drafter.compatible
+            # the orchestrator may be up before the draft service (it probes it with a backoff):
+            # until the drafter is reached, a speculative request decodes plainly
+            deadline = time.monotonic() + 60
+            while not (info := c.info()).drafter.available and time.monotonic() < deadline:
+                time.sleep(0.25)
+            assert info.drafter.available and not info.drafter.compatible
             with pytest.raises(sdk.FailedPreconditionError):
                 c.generate(prompt="hello", max_tokens=4)
             assert len(c.generate(prompt="hello", max_tokens=4, ignore_eos=True, speculative=False).token_ids) == 4
