@@ -1,0 +1,1 @@
+"""GGUF block-quantized weights (kept as the file's bytes) and ``x @ w^T`` on them."""
