@@ -74,7 +74,7 @@ def block_geometry(qtype: "GGMLQuantizationType | str | int") -> tuple[int, int]
     return GGML_QUANT_SIZES[as_qtype(qtype)]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class QuantizedWeight:
     """A ``[N, K]`` weight (``N`` output features, ``K`` input features: the layout of
     ``F.linear``) in GGUF block-quantized form.
@@ -84,6 +84,8 @@ class QuantizedWeight:
             tensor, row ``n`` = the blocks of output feature ``n`` (module docstring). Any device.
         qtype: the ``GGMLQuantizationType`` (construct with a name or number: it is normalised).
         shape: the logical shape ``(N, K)`` in elements; ``K`` is a multiple of the block size.
+
+    Equality is identity (the bytes are a tensor).
 
     Raises:
         ValueError: unsupported type, ``K`` not a multiple of the block size, or ``data`` not a
