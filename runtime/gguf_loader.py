@@ -4,7 +4,8 @@ A GGUF tensor of GGUF shape ``[ne0, ne1]`` (``ne0`` fastest) is returned as a Py
 shape ``[ne1, ne0]``: for a linear layer that is ``[out_features, in_features]``, the layout of
 ``torch.nn.functional.linear``. Quantized tensors (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, ...)
 are dequantized with ``gguf.quants.dequantize`` (the reference Python port of ggml's
-dequantization), then cast to the requested dtype.
+dequantization), then cast to the requested dtype; :meth:`GGUFFile.load_raw` returns a tensor's
+bytes as stored instead (blocks kept quantized, for ``kernels.quant.QuantizedWeight``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,26 @@ class TensorInfo:
     name: str
     type_name: str
     shape: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class RawTensor:
+    """One tensor of a GGUF file as the file stores it (no dequantization).
+
+    Attributes:
+        name: the tensor's name.
+        qtype: its ``gguf.GGMLQuantizationType`` (``qtype.name`` is the GGML type name).
+        shape: the logical PyTorch-order shape in elements (GGUF dims reversed: ``[N, K]`` for a
+            linear weight).
+        data: ``torch.uint8`` ``[*shape[:-1], shape[-1] // QK * BS]``: each row's blocks, ``QK``
+            elements in ``BS`` bytes per block (``gguf.constants.GGML_QUANT_SIZES[qtype]``; 1 and the
+            item size for F32 / F16 / BF16), a copy on the requested device.
+    """
+
+    name: str
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: "torch.Tensor"
 
 
 class GGUFFile:
@@ -112,6 +133,24 @@ class GGUFFile:
             return self._tensors[name]
         except KeyError:
             raise GGUFError(f"{self.path}: missing tensor {name!r}") from None
+
+    def load_raw(self, name: str, device: "str | torch.device" = "cpu") -> RawTensor:
+        """Tensor ``name``'s bytes as stored (quantized blocks stay quantized), copied to ``device``.
+
+        Raises:
+            GGUFError: the tensor is absent, or its byte count does not match its type and shape.
+        """
+        import torch
+
+        t = self._tensor(name)
+        qtype = GGMLQuantizationType(t.tensor_type)
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        qk, bs = gguf.GGML_QUANT_SIZES[qtype]
+        raw = np.asarray(t.data).view(np.uint8).reshape(-1)
+        if not shape or shape[-1] % qk or raw.size != int(np.prod(shape)) // qk * bs:
+            raise GGUFError(f"{self.path}: tensor {name!r} ({qtype.name} {shape}) holds {raw.size} bytes")
+        data = torch.from_numpy(np.array(raw, copy=True).reshape(*shape[:-1], shape[-1] // qk * bs))
+        return RawTensor(name, qtype, shape, data.to(device))
 
     def load_tensor(self, name: str, dtype: "torch.dtype | None" = None, device: "str | torch.device" = "cpu") -> "torch.Tensor":
         """Dequantize tensor ``name`` into a new tensor.

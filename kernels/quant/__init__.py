@@ -1,0 +1,41 @@
+"""GGUF block-quantized weights kept as the file's bytes (:class:`QuantizedWeight`) and ``x @ w^T``
+on them: the Triton skinny kernel (dequantizing inside the matmul loop) on CUDA for <= 64 rows,
+the weight dequantized to ``x``'s dtype by chunks then ``F.linear`` for more rows (prefill, for
+now), the float32 reference on the CPU."""
+
+import torch
+
+from kernels._select import impl
+from kernels.quant.weight import QTYPES, QuantizedWeight, as_qtype, block_geometry
+
+
+def linear(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ dequantize(weight)^T``, ``[..., K]`` -> ``[..., N]`` in ``out_dtype`` (default ``x``'s).
+
+    At most 64 rows: :func:`kernels.quant.triton.linear` where :func:`kernels._select.impl` picks
+    Triton (CUDA, or ``DFLASH_KERNELS=triton``), else :func:`kernels.quant.reference.linear`
+    (float32). More rows: :func:`kernels.quant.reference.linear_dequantized` where Triton would run
+    (the weight rounded to ``x``'s dtype, then cuBLAS), the float32 reference otherwise.
+
+    Raises:
+        ValueError / TypeError: as the implementations (``K`` mismatch, not a ``QuantizedWeight``).
+    """
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    mod = impl("quant", x)
+    if rows <= 64:
+        return mod.linear(x, weight, out_dtype)
+    from kernels.quant import reference
+
+    if mod is reference:
+        return reference.linear(x, weight, out_dtype)
+    return reference.linear_dequantized(x, weight, out_dtype)
+
+
+def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """:func:`kernels.quant.reference.dequantize` (``[N, K]`` in ``dtype``, any device)."""
+    from kernels.quant import reference
+
+    return reference.dequantize(weight, dtype)
+
+
+__all__ = ["QTYPES", "QuantizedWeight", "as_qtype", "block_geometry", "dequantize", "linear"]

