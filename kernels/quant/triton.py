@@ -52,7 +52,9 @@ MAX_ROWS = 64
 BLOCK_M = 16
 
 # GGUF type numbers (GGMLQuantizationType), the kernel's QTYPE constexpr.
-_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_K, _Q5_K, _Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+# tl.constexpr: a @triton.jit function may read a global only when it is a constexpr (compiled
+# Triton refuses plain ints; the interpreter does not check)
+_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_K, _Q5_K, _Q6_K = (tl.constexpr(v) for v in (2, 3, 6, 7, 8, 12, 13, 14))
 
 
 @dataclasses.dataclass(frozen=True)
