@@ -50,7 +50,7 @@ import grpc
 import torch
 
 from dflash_grpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from dflash_grpc.wire import WireError, tensor_from_proto, tree_to_proto
+from dflash_grpc.wire import WireError, tensor_from_proto
 from draft_service.config import DraftConfig
 from draft_service.batched import BatchedDrafter, DraftItem, ReferenceDrafterEngine
 from draft_service.drafter import DFlashDrafter
@@ -266,16 +266,22 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         """One result per item, in order; the items that decode go to the engine as one batch
         (for ``owner``: an item naming another owner's session is refused, ``NOT_OWNER``; None:
         unchecked)."""
-        outs, done = run_items(self.loop, request.items, decode_item, owner)
-        results = []
-        for item, out in zip(request.items, outs):
+        items = request.items
+        outs, done = run_items(self.loop, items, decode_item, owner)
+        # built in place (results added to the reply, trees extended), not built and copied in
+        response = draft_pb2.ProposeResponse(compute_s=done.compute_s, batch_items=done.batch_items, queue_s=done.queue_s)
+        add = response.results.add
+        for item, out in zip(items, outs):
             if isinstance(out, BaseException):
-                results.append(draft_pb2.ProposeResult(session_id=item.session_id, status=item_status(out)))
-            else:
-                results.append(draft_pb2.ProposeResult(session_id=item.session_id, status=item_status(None),
-                                                       tree=tree_to_proto(out.tokens, out.parents)))
-        return draft_pb2.ProposeResponse(results=results, compute_s=done.compute_s, batch_items=done.batch_items,
-                                         queue_s=done.queue_s)
+                add(session_id=item.session_id, status=item_status(out))
+                continue
+            r = add(session_id=item.session_id)
+            r.status.SetInParent()   # an OK status, present as before (code 0)
+            tree = r.tree
+            tree.SetInParent()   # present even if empty, as before
+            tree.tokens.extend(out.tokens)
+            tree.parents.extend(out.parents)
+        return response
 
     def release(self, session_ids: Iterable[str], owner: Owner | None = None) -> int:
         """Drop the sessions (on the loop thread); returns how many existed (unknown ids, and with
