@@ -29,6 +29,11 @@ baseline in the same run: ``--variant queue:inline=0 --variant inline:inline=1``
 in seconds) and of this process (``direct`` = the orchestrator's streams are
 :class:`orchestrator.peers.DirectStreamCall` or grpcio's threaded ones). Without ``--variant``
 one variant runs with the defaults.
+
+``--profile DIR`` profiles every thread of the three processes (``cProfile``, one profiler per
+thread, merged per process) and writes ``DIR/orchestrator.prof``, ``DIR/target-NAME.prof`` and
+``DIR/draft-NAME.prof`` (read them with ``python -m pstats``); profiled timings are inflated,
+compare them only with each other.
 """
 
 from __future__ import annotations
@@ -163,6 +168,50 @@ class InstantDraftEngine:
         return sum(self.sessions.pop(sid, None) is not None for sid in ids)
 
 
+# ---------------------------------------------------------------------------------- profiling
+_PROFILES: list = []
+
+
+def profile_threads() -> None:
+    """Profile every thread started from now on (and this one): one ``cProfile.Profile`` each."""
+    import cProfile
+
+    run = threading.Thread.run
+
+    def profiled(self):
+        p = cProfile.Profile()
+        _PROFILES.append(p)
+        p.enable()
+        try:
+            run(self)
+        finally:
+            p.disable()
+
+    threading.Thread.run = profiled
+    main = cProfile.Profile()
+    _PROFILES.append(main)
+    main.enable()
+
+
+def dump_profiles(path: str) -> None:
+    """Merge the profiles of :func:`profile_threads` into ``path``."""
+    import pstats
+
+    for p in _PROFILES:
+        p.disable()   # this thread's; the others' stop being read here
+    stats = None
+    for p in _PROFILES:
+        try:
+            p.create_stats()
+        except Exception:  # noqa: BLE001 - a profiler that never ran
+            continue
+        if not p.stats:
+            continue
+        stats = pstats.Stats(p) if stats is None else stats.add(p)
+    if stats is not None:
+        stats.dump_stats(path)
+
+
 # ---------------------------------------------------------------------------------- the children
 def serve(kind: str, settings: dict[str, str]) -> None:
     """Child process: serve ``kind`` (target or draft) over an instant engine, as its main does;
@@ -173,6 +222,8 @@ def serve(kind: str, settings: dict[str, str]) -> None:
     from runtime.owners import Owners
     from runtime.step_loop import StepLoop
 
+    if settings.get("profile"):
+        profile_threads()
     if "switch" in settings:   # the services' mains leave the default (5 ms)
         sys.setswitchinterval(float(settings["switch"]))
     extra = {"inline": settings["inline"] == "1"} if "inline" in settings else {}
@@ -207,6 +258,8 @@ def serve(kind: str, settings: dict[str, str]) -> None:
     sys.stdin.read()  # until the parent closes our stdin
     server.stop(None)
     loop.stop()
+    if settings.get("profile"):
+        dump_profiles(settings["profile"])
 
 
 def spawn(kind: str, settings: dict[str, str]) -> tuple[subprocess.Popen, str]:
@@ -306,6 +359,7 @@ def main() -> None:
     ap.add_argument("--accept", type=int, default=2, help="chain nodes the target accepts (default 2)")
     ap.add_argument("--compute-us", type=float, default=0.0,
                     help="each engine step busy-waits this long holding the GIL (default 0: instant)")
+    ap.add_argument("--profile", metavar="DIR", help="cProfile every thread of the three processes into DIR/*.prof")
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME:key=value,... settings (inline=0|1, switch=SECONDS, direct=0|1); repeatable")
     args = ap.parse_args()
@@ -327,13 +381,17 @@ def main() -> None:
         settings["accept"] = str(args.accept)
         settings["compute"] = str(args.compute_us / 1e6)
         variants.append((name, settings))
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        profile_threads()
     rec = Recorder()
     rec.install()
     children, scheds = [], {}
     try:
         for name, settings in variants:
-            tp, taddr = spawn("target", settings)
-            dp, daddr = spawn("draft", settings)
+            prof = os.path.abspath(os.path.join(args.profile, "{}-" + name + ".prof")) if args.profile else ""
+            tp, taddr = spawn("target", dict(settings, profile=prof.format("target")))
+            dp, daddr = spawn("draft", dict(settings, profile=prof.format("draft")))
             children += [tp, dp]
             target, draft = TargetPeer(taddr), DraftPeer(daddr)
             if "direct" in settings:   # this process's side: DirectStreamCall or grpcio's threaded streams
@@ -372,9 +430,11 @@ def main() -> None:
             p.stdin.close()
         for p in children:
             try:
-                p.wait(5)
+                p.wait(30 if args.profile else 5)
             except subprocess.TimeoutExpired:
                 p.kill()
+        if args.profile:
+            dump_profiles(os.path.join(args.profile, "orchestrator.prof"))
 
 
 if __name__ == "__main__":
