@@ -112,19 +112,68 @@ def observe_verify(draft_nodes: int, tree_depth: int, accepted: int) -> None:
         tree_depth: depth of the deepest node (positions ``0..tree_depth-1`` were drafted).
         accepted: draft tokens accepted (positions ``0..accepted-1``); tokens emitted = ``accepted + 1``.
     """
-    FORWARDS.inc()
-    TAU.observe(accepted + 1)
-    if draft_nodes <= 0:
-        AR_STEPS.inc()
+    observe_verify_batch(((draft_nodes, tree_depth, accepted),))
+
+
+def observe_verify_batch(steps) -> None:
+    """Count the items of one verify step at once: ``steps`` holds one ``(draft_nodes,
+    tree_depth, accepted)`` per item (as :func:`observe_verify` takes them). The same series
+    move as with one :func:`observe_verify` per item, but each counter is bumped once per step
+    (by the step's total), not once per item: the scheduler calls this every tick."""
+    forwards = ar = drafts = draft_tokens = accepted_tokens = 0
+    acc_pos: list[int] = []       # index = position: items that accepted it / drafted it
+    drafted_pos: list[int] = []
+    taus: dict[int, int] = {}     # tau -> items
+    for draft_nodes, tree_depth, accepted in steps:
+        forwards += 1
+        taus[accepted + 1] = taus.get(accepted + 1, 0) + 1
+        if draft_nodes <= 0:
+            ar += 1
+            continue
+        drafts += 1
+        draft_tokens += draft_nodes
+        if accepted:
+            accepted_tokens += accepted
+            if len(acc_pos) < accepted:
+                acc_pos.extend([0] * (accepted - len(acc_pos)))
+            for p in range(accepted):
+                acc_pos[p] += 1
+        if len(drafted_pos) < tree_depth:
+            drafted_pos.extend([0] * (tree_depth - len(drafted_pos)))
+        for p in range(tree_depth):
+            drafted_pos[p] += 1
+    if not forwards:
         return
-    NUM_DRAFTS.inc()
-    NUM_DRAFT_TOKENS.inc(draft_nodes)
-    if accepted:
-        NUM_ACCEPTED.inc(accepted)
-        for c in _positions(_ACC_POS, ACCEPTED_PER_POS, accepted)[:accepted]:
-            c.inc()
-    for c in _positions(_DRAFTED_POS, DRAFTED_PER_POS, tree_depth)[:tree_depth]:
-        c.inc()
+    FORWARDS.inc(forwards)
+    for tau, n in taus.items():
+        _observe_n(TAU, tau, n)
+    if ar:
+        AR_STEPS.inc(ar)
+    if drafts:
+        NUM_DRAFTS.inc(drafts)
+        NUM_DRAFT_TOKENS.inc(draft_tokens)
+    if accepted_tokens:
+        NUM_ACCEPTED.inc(accepted_tokens)
+    for c, n in zip(_positions(_ACC_POS, ACCEPTED_PER_POS, len(acc_pos)), acc_pos):
+        c.inc(n)
+    for c, n in zip(_positions(_DRAFTED_POS, DRAFTED_PER_POS, len(drafted_pos)), drafted_pos):
+        c.inc(n)
+
+
+def _observe_n(hist: Histogram, value: float, n: int) -> None:
+    """``hist.observe(value)`` ``n`` times, as one update of its sum and its bucket where
+    prometheus_client's histogram is as known (its ``_sum``, ``_buckets``, ``_upper_bounds``),
+    else ``n`` observations."""
+    buckets, bounds, total = getattr(hist, "_buckets", None), getattr(hist, "_upper_bounds", None), getattr(hist, "_sum", None)
+    if n == 1 or buckets is None or bounds is None or total is None or len(buckets) != len(bounds):
+        for _ in range(n):
+            hist.observe(value)
+        return
+    total.inc(value * n)
+    for b, bound in zip(buckets, bounds):
+        if value <= bound:
+            b.inc(n)
+            break
 
 
 def observe_tick(batch: int, draft_s: float, verify_s: float, overhead_s: float) -> None:

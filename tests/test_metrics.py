@@ -71,6 +71,28 @@ def test_observe_verify_counts_spec_decode_series():
     assert [d[(dpos, ("position", str(p)))] for p in range(4)] == [2, 2, 1, 0]
 
 
+def test_observe_verify_batch_moves_the_series_as_one_call_per_item():
+    """The scheduler counts a tick's items at once: every series moves as with one
+    observe_verify per item (taus of several buckets, repeated values, deep and shallow trees)."""
+    steps = [(12, 3, 2), (5, 2, 0), (0, 0, 0), (4, 4, 4), (12, 3, 2), (30, 11, 9), (0, 0, 0), (1, 1, 1)]
+    names = ["dflash_spec_decode_num_drafts_total", "dflash_spec_decode_num_draft_tokens_total",
+             "dflash_spec_decode_num_accepted_tokens_total", "dflash_target_forwards_total", "dflash_autoregressive_steps_total",
+             "dflash_acceptance_length_count", "dflash_acceptance_length_sum"]
+    series = [(n,) for n in names] + [("dflash_acceptance_length_bucket", ("le", b)) for b in ("1.0", "2.0", "3.0", "5.0", "10.0", "+Inf")]
+    series += [(f"dflash_spec_decode_num_{k}_per_pos_total", ("position", str(p)))
+               for k in ("accepted_tokens", "drafted") for p in range(12)]
+    with _Delta(*series) as one_by_one:
+        for s in steps:
+            metrics.observe_verify(*s)
+    with _Delta(*series) as batched:
+        metrics.observe_verify_batch(steps)
+    assert batched.change == one_by_one.change
+    assert batched["dflash_acceptance_length_count"] == 8 and batched["dflash_acceptance_length_sum"] == 26
+    with _Delta(*series) as empty:
+        metrics.observe_verify_batch([])
+    assert not any(empty.change.values())
+
+
 def test_observe_request_counts_request_level_only():
     s = ServerStats(requests=1, prompt_tokens=7, generated_tokens=11, wall_time_s=0.3)
     s.record_step(tree_depth=3, draft_nodes=4, accepted=2)
