@@ -38,7 +38,8 @@ FEATURES = ["tree-verify", "sampling", "features-bf16", "chunked-prefill", "batc
 def _decode_verify_item(item: target_pb2.VerifyItem) -> tuple[str, list[int], list[int]]:
     if not item.HasField("tree"):
         raise InvalidArgument("item has no tree", reason=Reason.INVALID_TREE)
-    return item.session_id, list(item.tree.tokens), list(item.tree.parents)
+    tree = item.tree
+    return item.session_id, tree.tokens[:], tree.parents[:]
 
 
 #: Bytes a ``PrefillResult`` may carry besides its features (session id, ints, the tensor's dtype
