@@ -694,14 +694,17 @@ class Scheduler:
         add = request.items.add
         who: list[tuple[int, int]] = []   # (batch index, max_depth) of each item
         extra_rows = 0  # feature rows beyond a step's worth (new or re-created sessions)
+        max_context, n, step_nodes = self.info.max_context, len(batch), self.step_nodes
         for i, r in enumerate(batch):
             if not r.speculative or (not r.draft_synced and not r.history_complete):
                 continue  # not drafting, or the drafter lost this session and its history was dropped
-            max_depth = min(block - 1, self.info.max_context - r.length - 1, r.max_tokens - r.emitted - 1, depth_cap,
-                            r.tree.max_depth or 10**9)
+            asked = r.tree   # (a message: each field read once)
+            budget, top_k = asked.budget, asked.top_k
+            max_depth = min(block - 1, max_context - r.length - 1, r.max_tokens - r.emitted - 1, depth_cap,
+                            asked.max_depth or 10**9)
             # a tree's node budget, or a chain's length, within this request's share of the tick
-            nodes = adaptive_budget(len(batch), self.step_nodes, want=r.tree.budget or max_depth,
-                                    min_nodes=2 if r.tree.budget else 1) if max_depth > 0 else 0
+            nodes = adaptive_budget(n, step_nodes, want=budget or max_depth,
+                                    min_nodes=2 if budget else 1) if max_depth > 0 else 0
             if not nodes:
                 continue
             if not r.on_drafter:
@@ -720,8 +723,8 @@ class Scheduler:
                     extra_rows += features.shape[0] - block
                 item.features.CopyFrom(features)
             tree = item.tree
-            tree.top_k = r.tree.top_k
-            if r.tree.budget:
+            tree.top_k = top_k
+            if budget:
                 tree.max_depth, tree.budget = max_depth, nodes
             else:
                 tree.max_depth = max_depth = nodes
