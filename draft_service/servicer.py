@@ -88,18 +88,20 @@ def decode_item(item: draft_pb2.ProposeItem) -> DraftItem:
         InvalidArgument: empty session id (reason INVALID_ARGUMENT), or features that do not
             decode (dtype, byte count; reason INVALID_FEATURES).
     """
-    if not item.session_id:
+    session_id = item.session_id
+    if not session_id:
         raise InvalidArgument("empty session_id")
-    msg = item.features
     features = None
-    if item.HasField("features") and not (msg.dtype == common_pb2.DTYPE_UNSPECIFIED and not msg.shape and not msg.data):
-        try:
-            features = tensor_from_proto(msg)
-        except WireError as e:
-            raise InvalidArgument(f"features: {e}", reason=Reason.INVALID_FEATURES) from None
-    t = item.tree
-    return DraftItem(item.session_id, features, int(item.root_token), int(item.committed_length),
-                     int(t.budget), int(t.top_k), int(t.max_depth))
+    if item.HasField("features"):
+        msg = item.features
+        # an all-default Tensor is 0 rows too (the bytes field, a copy when read, is read last)
+        if msg.dtype != common_pb2.DTYPE_UNSPECIFIED or msg.shape or msg.data:
+            try:
+                features = tensor_from_proto(msg)
+            except WireError as e:
+                raise InvalidArgument(f"features: {e}", reason=Reason.INVALID_FEATURES) from None
+    t = item.tree   # (message fields read as Python ints already)
+    return DraftItem(session_id, features, item.root_token, item.committed_length, t.budget, t.top_k, t.max_depth)
 
 
 class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
