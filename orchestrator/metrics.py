@@ -116,6 +116,7 @@ _ACC_POS: list = []
 _DRAFTED_POS: list = []
 _GROW = threading.Lock()
 _FALLBACK: dict = {}
+_LAST: dict = {}   # the values last set by set_active_sessions / set_draft_deadline
 _ADMISSION: dict = {}
 
 
@@ -283,8 +284,11 @@ def set_queue_depth(n: int) -> None:
 
 
 def set_active_sessions(n: int) -> None:
-    """Requests decoding now (a count)."""
-    ACTIVE_SESSIONS.set(n)
+    """Requests decoding now (a count). (Called every scheduler loop: the gauge is set only when
+    the value changed.)"""
+    if _LAST.get("active") != n:
+        _LAST["active"] = n
+        ACTIVE_SESSIONS.set(n)
 
 
 def observe_fallback(reason: str) -> None:
@@ -312,8 +316,11 @@ def observe_deadline_miss() -> None:
 
 
 def set_draft_deadline(seconds: float) -> None:
-    """The deadline of the Propose call being sent, seconds."""
-    DRAFT_DEADLINE.set(seconds)
+    """The deadline of the Propose call being sent, seconds. (Called every tick: the gauge is set
+    only when the value changed.)"""
+    if _LAST.get("deadline") != seconds:
+        _LAST["deadline"] = seconds
+        DRAFT_DEADLINE.set(seconds)
 
 
 def set_draft_circuit(state: str) -> None:
