@@ -30,6 +30,12 @@ in seconds) and of this process (``direct`` = the orchestrator's streams are
 :class:`orchestrator.peers.DirectStreamCall` or grpcio's threaded ones). Without ``--variant``
 one variant runs with the defaults.
 
+``--trace`` splits each exchange (ms, means over the run; one variant and one case per run
+make it readable): ``up`` = the orchestrator starts the exchange -> the servicer has the decoded
+request, ``servicer`` = the servicer's own time (step loop and engine included), ``down`` = the
+servicer gives its reply -> the orchestrator has it decoded (timestamps of ``time.perf_counter``,
+one clock for every process of the host).
+
 ``--profile DIR`` profiles every thread of the three processes (``cProfile``, one profiler per
 thread, merged per process) and writes ``DIR/orchestrator.prof``, ``DIR/target-NAME.prof`` and
 ``DIR/draft-NAME.prof`` (read them with ``python -m pstats``); profiled timings are inflated,
