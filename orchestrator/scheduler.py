@@ -190,7 +190,7 @@ def fit_tree(tokens: list[int], parents: list[int], max_depth: int, width_cap: i
     depths = tree_depths(parents)
     if max(depths) > max_depth or len(tokens) != len(parents):   # (rare: the drafter was asked for max_depth)
         tokens, parents = trim_tree(tokens, parents, max_depth)   # (pairs nodes up as zip does)
-        depths = tree_depths(parents)
+        depths = tree_depths(parents) if parents else []          # (no tokens: no tree, as trim_tree gives)
     if len(tokens) > width_cap:
         tokens, parents, depths = tokens[:width_cap], parents[:width_cap], depths[:width_cap]
     return tokens, parents, max(depths) if depths else 0

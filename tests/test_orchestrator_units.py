@@ -83,6 +83,7 @@ def test_fit_tree_trims_caps_and_gives_the_depth():
     assert fit_tree(tokens, parents, 1, 2) == ([10, 11], [-1, 0], 1)
     assert fit_tree([10, 11, 12], [-1, 0], 8, 64) == ([10, 11], [-1, 0], 1)   # unequal lists: paired up
     assert fit_tree([10], [-1, 0, 1], 8, 64) == ([10], [-1], 0)
+    assert fit_tree([], [-1], 8, 64) == ([], [], 0)   # no root token: no tree (the caller drops it)
     for bad in ([], [0], [-1, 1], [-1, 0, 5]):
         with pytest.raises(TreeError):
             fit_tree([1] * len(bad), bad, 8, 64)
