@@ -17,8 +17,10 @@ metric children (a label lookup happens once per label value, then is cached her
 scheduler's per-tick calls (:func:`observe_verify_batch`, :func:`observe_tick`) go further: they
 only note the tick (a list append) and the notes are added to the series in bulk by
 :func:`flush`, which runs before every collection of the default registry (a scrape, or
-``REGISTRY.get_sample_value``: readers never see stale values) and at least every
-:data:`FLUSH_INTERVAL_S` seconds from the scheduler thread (bounded memory without scrapes).
+``REGISTRY.get_sample_value``: readers never see stale values), at least every
+:data:`FLUSH_INTERVAL_S` seconds from the scheduler thread (bounded memory without scrapes), and
+when the scheduler goes idle. (A scrape restricted to some names, ``?name[]=...``, may collect
+before the flush: its values may then lag by up to :data:`FLUSH_INTERVAL_S`.)
 Every Prometheus update costs about 1-3 us on a CPU core; per item and per tick they were tens
 of microseconds of every step (tools/hop_overhead.py).
 

@@ -431,6 +431,7 @@ class Scheduler:
                 self._collect_prefills()
                 batch = [r for r in self._active if not r.closed]
                 if not batch:
+                    metrics.flush()   # the last ticks' notes, before idling (metrics: FLUSH_INTERVAL_S)
                     self._wake.wait(0.05 if self._prefilling or self._queue else 1.0)
                     self._wake.clear()
                     continue
