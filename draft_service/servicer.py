@@ -50,7 +50,7 @@ import grpc
 import torch
 
 from dflash_grpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from dflash_grpc.wire import WireError, tensor_from_proto, tree_to_proto
+from dflash_grpc.wire import WireError, tensor_from_proto
 from draft_service.config import DraftConfig
 from draft_service.batched import BatchedDrafter, DraftItem, ReferenceDrafterEngine
 from draft_service.drafter import DFlashDrafter
@@ -88,18 +88,20 @@ def decode_item(item: draft_pb2.ProposeItem) -> DraftItem:
         InvalidArgument: empty session id (reason INVALID_ARGUMENT), or features that do not
             decode (dtype, byte count; reason INVALID_FEATURES).
     """
-    if not item.session_id:
+    session_id = item.session_id
+    if not session_id:
         raise InvalidArgument("empty session_id")
-    msg = item.features
     features = None
-    if item.HasField("features") and not (msg.dtype == common_pb2.DTYPE_UNSPECIFIED and not msg.shape and not msg.data):
-        try:
-            features = tensor_from_proto(msg)
-        except WireError as e:
-            raise InvalidArgument(f"features: {e}", reason=Reason.INVALID_FEATURES) from None
-    t = item.tree
-    return DraftItem(item.session_id, features, int(item.root_token), int(item.committed_length),
-                     int(t.budget), int(t.top_k), int(t.max_depth))
+    if item.HasField("features"):
+        msg = item.features
+        # an all-default Tensor is 0 rows too (the bytes field, a copy when read, is read last)
+        if msg.dtype != common_pb2.DTYPE_UNSPECIFIED or msg.shape or msg.data:
+            try:
+                features = tensor_from_proto(msg)
+            except WireError as e:
+                raise InvalidArgument(f"features: {e}", reason=Reason.INVALID_FEATURES) from None
+    t = item.tree   # (message fields read as Python ints already)
+    return DraftItem(session_id, features, item.root_token, item.committed_length, t.budget, t.top_k, t.max_depth)
 
 
 class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
@@ -266,16 +268,22 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         """One result per item, in order; the items that decode go to the engine as one batch
         (for ``owner``: an item naming another owner's session is refused, ``NOT_OWNER``; None:
         unchecked)."""
-        outs, done = run_items(self.loop, request.items, decode_item, owner)
-        results = []
-        for item, out in zip(request.items, outs):
+        items = request.items
+        outs, done = run_items(self.loop, items, decode_item, owner)
+        # built in place (results added to the reply, trees extended), not built and copied in
+        response = draft_pb2.ProposeResponse(compute_s=done.compute_s, batch_items=done.batch_items, queue_s=done.queue_s)
+        add = response.results.add
+        for item, out in zip(items, outs):
             if isinstance(out, BaseException):
-                results.append(draft_pb2.ProposeResult(session_id=item.session_id, status=item_status(out)))
-            else:
-                results.append(draft_pb2.ProposeResult(session_id=item.session_id, status=item_status(None),
-                                                       tree=tree_to_proto(out.tokens, out.parents)))
-        return draft_pb2.ProposeResponse(results=results, compute_s=done.compute_s, batch_items=done.batch_items,
-                                         queue_s=done.queue_s)
+                add(session_id=item.session_id, status=item_status(out))
+                continue
+            r = add(session_id=item.session_id)
+            r.status.SetInParent()   # an OK status, present as before (code 0)
+            tree = r.tree
+            tree.SetInParent()   # present even if empty, as before
+            tree.tokens.extend(out.tokens)
+            tree.parents.extend(out.parents)
+        return response
 
     def release(self, session_ids: Iterable[str], owner: Owner | None = None) -> int:
         """Drop the sessions (on the loop thread); returns how many existed (unknown ids, and with

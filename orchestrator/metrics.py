@@ -13,7 +13,16 @@ Three kinds of call feed them:
   circuit breaker").
 
 The per-step functions run on the scheduler thread every tick, so they only bump pre-resolved
-metric children (a label lookup happens once per label value, then is cached here).
+metric children (a label lookup happens once per label value, then is cached here). The
+scheduler's per-tick calls (:func:`observe_verify_batch`, :func:`observe_tick`) go further: they
+only note the tick (a list append) and the notes are added to the series in bulk by
+:func:`flush`, which runs before every collection of the default registry (a scrape, or
+``REGISTRY.get_sample_value``: readers never see stale values), at least every
+:data:`FLUSH_INTERVAL_S` seconds from the scheduler thread (bounded memory without scrapes), and
+when the scheduler goes idle. (A scrape restricted to some names, ``?name[]=...``, may collect
+before the flush: its values may then lag by up to :data:`FLUSH_INTERVAL_S`.)
+Every Prometheus update costs about 1-3 us on a CPU core; per item and per tick they were tens
+of microseconds of every step (tools/hop_overhead.py).
 
 Useful queries::
 
@@ -29,9 +38,38 @@ Useful queries::
 
 from __future__ import annotations
 
+import bisect
 import threading
+import time
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.registry import Collector
+
+#: most seconds the scheduler's per-tick notes wait for :func:`flush` when nobody scrapes
+FLUSH_INTERVAL_S = 0.25
+
+
+class _Pending(Collector):
+    """The per-tick notes not yet added to the series; as a collector of the default registry
+    (registered before the series, so collected first) it flushes them before every
+    collection and yields nothing itself."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.verify: list = []      # step lists of observe_verify_batch
+        self.ticks: list = []       # (batch, draft_s, verify_s, overhead_s) of observe_tick
+        self.next_flush = 0.0       # time.monotonic() of the next flush from the hot path
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> list:
+        flush()
+        return []
+
+
+_PENDING = _Pending()
+REGISTRY.register(_PENDING)
 
 # ------------------------------------------------------------------------------ per request
 REQUESTS = Counter("dflash_requests_total", "Generate requests by outcome (OK or a gRPC status name)", ["outcome"])
@@ -80,6 +118,7 @@ _ACC_POS: list = []
 _DRAFTED_POS: list = []
 _GROW = threading.Lock()
 _FALLBACK: dict = {}
+_LAST: dict = {}   # the values last set by set_active_sessions / set_draft_deadline
 _ADMISSION: dict = {}
 
 
@@ -112,29 +151,133 @@ def observe_verify(draft_nodes: int, tree_depth: int, accepted: int) -> None:
         tree_depth: depth of the deepest node (positions ``0..tree_depth-1`` were drafted).
         accepted: draft tokens accepted (positions ``0..accepted-1``); tokens emitted = ``accepted + 1``.
     """
-    FORWARDS.inc()
-    TAU.observe(accepted + 1)
-    if draft_nodes <= 0:
-        AR_STEPS.inc()
+    observe_verify_batch(((draft_nodes, tree_depth, accepted),))
+
+
+def observe_verify_batch(steps) -> None:
+    """Count the items of one verify step: ``steps`` holds one ``(draft_nodes, tree_depth,
+    accepted)`` per item (as :func:`observe_verify` takes them). The same series move as with
+    one :func:`observe_verify` per item, in bulk at the next :func:`flush` (before any
+    collection of the default registry): the scheduler calls this every tick."""
+    pending = _PENDING
+    with pending.lock:
+        pending.verify.append(steps)
+    _maybe_flush()
+
+
+def _maybe_flush() -> None:
+    if time.monotonic() >= _PENDING.next_flush:
+        flush()
+
+
+def flush() -> None:
+    """Add the noted ticks (:func:`observe_verify_batch`, :func:`observe_tick`) to the series
+    now; thread-safe (each note is added once). Runs by itself before every collection of the
+    default registry and at least every :data:`FLUSH_INTERVAL_S` from the scheduler's calls."""
+    pending = _PENDING
+    with pending.lock:
+        verify, ticks = pending.verify, pending.ticks
+        pending.verify, pending.ticks = [], []
+        pending.next_flush = time.monotonic() + FLUSH_INTERVAL_S
+    if verify:
+        _count_verify([step for steps in verify for step in steps])
+    if ticks:
+        batches: dict[int, int] = {}
+        for t in ticks:
+            batches[t[0]] = batches.get(t[0], 0) + 1
+        for b, n in batches.items():
+            _observe_n(BATCH, b, n)
+        for child, i in ((_STEP_DRAFT, 1), (_STEP_VERIFY, 2), (_STEP_OVERHEAD, 3)):
+            _observe_all(child, [t[i] for t in ticks])
+
+
+def _count_verify(steps) -> None:
+    """Bump the per-item series for ``steps`` (``(draft_nodes, tree_depth, accepted)`` each),
+    each counter once by the total."""
+    forwards = ar = drafts = draft_tokens = accepted_tokens = 0
+    acc_pos: list[int] = []       # index = position: items that accepted it / drafted it
+    drafted_pos: list[int] = []
+    taus: dict[int, int] = {}     # tau -> items
+    for draft_nodes, tree_depth, accepted in steps:
+        forwards += 1
+        taus[accepted + 1] = taus.get(accepted + 1, 0) + 1
+        if draft_nodes <= 0:
+            ar += 1
+            continue
+        drafts += 1
+        draft_tokens += draft_nodes
+        if accepted:
+            accepted_tokens += accepted
+            if len(acc_pos) < accepted:
+                acc_pos.extend([0] * (accepted - len(acc_pos)))
+            for p in range(accepted):
+                acc_pos[p] += 1
+        if len(drafted_pos) < tree_depth:
+            drafted_pos.extend([0] * (tree_depth - len(drafted_pos)))
+        for p in range(tree_depth):
+            drafted_pos[p] += 1
+    if not forwards:
         return
-    NUM_DRAFTS.inc()
-    NUM_DRAFT_TOKENS.inc(draft_nodes)
-    if accepted:
-        NUM_ACCEPTED.inc(accepted)
-        for c in _positions(_ACC_POS, ACCEPTED_PER_POS, accepted)[:accepted]:
-            c.inc()
-    for c in _positions(_DRAFTED_POS, DRAFTED_PER_POS, tree_depth)[:tree_depth]:
-        c.inc()
+    FORWARDS.inc(forwards)
+    for tau, n in taus.items():
+        _observe_n(TAU, tau, n)
+    if ar:
+        AR_STEPS.inc(ar)
+    if drafts:
+        NUM_DRAFTS.inc(drafts)
+        NUM_DRAFT_TOKENS.inc(draft_tokens)
+    if accepted_tokens:
+        NUM_ACCEPTED.inc(accepted_tokens)
+    for c, n in zip(_positions(_ACC_POS, ACCEPTED_PER_POS, len(acc_pos)), acc_pos):
+        c.inc(n)
+    for c, n in zip(_positions(_DRAFTED_POS, DRAFTED_PER_POS, len(drafted_pos)), drafted_pos):
+        c.inc(n)
+
+
+def _observe_all(hist: Histogram, values: list[float]) -> None:
+    """``hist.observe(v)`` for every ``v`` of ``values``, as one update of its sum and of each
+    bucket hit where prometheus_client's histogram is as known (:func:`_observe_n`)."""
+    buckets, bounds, total = getattr(hist, "_buckets", None), getattr(hist, "_upper_bounds", None), getattr(hist, "_sum", None)
+    if buckets is None or bounds is None or total is None or len(buckets) != len(bounds) or len(values) < 2:
+        for v in values:
+            hist.observe(v)
+        return
+    counts = [0] * len(bounds)
+    for v in values:
+        i = bisect.bisect_left(bounds, v)   # the first bound >= v, as observe's scan finds it
+        if i < len(counts) and v == v:      # (NaN: no bucket, as observe)
+            counts[i] += 1
+    total.inc(sum(values))
+    for b, n in zip(buckets, counts):
+        if n:
+            b.inc(n)
+
+
+def _observe_n(hist: Histogram, value: float, n: int) -> None:
+    """``hist.observe(value)`` ``n`` times, as one update of its sum and its bucket where
+    prometheus_client's histogram is as known (its ``_sum``, ``_buckets``, ``_upper_bounds``),
+    else ``n`` observations."""
+    buckets, bounds, total = getattr(hist, "_buckets", None), getattr(hist, "_upper_bounds", None), getattr(hist, "_sum", None)
+    if n == 1 or buckets is None or bounds is None or total is None or len(buckets) != len(bounds):
+        for _ in range(n):
+            hist.observe(value)
+        return
+    total.inc(value * n)
+    for b, bound in zip(buckets, bounds):
+        if value <= bound:
+            b.inc(n)
+            break
 
 
 def observe_tick(batch: int, draft_s: float, verify_s: float, overhead_s: float) -> None:
     """Count one scheduler tick that ran ``batch`` verify items; its time split into the Propose
     round trip (``draft_s``), the Verify round trip (``verify_s``) and the rest (``overhead_s``),
-    all in seconds (``dflash_scheduler_step_seconds{part=...}``)."""
-    BATCH.observe(batch)
-    _STEP_DRAFT.observe(draft_s)
-    _STEP_VERIFY.observe(verify_s)
-    _STEP_OVERHEAD.observe(overhead_s)
+    all in seconds (``dflash_scheduler_step_seconds{part=...}``). Added to the series at the
+    next :func:`flush` (before any collection of the default registry)."""
+    pending = _PENDING
+    with pending.lock:
+        pending.ticks.append((batch, draft_s, verify_s, overhead_s))
+    _maybe_flush()
 
 
 def set_queue_depth(n: int) -> None:
@@ -143,8 +286,11 @@ def set_queue_depth(n: int) -> None:
 
 
 def set_active_sessions(n: int) -> None:
-    """Requests decoding now (a count)."""
-    ACTIVE_SESSIONS.set(n)
+    """Requests decoding now (a count). (Called every scheduler loop: the gauge is set only when
+    the value changed.)"""
+    if _LAST.get("active") != n:
+        _LAST["active"] = n
+        ACTIVE_SESSIONS.set(n)
 
 
 def observe_fallback(reason: str) -> None:
@@ -172,8 +318,11 @@ def observe_deadline_miss() -> None:
 
 
 def set_draft_deadline(seconds: float) -> None:
-    """The deadline of the Propose call being sent, seconds."""
-    DRAFT_DEADLINE.set(seconds)
+    """The deadline of the Propose call being sent, seconds. (Called every tick: the gauge is set
+    only when the value changed.)"""
+    if _LAST.get("deadline") != seconds:
+        _LAST["deadline"] = seconds
+        DRAFT_DEADLINE.set(seconds)
 
 
 def set_draft_circuit(state: str) -> None:

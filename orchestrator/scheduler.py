@@ -179,6 +179,23 @@ def trim_tree(tokens: list[int], parents: list[int], max_depth: int) -> tuple[li
     return out_t, out_p
 
 
+def fit_tree(tokens: list[int], parents: list[int], max_depth: int, width_cap: int) -> tuple[list[int], list[int], int]:
+    """A drafter's tree made fit for verify: the nodes deeper than ``max_depth`` dropped
+    (:func:`trim_tree`), then the first ``width_cap`` nodes kept (topological order: a prefix is
+    a tree). Returns ``(tokens, parents, depth)``, ``depth`` the deepest kept node's.
+
+    Raises:
+        runtime.tree.TreeError: a malformed parent list (:func:`runtime.tree.tree_depths`).
+    """
+    depths = tree_depths(parents)
+    if max(depths) > max_depth or len(tokens) != len(parents):   # (rare: the drafter was asked for max_depth)
+        tokens, parents = trim_tree(tokens, parents, max_depth)   # (pairs nodes up as zip does)
+        depths = tree_depths(parents) if parents else []          # (no tokens: no tree, as trim_tree gives)
+    if len(tokens) > width_cap:
+        tokens, parents, depths = tokens[:width_cap], parents[:width_cap], depths[:width_cap]
+    return tokens, parents, max(depths) if depths else 0
+
+
 def join_features(parts: list[common_pb2.Tensor]) -> common_pb2.Tensor | None:
     """The rows of ``parts`` in order, as one wire tensor (same dtype and width; None if empty)."""
     parts = [p for p in parts if p.data]
@@ -414,6 +431,7 @@ class Scheduler:
                 self._collect_prefills()
                 batch = [r for r in self._active if not r.closed]
                 if not batch:
+                    metrics.flush()   # the last ticks' notes, before idling (metrics: FLUSH_INTERVAL_S)
                     self._wake.wait(0.05 if self._prefilling or self._queue else 1.0)
                     self._wake.clear()
                     continue
@@ -561,10 +579,11 @@ class Scheduler:
 
     def _keep(self, req: Request, features: common_pb2.Tensor) -> None:
         """Append the rows of ``features`` (just committed) to the request's history."""
-        if not features.data:
+        n = len(features.data)   # (each read of the field is a copy: read once)
+        if not n:
             return
         req.history.append(features)
-        req.history_bytes += len(features.data)
+        req.history_bytes += n
         while req.history_bytes > self.history_bytes and req.sent > 0:
             # rows the drafter already has: drop them; a resync is no longer possible
             req.history_bytes -= len(req.history[0].data)
@@ -601,19 +620,27 @@ class Scheduler:
         self.budget_now = budget
         drafter = self._drafter() if budget > 0 else None
         self.drafting = drafter is not None
-        trees: dict[int, tuple[list[int], list[int]]] = {}
+        trees: dict[int, tuple[list[int], list[int], int]] = {}   # batch index -> tokens, parents, depth
         draft_s = 0.0
         if drafter is not None:
             trees, draft_s = self._propose_trees(batch, drafter)
         t1 = time.perf_counter()
-        items = []
+        # built in place (items added to the request, trees extended): no message built and copied in
+        request = target_pb2.VerifyRequest()
+        add = request.items.add
         for i, r in enumerate(batch):
-            tokens, parents = trees.get(i, ([r.root], [-1]))
-            items.append(target_pb2.VerifyItem(session_id=r.session_id, tree=common_pb2.TokenTree(tokens=tokens, parents=parents)))
+            tree = add(session_id=r.session_id).tree
+            drafted = trees.get(i)
+            if drafted is None:
+                tree.tokens.append(r.root)
+                tree.parents.append(-1)
+            else:
+                tree.tokens.extend(drafted[0])
+                tree.parents.extend(drafted[1])
         try:
             if self._verify is None:
                 self._verify = self.target.verify_stream(None)
-            reply = self._verify.exchange(target_pb2.VerifyRequest(items=items), self.step_timeout)
+            reply = self._verify.exchange(request, self.step_timeout)
         except grpc.RpcError as e:
             self._verify_failed(batch, e)
             return
@@ -621,28 +648,37 @@ class Scheduler:
         if self._verify.broken:  # its deadline passed just after the reply came: the reply stands
             self._verify.close()
             self._verify = None
+        compute_s = reply.compute_s
+        steps = []   # (draft nodes, depth, accepted) of each verified item: the metrics, once per tick
         for i, (r, res) in enumerate(zip(batch, reply.results)):
-            r.stats.verify_time_s += verify_s
-            r.stats.verify_compute_s += reply.compute_s
-            if res.status.code:
-                self._verify_item_failed(r, status_code(res.status.code), res.status.message, res.status.reason)
+            stats = r.stats
+            stats.verify_time_s += verify_s
+            stats.verify_compute_s += compute_s
+            status = res.status
+            if status.code:
+                self._verify_item_failed(r, status_code(status.code), status.message, status.reason)
                 continue
-            tokens, parents = trees.get(i, ([r.root], [-1]))
-            k = len(res.accepted_tokens)
-            depth = max(tree_depths(parents))
-            r.stats.record_step(depth, len(tokens) - 1, k)
-            metrics.observe_verify(len(tokens) - 1, depth, k)
+            drafted = trees.get(i)
+            nodes, depth = (len(drafted[0]) - 1, drafted[2]) if drafted is not None else (0, 0)
+            tokens = res.accepted_tokens[:]
+            k = len(tokens)
+            stats.record_step(depth, nodes, k)
+            steps.append((nodes, depth, k))
             r.root, r.length = res.bonus_token, res.committed_length
             if r.speculative:
                 self._keep(r, res.features)
-            self._emit(r, list(res.accepted_tokens) + [res.bonus_token])
+            tokens.append(r.root)
+            self._emit(r, tokens)
+        if steps:
+            metrics.observe_verify_batch(steps)
         self.ticks += 1
         self.batched_items += len(batch)
         metrics.observe_tick(len(batch), draft_s, verify_s, time.perf_counter() - t0 - draft_s - verify_s)
 
     def _propose_trees(self, batch: list[Request],
-                       drafter: draft_pb2.DrafterInfo) -> tuple[dict[int, tuple[list[int], list[int]]], float]:
-        """One Propose for every request that drafts this tick; their trimmed trees by batch index."""
+                       drafter: draft_pb2.DrafterInfo) -> tuple[dict[int, tuple[list[int], list[int], int]], float]:
+        """One Propose for every request that drafts this tick; their trimmed trees by batch
+        index, with their depths (:func:`fit_tree`)."""
         block = drafter.model.block_size or 1
         width_cap = self.info.max_tree_width or 1
         depth_cap = self.info.max_tree_depth or 10**9
@@ -655,16 +691,21 @@ class Scheduler:
         with self._lock:
             room = ((drafter.model.max_sessions or 10**9) - sum(r.on_drafter for r in self._active)
                     - self._releasing["draft"] - len(self._draft_stale))
-        items, who = [], []
+        request = draft_pb2.ProposeRequest()
+        add = request.items.add
+        who: list[tuple[int, int]] = []   # (batch index, max_depth) of each item
         extra_rows = 0  # feature rows beyond a step's worth (new or re-created sessions)
+        max_context, n, step_nodes = self.info.max_context, len(batch), self.step_nodes
         for i, r in enumerate(batch):
             if not r.speculative or (not r.draft_synced and not r.history_complete):
                 continue  # not drafting, or the drafter lost this session and its history was dropped
-            max_depth = min(block - 1, self.info.max_context - r.length - 1, r.max_tokens - r.emitted - 1, depth_cap,
-                            r.tree.max_depth or 10**9)
+            asked = r.tree   # (a message: each field read once)
+            budget, top_k = asked.budget, asked.top_k
+            max_depth = min(block - 1, max_context - r.length - 1, r.max_tokens - r.emitted - 1, depth_cap,
+                            asked.max_depth or 10**9)
             # a tree's node budget, or a chain's length, within this request's share of the tick
-            nodes = adaptive_budget(len(batch), self.step_nodes, want=r.tree.budget or max_depth,
-                                    min_nodes=2 if r.tree.budget else 1) if max_depth > 0 else 0
+            nodes = adaptive_budget(n, step_nodes, want=budget or max_depth,
+                                    min_nodes=2 if budget else 1) if max_depth > 0 else 0
             if not nodes:
                 continue
             if not r.on_drafter:
@@ -673,26 +714,35 @@ class Scheduler:
                 room -= 1
             if not r.draft_synced:
                 r.sent = 0  # (re-)create the drafter's session from the whole history
-            features = join_features(r.history[r.sent:])
-            if features is not None and features.shape[0] > block:
-                extra_rows += features.shape[0] - block
-            tree = (draft_pb2.TreeParams(top_k=r.tree.top_k, max_depth=max_depth, budget=nodes) if r.tree.budget
-                    else draft_pb2.TreeParams(top_k=r.tree.top_k, max_depth=nodes))
-            items.append(draft_pb2.ProposeItem(session_id=r.draft_id, features=features, root_token=r.root,
-                                               committed_length=r.length, tree=tree))
-            who.append(i)
-        if not items:
+            # built in place (added to the request, the features copied in once)
+            item = add(session_id=r.draft_id, root_token=r.root, committed_length=r.length)
+            parts = r.history[r.sent:]
+            # (history entries are never empty: _keep; one entry, the common case, is copied as is)
+            features = parts[0] if len(parts) == 1 else join_features(parts)
+            if features is not None:
+                if features.shape[0] > block:
+                    extra_rows += features.shape[0] - block
+                item.features.CopyFrom(features)
+            tree = item.tree
+            tree.top_k = top_k
+            if budget:
+                tree.max_depth, tree.budget = max_depth, nodes
+            else:
+                tree.max_depth = max_depth = nodes
+            tree.SetInParent()   # present even when every field is 0, as before
+            who.append((i, max_depth))
+        if not who:
             return {}, 0.0
-        timeout = self.deadline.timeout(len(items), extra_rows)
+        timeout = self.deadline.timeout(len(who), extra_rows)
         if timeout is not None:
             metrics.set_draft_deadline(timeout)
         t0 = time.perf_counter()
         try:
             if self._propose is None:
                 self._propose = self.draft.propose_stream(None)
-            reply = self._propose.exchange(draft_pb2.ProposeRequest(items=items), timeout)
+            reply = self._propose.exchange(request, timeout)
         except grpc.RpcError as e:
-            self._draft_failed([batch[i] for i in who], e)
+            self._draft_failed([batch[i] for i, _ in who], e)
             return {}, time.perf_counter() - t0
         draft_s = time.perf_counter() - t0
         if self._propose.broken:  # its deadline passed just after the reply came: the reply stands
@@ -700,17 +750,19 @@ class Scheduler:
             self._propose = None
         self.draft.mark_ok()
         if not extra_rows:
-            self.deadline.observe(draft_s, len(items))
+            self.deadline.observe(draft_s, len(who))
         trees = {}
-        for i, item, res in zip(who, items, reply.results):
+        compute_s = reply.compute_s
+        for (i, max_depth), res in zip(who, reply.results):
             r = batch[i]
             r.on_drafter = True
             r.stats.draft_time_s += draft_s
-            r.stats.draft_compute_s += reply.compute_s
-            if res.status.code:
+            r.stats.draft_compute_s += compute_s
+            status = res.status
+            if status.code:
                 log.warning("drafter refused an item; this step goes on without a tree",
-                            extra={"session": r.session_id, "code": status_code(res.status.code).name,
-                                   "reason": res.status.reason, "error": res.status.message[:200]})
+                            extra={"session": r.session_id, "code": status_code(status.code).name,
+                                   "reason": status.reason, "error": status.message[:200]})
                 self._release([], [r])  # its next Propose re-creates the session from the history, under a new id
                 r.draft_gen += 1
                 r.on_drafter = r.draft_synced = False
@@ -720,15 +772,15 @@ class Scheduler:
                 continue
             r.draft_synced = True
             r.sent = len(r.history)
+            tree = res.tree
             try:
-                tokens, parents = trim_tree(list(res.tree.tokens), list(res.tree.parents), item.tree.max_depth)
+                tokens, parents, depth = fit_tree(tree.tokens[:], tree.parents[:], max_depth, width_cap)
             except TreeError as e:
                 log.warning("drafter sent a malformed tree; this step goes on without a tree",
                             extra={"session": r.session_id, "error": str(e)[:200]})
                 continue
-            tokens, parents = tokens[:width_cap], parents[:width_cap]  # topological order: a prefix is a tree
             if tokens and tokens[0] == r.root:
-                trees[i] = (tokens, parents)
+                trees[i] = (tokens, parents, depth)
         return trees, draft_s
 
     def _draft_failed(self, asked: list[Request], e: grpc.RpcError) -> None:

@@ -49,10 +49,18 @@ class AcceptanceStats:
             self.drafts += 1
             self.draft_tokens += draft_nodes
             self.accepted_tokens += accepted
-            for d in range(tree_depth):
-                self._bump(self.drafted_per_position, d)
-            for d in range(accepted):
-                self._bump(self.accepted_per_position, d)
+            if tree_depth:
+                hist = self.drafted_per_position
+                if len(hist) < tree_depth:
+                    hist.extend([0] * (tree_depth - len(hist)))
+                for d in range(tree_depth):
+                    hist[d] += 1
+            if accepted:
+                hist = self.accepted_per_position
+                if len(hist) < accepted:
+                    hist.extend([0] * (accepted - len(hist)))
+                for d in range(accepted):
+                    hist[d] += 1
         self._bump(self.acceptance_length_histogram, accepted + 1)
 
     @property

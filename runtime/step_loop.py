@@ -300,16 +300,23 @@ class StepLoop:
         last_used = self._last_used
         now = self.clock()
         for wi, w in enumerate(batches):
-            sids = [_session_of(item) for item in w.payload]
+            payload = w.payload
+            sids = [_session_of(item) for item in payload]
             sids_of.append(sids)
             foreign = self.owners.foreign([sid for sid in sids if sid], w.owner) if w.owner is not None else ()
+            if not foreign:   # (the common case: every item runs)
+                for sid in sids:
+                    if sid:
+                        last_used[sid] = now   # _touch
+                items.extend(payload)
+                continue
             for ii, sid in enumerate(sids):
                 if sid in foreign:
                     refused[(wi, ii)] = NotOwner(f"session {sid!r} belongs to another owner")
                     continue
                 if sid:
                     last_used[sid] = now   # _touch
-                items.append(w.payload[ii])
+                items.append(payload[ii])
         if refused:
             log.info("items refused for sessions of another owner", extra={"refused": len(refused)})
         t0 = time.perf_counter()
@@ -338,7 +345,7 @@ class StepLoop:
                 out = results[pos:pos + len(w.payload)]
                 pos += len(w.payload)
             if w.owner is not None:   # a session it just opened (a drafter's first item) is its
-                self.owners.claim([sid or "" for sid, r in zip(sids_of[wi], out) if not isinstance(r, BaseException)],
+                self.owners.claim([sid for sid, r in zip(sids_of[wi], out) if sid and not isinstance(r, BaseException)],
                                   w.owner)
             done.append(BatchResult(out, dt, len(items), t0 - w.enqueued))
         return done
@@ -493,9 +500,12 @@ def _session_of(item) -> str | None:
     """The session id an item, prefill job or ``start_prefill`` arguments name: a
     ``session_id`` attribute (:class:`draft_service.batched.DraftItem`, prefill jobs) or the
     first field of a tuple (a verify item ``(session_id, tokens, parents)``)."""
-    sid = getattr(item, "session_id", None)
-    if sid is None and isinstance(item, (tuple, list)) and item and isinstance(item[0], str):
-        sid = item[0]
+    if type(item) is tuple:   # a verify item (the hot path: a plain tuple has no attribute to look for)
+        sid = item[0] if item else None
+    else:
+        sid = getattr(item, "session_id", None)
+        if sid is None and isinstance(item, (tuple, list)) and item and isinstance(item[0], str):
+            sid = item[0]
     return sid if isinstance(sid, str) else None
 
 

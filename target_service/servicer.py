@@ -24,7 +24,7 @@ import torch
 
 from dflash_grpc.transport import MAX_MESSAGE_BYTES
 from dflash_grpc.v1 import common_pb2, target_pb2, target_pb2_grpc
-from dflash_grpc.wire import tensor_to_proto
+from dflash_grpc.wire import fill_tensor, tensor_to_proto
 from target_service.engine import Sampling
 from runtime.errors import EngineError, InvalidArgument, Reason, ResourceExhausted
 from runtime.owners import caller
@@ -38,7 +38,8 @@ FEATURES = ["tree-verify", "sampling", "features-bf16", "chunked-prefill", "batc
 def _decode_verify_item(item: target_pb2.VerifyItem) -> tuple[str, list[int], list[int]]:
     if not item.HasField("tree"):
         raise InvalidArgument("item has no tree", reason=Reason.INVALID_TREE)
-    return item.session_id, list(item.tree.tokens), list(item.tree.parents)
+    tree = item.tree
+    return item.session_id, tree.tokens[:], tree.parents[:]
 
 
 #: Bytes a ``PrefillResult`` may carry besides its features (session id, ints, the tensor's dtype
@@ -60,6 +61,27 @@ def prefill_reply_bytes(items, hidden_size: int) -> int:
 
 def _features_proto(t: torch.Tensor | None) -> common_pb2.Tensor | None:
     return tensor_to_proto(t, torch.bfloat16) if t is not None else None
+
+
+def verify_response(items, outs, done) -> target_pb2.VerifyResponse:
+    """The ``VerifyResponse`` answering ``items`` (``VerifyItem`` messages) with their outcomes
+    ``outs`` (a :class:`~target_service.engine.VerifyOutcome` or the exception that refused the
+    item, in order) and the batch's timing ``done`` (:class:`~runtime.step_loop.BatchResult`).
+
+    Built in place (each result added to the reply, its features written into it), not as
+    messages built and then copied in: this is per item of every step (tools/hop_overhead.py)."""
+    response = target_pb2.VerifyResponse(compute_s=done.compute_s, batch_items=done.batch_items, queue_s=done.queue_s)
+    add = response.results.add
+    for item, out in zip(items, outs):
+        if isinstance(out, BaseException):
+            add(session_id=item.session_id, status=item_status(out))
+            continue
+        r = add(session_id=item.session_id, accepted_tokens=out.accepted_tokens, accepted_nodes=out.accepted_nodes,
+                bonus_token=out.bonus_token, committed_length=out.committed_length)
+        r.status.SetInParent()   # an OK status, present as before (code 0)
+        if out.features is not None:
+            fill_tensor(r.features, out.features, torch.bfloat16)
+    return response
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -145,18 +167,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def _verify(self, request_iterator, owner):
         for request in request_iterator:
-            outs, done = run_items(self.loop, request.items, _decode_verify_item, owner)
-            results = []
-            for item, out in zip(request.items, outs):
-                if isinstance(out, BaseException):
-                    results.append(target_pb2.VerifyResult(session_id=item.session_id, status=item_status(out)))
-                    continue
-                results.append(target_pb2.VerifyResult(
-                    session_id=item.session_id, status=item_status(None), accepted_tokens=out.accepted_tokens,
-                    accepted_nodes=out.accepted_nodes, bonus_token=out.bonus_token,
-                    committed_length=out.committed_length, features=_features_proto(out.features)))
-            yield target_pb2.VerifyResponse(results=results, compute_s=done.compute_s, batch_items=done.batch_items,
-                                            queue_s=done.queue_s)
+            items = request.items
+            outs, done = run_items(self.loop, items, _decode_verify_item, owner)
+            yield verify_response(items, outs, done)
 
     def Release(self, request, context):
         owner = caller(context)

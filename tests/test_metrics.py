@@ -71,6 +71,61 @@ def test_observe_verify_counts_spec_decode_series():
     assert [d[(dpos, ("position", str(p)))] for p in range(4)] == [2, 2, 1, 0]
 
 
+def test_observe_verify_batch_moves_the_series_as_one_call_per_item():
+    """The scheduler counts a tick's items at once: every series moves as with one
+    observe_verify per item (taus of several buckets, repeated values, deep and shallow trees)."""
+    steps = [(12, 3, 2), (5, 2, 0), (0, 0, 0), (4, 4, 4), (12, 3, 2), (30, 11, 9), (0, 0, 0), (1, 1, 1)]
+    names = ["dflash_spec_decode_num_drafts_total", "dflash_spec_decode_num_draft_tokens_total",
+             "dflash_spec_decode_num_accepted_tokens_total", "dflash_target_forwards_total", "dflash_autoregressive_steps_total",
+             "dflash_acceptance_length_count", "dflash_acceptance_length_sum"]
+    series = [(n,) for n in names] + [("dflash_acceptance_length_bucket", ("le", b)) for b in ("1.0", "2.0", "3.0", "5.0", "10.0", "+Inf")]
+    series += [(f"dflash_spec_decode_num_{k}_per_pos_total", ("position", str(p)))
+               for k in ("accepted_tokens", "drafted") for p in range(12)]
+    with _Delta(*series) as one_by_one:
+        for s in steps:
+            metrics.observe_verify(*s)
+    with _Delta(*series) as batched:
+        metrics.observe_verify_batch(steps)
+    assert batched.change == one_by_one.change
+    assert batched["dflash_acceptance_length_count"] == 8 and batched["dflash_acceptance_length_sum"] == 26
+    with _Delta(*series) as empty:
+        metrics.observe_verify_batch([])
+    assert not any(empty.change.values())
+
+
+def test_bulk_histogram_updates_equal_single_observations():
+    """The flush adds many observations at once (its sum and each bucket once): the samples equal
+    those of one observe() per value, boundaries, +Inf and repeats included."""
+    from prometheus_client import Histogram
+
+    values = [0.0, 0.0001, 0.00011, 0.00025, 0.003, 0.003, 1, 9.99, 10, 11, 1e9, 0.0002]
+    buckets = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 1, 10)
+
+    def samples(fill) -> dict:
+        reg = CollectorRegistry()
+        h = Histogram("h", "h", buckets=buckets, registry=reg)
+        fill(h)
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value for m in reg.collect() for s in m.samples
+                if not s.name.endswith("_created")}
+
+    want = samples(lambda h: [h.observe(v) for v in values])
+    assert samples(lambda h: metrics._observe_all(h, values)) == want
+    assert samples(lambda h: [metrics._observe_n(h, v, 1) for v in values]) == want
+    assert samples(lambda h: metrics._observe_n(h, 10, 5)) == samples(lambda h: [h.observe(10) for _ in range(5)])
+
+
+def test_scheduler_notes_are_flushed_before_every_read():
+    """observe_tick / observe_verify_batch only note the tick; any read of the default registry
+    sees it (the pending notes are flushed first), and a flush adds each note once."""
+    series = [("dflash_scheduler_batch_size_count",), ("dflash_target_forwards_total",)]
+    with _Delta(*series) as d:
+        metrics.observe_tick(3, 0.001, 0.002, 0.0001)
+        metrics.observe_verify_batch([(4, 4, 2)] * 3)
+        metrics.flush()
+        metrics.flush()
+    assert d["dflash_scheduler_batch_size_count"] == 1 and d["dflash_target_forwards_total"] == 3
+
+
 def test_observe_request_counts_request_level_only():
     s = ServerStats(requests=1, prompt_tokens=7, generated_tokens=11, wall_time_s=0.3)
     s.record_step(tree_depth=3, draft_nodes=4, accepted=2)

@@ -71,6 +71,24 @@ def test_trim_tree_drops_deep_nodes_and_reindexes():
     assert trim_tree(tokens, parents, 0) == ([10], [-1])
 
 
+def test_fit_tree_trims_caps_and_gives_the_depth():
+    from orchestrator.scheduler import fit_tree
+    from runtime.tree import TreeError
+
+    tokens = [10, 11, 12, 13, 14, 15]
+    parents = [-1, 0, 1, 0, 3, 4]   # depths 0 1 2 1 2 3
+    assert fit_tree(tokens, parents, 8, 64) == (tokens, parents, 3)        # fits: as sent
+    assert fit_tree(tokens, parents, 2, 64) == ([10, 11, 12, 13, 14], [-1, 0, 1, 0, 3], 2)
+    assert fit_tree(tokens, parents, 8, 3) == ([10, 11, 12], [-1, 0, 1], 2)   # a prefix, its own depth
+    assert fit_tree(tokens, parents, 1, 2) == ([10, 11], [-1, 0], 1)
+    assert fit_tree([10, 11, 12], [-1, 0], 8, 64) == ([10, 11], [-1, 0], 1)   # unequal lists: paired up
+    assert fit_tree([10], [-1, 0, 1], 8, 64) == ([10], [-1], 0)
+    assert fit_tree([], [-1], 8, 64) == ([], [], 0)   # no root token: no tree (the caller drops it)
+    for bad in ([], [0], [-1, 1], [-1, 0, 5]):
+        with pytest.raises(TreeError):
+            fit_tree([1] * len(bad), bad, 8, 64)
+
+
 def test_adaptive_budget_shares_the_tick_in_width_buckets():
     from orchestrator.scheduler import adaptive_budget
 

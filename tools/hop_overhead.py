@@ -29,6 +29,17 @@ baseline in the same run: ``--variant queue:inline=0 --variant inline:inline=1``
 in seconds) and of this process (``direct`` = the orchestrator's streams are
 :class:`orchestrator.peers.DirectStreamCall` or grpcio's threaded ones). Without ``--variant``
 one variant runs with the defaults.
+
+``--trace`` splits each exchange (ms, means over the run; one variant and one case per run
+make it readable): ``up`` = the orchestrator starts the exchange -> the servicer has the decoded
+request, ``servicer`` = the servicer's own time (step loop and engine included), ``down`` = the
+servicer gives its reply -> the orchestrator has it decoded (timestamps of ``time.perf_counter``,
+one clock for every process of the host).
+
+``--profile DIR`` profiles every thread of the three processes (``cProfile``, one profiler per
+thread, merged per process) and writes ``DIR/orchestrator.prof``, ``DIR/target-NAME.prof`` and
+``DIR/draft-NAME.prof`` (read them with ``python -m pstats``); profiled timings are inflated,
+compare them only with each other.
 """
 
 from __future__ import annotations
@@ -163,6 +174,86 @@ class InstantDraftEngine:
         return sum(self.sessions.pop(sid, None) is not None for sid in ids)
 
 
+# ---------------------------------------------------------------------------------- profiling
+_PROFILES: list = []
+
+
+def profile_threads() -> None:
+    """Profile every thread started from now on (and this one): one ``cProfile.Profile`` each."""
+    import cProfile
+
+    run = threading.Thread.run
+
+    def profiled(self):
+        p = cProfile.Profile()
+        _PROFILES.append(p)
+        p.enable()
+        try:
+            run(self)
+        finally:
+            p.disable()
+
+    threading.Thread.run = profiled
+    main = cProfile.Profile()
+    _PROFILES.append(main)
+    main.enable()
+
+
+def dump_profiles(path: str) -> None:
+    """Merge the profiles of :func:`profile_threads` into ``path``."""
+    import pstats
+
+    for p in _PROFILES:
+        p.disable()   # this thread's; the others' stop being read here
+    stats = None
+    for p in _PROFILES:
+        try:
+            p.create_stats()
+        except Exception:  # noqa: BLE001 - a profiler that never ran
+            continue
+        if not p.stats:
+            continue
+        stats = pstats.Stats(p) if stats is None else stats.add(p)
+    if stats is not None:
+        stats.dump_stats(path)
+
+
+# ---------------------------------------------------------------------------------- tracing
+def traced(handler, path: str):
+    """A stream handler that appends, per message, the ``time.perf_counter()`` (one clock for
+    every process of the host) when the servicer got the request (decoded) and when it gave
+    its reply (before serialising) to ``path`` (lines ``in out``)."""
+    def run(request_iterator, context):
+        marks = []
+
+        def requests():
+            for r in request_iterator:
+                marks.append(time.perf_counter())
+                yield r
+
+        try:
+            for reply in handler(requests(), context):
+                marks.append(time.perf_counter())
+                yield reply
+        finally:
+            with open(path, "a") as f:
+                f.writelines(f"{a!r} {b!r}\n" for a, b in zip(marks[::2], marks[1::2]))
+    return run
+
+
+def trace_split(sent: list[tuple[float, float]], path: str) -> tuple[float, float, float]:
+    """Mean ``(up, handler, down)`` milliseconds of the exchanges ``sent`` (the parent's
+    ``(before, after)`` of each, in order) against the servicer's marks in ``path`` (same order):
+    up = request sent -> servicer has it, handler = the servicer's own time, down = reply
+    given -> the parent has it decoded."""
+    with open(path) as f:
+        marks = [tuple(map(float, line.split())) for line in f if line.strip()]
+    pairs = list(zip(sent, marks))[5:] or list(zip(sent, marks))
+    n = len(pairs)
+    return (sum(m[0] - s[0] for s, m in pairs) / n * 1e3, sum(m[1] - m[0] for s, m in pairs) / n * 1e3,
+            sum(s[1] - m[1] for s, m in pairs) / n * 1e3)
+
+
 # ---------------------------------------------------------------------------------- the children
 def serve(kind: str, settings: dict[str, str]) -> None:
     """Child process: serve ``kind`` (target or draft) over an instant engine, as its main does;
@@ -173,6 +264,8 @@ def serve(kind: str, settings: dict[str, str]) -> None:
     from runtime.owners import Owners
     from runtime.step_loop import StepLoop
 
+    if settings.get("profile"):
+        profile_threads()
     if "switch" in settings:   # the services' mains leave the default (5 ms)
         sys.setswitchinterval(float(settings["switch"]))
     extra = {"inline": settings["inline"] == "1"} if "inline" in settings else {}
@@ -186,6 +279,8 @@ def serve(kind: str, settings: dict[str, str]) -> None:
                                     max_tree_depth=32, max_sessions=engine.max_sessions, hidden_size=HIDDEN, num_layers=30,
                                     features=list(FEATURES), device="cuda:0")
         servicer = TargetServicer(loop, info)
+        if settings.get("trace"):
+            servicer.Verify = traced(servicer.Verify, settings["trace"])
 
         def add(s):
             target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s)
@@ -197,6 +292,8 @@ def serve(kind: str, settings: dict[str, str]) -> None:
         loop = StepLoop(engine, name="draft", batch_method="propose_batch", idle_timeout=300.0,
                         owners=Owners(lease_s=5.0), **extra)
         servicer = DraftServiceServicer(engine, loop=loop, tokenizer_fingerprint="hop-tok")
+        if settings.get("trace"):
+            servicer.Propose = traced(servicer.Propose, settings["trace"])
 
         def add(s):
             draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s)
@@ -207,6 +304,8 @@ def serve(kind: str, settings: dict[str, str]) -> None:
     sys.stdin.read()  # until the parent closes our stdin
     server.stop(None)
     loop.stop()
+    if settings.get("profile"):
+        dump_profiles(settings["profile"])
 
 
 def spawn(kind: str, settings: dict[str, str]) -> tuple[subprocess.Popen, str]:
@@ -229,6 +328,7 @@ class Recorder:
         self.ticks: list[tuple[float, float, float]] = []
         self.compute: dict[str, list[float]] = {"draft": [], "verify": []}
         self.on = False
+        self.sent: dict[str, list[tuple[float, float]]] = {"draft": [], "verify": []}   # every exchange's (start, end)
 
     def install(self) -> None:
         from dflash_grpc.v1 import draft_pb2
@@ -244,7 +344,9 @@ class Recorder:
 
         def recorded(real_exchange):
             def exchange(call, request, timeout=None):
+                t0 = time.perf_counter()
                 reply = real_exchange(call, request, timeout)
+                rec.sent["draft" if isinstance(request, draft_pb2.ProposeRequest) else "verify"].append((t0, time.perf_counter()))
                 if rec.on:
                     rec.compute["draft" if isinstance(request, draft_pb2.ProposeRequest) else "verify"].append(reply.compute_s)
                 return reply
@@ -306,6 +408,9 @@ def main() -> None:
     ap.add_argument("--accept", type=int, default=2, help="chain nodes the target accepts (default 2)")
     ap.add_argument("--compute-us", type=float, default=0.0,
                     help="each engine step busy-waits this long holding the GIL (default 0: instant)")
+    ap.add_argument("--trace", action="store_true",
+                    help="split each exchange into up / servicer / down (ms; one variant, one case at a time)")
+    ap.add_argument("--profile", metavar="DIR", help="cProfile every thread of the three processes into DIR/*.prof")
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME:key=value,... settings (inline=0|1, switch=SECONDS, direct=0|1); repeatable")
     args = ap.parse_args()
@@ -327,13 +432,18 @@ def main() -> None:
         settings["accept"] = str(args.accept)
         settings["compute"] = str(args.compute_us / 1e6)
         variants.append((name, settings))
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        profile_threads()
     rec = Recorder()
     rec.install()
     children, scheds = [], {}
     try:
         for name, settings in variants:
-            tp, taddr = spawn("target", settings)
-            dp, daddr = spawn("draft", settings)
+            prof = os.path.abspath(os.path.join(args.profile, "{}-" + name + ".prof")) if args.profile else ""
+            traces = {k: f"/tmp/hop-trace-{os.getpid()}-{name}-{k}.txt" if args.trace else "" for k in ("target", "draft")}
+            tp, taddr = spawn("target", dict(settings, profile=prof.format("target"), trace=traces["target"]))
+            dp, daddr = spawn("draft", dict(settings, profile=prof.format("draft"), trace=traces["draft"]))
             children += [tp, dp]
             target, draft = TargetPeer(taddr), DraftPeer(daddr)
             if "direct" in settings:   # this process's side: DirectStreamCall or grpcio's threaded streams
@@ -372,9 +482,21 @@ def main() -> None:
             p.stdin.close()
         for p in children:
             try:
-                p.wait(5)
+                p.wait(30 if args.profile else 5)
             except subprocess.TimeoutExpired:
                 p.kill()
+        if args.profile:
+            dump_profiles(os.path.join(args.profile, "orchestrator.prof"))
+        if args.trace:
+            for name, _ in variants:
+                for kind, key in (("target", "verify"), ("draft", "draft")):
+                    path = f"/tmp/hop-trace-{os.getpid()}-{name}-{kind}.txt"
+                    if os.path.exists(path) and rec.sent[key]:
+                        up, handler, down = trace_split(rec.sent[key], path)
+                        print(f"# trace {name} {key}: up {up:.3f}  servicer {handler:.3f}  down {down:.3f} ms per exchange "
+                              f"(mean of {len(rec.sent[key])})")
+                    if os.path.exists(path):
+                        os.remove(path)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ lists of floats. Errors are raised as :class:`WireError` (mapped to INVALID_ARGU
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from dflash_grpc.transport import GRPC_OPTIONS, MAX_MESSAGE_BYTES  # noqa: F401  (re-exported)
@@ -30,6 +32,18 @@ class WireError(ValueError):
     """A message field is malformed (wrong dtype, shape / byte-count mismatch, bad tree)."""
 
 
+def _raw_bytes(t: torch.Tensor, dtype: torch.dtype) -> tuple[bytes, tuple[int, ...]]:
+    """The bytes and shape of ``t`` cast to ``dtype`` (row-major, on the CPU)."""
+    if t.is_cpu and t.dtype is dtype and t.is_contiguous():
+        # the common case (an engine's CPU host buffer, or a slice of one): one copy of its
+        # memory, no torch ops (each costs microseconds of dispatch)
+        n = t.nbytes
+        return (ctypes.string_at(t.data_ptr(), n) if n else b""), tuple(t.shape)
+    c = t.detach().to(device="cpu", dtype=dtype).contiguous()
+    raw = c.view(torch.uint8) if c.numel() else torch.empty(0, dtype=torch.uint8)
+    return raw.numpy().tobytes(), tuple(c.shape)
+
+
 def tensor_to_proto(t: torch.Tensor, dtype: torch.dtype | None = None) -> common_pb2.Tensor:
     """Encode ``t`` (any shape, on any device) as a :class:`Tensor` message.
 
@@ -39,40 +53,58 @@ def tensor_to_proto(t: torch.Tensor, dtype: torch.dtype | None = None) -> common
     Raises:
         WireError: dtype not one of bf16, f16, f32.
     """
+    msg = common_pb2.Tensor()
+    fill_tensor(msg, t, dtype)
+    return msg
+
+
+def fill_tensor(msg: common_pb2.Tensor, t: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+    """Write ``t`` into ``msg``, an empty :class:`Tensor` message (e.g. a field of a reply being
+    built: no message is built and copied in), as :func:`tensor_to_proto` encodes it.
+
+    Raises:
+        WireError: dtype not one of bf16, f16, f32.
+    """
     dtype = dtype or t.dtype
-    if dtype not in _TO_WIRE:
+    wire = _TO_WIRE.get(dtype)
+    if wire is None:
         raise WireError(f"unsupported tensor dtype {dtype}")
-    c = t.detach().to(device="cpu", dtype=dtype).contiguous()
-    raw = c.view(torch.uint8) if c.numel() else torch.empty(0, dtype=torch.uint8)
-    return common_pb2.Tensor(dtype=_TO_WIRE[dtype], shape=list(c.shape), data=raw.numpy().tobytes())
+    data, shape = _raw_bytes(t, dtype)
+    msg.dtype = wire
+    msg.shape.extend(shape)
+    msg.data = data
 
 
 def tensor_from_proto(msg: common_pb2.Tensor) -> torch.Tensor:
-    """Decode a :class:`Tensor` message into a CPU tensor of its dtype and shape.
+    """Decode a :class:`Tensor` message into a CPU tensor of its dtype and shape (its own
+    writable memory: one copy of the message's bytes).
 
     Raises:
         WireError: unknown dtype, negative dimension, a shape whose sizes multiply (zeros
             left out) past int64 bytes, or ``len(data)`` not equal to ``prod(shape) * itemsize``.
     """
-    if msg.dtype not in _FROM_WIRE:
+    dtype = _FROM_WIRE.get(msg.dtype)
+    if dtype is None:
         raise WireError(f"unsupported wire dtype {msg.dtype}")
-    dtype = _FROM_WIRE[msg.dtype]
-    shape = tuple(int(d) for d in msg.shape)
-    if any(d < 0 for d in shape):
-        raise WireError(f"negative dimension in shape {shape}")
+    shape = msg.shape[:]   # a list (cheaper to read than tuple(msg.shape))
     numel = span = 1
     for d in shape:
+        if d < 0:
+            raise WireError(f"negative dimension in shape {tuple(shape)}")
         numel *= d
-        span *= max(d, 1)
+        span *= d or 1
     itemsize = _ITEMSIZE[dtype]
     if span * itemsize >= 1 << 63:  # torch multiplies every size, zeros last: it would overflow
-        raise WireError(f"tensor shape {shape} is too large")
-    if len(msg.data) != numel * itemsize:
-        raise WireError(f"tensor of shape {shape} and dtype {dtype} needs {numel * itemsize} bytes, got {len(msg.data)}")
+        raise WireError(f"tensor shape {tuple(shape)} is too large")
+    data = msg.data   # (each read of the field is a copy: read it once)
+    if len(data) != numel * itemsize:
+        raise WireError(f"tensor of shape {tuple(shape)} and dtype {dtype} needs {numel * itemsize} bytes, got {len(data)}")
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    buf = torch.frombuffer(bytearray(msg.data), dtype=torch.uint8)
-    return buf.view(dtype).reshape(shape)
+    # a bytearray: the tensor owns writable memory (torch.frombuffer over bytes would share
+    # read-only memory and warn); the dtype read directly, one view to the shape
+    flat = torch.frombuffer(bytearray(data), dtype=dtype)
+    return flat.view(*shape) if shape else flat.view(())
 
 
 def tree_to_proto(tokens: list[int], parents: list[int]) -> common_pb2.TokenTree:
