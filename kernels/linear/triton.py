@@ -61,6 +61,11 @@ BLOCK_M = 16
 CONFIG_ENV = "DFLASH_LINEAR_CONFIG"
 
 
+def is_pow2(v) -> bool:
+    """Whether ``v`` is a positive int power of two (launch-config checks of the Triton kernels)."""
+    return isinstance(v, int) and v > 0 and v & (v - 1) == 0
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Launch configuration of :func:`_skinny_kernel` for one ``(N, K, dtype)``.
@@ -78,9 +83,7 @@ class Config:
     num_stages: int = 3
 
     def __post_init__(self):
-        def pow2(v: int) -> bool:
-            return isinstance(v, int) and v > 0 and v & (v - 1) == 0
-
+        pow2 = is_pow2
         if not (pow2(self.block_n) and self.block_n >= 16 and pow2(self.block_k) and self.block_k >= 16
                 and pow2(self.num_warps) and self.num_warps <= 32 and isinstance(self.num_stages, int) and self.num_stages >= 1):
             raise ValueError(f"invalid linear config {self}: BLOCK_N, BLOCK_K powers of two >= 16, "

@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.linear.triton import is_pow2
 from kernels.quant.weight import QuantizedWeight
 
 MAX_ROWS = 64
@@ -72,9 +73,7 @@ class Config:
     num_stages: int = 2
 
     def __post_init__(self):
-        def pow2(v: int) -> bool:
-            return isinstance(v, int) and v > 0 and v & (v - 1) == 0
-
+        pow2 = is_pow2
         if not (pow2(self.block_n) and self.block_n >= 16 and pow2(self.num_warps) and self.num_warps <= 32
                 and isinstance(self.num_stages, int) and self.num_stages >= 1):
             raise ValueError(f"invalid quantized linear config {self}: BLOCK_N a power of two >= 16, "
