@@ -66,6 +66,15 @@ def is_pow2(v) -> bool:
     return isinstance(v, int) and v > 0 and v & (v - 1) == 0
 
 
+def skinny_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x`` ``[..., K]`` as the ``[M, K]`` rows a skinny kernel reads (a view when it can be,
+    last dim contiguous). Raises ValueError for more than :data:`MAX_ROWS` rows."""
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] > MAX_ROWS:
+        raise ValueError(f"{x2.shape[0]} rows: the skinny kernel takes at most {MAX_ROWS}")
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Launch configuration of :func:`_skinny_kernel` for one ``(N, K, dtype)``.
@@ -217,12 +226,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None 
     n = weight.shape[0]
     if weight.shape[-1] != k:
         raise ValueError(f"x [..., {k}] does not match weight {tuple(weight.shape)}")
-    x2 = x.reshape(-1, k)
+    x2 = skinny_rows(x, k)
     m = x2.shape[0]
-    if m > MAX_ROWS:
-        raise ValueError(f"{m} rows: the skinny kernel takes at most {MAX_ROWS}")
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
     if weight.stride(-1) != 1:
         raise ValueError("weight must have a contiguous last dim")
     y = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)

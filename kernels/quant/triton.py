@@ -45,10 +45,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.linear.triton import is_pow2
+from kernels.linear.triton import MAX_ROWS, is_pow2, skinny_rows
 from kernels.quant.weight import QuantizedWeight
 
-MAX_ROWS = 64
 #: Rows per program (the tensor-core tile height); fixed, so it can never depend on ``M``.
 BLOCK_M = 16
 
@@ -217,12 +216,8 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | No
         raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
     if x.device != weight.device:
         raise ValueError(f"x on {x.device}, weight on {weight.device}")
-    x2 = x.reshape(-1, k)
+    x2 = skinny_rows(x, k)
     m = x2.shape[0]
-    if m > MAX_ROWS:
-        raise ValueError(f"{m} rows: the skinny kernel takes at most {MAX_ROWS}")
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
     y = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
     cfg = config or config_for(n, k, weight.qtype)
     if m and n and k:
