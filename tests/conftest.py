@@ -88,9 +88,25 @@ def smollm_tokenizer(smollm_path):
 def hf_smollm(smollm_path):
     """transformers' LlamaForCausalLM loaded from the same GGUF (the numerical oracle)."""
     transformers = pytest.importorskip("transformers")
-    model = transformers.LlamaForCausalLM.from_pretrained(
-        os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path), dtype=torch.float32
-    )
+    import gguf
+
+    # transformers parses the GGUF twice (config, then weights), each parse ~10 s of its ~35 s load
+    # on a 2-core box: the second call reuses the first reader (read-only, memory-mapped). What
+    # transformers reads from it is unchanged.
+    readers = {}
+
+    def reader(path, *args, **kw):
+        key = (os.path.realpath(path), args, tuple(sorted(kw.items())))
+        if key not in readers:
+            readers[key] = gguf_reader(path, *args, **kw)
+        return readers[key]
+
+    gguf_reader = gguf.GGUFReader
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader)
+        model = transformers.LlamaForCausalLM.from_pretrained(
+            os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path), dtype=torch.float32
+        )
     model.eval()
     return model
 
