@@ -24,6 +24,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# One torch CPU thread for the tests and (through the environment) the services they start as
+# processes, unless OMP_NUM_THREADS says otherwise: the tests' ops are small, and on a 2-core box
+# shared by the test process and its services, two threads per process oversubscribe the cores and
+# make each small op 5-30x slower (a 16-token decode of the default model: 16 s with two threads,
+# 2 s with one, at load 3 on 2 cores). Results do not depend on it: references are computed in
+# the process (and thread count) that is compared with them, or compared within a tolerance.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 def pytest_collection_modifyitems(config, items):
     """Skip tests marked ``gpu`` when no CUDA device is present (CI runs on CPU)."""
@@ -79,9 +88,25 @@ def smollm_tokenizer(smollm_path):
 def hf_smollm(smollm_path):
     """transformers' LlamaForCausalLM loaded from the same GGUF (the numerical oracle)."""
     transformers = pytest.importorskip("transformers")
-    model = transformers.LlamaForCausalLM.from_pretrained(
-        os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path), dtype=torch.float32
-    )
+    import gguf
+
+    # transformers parses the GGUF twice (config, then weights), each parse ~10 s of its ~35 s load
+    # on a 2-core box: the second call reuses the first reader (read-only, memory-mapped). What
+    # transformers reads from it is unchanged.
+    readers = {}
+
+    def reader(path, *args, **kw):
+        key = (os.path.realpath(path), args, tuple(sorted(kw.items())))
+        if key not in readers:
+            readers[key] = gguf_reader(path, *args, **kw)
+        return readers[key]
+
+    gguf_reader = gguf.GGUFReader
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader)
+        model = transformers.LlamaForCausalLM.from_pretrained(
+            os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path), dtype=torch.float32
+        )
     model.eval()
     return model
 

@@ -81,16 +81,32 @@ def reference(smollm_model):
     return TargetEngine(smollm_model, max_sessions=4, max_context=256, max_tree_width=32, max_tree_depth=8)
 
 
+@pytest.fixture(scope="module")
+def reference_streams(reference, prompts):
+    """``streams(sampling, n)``: the reference engine's target-only streams (tokens, features) of
+    ``prompts``, computed once per ``(sampling, n)`` for the module (the padded and unpadded cases
+    compare with the same streams)."""
+    cache = {}
+
+    def streams(sampling, n):
+        key = (dataclasses.astuple(sampling), n)
+        if key not in cache:
+            cache[key] = [ar_stream(reference, "r", p, sampling, n) for p in prompts]
+        return cache[key]
+
+    return streams
+
+
 @pytest.mark.parametrize("temperature,top_k,top_p", SETTINGS)
 @pytest.mark.parametrize("pad", [False, True])
-def test_batched_equals_reference_llama(smollm_model, reference, prompts, temperature, top_k, top_p, pad):
+def test_batched_equals_reference_llama(smollm_model, reference_streams, prompts, temperature, top_k, top_p, pad):
     """Three sessions verified together, trees padded to buckets or not: every stream and its
     drafter features equal the reference engine's target-only decoding."""
     engine = BatchedEngine(smollm_model, max_sessions=4, max_context=256, max_tree_width=32, max_tree_depth=8,
                            feature_layers=LAYERS, pad_to_buckets=pad)
     s = Sampling.checked(temperature, top_k, top_p, seed=99)
     n = 24
-    refs = [ar_stream(reference, "r", p, s, n) for p in prompts]
+    refs = reference_streams(s, n)
     got, feats = speculative_streams(engine, prompts, s, [r[0] for r in refs], n)
     assert got == [r[0] for r in refs]
     for f, (_, rf) in zip(feats, refs):
