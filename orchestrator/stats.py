@@ -39,6 +39,14 @@ class AcceptanceStats:
             hist.extend([0] * (index + 1 - len(hist)))
         hist[index] += by
 
+    @staticmethod
+    def _bump_first(hist: list[int], n: int) -> None:
+        """Count one at each of the positions ``0..n-1`` (the list grown first, once)."""
+        if len(hist) < n:
+            hist.extend([0] * (n - len(hist)))
+        for d in range(n):
+            hist[d] += 1
+
     def record_step(self, tree_depth: int, draft_nodes: int, accepted: int) -> None:
         """Count one verify forward: a tree of ``draft_nodes`` non-root nodes, deepest at
         ``tree_depth``, of which a path of ``accepted`` draft tokens was accepted."""
@@ -49,18 +57,8 @@ class AcceptanceStats:
             self.drafts += 1
             self.draft_tokens += draft_nodes
             self.accepted_tokens += accepted
-            if tree_depth:
-                hist = self.drafted_per_position
-                if len(hist) < tree_depth:
-                    hist.extend([0] * (tree_depth - len(hist)))
-                for d in range(tree_depth):
-                    hist[d] += 1
-            if accepted:
-                hist = self.accepted_per_position
-                if len(hist) < accepted:
-                    hist.extend([0] * (accepted - len(hist)))
-                for d in range(accepted):
-                    hist[d] += 1
+            self._bump_first(self.drafted_per_position, tree_depth)
+            self._bump_first(self.accepted_per_position, accepted)
         self._bump(self.acceptance_length_histogram, accepted + 1)
 
     @property
