@@ -45,6 +45,8 @@ import time
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.registry import Collector
 
+from orchestrator.stats import count_positions
+
 #: most seconds the scheduler's per-tick notes wait for :func:`flush` when nobody scrapes
 FLUSH_INTERVAL_S = 0.25
 
@@ -206,16 +208,9 @@ def _count_verify(steps) -> None:
             continue
         drafts += 1
         draft_tokens += draft_nodes
-        if accepted:
-            accepted_tokens += accepted
-            if len(acc_pos) < accepted:
-                acc_pos.extend([0] * (accepted - len(acc_pos)))
-            for p in range(accepted):
-                acc_pos[p] += 1
-        if len(drafted_pos) < tree_depth:
-            drafted_pos.extend([0] * (tree_depth - len(drafted_pos)))
-        for p in range(tree_depth):
-            drafted_pos[p] += 1
+        accepted_tokens += accepted
+        count_positions(acc_pos, accepted)
+        count_positions(drafted_pos, tree_depth)
     if not forwards:
         return
     FORWARDS.inc(forwards)

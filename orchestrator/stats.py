@@ -9,6 +9,15 @@ import threading
 from dflash_grpc.v1 import generation_pb2
 
 
+def count_positions(hist: list[int], n: int) -> None:
+    """Count one at each of the positions ``0..n-1`` of a per-position histogram (the list grown
+    first, once): the drafted / accepted positions of one verify (also :mod:`orchestrator.metrics`)."""
+    if len(hist) < n:
+        hist.extend([0] * (n - len(hist)))
+    for d in range(n):
+        hist[d] += 1
+
+
 @dataclasses.dataclass
 class AcceptanceStats:
     """Counters of a request (or, merged, of the whole server). Field meanings: ``AcceptanceStats``
@@ -39,14 +48,6 @@ class AcceptanceStats:
             hist.extend([0] * (index + 1 - len(hist)))
         hist[index] += by
 
-    @staticmethod
-    def _bump_first(hist: list[int], n: int) -> None:
-        """Count one at each of the positions ``0..n-1`` (the list grown first, once)."""
-        if len(hist) < n:
-            hist.extend([0] * (n - len(hist)))
-        for d in range(n):
-            hist[d] += 1
-
     def record_step(self, tree_depth: int, draft_nodes: int, accepted: int) -> None:
         """Count one verify forward: a tree of ``draft_nodes`` non-root nodes, deepest at
         ``tree_depth``, of which a path of ``accepted`` draft tokens was accepted."""
@@ -57,8 +58,8 @@ class AcceptanceStats:
             self.drafts += 1
             self.draft_tokens += draft_nodes
             self.accepted_tokens += accepted
-            self._bump_first(self.drafted_per_position, tree_depth)
-            self._bump_first(self.accepted_per_position, accepted)
+            count_positions(self.drafted_per_position, tree_depth)
+            count_positions(self.accepted_per_position, accepted)
         self._bump(self.acceptance_length_histogram, accepted + 1)
 
     @property
