@@ -249,19 +249,8 @@ def _observe_all(hist: Histogram, values: list[float]) -> None:
 
 
 def _observe_n(hist: Histogram, value: float, n: int) -> None:
-    """``hist.observe(value)`` ``n`` times, as one update of its sum and its bucket where
-    prometheus_client's histogram is as known (its ``_sum``, ``_buckets``, ``_upper_bounds``),
-    else ``n`` observations."""
-    buckets, bounds, total = getattr(hist, "_buckets", None), getattr(hist, "_upper_bounds", None), getattr(hist, "_sum", None)
-    if n == 1 or buckets is None or bounds is None or total is None or len(buckets) != len(bounds):
-        for _ in range(n):
-            hist.observe(value)
-        return
-    total.inc(value * n)
-    for b, bound in zip(buckets, bounds):
-        if value <= bound:
-            b.inc(n)
-            break
+    """``hist.observe(value)`` ``n`` times (:func:`_observe_all`)."""
+    _observe_all(hist, [value] * n)
 
 
 def observe_tick(batch: int, draft_s: float, verify_s: float, overhead_s: float) -> None:
