@@ -57,7 +57,7 @@ from draft_service.drafter import DFlashDrafter
 from draft_service.gguf_io import load_drafter
 from runtime.errors import InvalidArgument, Reason
 from runtime.owners import Owner, caller
-from runtime.status import item_status
+from runtime.status import batch_reply
 from runtime.step_loop import StepLoop, run_items
 
 logger = logging.getLogger(__name__)
@@ -102,6 +102,14 @@ def decode_item(item: draft_pb2.ProposeItem) -> DraftItem:
                 raise InvalidArgument(f"features: {e}", reason=Reason.INVALID_FEATURES) from None
     t = item.tree   # (message fields read as Python ints already)
     return DraftItem(session_id, features, item.root_token, item.committed_length, t.budget, t.top_k, t.max_depth)
+
+
+def _fill_propose(r: draft_pb2.ProposeResult, out) -> None:
+    """An accepted item's tree in its ``ProposeResult`` (present even if empty)."""
+    tree = r.tree
+    tree.SetInParent()
+    tree.tokens.extend(out.tokens)
+    tree.parents.extend(out.parents)
 
 
 class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
@@ -270,20 +278,7 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         unchecked)."""
         items = request.items
         outs, done = run_items(self.loop, items, decode_item, owner)
-        # built in place (results added to the reply, trees extended), not built and copied in
-        response = draft_pb2.ProposeResponse(compute_s=done.compute_s, batch_items=done.batch_items, queue_s=done.queue_s)
-        add = response.results.add
-        for item, out in zip(items, outs):
-            if isinstance(out, BaseException):
-                add(session_id=item.session_id, status=item_status(out))
-                continue
-            r = add(session_id=item.session_id)
-            r.status.SetInParent()   # an OK status, present as before (code 0)
-            tree = r.tree
-            tree.SetInParent()   # present even if empty, as before
-            tree.tokens.extend(out.tokens)
-            tree.parents.extend(out.parents)
-        return response
+        return batch_reply(draft_pb2.ProposeResponse, items, outs, done, _fill_propose)
 
     def release(self, session_ids: Iterable[str], owner: Owner | None = None) -> int:
         """Drop the sessions (on the loop thread); returns how many existed (unknown ids, and with

@@ -66,3 +66,32 @@ def abort_with(context: grpc.ServicerContext, e: BaseException):
     ``grpc.aio`` context it returns the abort's coroutine, to be awaited."""
     s = status_with_reason(e)
     return abort(context, s.code, s.message, s.reason.value)
+
+
+def batch_reply(response_cls, items, outs, done, fill):
+    """A Verify / Propose reply for one batch, built in place (each result added to the reply,
+    not built and copied in: this runs per item of every step, tools/hop_overhead.py).
+
+    Args:
+        response_cls: the reply message class (``VerifyResponse``, ``ProposeResponse``): its
+            ``results`` field and the batch timing fields ``compute_s``, ``batch_items``,
+            ``queue_s`` (from ``done``, a :class:`runtime.step_loop.BatchResult`).
+        items, outs: the request's items and their outcomes, in order (an outcome, or the
+            exception that refused the item).
+        fill: ``fill(result, outcome)`` writes an accepted item's fields into its result.
+
+    Returns:
+        The reply: per item its ``session_id`` and, when refused, the mapped status
+        (:func:`item_status`); otherwise an OK status, present (code 0), and what ``fill`` wrote.
+    """
+    response = response_cls(compute_s=done.compute_s, batch_items=done.batch_items, queue_s=done.queue_s)
+    add = response.results.add
+    for item, out in zip(items, outs):
+        if isinstance(out, BaseException):
+            add(session_id=item.session_id, status=item_status(out))
+            continue
+        r = add(session_id=item.session_id)
+        r.status.SetInParent()
+        fill(r, out)
+    return response
+

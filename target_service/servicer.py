@@ -28,7 +28,7 @@ from dflash_grpc.wire import fill_tensor, tensor_to_proto
 from target_service.engine import Sampling
 from runtime.errors import EngineError, InvalidArgument, Reason, ResourceExhausted
 from runtime.owners import caller
-from runtime.status import abort_with, item_status, status_of  # noqa: F401 (re-exported)
+from runtime.status import abort_with, batch_reply, item_status, status_of  # noqa: F401 (re-exported)
 from runtime.step_loop import StepLoop, run_items
 
 log = logging.getLogger(__name__)
@@ -63,25 +63,21 @@ def _features_proto(t: torch.Tensor | None) -> common_pb2.Tensor | None:
     return tensor_to_proto(t, torch.bfloat16) if t is not None else None
 
 
+def _fill_verify(r: target_pb2.VerifyResult, out) -> None:
+    """An accepted item's fields of its ``VerifyResult`` (a :class:`~target_service.engine.VerifyOutcome`)."""
+    r.accepted_tokens.extend(out.accepted_tokens)
+    r.accepted_nodes.extend(out.accepted_nodes)
+    r.bonus_token, r.committed_length = out.bonus_token, out.committed_length
+    if out.features is not None:
+        fill_tensor(r.features, out.features, torch.bfloat16)
+
+
 def verify_response(items, outs, done) -> target_pb2.VerifyResponse:
     """The ``VerifyResponse`` answering ``items`` (``VerifyItem`` messages) with their outcomes
     ``outs`` (a :class:`~target_service.engine.VerifyOutcome` or the exception that refused the
-    item, in order) and the batch's timing ``done`` (:class:`~runtime.step_loop.BatchResult`).
-
-    Built in place (each result added to the reply, its features written into it), not as
-    messages built and then copied in: this is per item of every step (tools/hop_overhead.py)."""
-    response = target_pb2.VerifyResponse(compute_s=done.compute_s, batch_items=done.batch_items, queue_s=done.queue_s)
-    add = response.results.add
-    for item, out in zip(items, outs):
-        if isinstance(out, BaseException):
-            add(session_id=item.session_id, status=item_status(out))
-            continue
-        r = add(session_id=item.session_id, accepted_tokens=out.accepted_tokens, accepted_nodes=out.accepted_nodes,
-                bonus_token=out.bonus_token, committed_length=out.committed_length)
-        r.status.SetInParent()   # an OK status, present as before (code 0)
-        if out.features is not None:
-            fill_tensor(r.features, out.features, torch.bfloat16)
-    return response
+    item, in order) and the batch's timing ``done`` (:class:`~runtime.step_loop.BatchResult`),
+    built in place (:func:`runtime.status.batch_reply`)."""
+    return batch_reply(target_pb2.VerifyResponse, items, outs, done, _fill_verify)
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
