@@ -197,16 +197,23 @@ cmd_concurrency() {
     --orchestrator-args="${ORCH_ARGS:-}" --json "$OUT/concurrency.json" --out "$OUT/concurrency.txt"
 }
 
+timed_start() {
+  # before timing anything: wheels, the SmolLM2 file (printed), the llama.cpp build (started by
+  # `stage`, or here) finished, so nothing else runs while we time; the device into device.txt
+  install_wheels >&2        # (stdout carries only the file's path)
+  llamacpp_build_bg >&2
+  local smol; smol=$(smollm) || return 1
+  for _ in $(seq 1 120); do [ -e /tmp/llbuild.done ] && break; sleep 5; done
+  nvidia-smi -L > "$OUT/device.txt"
+  echo "$smol"
+}
+
 cmd_e2e_ab() {
   # one stream, shipped SmolLM2 pair, 8 HumanEval prompts x 128 tokens: this tree ("after") and the
   # tree of .peer/old.tar.gz ("before", a git archive without the drafter GGUF, which is taken from
   # here), each with AR and the speculative configs, then llama-bench on the same file. Waits for
   # the llama.cpp build (started by `stage`) first, so nothing else runs while we time.
-  install_wheels
-  llamacpp_build_bg
-  local smol; smol=$(smollm) || exit 1
-  for _ in $(seq 1 120); do [ -e /tmp/llbuild.done ] && break; sleep 5; done
-  nvidia-smi -L | tee "$OUT/device.txt"
+  local smol; smol=$(timed_start) || exit 1
   local cfgs=${CONFIGS:-ar,chain,tree:15:4,tree:16:4,tree:32:4}
   python3 -m client.cli bench --device cuda --model "$smol" --prompts 8 --max-tokens 128 --configs "$cfgs" \
     --json "$OUT/e2e-after.json" --out "$OUT/e2e-after.txt"
@@ -231,11 +238,7 @@ cmd_step() {
   # times of the AR step, the verify, the drafter step, the commit), then the shipped pair end to
   # end with the target in the orchestrator's process and with three processes, twice each,
   # alternating, then llama-bench on the same file -> $OUT/STEP.md (bench/step_report.py)
-  install_wheels
-  llamacpp_build_bg
-  local smol; smol=$(smollm) || exit 1
-  for _ in $(seq 1 120); do [ -e /tmp/llbuild.done ] && break; sleep 5; done
-  nvidia-smi -L | tee "$OUT/device.txt"
+  local smol; smol=$(timed_start) || exit 1
   python3 -m bench.gpu engine --model "$smol" --name smollm2-135m-q4_1 --reps 3 --out "$OUT/smollm2-135m-q4_1.json" 2>&1 | tail -20
   local cfgs=${CONFIGS:-ar,chain,tree:15:4,tree:16:4,tree:32:4}
   for i in 1 2; do
