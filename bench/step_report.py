@@ -57,13 +57,13 @@ def _device_ms(engine: dict | None, config: str) -> tuple[float | None, float | 
     dp = (engine.get("draft_propose") or {}).get("configs", {}).get(config, {})
     draft = (dp.get("device_ms") or {}).get("median")
     nodes = dp.get("nodes") or 16
-    width = min((int(w) for w in engine["verify_width"] if int(w) >= nodes), default=None)
+    # the width bucket the tree pads to (keys are ints, or strings once through JSON)
+    fits = [(int(w), e) for w, e in engine["verify_width"].items() if int(w) >= nodes]
+    if not fits:
+        return draft, None
+    entry = min(fits, key=lambda we: we[0])[1]
     shape = "chain" if config == "chain" else "tree"
-    verify = None
-    if width is not None:
-        entry = engine["verify_width"][str(width)] if str(width) in engine["verify_width"] else engine["verify_width"][width]
-        verify = (entry.get(shape) or entry.get("chain"))["device_ms"]["median"]
-    return draft, verify
+    return draft, (entry.get(shape) or entry.get("chain"))["device_ms"]["median"]
 
 
 def e2e_table(runs: dict[str, list[dict]], engine: dict | None, llama: float | None) -> list[str]:
