@@ -37,7 +37,6 @@ import uuid
 
 import grpc
 import pytest
-import torch
 
 from dflash_grpc.transport import GRPC_OPTIONS, reason_of
 from dflash_grpc.v1 import draft_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc, target_pb2, target_pb2_grpc
@@ -55,15 +54,6 @@ MAX_TOKENS = 6
 PLANS = {"complete": 3, "cancel_now": 2, "cancel_after_delay": 3, "cancel_after_k": 3, "deadline": 2}
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
 TIMEOUT = 60.0
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Torch on one thread: these tiny ops are 10-30x slower with two threads on a busy 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def greedy(engine, prompt: list[int], n: int) -> list[int]:

@@ -101,15 +101,6 @@ GENERATION_METHODS = {"Generate": ("server_stream", generation_pb2.GenerateReque
                       "Info": ("unary", generation_pb2.ServiceInfoRequest, generation_pb2.ServiceInfo)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Torch on one thread: these tiny ops are 10-30x slower with two threads on a busy 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # --------------------------------------------------------------------------------------------
 # Calls and checks
 

@@ -37,16 +37,6 @@ from target_service.models.llama import LlamaModel
 from runtime.tree import chain
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread is many times faster than two on a busy 2-core machine
-    (thread hand-offs dominate microsecond-sized ops)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tiny(tiny_llama):
     """The shared tiny target (tests/conftest.py)."""
