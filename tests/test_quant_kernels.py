@@ -21,7 +21,6 @@ run bigger shapes, bfloat16, and bit-exactness across ``M`` on a GPU (``pytest -
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
