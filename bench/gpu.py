@@ -318,16 +318,19 @@ def commit_timing(engine, width: int = 16, reps: int = 20, graph: bool = False) 
     path = torch.arange(width, device=engine.device)[None]
     n_acc = torch.full((1,), width, device=engine.device)
     run = lambda: backend.commit(path, n_acc)  # noqa: E731
-    if graph:
-        side = torch.cuda.Stream(engine.device)
-        side.wait_stream(torch.cuda.current_stream(engine.device))
-        with torch.cuda.stream(side):
-            run()                                   # warm-up (Triton compiles) off the capture
-        torch.cuda.current_stream(engine.device).wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            run()
-        run = g.replay
+    if graph:   # warmed up and captured as the engines' steps are (runtime.graphs.StepGraph.capture)
+        from runtime.graphs import StepGraph
+
+        class _Commit(StepGraph):
+            def body(self) -> None:
+                run()
+
+            def fill_idle(self) -> None:   # the inputs are fixed above
+                pass
+
+        step = _Commit(engine.device)
+        step.capture(torch.cuda.graph_pool_handle())
+        run = step.graph.replay
     times = []
     for _ in range(reps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
