@@ -317,13 +317,14 @@ def commit_timing(engine, width: int = 16, reps: int = 20, graph: bool = False) 
     _, _, backend = forward(engine.model, engine.pool, st, engine.rope, engine.taps, commit_chain=False)
     path = torch.arange(width, device=engine.device)[None]
     n_acc = torch.full((1,), width, device=engine.device)
-    run = lambda: backend.commit(path, n_acc)  # noqa: E731
+    commit = lambda: backend.commit(path, n_acc)  # noqa: E731
+    run = commit
     if graph:   # warmed up and captured as the engines' steps are (runtime.graphs.StepGraph.capture)
         from runtime.graphs import StepGraph
 
         class _Commit(StepGraph):
             def body(self) -> None:
-                run()
+                commit()
 
             def fill_idle(self) -> None:   # the inputs are fixed above
                 pass
