@@ -141,8 +141,10 @@ def private_token_file(token: str | None = None) -> Iterator[str]:
 
 
 def drafter_feature_layers(path: str) -> list[int] | None:
-    """The target layers a drafter GGUF reads (``{arch}.dflash.target_layer_ids``), or None when
-    the file cannot be read or holds no such key (the draft service reports the problem itself).
+    """The target layers a drafter GGUF reads (``{arch}.dflash.target_layer_ids``, the key
+    :func:`draft_service.gguf_io.read_drafter_config` reads; read here from the metadata alone, so
+    the ``dflash-grpc`` process does not import the drafter's torch modules), or None when the file
+    cannot be read or holds no such key (the draft service reports the problem itself).
 
     :func:`dflash_services` starts the target with them (``--feature-layers``), so its step graphs
     are captured for them at start: otherwise the first speculative request asks for new taps and
