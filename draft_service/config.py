@@ -43,6 +43,8 @@ class DraftConfig:
     engine: str = setting(
         "auto", "auto: the batched engine (context pool, CUDA graphs) on CUDA, the per-session reference on the CPU",
         choices=ENGINES)
+    local_hop: bool = setting(True, "also serve Propose on a Unix socket for an orchestrator on this host (the same checks: "
+                                    "docs/ARCHITECTURE.md, 'The same-host hop')")
     cuda_graphs: bool = setting(True, "batched engine: capture the steps as CUDA graphs (off: run them eagerly)")
     fused_step: bool = setting(True, "batched engine on CUDA: run the step on the fused kernels "
                                      "(off: its plain-PyTorch reference, for bisecting a numerical difference)")

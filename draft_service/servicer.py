@@ -149,6 +149,8 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         self.model_fingerprint = model_fingerprint
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.loop = loop if loop is not None else StepLoop(engine, name="draft", batch_method="propose_batch")
+        #: the same-host hop's endpoint for Info (``ModelInfo.local_endpoint``; set by the main)
+        self.local_endpoint = ""
 
     @classmethod
     def from_paths(
@@ -266,6 +268,7 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
                 device=str(self.drafter.device),
                 graph_captures=int(getattr(self.engine, "captures", 0)),
                 free_slots=int(self.loop.call(lambda: self.engine.free_slots)),
+                local_endpoint=self.local_endpoint,
             ),
             target_fingerprint=c.target_fingerprint,
             target_layer_ids=list(c.target_layer_ids),

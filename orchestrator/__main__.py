@@ -23,6 +23,7 @@ import grpc
 
 from dflash_grpc import serving
 from dflash_grpc.v1 import generation_pb2_grpc
+from orchestrator import peers
 from orchestrator.config import OrchestratorConfig
 from orchestrator.local_target import LocalTargetPeer
 from orchestrator.peers import DraftPeer, TargetPeer, drafter_mismatch
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     # name kept across restarts and a new epoch per start, so that the first call (Info, below) frees
     # the sessions a predecessor of the same name left behind. Before the peers are created.
     serving.add_client_metadata([(OWNER_KEY, instance_name(cfg)), (EPOCH_KEY, uuid.uuid4().hex)])
+    peers.LOCAL_HOP = cfg.local_hop
     local = None
     if cfg.target == OrchestratorConfig.IN_PROCESS:
         local = _local_target(cfg, p)

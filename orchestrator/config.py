@@ -82,6 +82,8 @@ class OrchestratorConfig:
     target_args: str = setting("", "with --target in-process: the target's flags (those of python -m target_service) "
                                    "as one string; its --model defaults to --model")
     draft: str | None = setting(None, "draft service address host:port (omit: autoregressive only)")
+    local_hop: bool = setting(True, "reach the target and draft services over their Unix socket when they offer one on "
+                                    "this host (docs/ARCHITECTURE.md, 'The same-host hop'); off: gRPC always")
     model: str | None = setting(None, "target GGUF, read for its tokenizer and chat template (default: the default model)")
     host: str = setting(DEFAULT_HOST, "interface to listen on")
     port: int = setting(ORCHESTRATOR_PORT, "port to listen on (0 picks a free one)")

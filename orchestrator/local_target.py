@@ -27,62 +27,23 @@ from typing import Any, Callable, Iterator
 import grpc
 
 from dflash_grpc import serving
+from dflash_grpc.localhop import HopAborted, LocalContext
 from dflash_grpc.v1 import common_pb2, target_pb2
 from orchestrator.peers import StreamError
 
 
-class _Aborted(Exception):
-    """Raised by :meth:`_Context.abort` inside the servicer; becomes a :class:`StreamError`."""
-
-    def __init__(self, error: StreamError):
-        super().__init__(error.details())
-        self.error = error
+def _error(e: HopAborted) -> StreamError:
+    """The :class:`StreamError` of a call the servicer aborted."""
+    return StreamError(e.code, e.details, e.trailing)
 
 
-class _Context:
-    """The part of ``grpc.ServicerContext`` the target servicer uses: metadata, abort (raises),
-    callbacks run when the call ends, ``is_active``."""
-
-    def __init__(self, metadata: tuple[tuple[str, str], ...]):
-        self._metadata = metadata
-        self._trailing: tuple = ()
-        self._callbacks: list[Callable[[], Any]] = []
-        self.active = True
-
-    def invocation_metadata(self):
-        return self._metadata
-
-    def set_trailing_metadata(self, md) -> None:
-        self._trailing = tuple(md)
-
-    def abort(self, code: grpc.StatusCode, details: str):
-        raise _Aborted(StreamError(code, details, self._trailing))
-
-    def add_callback(self, fn: Callable[[], Any]) -> bool:
-        self._callbacks.append(fn)
-        return True
-
-    def is_active(self) -> bool:
-        return self.active
-
-    def time_remaining(self):
-        return None
-
-    def end(self) -> None:
-        """The call is over: run the callbacks once."""
-        self.active = False
-        callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            fn()
-
-
-def _call(fn: Callable[[Any, _Context], Any], request, metadata) -> Any:
+def _call(fn: Callable[[Any, LocalContext], Any], request, metadata) -> Any:
     """``fn(request, context)`` as a unary call: its reply, or :class:`StreamError` raised."""
-    ctx = _Context(metadata)
+    ctx = LocalContext(metadata)
     try:
         return fn(request, ctx)
-    except _Aborted as e:
-        raise e.error from None
+    except HopAborted as e:
+        raise _error(e) from None
     finally:
         ctx.end()
 
@@ -144,7 +105,7 @@ class LocalVerifyStream:
     :class:`StreamError`; item refusals come back in the reply's results."""
 
     def __init__(self, servicer, metadata: tuple[tuple[str, str], ...]):
-        self._ctx = _Context(metadata)
+        self._ctx = LocalContext(metadata)
         self._next: Any = None
         self._gen: Iterator = servicer.Verify(self._requests(), self._ctx)
         self._lock = threading.Lock()
@@ -170,9 +131,9 @@ class LocalVerifyStream:
             self._next = request
             try:
                 return next(self._gen)
-            except _Aborted as e:
+            except HopAborted as e:
                 self._end()
-                raise e.error from None
+                raise _error(e) from None
             except StopIteration:
                 self._end()
                 raise StreamError(grpc.StatusCode.CANCELLED, "the Verify stream ended") from None

@@ -396,6 +396,164 @@ def open_stream(channel, method: str, multicallable, deserialize, timeout: float
     return StreamCall(multicallable, timeout)
 
 
+class LocalHopCall:
+    """:class:`StreamCall`'s contract (exchanges, a precise timeout per exchange, ``broken``,
+    ``close``) over a service's same-host hop (:mod:`dflash_grpc.localhop`): a Unix socket
+    instead of gRPC, the same messages, the same handlers and interceptors on the service's side.
+
+    An exchange sends the request's bytes and waits on the socket (``poll(timeout)``, the GIL
+    released) for the answer: no thread besides the caller's, no watchdog. A missed deadline
+    closes the connection (the service's call then ends as a cancelled gRPC stream does) and
+    raises :class:`ExchangeTimeout`; a status answer raises :class:`StreamError` with the
+    service's code, details and reason. Made by :func:`open_local` (the hello and the nonce check);
+    not for use by several threads at once.
+    """
+
+    def __init__(self, conn, deserialize):
+        self._conn = conn
+        self._deserialize = deserialize
+        self._error: grpc.RpcError | None = None
+        self._closed = False
+        self._expired = False
+
+    @property
+    def broken(self) -> bool:
+        """The stream is over (closed, failed or timed out): open a new one."""
+        return self._closed or self._error is not None
+
+    def _fail(self, error: grpc.RpcError) -> grpc.RpcError:
+        self._error = error
+        self._shut()
+        return error
+
+    def _shut(self) -> None:
+        try:
+            self._conn.close()
+        except OSError:
+            pass
+
+    def exchange(self, request, timeout: float | None = None):
+        """Send ``request`` and wait for its reply (as :meth:`StreamCall.exchange`).
+
+        Raises:
+            ExchangeTimeout: no reply within ``timeout`` (the stream is closed).
+            grpc.RpcError: the service ended the call (:class:`StreamError`, its code and
+                reason), the connection was lost (UNAVAILABLE) or the stream was closed.
+        """
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise StreamError(grpc.StatusCode.CANCELLED, "the stream is closed")
+        from dflash_grpc.localhop import REPLY, parse_status
+
+        conn = self._conn
+        try:
+            conn.send_bytes(request.SerializeToString())
+            if timeout is not None and not conn.poll(max(0.0, timeout)):
+                self._expired = True
+                raise self._fail(ExchangeTimeout(timeout))
+            answer = conn.recv_bytes()
+        except (OSError, EOFError) as e:
+            if self._error is not None:
+                raise self._error from None
+            answer = self._last_word()   # the service ended the call (its status) before our send
+            if answer is None:
+                raise self._fail(StreamError(grpc.StatusCode.UNAVAILABLE, f"the local hop connection was lost: {e}")) from None
+        if answer[:1] == REPLY:
+            try:
+                return self._deserialize(answer[1:])
+            except Exception as e:  # noqa: BLE001 - a reply that does not decode ends the stream
+                raise self._fail(StreamError(grpc.StatusCode.INTERNAL, f"the reply did not decode: {e}")) from None
+        try:
+            code, details, trailing = parse_status(answer[1:])
+        except (ValueError, UnicodeDecodeError) as e:
+            raise self._fail(StreamError(grpc.StatusCode.INTERNAL, f"malformed status from the local hop: {e}")) from None
+        if code == grpc.StatusCode.OK:
+            code, details = grpc.StatusCode.UNAVAILABLE, "the peer ended the stream"
+        raise self._fail(StreamError(code, details, trailing))
+
+    def _last_word(self) -> bytes | None:
+        """An answer the service sent before the connection broke (its final status), if any."""
+        try:
+            return self._conn.recv_bytes() if self._conn.poll(0) else None
+        except (OSError, EOFError):
+            return None
+
+    def close(self) -> None:
+        """End the stream (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self._shut()
+
+
+#: Use a peer's same-host hop (:class:`LocalHopCall`) when it offers one (:func:`open_local`);
+#: False: always gRPC. The orchestrator's ``--no-local-hop`` sets it.
+LOCAL_HOP = True
+
+
+def open_local(endpoint: str, method: str, deserialize, metadata: tuple = (), timeout: float = 5.0) -> "LocalHopCall | None":
+    """A :class:`LocalHopCall` for ``method`` on the hop at ``endpoint`` (a peer's
+    ``ModelInfo.local_endpoint``), or None when there is none to use: empty, or its socket is not
+    on this host (:func:`dflash_grpc.localhop.endpoint_path`).
+
+    Raises:
+        StreamError: the socket exists but the hop refused the call (its code: e.g.
+            UNAUTHENTICATED, RESOURCE_EXHAUSTED), did not answer the hello within ``timeout``
+            seconds, or answered with another nonce (another service now owns the path): the
+            caller falls back to gRPC or reports it.
+    """
+    import json
+    from multiprocessing.connection import Client
+
+    from dflash_grpc.localhop import REPLY, endpoint_path, parse_status
+
+    where = endpoint_path(endpoint)
+    if where is None:
+        return None
+    path, nonce = where
+    try:
+        conn = Client(path, family="AF_UNIX")
+    except OSError as e:
+        raise StreamError(grpc.StatusCode.UNAVAILABLE, f"cannot reach the local hop: {e}") from None
+    try:
+        try:
+            conn.send_bytes(json.dumps({"method": method, "metadata": [[str(k), str(v)] for k, v in metadata]}).encode())
+        except OSError:
+            if not conn.poll(0):   # no answer (a refusal sent before it closed) to read either
+                raise
+        if not conn.poll(timeout):
+            raise StreamError(grpc.StatusCode.UNAVAILABLE, "the local hop did not answer its hello")
+        answer = conn.recv_bytes()
+        if answer[:1] != REPLY:
+            raise StreamError(*parse_status(answer[1:]))
+        if json.loads(answer[1:].decode("utf-8")).get("nonce") != nonce:
+            raise StreamError(grpc.StatusCode.UNAVAILABLE, "the local hop belongs to another service")
+    except (OSError, EOFError, ValueError) as e:
+        conn.close()
+        raise StreamError(grpc.StatusCode.UNAVAILABLE, f"the local hop failed its hello: {e}") from None
+    except BaseException:
+        conn.close()
+        raise
+    return LocalHopCall(conn, deserialize)
+
+
+def _stream(channel, endpoint: str, method: str, multicallable, deserialize, timeout: float | None,
+            direct: bool | None, local: bool | None, kind: str):
+    """The fastest stream a peer offers: its same-host hop (``local``, None: :data:`LOCAL_HOP`),
+    else :func:`open_stream`. A hop that refuses the hello is logged and gRPC used instead."""
+    if (LOCAL_HOP if local is None else local) and endpoint:
+        target = _direct_target(channel)
+        metadata = target[1] if target is not None else serving.client_metadata()
+        try:
+            call = open_local(endpoint, method, deserialize, metadata)
+        except StreamError as e:
+            log.info("same-host hop refused; using gRPC", extra={"peer": kind, "code": e.code().name, "error": e.details()[:200]})
+            call = None
+        if call is not None:
+            return call
+    return open_stream(channel, method, multicallable, deserialize, timeout, direct)
+
+
 class DraftDeadline:
     """How long one Propose exchange may take before the drafter counts as failed.
 
@@ -522,6 +680,7 @@ class TargetPeer:
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
         self._info: common_pb2.ModelInfo | None = None
         self.direct_streams: bool | None = None   # Verify streams: DirectStreamCall (None: DIRECT_STREAMS)
+        self.local_hop: bool | None = None        # the target's same-host hop when offered (None: LOCAL_HOP)
 
     def info(self, timeout: float = 5.0) -> common_pb2.ModelInfo:
         if self._info is None:
@@ -539,10 +698,12 @@ class TargetPeer:
                     raise
                 time.sleep(0.25)
 
-    def verify_stream(self, timeout: float | None) -> "StreamCall | DirectStreamCall":
-        """A Verify stream (:func:`open_stream`; ``direct_streams`` None: :data:`DIRECT_STREAMS`)."""
-        return open_stream(self.channel, "/dflash_grpc.v1.TargetService/Verify", self.stub.Verify,
-                           target_pb2.VerifyResponse.FromString, timeout, self.direct_streams)
+    def verify_stream(self, timeout: float | None) -> "StreamCall | DirectStreamCall | LocalHopCall":
+        """A Verify stream: the target's same-host hop when it offers one here (``local_hop``,
+        None: :data:`LOCAL_HOP`), else :func:`open_stream` (``direct_streams`` None:
+        :data:`DIRECT_STREAMS`)."""
+        return _stream(self.channel, self.info().local_endpoint, "/dflash_grpc.v1.TargetService/Verify", self.stub.Verify,
+                       target_pb2.VerifyResponse.FromString, timeout, self.direct_streams, self.local_hop, "target")
 
     def close(self) -> None:
         self.channel.close()
@@ -571,6 +732,7 @@ class DraftPeer:
         self.stub = draft_pb2_grpc.DraftServiceStub(self.channel) if self.channel else None
         self.breaker = CircuitBreaker(min_backoff_s, max_backoff_s)
         self.direct_streams: bool | None = None   # Propose streams: DirectStreamCall (None: DIRECT_STREAMS)
+        self.local_hop: bool | None = None        # the drafter's same-host hop when offered (None: LOCAL_HOP)
         self._info: draft_pb2.DrafterInfo | None = None
         self._layers: list[int] | None = None
         self._lock = threading.Lock()
@@ -642,10 +804,14 @@ class DraftPeer:
             self.breaker.succeeded()
             self.detail = "ok"
 
-    def propose_stream(self, timeout: float | None) -> "StreamCall | DirectStreamCall":
-        """A Propose stream (:func:`open_stream`; ``direct_streams`` None: :data:`DIRECT_STREAMS`)."""
-        return open_stream(self.channel, "/dflash_grpc.v1.DraftService/Propose", self.stub.Propose,
-                           draft_pb2.ProposeResponse.FromString, timeout, self.direct_streams)
+    def propose_stream(self, timeout: float | None) -> "StreamCall | DirectStreamCall | LocalHopCall":
+        """A Propose stream: the drafter's same-host hop when it offers one here (``local_hop``,
+        None: :data:`LOCAL_HOP`), else :func:`open_stream` (``direct_streams`` None:
+        :data:`DIRECT_STREAMS`)."""
+        info = self.state()
+        endpoint = info.model.local_endpoint if info is not None else ""
+        return _stream(self.channel, endpoint, "/dflash_grpc.v1.DraftService/Propose", self.stub.Propose,
+                       draft_pb2.ProposeResponse.FromString, timeout, self.direct_streams, self.local_hop, "draft")
 
     def close(self) -> None:
         self._closed.set()

@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> None:
 
     max_workers = worker_threads(cfg.max_workers, engine.max_sessions)
     server, health, port = serving.make_server(add, f"{cfg.host}:{cfg.port}", max_workers=max_workers, tls=tls,
-                                                 auth_token=token, reflection=args.reflection)
+                                                 auth_token=token, reflection=args.reflection, local_hop=cfg.local_hop)
+    servicer.info.local_endpoint = serving.local_endpoint(server)
     # SIGTERM: refuse new work; wait (--shutdown-timeout) until the clients released their sessions
     # or closed their streams; release what is left
     serving.serve_forever(server, health, "target", port, shutdown_timeout=cfg.shutdown_timeout,

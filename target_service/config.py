@@ -52,6 +52,8 @@ class TargetConfig:
     gpu_memory_fraction: float | None = setting(
         0.85, "share of the GPU's memory for weights + state pool + step scratch (batched engine)")
     gpu_memory_bytes: int | None = setting(None, "bytes for the state pool (overrides the fraction)")
+    local_hop: bool = setting(True, "also serve Verify on a Unix socket for an orchestrator on this host (the same checks: "
+                                    "docs/ARCHITECTURE.md, 'The same-host hop')")
     cuda_graphs: bool = setting(True, "capture the batched engine's steps as CUDA graphs (off: run them eagerly)")
     feature_layers: tuple[int, ...] = setting(
         (), "target layers tapped for the drafter (e.g. 1,8,14); sessions asking for others extend the set "

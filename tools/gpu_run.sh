@@ -22,6 +22,13 @@
 #                                          # -> $OUT/STEP.md (bench/step_report.py)
 #   bash tools/gpu_run.sh step-load        # concurrency 1-64, AR and the default tree, both layouts
 #                                          # -> $OUT/concurrency-*.json, STEP-load.md
+#   bash tools/gpu_run.sh hostprof         # without SmolLM2 (one call): tools/host_profile.py on a SmolLM2-shaped
+#                                          # synthetic llama (vocabulary 626) and the hop's CPU split
+#                                          # (tools/hop_overhead.py --trace) on this host -> $OUT/host-profile.txt, hop.txt
+#   bash tools/gpu_run.sh hop-real         # without SmolLM2 (one call): tools/hop_overhead.py with real CUDA
+#                                          # engines (SmolLM2-shaped synthetic target, random drafter of the
+#                                          # shipped shape): gRPC vs the same-host hop, colocated and 3
+#                                          # processes, then traced splits -> $OUT/hop-real.txt
 #   bash tools/gpu_run.sh concurrency      # the three services with the shipped SmolLM2 pair: aggregate
 #                                          # tok/s at 1-64 concurrent streams, AR vs speculative
 #                                          # -> $OUT/concurrency.{txt,json} (PNG: made from the JSON locally)
@@ -233,6 +240,42 @@ cmd_e2e_ab() {
   fi
 }
 
+cmd_hostprof() {
+  install_wheels
+  nvidia-smi -L | tee "$OUT/device.txt"
+  python3 - <<'PY'
+from fixtures.tiny_models import write_tiny_llama
+write_tiny_llama("/tmp/models/llama-smollm2-full.gguf", vocab=626, hidden=576, layers=30, heads=9, kv_heads=3, ffn=1536,
+                 tied=True, std=0.02, name="llama with SmolLM2-135M shapes, vocab 626")
+PY
+  python3 tools/host_profile.py --model $M/llama-smollm2-full.gguf --steps ${STEPS:-200} --out "$OUT" 2>&1 | head -12
+  python3 tools/hop_overhead.py --streams 1 --modes ar spec --rounds 3 --trace 2>&1 | grep -v "^[IW]1" | tee "$OUT/hop.txt"
+  [ -d .peer/mb ] && for k in sync aio uds; do python3 .peer/mb/pingpong.py $k 2>&1 | grep -v "^[IW]1" | tail -1; done | tee -a "$OUT/hop.txt"
+  [ -d .peer/mb ] && python3 .peer/mb/mpc.py 2>&1 | tee -a "$OUT/hop.txt"
+}
+
+cmd_hop_real() {
+  install_wheels
+  nvidia-smi -L | tee "$OUT/device.txt"
+  python3 - <<'PY'
+import os
+from fixtures.tiny_models import write_tiny_llama
+from runtime.gguf_loader import open_gguf
+from draft_service.init_random import write_random_drafter
+t = "/tmp/models/llama-smollm2-full.gguf"
+if not os.path.exists(t):
+    write_tiny_llama(t, vocab=626, hidden=576, layers=30, heads=9, kv_heads=3, ffn=1536, tied=True, std=0.02,
+                     name="llama with SmolLM2-135M shapes, vocab 626")
+write_random_drafter(open_gguf(t), "/tmp/models/random-drafter.gguf", layers=3, block_size=16, num_target_layers=5)
+PY
+  local args="--model $M/llama-smollm2-full.gguf --drafter $M/random-drafter.gguf --budget 15 --streams 1 --modes spec --tokens 200"
+  python3 tools/hop_overhead.py $args --rounds ${ROUNDS:-3} --variant colo-grpc:colocate=1,hop=0 --variant colo-hop:colocate=1,hop=1 \
+    --variant 3p-grpc:hop=0 --variant 3p-hop:hop=1 2>&1 | grep -v "^[IW]1" | tee "$OUT/hop-real.txt"
+  for v in colo-grpc:colocate=1,hop=0 colo-hop:colocate=1,hop=1 3p-grpc:hop=0; do
+    python3 tools/hop_overhead.py $args --rounds 1 --trace --variant $v 2>&1 | grep "^# trace\|^default\|^colo\|^3p" | tee -a "$OUT/hop-real.txt"
+  done
+}
+
 cmd_step() {
   # issue 18's end-to-end table from one call: the engine benchmark of the SmolLM2 file (device
   # times of the AR step, the verify, the drafter step, the commit), then the shipped pair end to
@@ -278,6 +321,8 @@ case ${1:-all} in
   bench) shift; cmd_bench "$@" ;;
   all) shift; cmd_checks; cmd_bench "$@" ;;
   concurrency) cmd_concurrency ;;
+  hostprof) cmd_hostprof ;;
+  hop-real) cmd_hop_real ;;
   e2e-ab) cmd_e2e_ab ;;
   step) cmd_step ;;
   step-load) cmd_step_load ;;

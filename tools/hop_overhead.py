@@ -26,9 +26,15 @@ machine is shared and noisy: noise only ever adds, so the best round is the clos
 Variants run side by side (their own child processes), so a change can be compared with the
 baseline in the same run: ``--variant queue:inline=0 --variant inline:inline=1`` (child settings:
 ``inline`` = the step loop's inline fast path on/off; ``switch`` = the services' switch interval
-in seconds) and of this process (``direct`` = the orchestrator's streams are
-:class:`orchestrator.peers.DirectStreamCall` or grpcio's threaded ones). Without ``--variant``
+in seconds; ``hop`` = the services offer their same-host hop and the orchestrator uses it, 1 by
+default: :mod:`dflash_grpc.localhop`) and of this process (``direct`` = the orchestrator's gRPC
+streams are :class:`orchestrator.peers.DirectStreamCall` or grpcio's threaded ones; ``colocate=1``
+with ``--model``: the target in this process, as ``--target in-process``). Without ``--variant``
 one variant runs with the defaults.
+
+``--model T.gguf --drafter D.gguf`` (CUDA): real engines instead of instant ones (the target
+service's batched engine with the drafter's feature layers, the drafter's batched engine), the
+same split; ``--budget N`` asks for trees of N nodes instead of chains.
 
 ``--trace`` splits each exchange (ms, means over the run; one variant and one case per run
 make it readable): ``up`` = the orchestrator starts the exchange -> the servicer has the decoded
@@ -255,6 +261,18 @@ def trace_split(sent: list[tuple[float, float]], path: str) -> tuple[float, floa
 
 
 # ---------------------------------------------------------------------------------- the children
+def real_target(settings: dict[str, str]):
+    """The target service's servicer over the real engine of ``settings["model"]`` on CUDA, with
+    the drafter's feature layers (as ``python -m target_service --device cuda`` builds it)."""
+    from client.launcher import drafter_feature_layers
+    from target_service.__main__ import build_servicer
+    from target_service.config import TargetConfig
+
+    layers = drafter_feature_layers(settings["drafter"]) or []
+    return build_servicer(TargetConfig(model=settings["model"], device=settings.get("device", "cuda"),
+                                       feature_layers=tuple(layers), max_sessions=64))
+
+
 def serve(kind: str, settings: dict[str, str]) -> None:
     """Child process: serve ``kind`` (target or draft) over an instant engine, as its main does;
     print the port; run until stdin closes."""
@@ -269,7 +287,29 @@ def serve(kind: str, settings: dict[str, str]) -> None:
     if "switch" in settings:   # the services' mains leave the default (5 ms)
         sys.setswitchinterval(float(settings["switch"]))
     extra = {"inline": settings["inline"] == "1"} if "inline" in settings else {}
-    if kind == "target":
+    if kind == "target" and settings.get("model"):
+        servicer = real_target(settings)
+        loop, engine = servicer.loop, servicer.loop.engine
+        if settings.get("trace"):
+            servicer.Verify = traced(servicer.Verify, settings["trace"])
+
+        def add(s):
+            target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s)
+            return ["dflash_grpc.v1.TargetService"]
+    elif kind == "draft" and settings.get("model"):
+        from draft_service.servicer import SERVICE_NAME, DraftServiceServicer
+
+        servicer = DraftServiceServicer.from_paths(settings["drafter"], settings["model"], device=settings.get("device", "cuda"),
+                                                    max_sessions=64)
+        loop, engine = servicer.loop, servicer.engine
+        loop.inline = extra.get("inline", True)
+        if settings.get("trace"):
+            servicer.Propose = traced(servicer.Propose, settings["trace"])
+
+        def add(s):
+            draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s)
+            return [SERVICE_NAME]
+    elif kind == "target":
         from target_service.servicer import FEATURES, TargetServicer
 
         engine = InstantTargetEngine(accept=int(settings.get("accept", 2)), compute_s=float(settings.get("compute", 0)))
@@ -299,10 +339,16 @@ def serve(kind: str, settings: dict[str, str]) -> None:
             draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s)
             return [SERVICE_NAME]
 
-    server, _, port = serving.make_server(add, "127.0.0.1:0", max_workers=worker_threads(None, engine.max_sessions))
+    server, _, port = serving.make_server(add, "127.0.0.1:0", max_workers=worker_threads(None, engine.max_sessions),
+                                          local_hop=settings.get("hop") == "1")
+    if kind == "target":
+        servicer.info.local_endpoint = serving.local_endpoint(server)
+    else:
+        servicer.local_endpoint = serving.local_endpoint(server)
     print(port, flush=True)
     sys.stdin.read()  # until the parent closes our stdin
     server.stop(None)
+    serving.stop_local_hop(server)
     loop.stop()
     if settings.get("profile"):
         dump_profiles(settings["profile"])
@@ -311,7 +357,8 @@ def serve(kind: str, settings: dict[str, str]) -> None:
 def spawn(kind: str, settings: dict[str, str]) -> tuple[subprocess.Popen, str]:
     """Start a child serving ``kind``; returns it and its address."""
     arg = ",".join(f"{k}={v}" for k, v in settings.items())
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.path.join(os.getcwd(), "proto")]))
+    path = [os.getcwd(), os.path.join(os.getcwd(), "proto")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     p = subprocess.Popen([sys.executable, __file__, "--serve", kind, "--settings", arg], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, env=env, text=True)
     line = p.stdout.readline()
@@ -353,7 +400,10 @@ class Recorder:
             return exchange
 
         metrics.observe_tick = observe_tick
-        for cls in (getattr(peers, "StreamCall", None), getattr(peers, "DirectStreamCall", None)):
+        from orchestrator import local_target
+
+        for cls in (getattr(peers, "StreamCall", None), getattr(peers, "DirectStreamCall", None),
+                    getattr(peers, "LocalHopCall", None), getattr(local_target, "LocalVerifyStream", None)):
             if cls is not None:
                 cls.exchange = recorded(cls.exchange)
 
@@ -362,13 +412,15 @@ class Recorder:
         self.compute = {"draft": [], "verify": []}
 
 
-def run_once(sched, rec: Recorder, streams: int, tokens: int, speculative: bool, depth: int) -> dict[str, float]:
+def run_once(sched, rec: Recorder, streams: int, tokens: int, speculative: bool, depth: int,
+             budget: int = 0) -> dict[str, float]:
     """``streams`` requests of ``tokens`` tokens at once; the means per tick (ms)."""
     from dflash_grpc.v1 import common_pb2, draft_pb2
     from orchestrator.scheduler import Failure, Request
 
     reqs = [Request(session_id=f"hop-{uuid.uuid4().hex[:12]}", prompt=list(range(100, 132)),
-                    sampling=common_pb2.SamplingParams(), max_tokens=tokens, tree=draft_pb2.TreeParams(max_depth=depth),
+                    sampling=common_pb2.SamplingParams(), max_tokens=tokens,
+                    tree=draft_pb2.TreeParams(max_depth=0 if budget else depth, budget=budget, top_k=4 if budget else 0),
                     speculative=speculative) for _ in range(streams)]
     rec.reset()
     rec.on = True
@@ -389,8 +441,9 @@ def run_once(sched, rec: Recorder, streams: int, tokens: int, speculative: bool,
     d = sum(t[0] for t in ticks) / n
     v = sum(t[1] for t in ticks) / n
     o = sum(t[2] for t in ticks) / n
-    dc = sum(rec.compute["draft"]) / n
-    vc = sum(rec.compute["verify"]) / n
+    # (exchanges per tick: a tick makes at most one of each; ticks without a Propose count 0)
+    dc = sum(rec.compute["draft"][2:]) / n
+    vc = sum(rec.compute["verify"][2:]) / n
     return {"tick": (d + v + o) * 1e3, "draft": d * 1e3, "dc": dc * 1e3, "verify": v * 1e3, "vc": vc * 1e3,
             "orch": o * 1e3, "hop": (d - dc + v - vc) * 1e3, "tok/s": streams * tokens / wall,
             "ticks": float(len(rec.ticks)), "fallbacks": float(sched.fallbacks)}
@@ -411,8 +464,13 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true",
                     help="split each exchange into up / servicer / down (ms; one variant, one case at a time)")
     ap.add_argument("--profile", metavar="DIR", help="cProfile every thread of the three processes into DIR/*.prof")
+    ap.add_argument("--model", help="real engines on CUDA instead of instant ones: this target GGUF ...")
+    ap.add_argument("--drafter", help="... and this drafter GGUF (both required together)")
+    ap.add_argument("--device", default="cuda", help="with --model: cuda, or cpu for a smoke run")
+    ap.add_argument("--budget", type=int, default=0, help="draft tree nodes (0: a chain of --depth nodes)")
     ap.add_argument("--variant", action="append", default=[],
-                    help="NAME:key=value,... settings (inline=0|1, switch=SECONDS, direct=0|1); repeatable")
+                    help="NAME:key=value,... settings (inline=0|1, switch=SECONDS, direct=0|1, hop=0|1, "
+                         "colocate=1 with --model); repeatable")
     args = ap.parse_args()
     if args.serve:
         serve(args.serve, dict(kv.split("=", 1) for kv in args.settings.split(",") if kv))
@@ -431,6 +489,9 @@ def main() -> None:
         settings = dict(kv.split("=", 1) for kv in kvs.split(",") if kv)
         settings["accept"] = str(args.accept)
         settings["compute"] = str(args.compute_us / 1e6)
+        settings.setdefault("hop", "1")
+        if args.model:
+            settings["model"], settings["drafter"], settings["device"] = args.model, args.drafter, args.device
         variants.append((name, settings))
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
@@ -442,24 +503,37 @@ def main() -> None:
         for name, settings in variants:
             prof = os.path.abspath(os.path.join(args.profile, "{}-" + name + ".prof")) if args.profile else ""
             traces = {k: f"/tmp/hop-trace-{os.getpid()}-{name}-{k}.txt" if args.trace else "" for k in ("target", "draft")}
-            tp, taddr = spawn("target", dict(settings, profile=prof.format("target"), trace=traces["target"]))
+            if settings.get("colocate") == "1":   # the target in this process (--target in-process)
+                from orchestrator.local_target import LocalTargetPeer
+
+                target = LocalTargetPeer(real_target(settings))
+            else:
+                tp, taddr = spawn("target", dict(settings, profile=prof.format("target"), trace=traces["target"]))
+                children.append(tp)
+                target = TargetPeer(taddr)
             dp, daddr = spawn("draft", dict(settings, profile=prof.format("draft"), trace=traces["draft"]))
-            children += [tp, dp]
-            target, draft = TargetPeer(taddr), DraftPeer(daddr)
+            children.append(dp)
+            draft = DraftPeer(daddr)
             if "direct" in settings:   # this process's side: DirectStreamCall or grpcio's threaded streams
                 target.direct_streams = draft.direct_streams = settings["direct"] == "1"
-            target.wait_info(30)
+            target.local_hop = draft.local_hop = settings.get("hop", "1") == "1"
+            target.wait_info(300)
+            deadline = time.monotonic() + 300
+            while draft.state() is None and time.monotonic() < deadline:   # a real drafter loads and captures
+                time.sleep(0.2)
             scheds[name] = Scheduler(target, draft, max_sessions=64, step_nodes=4096, draft_deadline_factor=0)
         cases = [(v, m, s) for s in args.streams for m in args.modes for v, _ in variants]
         results: dict[tuple, list[dict]] = {c: [] for c in cases}
         for c in cases:   # warm-up round, not counted
-            run_once(scheds[c[0]], rec, c[2], min(args.tokens, 50), c[1] == "spec", args.depth)
+            run_once(scheds[c[0]], rec, c[2], min(args.tokens, 50), c[1] == "spec", args.depth, args.budget)
         for rnd in range(args.rounds):
             order = cases if rnd % 2 == 0 else cases[::-1]
             for c in order:
-                results[c].append(run_once(scheds[c[0]], rec, c[2], args.tokens, c[1] == "spec", args.depth))
+                results[c].append(run_once(scheds[c[0]], rec, c[2], args.tokens, c[1] == "spec", args.depth, args.budget))
             print(f"round {rnd + 1}/{args.rounds} done", file=sys.stderr, flush=True)
         engines = f"engine steps spin {args.compute_us:g} us" if args.compute_us else "instant engines"
+        if args.model:
+            engines = f"real engines on CUDA ({os.path.basename(args.model)}, {os.path.basename(args.drafter)})"
         print(f"# hop_overhead: CPU ({os.cpu_count()} cores), {engines}, {args.tokens} tokens per stream, "
               f"{args.rounds} rounds; ms per tick, mean of a round: best / median over rounds")
         keys = ["tick", "draft", "dc", "verify", "vc", "orch", "hop"]

@@ -36,6 +36,7 @@ service's ``drain`` decides), then those left end UNAVAILABLE and the server sto
 from __future__ import annotations
 
 import argparse
+import atexit
 import hmac
 import json
 import logging
@@ -57,7 +58,8 @@ from dflash_grpc.transport import GRPC_OPTIONS, MAX_MESSAGE_BYTES, TlsConfig, Tl
 __all__ = [
     "AUTH_METADATA_KEY", "AUTH_TOKEN_ENV", "GRPC_OPTIONS", "MIN_TOKEN_CHARS", "TlsConfig", "TlsError",
     "add_client_metadata", "add_security_flags", "add_tls_flags", "auth_token_from_args", "bearer", "channel",
-    "check_token", "client_metadata", "client_tls", "graceful_stop", "set_client_metadata", "is_loopback", "make_server",
+    "check_token", "client_metadata", "client_tls", "graceful_stop", "set_client_metadata", "is_loopback", "local_endpoint",
+    "make_server", "stop_local_hop",
     "peer_tls_from_args", "read_token_file", "serve_forever", "server_tls_from_args", "set_client_tls", "setup_logging",
     "start_draining", "streams_in_flight", "wait_healthy",
 ]
@@ -385,6 +387,7 @@ def make_server(
     max_receive_bytes: int | None = None,
     auth_token: str | None = None,
     reflection: bool = False,
+    local_hop: bool = False,
 ) -> tuple[grpc.Server, health.HealthServicer, int]:
     """Create, bind and start a gRPC server with health checking (and reflection if asked).
 
@@ -417,6 +420,9 @@ def make_server(
             public service).
         reflection: also serve gRPC server reflection (``grpc.reflection.v1alpha``), which lists
             the services and their messages. Off by default.
+        local_hop: also serve the streaming methods on a same-host Unix socket through the same
+            interceptors (:class:`dflash_grpc.localhop.HopServer`; its endpoint:
+            :func:`local_endpoint`). :func:`graceful_stop` ends it with the server.
 
     Returns:
         ``(server, health_servicer, bound_port)``; every service is marked SERVING.
@@ -436,11 +442,12 @@ def make_server(
         options = [(k, v) for k, v in GRPC_OPTIONS if k != "grpc.max_receive_message_length"]
         options.append(("grpc.max_receive_message_length", limit))
     gate = _DrainGate()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=pool), options=options,
-                         interceptors=[*interceptors, gate, _StreamLimit(max_workers), _MalformedRequestIsInvalidArgument()],
+    chain = [*interceptors, gate, _StreamLimit(max_workers), _MalformedRequestIsInvalidArgument()]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=pool), options=options, interceptors=chain,
                          maximum_concurrent_rpcs=pool)
     server._dflash_gate = gate  # read by serve_forever / graceful_stop / streams_in_flight
-    names = list(add_servicers(server))
+    recorder = _Recorder(server)
+    names = list(add_servicers(recorder))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if reflection:
@@ -449,9 +456,52 @@ def make_server(
     if port == 0:
         raise RuntimeError(f"could not bind {address}")
     server.start()
+    if local_hop:
+        from dflash_grpc.localhop import HopServer
+
+        limit = dict(options).get("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)
+        hop = HopServer(chain, recorder.handlers, max_receive_bytes=limit, max_connections=max_workers + 8)
+        hop.start()
+        server._dflash_hop = hop
+        atexit.register(hop.stop)
     for name in ["", *names]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, health_servicer, port
+
+
+class _Recorder:
+    """The server as ``add_servicers`` sees it: every call passes through, and the handlers
+    registered are kept (the same-host hop serves them)."""
+
+    def __init__(self, server: grpc.Server):
+        self._server = server
+        self.handlers: list = []
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        self.handlers.extend(handlers)
+        self._server.add_generic_rpc_handlers(handlers)
+
+    def add_registered_method_handlers(self, service_name, method_handlers) -> None:
+        self.handlers.append(grpc.method_handlers_generic_handler(service_name, method_handlers))
+        self._server.add_registered_method_handlers(service_name, method_handlers)
+
+    def __getattr__(self, name):
+        return getattr(self._server, name)
+
+
+def local_endpoint(server: grpc.Server) -> str:
+    """The same-host hop's endpoint of a server of :func:`make_server` (``local_hop=True``),
+    for ``ModelInfo.local_endpoint``; ``""`` when it has none."""
+    hop = getattr(server, "_dflash_hop", None)
+    return hop.endpoint if hop is not None else ""
+
+
+def stop_local_hop(server: grpc.Server) -> None:
+    """End the same-host hop of a server of :func:`make_server` (if any): its connections
+    close and its socket is removed (:func:`graceful_stop` does it after the drain)."""
+    hop = getattr(server, "_dflash_hop", None)
+    if hop is not None:
+        hop.stop()
 
 
 def streams_in_flight(server: grpc.Server) -> int:
@@ -484,7 +534,7 @@ def graceful_stop(server: grpc.Server, health_servicer: health.HealthServicer, *
        flight; at most ``shutdown_timeout`` s;
     3. streams still open end UNAVAILABLE / ``SHUTTING_DOWN`` at their next request message
        (handlers the drain ended get 0.5 s to send their status), and the server stops: grpc
-       cancels what is left (UNAVAILABLE, no reason).
+       cancels what is left (UNAVAILABLE, no reason), and the same-host hop's connections close.
 
     Args:
         shutdown_timeout: seconds streams in flight may take to finish (>= 0).
@@ -509,6 +559,7 @@ def graceful_stop(server: grpc.Server, health_servicer: health.HealthServicer, *
     _wait(lambda: streams_in_flight(server) == 0, time.monotonic() + 0.5)
     log.info("stopped", extra={"seconds": round(time.monotonic() - t0, 2), "streams_cut": streams_in_flight(server)})
     server.stop(grace=0.25).wait()
+    stop_local_hop(server)   # its streams still open end as grpc's do: the connection closes
 
 
 def _wait(done: Callable[[], bool], deadline: float, poll: float = 0.02) -> bool:

@@ -1,0 +1,321 @@
+"""The same-host hop: a service's streaming methods over a Unix socket, beside its gRPC port
+(docs/ARCHITECTURE.md, "The same-host hop").
+
+Why: one exchange on a gRPC stream costs grpcio's Python machinery a few thread hand-offs on
+each side; measured on an H100 host, a bare echo over a bidirectional stream takes 175-200 us
+per exchange and the same bytes over a Unix socket 40 us (``tools/gpu_run.sh hostprof``). A
+speculative step makes one or two such exchanges, each on the critical path of every token.
+
+What it is: the service's own gRPC method handlers, reached through the same interceptors as its
+gRPC port (token check, drain gate, stream limit, malformed requests as INVALID_ARGUMENT), over a
+socket in a directory only the service's user may enter. A client opens a connection per stream,
+sends a hello naming the method and carrying the call's metadata (owner, token), and then
+exchanges messages: each request is a protobuf message's bytes; each answer is one tag byte and a
+payload: ``0x00`` + the reply message, or ``0x01`` + the call's final status as JSON (code,
+details, trailing metadata), after which the connection closes. Frames are
+:mod:`multiprocessing.connection`'s (a length prefix and the bytes; ``recv_bytes`` only, nothing
+is ever unpickled). The service advertises the socket in its Info (``ModelInfo.local_endpoint``,
+``unix:PATH#NONCE``); a client on another host does not find the path and keeps gRPC, and the
+nonce in the hello's answer proves that the socket belongs to the service that gave the Info.
+
+Only stream-stream methods are served (Verify, Propose); anything else is refused UNIMPLEMENTED.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import secrets
+import shutil
+import socket
+import tempfile
+import threading
+from multiprocessing.connection import Connection
+from typing import Any, Callable, Iterator, Sequence
+
+import grpc
+
+log = logging.getLogger("dflash_grpc.localhop")
+
+#: Tag byte of an answer carrying a reply message.
+REPLY = b"\x00"
+#: Tag byte of an answer carrying the call's final status (JSON); the connection then closes.
+STATUS = b"\x01"
+#: Most bytes of a hello (the method name and the call's metadata).
+MAX_HELLO_BYTES = 64 << 10
+#: Seconds a new connection has to send its hello.
+HELLO_TIMEOUT_S = 5.0
+#: Prefix of an advertised endpoint.
+SCHEME = "unix:"
+
+
+class HopAborted(Exception):
+    """Raised by :meth:`LocalContext.abort`: the call ends with ``code`` and ``details`` (and
+    the trailing metadata set before)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple = ()):
+        super().__init__(details)
+        self.code, self.details, self.trailing = code, details, tuple(trailing)
+
+
+class LocalContext:
+    """The part of ``grpc.ServicerContext`` the project's servicers and interceptors use, for a
+    call that does not travel over gRPC (the same-host hop, the in-process target): metadata,
+    ``abort`` (raises :class:`HopAborted`), trailing metadata, callbacks run when the call
+    ends, ``is_active``, ``peer``."""
+
+    def __init__(self, metadata: Sequence[tuple[str, str]], peer: str = "local"):
+        self._metadata = tuple(metadata)
+        self._peer = peer
+        self.trailing: tuple = ()
+        self._callbacks: list[Callable[[], Any]] = []
+        self.active = True
+
+    def invocation_metadata(self):
+        return self._metadata
+
+    def peer(self) -> str:
+        return self._peer
+
+    def set_trailing_metadata(self, md) -> None:
+        self.trailing = tuple(md)
+
+    def abort(self, code: grpc.StatusCode, details: str):
+        raise HopAborted(code, details, self.trailing)
+
+    def add_callback(self, fn: Callable[[], Any]) -> bool:
+        self._callbacks.append(fn)
+        return True
+
+    def is_active(self) -> bool:
+        return self.active
+
+    def time_remaining(self):
+        return None
+
+    def end(self) -> None:
+        """The call is over: run the callbacks once."""
+        self.active = False
+        callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - one callback's failure must not skip the others
+                log.exception("call-end callback failed")
+
+
+_Details = collections.namedtuple("_Details", ("method", "invocation_metadata"))
+
+
+def resolve(interceptors: Sequence[grpc.ServerInterceptor], handlers: Sequence[grpc.GenericRpcHandler],
+            method: str, metadata: tuple) -> grpc.RpcMethodHandler | None:
+    """The method handler a gRPC server with ``interceptors`` (outermost first) and generic
+    ``handlers`` would run for ``method`` called with ``metadata`` (None: no such method)."""
+    details = _Details(method, tuple(metadata))
+
+    def base(d):
+        for h in handlers:
+            found = h.service(d)
+            if found is not None:
+                return found
+        return None
+
+    def chain(i: int):
+        if i == len(interceptors):
+            return base
+        return lambda d: interceptors[i].intercept_service(chain(i + 1), d)
+
+    return chain(0)(details)
+
+
+def _status_frame(code: grpc.StatusCode, details: str, trailing: tuple = ()) -> bytes:
+    return STATUS + json.dumps({"code": code.value[0], "details": details,
+                                "trailing": [[str(k), v if isinstance(v, str) else v.decode("utf-8", "replace")]
+                                             for k, v in trailing]}).encode()
+
+
+def parse_status(payload: bytes) -> tuple[grpc.StatusCode, str, tuple]:
+    """``(code, details, trailing metadata)`` of a status answer's JSON payload (tag removed)."""
+    body = json.loads(payload.decode("utf-8"))
+    code = next((c for c in grpc.StatusCode if c.value[0] == body.get("code")), grpc.StatusCode.UNKNOWN)
+    return code, str(body.get("details", "")), tuple((str(k), str(v)) for k, v in body.get("trailing", ()))
+
+
+class HopServer:
+    """Serve the stream-stream methods of a gRPC server's handlers on a Unix socket (module
+    docstring). Made by :func:`dflash_grpc.serving.make_server` (``local_hop=True``).
+
+    Args:
+        interceptors: the gRPC server's interceptors, outermost first.
+        handlers: its generic RPC handlers (the registered services).
+        max_receive_bytes: most bytes of one request message; a larger one ends its call
+            RESOURCE_EXHAUSTED (the length prefix is checked before the bytes are read).
+        max_connections: most connections at a time; one more is answered RESOURCE_EXHAUSTED.
+
+    Attributes:
+        endpoint: ``unix:PATH#NONCE`` (empty until :meth:`start`).
+    """
+
+    def __init__(self, interceptors: Sequence[grpc.ServerInterceptor], handlers: Sequence[grpc.GenericRpcHandler],
+                 *, max_receive_bytes: int, max_connections: int = 64):
+        self.interceptors = list(interceptors)
+        self.handlers = list(handlers)
+        self.max_receive_bytes = int(max_receive_bytes)
+        self.max_connections = int(max_connections)
+        self.endpoint = ""
+        self._dir: str | None = None
+        self._sock: socket.socket | None = None
+        self._nonce = secrets.token_hex(8)
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._stopped = threading.Event()
+
+    def start(self) -> str:
+        """Create the socket (in a new directory of mode 0700) and start accepting; returns
+        :attr:`endpoint`."""
+        self._dir = tempfile.mkdtemp(prefix="dflash-hop-")
+        os.chmod(self._dir, 0o700)
+        path = os.path.join(self._dir, "hop.sock")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(path)
+        sock.listen(64)
+        self._sock = sock
+        self.endpoint = f"{SCHEME}{path}#{self._nonce}"
+        threading.Thread(target=self._accept, name="hop-accept", daemon=True).start()
+        return self.endpoint
+
+    def stop(self) -> None:
+        """Stop accepting, end every connection (their calls see the stream end) and remove the
+        socket's directory. Idempotent."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._sock.close()
+        with self._lock:
+            conns = list(self._conns)
+        for s in conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    @property
+    def connections(self) -> int:
+        """Connections open now."""
+        with self._lock:
+            return len(self._conns)
+
+    def _accept(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                s, _ = self._sock.accept()
+            except OSError:
+                return   # closed by stop()
+            with self._lock:
+                full = len(self._conns) >= self.max_connections
+                if not full:
+                    self._conns.add(s)
+            if full:
+                conn = Connection(s.detach())
+                try:
+                    conn.send_bytes(_status_frame(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                  f"all {self.max_connections} local connections are busy; retry later",
+                                                  (("dflash-reason", "STREAMS_BUSY"),)))
+                except OSError:
+                    pass
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(s,), name="hop-conn", daemon=True).start()
+
+    def _serve(self, s: socket.socket) -> None:
+        # the socket object stays open for stop()'s shutdown; the connection reads a dup of it
+        conn = Connection(os.dup(s.fileno()))
+        try:
+            self._serve_conn(conn)
+        except (OSError, EOFError):
+            pass   # the client went away, or stop() ended the connection
+        except Exception:  # noqa: BLE001 - one connection's failure must not end the others
+            log.exception("local hop connection failed")
+        finally:
+            conn.close()
+            with self._lock:
+                self._conns.discard(s)
+            s.close()
+
+    def _serve_conn(self, conn: Connection) -> None:
+        if not conn.poll(HELLO_TIMEOUT_S):
+            return
+        try:
+            hello = json.loads(conn.recv_bytes(MAX_HELLO_BYTES).decode("utf-8"))
+            method = str(hello["method"])
+            metadata = tuple((str(k), str(v)) for k, v in hello.get("metadata", ()))
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            conn.send_bytes(_status_frame(grpc.StatusCode.INVALID_ARGUMENT, f"malformed hello: {e}"))
+            return
+        handler = resolve(self.interceptors, self.handlers, method, metadata)
+        if handler is None or not (handler.request_streaming and handler.response_streaming):
+            conn.send_bytes(_status_frame(grpc.StatusCode.UNIMPLEMENTED, f"{method}: not served on the local hop"))
+            return
+        conn.send_bytes(REPLY + json.dumps({"nonce": self._nonce}).encode())
+        parse = handler.request_deserializer
+        serialize = handler.response_serializer
+        ctx = LocalContext(metadata, peer="unix:local-hop")
+        limit = self.max_receive_bytes
+        too_big: list[bool] = []
+
+        def requests() -> Iterator:
+            while True:
+                try:
+                    raw = conn.recv_bytes(limit)
+                except EOFError:
+                    return   # the client closed its side: the request stream ends
+                except OSError as e:
+                    if "bad message length" in str(e):
+                        too_big.append(True)
+                        ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"request message larger than {limit} bytes")
+                    return
+                yield parse(raw) if parse is not None else raw
+
+        status = (grpc.StatusCode.OK, "", ())
+        try:
+            for reply in handler.stream_stream(requests(), ctx):
+                data = serialize(reply) if serialize is not None else reply
+                conn.send_bytes(REPLY + data)
+        except HopAborted as e:
+            status = (e.code, e.details, e.trailing)
+        except (OSError, EOFError):
+            status = None   # the client is gone: nothing to send
+        except Exception as e:  # noqa: BLE001 - the handler failed: INTERNAL, as grpc answers
+            log.exception("local hop handler failed", extra={"method": method})
+            status = (grpc.StatusCode.UNKNOWN, f"Exception iterating responses: {e}", ())
+        finally:
+            ctx.end()
+        if status is not None:
+            try:
+                conn.send_bytes(_status_frame(*status))
+            except OSError:
+                pass
+
+
+def endpoint_path(endpoint: str) -> tuple[str, str] | None:
+    """``(path, nonce)`` of an advertised endpoint (``unix:PATH#NONCE``), or None when it is
+    empty, of another form, or its path does not exist here (another host)."""
+    if not endpoint.startswith(SCHEME):
+        return None
+    path, _, nonce = endpoint[len(SCHEME):].partition("#")
+    if not path or not nonce or not os.path.exists(path):
+        return None
+    return path, nonce
+
+
+__all__ = ["HopAborted", "HopServer", "LocalContext", "REPLY", "STATUS", "endpoint_path", "parse_status", "resolve"]

@@ -1,0 +1,221 @@
+"""The same-host hop (dflash_grpc.localhop; orchestrator.peers.LocalHopCall / open_local): the
+same answers as gRPC, through the same checks (token, drain, stream limit, malformed and
+oversized requests), a precise timeout, and an end that every connection sees."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import grpc
+import pytest
+
+from dflash_grpc import serving
+from dflash_grpc.localhop import endpoint_path
+from dflash_grpc.v1 import draft_pb2, draft_pb2_grpc
+from orchestrator.peers import ExchangeTimeout, LocalHopCall, StreamError, open_local, open_stream
+
+METHOD = "/dflash_grpc.v1.DraftService/Propose"
+TOKEN = "a-test-token-of-enough-characters-0123456789"
+
+
+class Echo(draft_pb2_grpc.DraftServiceServicer):
+    """Answers each item with the tree [root, committed_length]; session "slow" sleeps first,
+    "abort" ends the call FAILED_PRECONDITION with a reason; records each stream's end."""
+
+    def __init__(self):
+        self.ended = threading.Event()
+
+    def Propose(self, requests, context):
+        context.add_callback(self.ended.set)
+        for req in requests:
+            reply = draft_pb2.ProposeResponse(compute_s=0.001)
+            for it in req.items:
+                if it.session_id == "slow":
+                    time.sleep(0.5)
+                if it.session_id == "abort":
+                    serving.abort(context, grpc.StatusCode.FAILED_PRECONDITION, "no such thing", "SOME_REASON")
+                r = reply.results.add(session_id=it.session_id)
+                r.tree.tokens.extend([it.root_token, it.committed_length])
+                r.tree.parents.extend([-1, 0])
+            yield reply
+
+
+def _serve(**kw):
+    echo = Echo()
+
+    def add(server):
+        draft_pb2_grpc.add_DraftServiceServicer_to_server(echo, server)
+        return ["dflash_grpc.v1.DraftService"]
+
+    server, health, port = serving.make_server(add, "127.0.0.1:0", local_hop=True, **kw)
+    return echo, server, health, port
+
+
+@pytest.fixture
+def hop():
+    echo, server, health, port = _serve(max_workers=4)
+    yield echo, server, health, port
+    server.stop(None)
+    serving.stop_local_hop(server)
+
+
+def _request(sid: str = "s", root: int = 5, length: int = 9, pad: int = 0) -> draft_pb2.ProposeRequest:
+    req = draft_pb2.ProposeRequest()
+    it = req.items.add(session_id=sid, root_token=root, committed_length=length)
+    if pad:
+        it.features.data = b"\0" * pad
+    return req
+
+
+def _open(server, metadata=()):
+    return open_local(serving.local_endpoint(server), METHOD, draft_pb2.ProposeResponse.FromString, metadata)
+
+
+def test_same_answers_as_grpc(hop):
+    _, server, _, port = hop
+    endpoint = serving.local_endpoint(server)
+    assert endpoint.startswith("unix:") and endpoint_path(endpoint) is not None
+    call = _open(server)
+    assert isinstance(call, LocalHopCall)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = draft_pb2_grpc.DraftServiceStub(channel)
+    over_grpc = open_stream(channel, METHOD, stub.Propose, draft_pb2.ProposeResponse.FromString)
+    for i in range(5):
+        req = _request(f"s{i}", root=i, length=10 + i, pad=100 * i)
+        assert call.exchange(req, timeout=5.0) == over_grpc.exchange(req, timeout=5.0)
+    call.close()
+    over_grpc.close()
+    channel.close()
+
+
+def test_item_abort_becomes_the_status_with_its_reason(hop):
+    _, server, _, _ = hop
+    call = _open(server)
+    with pytest.raises(StreamError) as e:
+        call.exchange(_request("abort"), timeout=5.0)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert ("dflash-reason", "SOME_REASON") in e.value.trailing_metadata()
+    assert call.broken
+    with pytest.raises(StreamError):   # every later exchange raises the same
+        call.exchange(_request(), timeout=5.0)
+
+
+def test_timeout_closes_the_stream_and_the_service_sees_its_end(hop):
+    echo, server, _, _ = hop
+    call = _open(server)
+    t0 = time.perf_counter()
+    with pytest.raises(ExchangeTimeout):
+        call.exchange(_request("slow"), timeout=0.05)
+    assert time.perf_counter() - t0 < 0.4   # within ms of the deadline, not after the reply
+    assert call.broken
+    assert echo.ended.wait(5.0)   # the servicer's call ended (its callbacks ran): no lease held
+
+
+def test_token_is_checked_as_on_grpc():
+    echo, server, _, _ = _serve(auth_token=TOKEN)
+    try:
+        # as a gRPC stream: it opens, and its first exchange is refused before the method runs
+        call = _open(server, metadata=(("authorization", "Bearer wrong-token-wrong-token-wrong-token"),))
+        with pytest.raises(StreamError) as e:
+            call.exchange(_request(), timeout=5.0)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert not echo.ended.is_set()   # the servicer never ran
+        call = _open(server, metadata=(("authorization", serving.bearer(TOKEN)),))
+        assert call.exchange(_request(), timeout=5.0).results[0].tree.tokens[:] == [5, 9]
+        call.close()
+    finally:
+        server.stop(None)
+        serving.stop_local_hop(server)
+
+
+def test_oversized_and_malformed_requests_end_their_own_stream_only():
+    _, server, _, _ = _serve(max_receive_bytes=2000)
+    try:
+        other = _open(server)
+        big = _open(server)
+        with pytest.raises(StreamError) as e:
+            big.exchange(_request(pad=5000), timeout=5.0)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        bad = _open(server)
+        bad._conn.send_bytes(b"\xff\xff\xff garbage")
+        assert bad._conn.poll(5.0)
+        with pytest.raises(StreamError) as e:
+            bad.exchange(_request(), timeout=5.0)   # the status answer of the garbage is read first
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert other.exchange(_request(), timeout=5.0).results[0].session_id == "s"
+    finally:
+        server.stop(None)
+        serving.stop_local_hop(server)
+
+
+def test_stream_limit_and_unknown_method(hop):
+    _, server, _, _ = hop   # max_workers=4: four streams at once
+    calls = [_open(server) for _ in range(4)]
+    for c in calls:
+        c.exchange(_request(), timeout=5.0)   # each stream holds its worker once it runs
+    with pytest.raises(StreamError) as e:
+        _open(server).exchange(_request(), timeout=5.0)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    calls[0].close()
+    deadline = time.monotonic() + 5
+    while True:   # the closed stream's worker comes back
+        try:
+            call = _open(server)
+            call.exchange(_request(), timeout=5.0)
+            call.close()
+            break
+        except StreamError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    with pytest.raises(StreamError) as e:
+        open_local(serving.local_endpoint(server), "/dflash_grpc.v1.DraftService/Info",
+                   draft_pb2.DrafterInfo.FromString)
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_draining_refuses_and_stop_ends_every_connection(hop):
+    _, server, health, _ = hop
+    endpoint = serving.local_endpoint(server)
+    path = endpoint_path(endpoint)[0]
+    open_call = _open(server)
+    open_call.exchange(_request(), timeout=5.0)
+    serving.start_draining(server, health)
+    with pytest.raises(StreamError) as e:
+        _open(server).exchange(_request(), timeout=5.0)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    serving.stop_local_hop(server)
+    with pytest.raises(grpc.RpcError) as e:
+        open_call.exchange(_request(), timeout=5.0)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert not os.path.exists(path)
+    assert endpoint_path(endpoint) is None   # a client now finds no hop (as on another host)
+    assert open_local(endpoint, METHOD, draft_pb2.ProposeResponse.FromString) is None
+
+
+def test_another_services_socket_is_refused(hop):
+    _, server, _, _ = hop
+    endpoint = serving.local_endpoint(server)
+    forged = endpoint.rsplit("#", 1)[0] + "#0123456789abcdef"
+    with pytest.raises(StreamError) as e:
+        open_local(forged, METHOD, draft_pb2.ProposeResponse.FromString)
+    assert "another service" in e.value.details()
+
+
+def test_connections_beyond_the_cap_are_refused_at_once():
+    from multiprocessing.connection import Client
+
+    _, server, _, _ = _serve(max_workers=1)   # at most 1 + 8 connections
+    try:
+        path = endpoint_path(serving.local_endpoint(server))[0]
+        idle = [Client(path, family="AF_UNIX") for _ in range(9)]   # connected, never a hello
+        time.sleep(0.2)
+        with pytest.raises(StreamError) as e:
+            _open(server)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for c in idle:
+            c.close()
+    finally:
+        server.stop(None)
+        serving.stop_local_hop(server)

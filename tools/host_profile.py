@@ -1,0 +1,239 @@
+"""Where a speculative step's host time goes inside the two services (GPU; issue 18's "host" parts).
+
+    python tools/host_profile.py --model TARGET.gguf [--drafter DRAFTER.gguf] [--steps 200]
+                                 [--budget 15] [--top-k 4] [--out DIR] [--top 30]
+
+Both services' plain-Python APIs run in this process, on CUDA, exactly as their gRPC handlers
+call them, with the messages the orchestrator sends (no gRPC, no second process): the target's
+:class:`target_service.servicer.TargetServicer` (``_verify``: item decoding, the step loop's inline
+batch, the batched engine and its CUDA graphs, the reply) and the draft service's
+:class:`draft_service.servicer.DraftServiceServicer` (``propose``). One session decodes a random
+64-token prompt speculatively: propose -> verify -> propose ..., the drafter's trees of
+``--budget`` nodes verified by the target, features passed along as the orchestrator passes them.
+
+Per call (milliseconds, median [min, max] over ``--steps`` calls after 10 of warm-up):
+``wall`` (the call, from request to reply message), ``compute`` (the reply's ``compute_s``: the
+step loop's batch), ``device`` (CUDA events around each replayed graph of the call) and
+``host = wall - device``. Then the same loop under ``cProfile`` (one profiler per service, enabled
+only around its calls), the top ``--top`` functions by own time of each written to
+``DIR/host-profile.txt`` (and printed). Profiled times are inflated; compare them only with each
+other.
+
+Without ``--drafter``: the drafter shipped for the target, else a random drafter of the shipped
+drafter's shape written for it (it accepts little: the trees are still full-size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path[:0] = [".", "proto"]
+
+import torch  # noqa: E402
+
+
+def _stats(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f} [{min(xs):.3f}, {max(xs):.3f}]"
+
+
+class _DeviceTimer:
+    """CUDA events around every ``run`` of the given runner classes (target and drafter graphs)."""
+
+    def __init__(self, *classes):
+        self.times: list[float] = []
+        self._saved = [(c, c.run) for c in classes]
+
+    def __enter__(self):
+        timer = self
+        for cls, orig in self._saved:
+            def run(r, _orig=orig):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                out = _orig(r)
+                e.record()
+                e.synchronize()
+                timer.times.append(s.elapsed_time(e))
+                return out
+            cls.run = run
+        return self
+
+    def __exit__(self, *exc):
+        for cls, orig in self._saved:
+            cls.run = orig
+
+    def take(self) -> float:
+        t, self.times = sum(self.times), []
+        return t
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="target GGUF")
+    ap.add_argument("--drafter", default=None, help="drafter GGUF (default: shipped for the target, else random)")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--budget", type=int, default=15, help="draft nodes per tree (0: the chain)")
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--top", type=int, default=30, help="functions listed per profile")
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--device", default="cuda", help="cuda (the point), or cpu for a smoke run (no device times)")
+    args = ap.parse_args(argv)
+
+    from client.launcher import drafter_feature_layers
+    from dflash_grpc.v1 import common_pb2, draft_pb2, target_pb2
+    from draft_service import batched as dbatched
+    from draft_service import shipped_drafter
+    from draft_service.servicer import DraftServiceServicer
+    from dflash_grpc.localhop import LocalContext as _Context
+    from runtime.fingerprint import model_fingerprint
+    from runtime.gguf_loader import open_gguf
+    from target_service import batched_engine
+    from target_service.__main__ import build_servicer, stop_servicer
+    from target_service.config import TargetConfig
+
+    g = open_gguf(args.model)
+    drafter = args.drafter or shipped_drafter(model_fingerprint(g))
+    if drafter is None:
+        from draft_service.init_random import write_random_drafter
+
+        drafter = os.path.join(tempfile.mkdtemp(prefix="host-profile-"), "random-drafter.gguf")
+        write_random_drafter(g, drafter, layers=3, block_size=16, num_target_layers=5)
+    layers = drafter_feature_layers(drafter) or []
+    target = build_servicer(TargetConfig(model=args.model, device=args.device, feature_layers=tuple(layers),
+                                         max_sessions=4))
+    draft = DraftServiceServicer.from_paths(drafter, args.model, device=args.device, max_sessions=4)
+    ctx = _Context(())
+    vocab = draft.info().model.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    sid = "profile-0"
+    prompt = torch.randint(0, min(vocab, 1000), (64,), generator=gen).tolist()
+    preq = target_pb2.PrefillRequest()
+    item = preq.items.add(session_id=sid, feature_layer_ids=layers)
+    item.prompt_tokens.extend(prompt)
+    pres = target._prefill(preq, ctx, None).results[0]
+    root, length, feats = pres.first_token, pres.committed_length, pres.features
+    block = draft.info().model.block_size
+
+    def verify_call(tokens, parents):
+        req = target_pb2.VerifyRequest()
+        tree = req.items.add(session_id=sid).tree
+        tree.tokens.extend(tokens)
+        tree.parents.extend(parents)
+        return next(target._verify(iter([req]), None))
+
+    def propose_call(features, root, length):
+        req = draft_pb2.ProposeRequest()
+        it = req.items.add(session_id=sid, root_token=root, committed_length=length)
+        it.features.CopyFrom(features)
+        t = it.tree
+        t.top_k = args.top_k
+        if args.budget:
+            t.max_depth, t.budget = block - 1, args.budget
+        else:
+            t.max_depth = block - 1
+        t.SetInParent()
+        return draft.propose(req, None)
+
+    rows = {"propose": {"wall": [], "compute": [], "device": []}, "verify": {"wall": [], "compute": [], "device": []}}
+    profs = {"propose": cProfile.Profile(), "verify": cProfile.Profile()}
+    accepted = []
+
+    def loop(n: int, timer: _DeviceTimer | None, profile: bool, record: bool):
+        nonlocal root, length, feats
+        for _ in range(n):
+            if timer:
+                timer.take()
+            t0 = time.perf_counter()
+            if profile:
+                profs["propose"].enable()
+            pr = propose_call(feats, root, length)
+            if profile:
+                profs["propose"].disable()
+            t1 = time.perf_counter()
+            dp = timer.take() if timer else 0.0
+            tree = pr.results[0].tree
+            tokens, parents = list(tree.tokens) or [root], list(tree.parents) or [-1]
+            t2 = time.perf_counter()
+            if profile:
+                profs["verify"].enable()
+            vr = verify_call(tokens, parents)
+            if profile:
+                profs["verify"].disable()
+            t3 = time.perf_counter()
+            dv = timer.take() if timer else 0.0
+            res = vr.results[0]
+            if res.status.code:
+                raise RuntimeError(f"verify refused: {res.status.message}")
+            if record:
+                for key, wall, comp, dev in (("propose", t1 - t0, pr.compute_s, dp), ("verify", t3 - t2, vr.compute_s, dv)):
+                    rows[key]["wall"].append(wall * 1e3)
+                    rows[key]["compute"].append(comp * 1e3)
+                    rows[key]["device"].append(dev)
+                accepted.append(len(res.accepted_tokens))
+            root, length, feats = res.bonus_token, res.committed_length, res.features
+            if length > 1500:   # start over before the context fills
+                target.loop.release([sid])
+                draft.release([sid])
+                pres = target._prefill(preq, ctx, None).results[0]
+                root, length, feats = pres.first_token, pres.committed_length, pres.features
+
+    loop(10, None, False, False)
+    cuda = args.device.startswith("cuda")
+    with _DeviceTimer(*((batched_engine._Runner, dbatched._Runner) if cuda else ())) as timer:
+        loop(args.steps, timer if cuda else None, False, True)
+    # host timing without the events' syncs inside the call
+    walls_plain = {"propose": [], "verify": []}
+    t_end = time.perf_counter()
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        pr = propose_call(feats, root, length)
+        t1 = time.perf_counter()
+        tree = pr.results[0].tree
+        vr = verify_call(list(tree.tokens) or [root], list(tree.parents) or [-1])
+        t2 = time.perf_counter()
+        walls_plain["propose"].append((t1 - t0) * 1e3)
+        walls_plain["verify"].append((t2 - t1) * 1e3)
+        res = vr.results[0]
+        root, length, feats = res.bonus_token, res.committed_length, res.features
+        if length > 1500:
+            target.loop.release([sid])
+            draft.release([sid])
+            pres = target._prefill(preq, ctx, None).results[0]
+            root, length, feats = pres.first_token, pres.committed_length, pres.features
+    del t_end
+    loop(args.steps, None, True, False)
+
+    lines = [f"# host_profile: {os.path.basename(args.model)}, drafter {os.path.basename(drafter)}, "
+             f"budget {args.budget} top-k {args.top_k}, {args.steps} steps, {torch.cuda.get_device_name() if cuda else 'cpu'}",
+             f"# accepted per step: mean {statistics.mean(accepted):.2f}",
+             "call     | wall ms (events on)       | wall ms (no events)       | compute ms                | device ms                 | host = wall - device"]
+    for key in ("propose", "verify"):
+        r = rows[key]
+        host = [w - d for w, d in zip(r["wall"], r["device"])]
+        lines.append(f"{key:8} | {_stats(r['wall']):25} | {_stats(walls_plain[key]):25} | {_stats(r['compute']):25} | "
+                     f"{_stats(r['device']):25} | {_stats(host)}")
+    for key, prof in profs.items():
+        s = io.StringIO()
+        st = pstats.Stats(prof, stream=s)
+        st.sort_stats("tottime").print_stats(args.top)
+        st.sort_stats("cumulative").print_stats(args.top)
+        lines.append(f"\n## cProfile, {key} calls ({args.steps})\n" + s.getvalue())
+    text = "\n".join(lines)
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "host-profile.txt"), "w") as f:
+        f.write(text + "\n")
+    draft.close()
+    stop_servicer(target)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
