@@ -115,6 +115,9 @@ def test_zlab_directory_loads_and_serves(tiny_llama, tmp_path):
         assert list(info.target_layer_ids) == [1, 1] and info.model.model_name == "zlab" and len(info.model.model_fingerprint) == 64
     finally:
         servicer.close()
+    from client.launcher import drafter_feature_layers
+
+    assert drafter_feature_layers(_zlab_dir(tmp_path / "ids", tiny_llama, ids=[0, 2])) == [0, 2]
     # directory -> GGUF with --target gives the same drafter (bf16 matrices kept)
     g = tmp_path / "d.gguf"
     assert main([d, str(g), "--target", tiny_llama.path]) == 0
@@ -130,9 +133,13 @@ def test_zlab_directory_loads_and_serves(tiny_llama, tmp_path):
     ("mask_token_id", dict(mask=300)),
 ])
 def test_directory_that_does_not_fit_is_refused_naming_the_field(field, kw, tiny_llama, tmp_path, capsys):
+    from draft_service.servicer import DraftServiceServicer
+
     d = _zlab_dir(tmp_path / "bad", tiny_llama, **kw)
     with pytest.raises(DrafterError, match=field):
         load_drafter(d, tiny_llama.path)
+    with pytest.raises(DrafterError, match=field):   # the draft service does not start
+        DraftServiceServicer.from_paths(d, tiny_llama.path, max_sessions=1, max_context=16)
     assert main([d, str(tmp_path / "out.gguf"), "--target", tiny_llama.path]) == 2
     assert field in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "out.gguf")
