@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import logging
 import os
 from typing import Any
 
@@ -20,8 +19,6 @@ from gguf import GGMLQuantizationType
 
 from draft_service.drafter import DrafterConfig, DrafterError
 from runtime.gguf_loader import GGUFFile, vocab_size
-
-logger = logging.getLogger(__name__)
 
 LAYER_TENSORS = (
     "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",

@@ -31,17 +31,14 @@ A directory carries no target fingerprint unless this converter wrote it. ``--ta
 (and ``num_target_layers``, ``max_position_embeddings``) from the target GGUF and checks that the
 drafter fits it (:func:`check_fits`); without it the converter says what is left unknown. The
 draft service loads a directory directly (:func:`draft_service.gguf_io.load_drafter` calls
-:func:`read_checkpoint`, in memory, no temporary file).
+:func:`draft_service.checkpoint.read_directory`, in memory, no temporary file).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
-
-import torch
 
 from draft_service.checkpoint import (  # noqa: F401 - the directory format's API, re-exported
     CONFIG_NAME, DEFAULT_MAX_POSITIONS, EXTRA_KEY, INDEX_NAME, WEIGHTS_NAME, Checkpoint, check_fits, config_from_json,
@@ -51,8 +48,6 @@ from draft_service.checkpoint import (  # noqa: F401 - the directory format's AP
 from draft_service.drafter import DrafterError
 from draft_service.gguf_io import ARCH, config_metadata, read_drafter_config, tensor_shapes
 from runtime.gguf_loader import GGUFFile, open_gguf, write_gguf
-
-logger = logging.getLogger(__name__)
 
 
 def read_gguf(path: str | os.PathLike[str]) -> Checkpoint:
