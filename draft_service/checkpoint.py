@@ -186,8 +186,9 @@ def config_from_json(cfg: dict[str, Any], where: str = CONFIG_NAME) -> tuple[Dra
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise DrafterError(f"{where}: rope_scaling {rope!r} is not supported (plain RoPE only)")
     layer_types = cfg.get("layer_types") or []
-    if any(t != "full_attention" for t in layer_types):
-        raise DrafterError(f"{where}: layer_types {layer_types!r}: sliding-window drafter layers are not supported yet")
+    if any(t != "full_attention" for t in layer_types) or (not layer_types and cfg.get("use_sliding_window")):
+        raise DrafterError(f"{where}: layer_types {layer_types!r} / use_sliding_window {cfg.get('use_sliding_window')!r}: "
+                           "sliding-window drafter layers are not supported yet")
     theta = cfg.get("rope_theta", rope.get("rope_theta"))
     if theta is None:
         raise DrafterError(f"{where}: missing field 'rope_theta'")

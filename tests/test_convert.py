@@ -151,7 +151,8 @@ def test_unsupported_or_broken_directories_are_refused(tiny_llama, tmp_path):
     cfg = json.loads(open(cfg_path).read())
     for key, value, match in [("attention_bias", True, "attention_bias"), ("architectures", ["Qwen3ForCausalLM"], "DFlashDraftModel"),
                               ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope_scaling"),
-                              ("layer_types", ["full_attention", "sliding_attention"], "sliding")]:
+                              ("layer_types", ["full_attention", "sliding_attention"], "sliding"),
+                              ("use_sliding_window", True, "sliding")]:
         open(cfg_path, "w").write(json.dumps(cfg | {key: value}))
         with pytest.raises(DrafterError, match=match):
             read_checkpoint(d)
