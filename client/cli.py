@@ -111,7 +111,7 @@ def _build_parser() -> argparse.ArgumentParser:
     models = argparse.ArgumentParser(add_help=False)
     m = models.add_argument_group("services")
     m.add_argument("--model", default=None, help="target GGUF (default: runtime.defaults.default_model_path())")
-    m.add_argument("--drafter", default=None, help="drafter GGUF (default: draft_service.default_drafter_path(model))")
+    m.add_argument("--drafter", default=None, help="drafter GGUF or z-lab checkpoint directory (default: draft_service.default_drafter_path(model))")
     m.add_argument("--no-draft", action="store_true", help="run without the draft service (autoregressive)")
     m.add_argument("--colocate", action="store_true",
                    help="run the target inside the orchestrator's process (no gRPC between them; --target-args go to "

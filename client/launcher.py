@@ -31,6 +31,7 @@ serve``, ``demo`` and ``bench`` do this unless given ``--auth-token-file``::
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -141,7 +142,8 @@ def private_token_file(token: str | None = None) -> Iterator[str]:
 
 
 def drafter_feature_layers(path: str) -> list[int] | None:
-    """The target layers a drafter GGUF reads (``{arch}.dflash.target_layer_ids``, the key
+    """The target layers a drafter GGUF reads (``{arch}.dflash.target_layer_ids``, or a checkpoint
+    directory's ``dflash_config.target_layer_ids`` in config.json; the key
     :func:`draft_service.gguf_io.read_drafter_config` reads; read here from the metadata alone, so
     the ``dflash-grpc`` process does not import the drafter's torch modules), or None when the file
     cannot be read or holds no such key (the draft service reports the problem itself).
@@ -154,7 +156,11 @@ def drafter_feature_layers(path: str) -> list[int] | None:
     from runtime.gguf_loader import open_gguf
 
     try:
-        ids = open_gguf(path).get("{arch}.dflash.target_layer_ids")
+        if os.path.isdir(path):   # a z-lab checkpoint directory: config.json (derived ids: the draft service's)
+            with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+                ids = (json.load(f).get("dflash_config") or {}).get("target_layer_ids")
+        else:
+            ids = open_gguf(path).get("{arch}.dflash.target_layer_ids")
     except Exception:  # noqa: BLE001 - not readable: the draft service will say why
         return None
     if ids is None:

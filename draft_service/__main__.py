@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from dflash_grpc.v1 import draft_pb2_grpc
     from draft_service import default_drafter_path
+    from draft_service.drafter import DrafterError
     from draft_service.servicer import SERVICE_NAME, DraftServiceServicer
     from runtime.defaults import default_model_path
 
@@ -67,22 +68,26 @@ def main(argv: list[str] | None = None) -> int:
     drafter = cfg.drafter or default_drafter_path(target)
     t0 = time.monotonic()
     cfg = cfg.resolved()
-    servicer = DraftServiceServicer.from_paths(
-        drafter,
-        target,
-        device=cfg.device,
-        dtype=_DTYPES[cfg.dtype],
-        max_sessions=cfg.max_sessions,
-        max_context=cfg.max_context,
-        engine=cfg.engine,
-        cuda_graphs=cfg.cuda_graphs,
-        fused_step=cfg.fused_step,
-        memory_budget=cfg.gpu_memory_bytes,
-        batch_buckets=cfg.batch_buckets,
-        max_top_k=cfg.max_top_k,
-        prefill_chunk=cfg.prefill_chunk,
-        progress=log.isEnabledFor(logging.INFO) or sys.stderr.isatty(),
-    )
+    try:
+        servicer = DraftServiceServicer.from_paths(
+            drafter,
+            target,
+            device=cfg.device,
+            dtype=_DTYPES[cfg.dtype],
+            max_sessions=cfg.max_sessions,
+            max_context=cfg.max_context,
+            engine=cfg.engine,
+            cuda_graphs=cfg.cuda_graphs,
+            fused_step=cfg.fused_step,
+            memory_budget=cfg.gpu_memory_bytes,
+            batch_buckets=cfg.batch_buckets,
+            max_top_k=cfg.max_top_k,
+            prefill_chunk=cfg.prefill_chunk,
+            progress=log.isEnabledFor(logging.INFO) or sys.stderr.isatty(),
+        )
+    except DrafterError as e:   # malformed, or does not fit the target: the message names the field
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     log.info("drafter ready", extra={"engine": type(servicer.engine).__name__, "graph_captures": servicer.engine.captures,
                                      "max_sessions": servicer.max_sessions, "seconds": round(time.monotonic() - t0, 2)})
     servicer.loop.idle_timeout = cfg.session_idle_timeout  # read by the loop thread at each look

@@ -34,7 +34,7 @@ class DraftConfig:
     #: accepted ``engine`` values
     ENGINES: ClassVar[tuple[str, ...]] = ("auto", "batched", "reference")
 
-    drafter: str | None = setting(None, "drafter GGUF (default: the default drafter of the target)")
+    drafter: str | None = setting(None, "drafter GGUF or z-lab checkpoint directory (default: the default drafter of the target)")
     target: str | None = setting(None, "target GGUF the drafter was built for (default: the default model)")
     host: str = setting(DEFAULT_HOST, "interface to listen on")
     port: int = setting(DRAFT_PORT, "port to listen on (0 picks a free one)")

@@ -33,6 +33,7 @@ Storage: matrices F16 by default (``"bf16"`` or ``"f32"`` on request); 1-D norms
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any, Mapping
@@ -40,6 +41,10 @@ from typing import Any, Mapping
 import torch
 from gguf import GGMLQuantizationType
 
+# HF_TO_GGUF (z-lab checkpoint names -> GGUF names) lives with the directory format; re-exported here
+from draft_service.checkpoint import (  # noqa: F401
+    CONFIG_NAME, EXTRA_KEY, HF_TO_GGUF, LAYER_TENSORS, check_fits, read_directory, tensor_shapes,
+)
 from draft_service.drafter import DFlashDrafter, DrafterConfig, DrafterError
 from runtime.fingerprint import model_fingerprint
 from runtime.gguf_loader import GGUFError, GGUFFile, open_gguf, write_gguf
@@ -54,30 +59,6 @@ STORAGE_TYPES = {
     "bf16": GGMLQuantizationType.BF16,
     "f32": GGMLQuantizationType.F32,
 }
-
-_LAYER_TENSORS = (
-    "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
-    "ffn_norm", "ffn_gate", "ffn_up", "ffn_down",
-)
-
-#: Hugging Face DFlash checkpoint names (z-lab ``DFlashDraftModel``) -> GGUF names, for converters.
-HF_TO_GGUF = {
-    "fc.weight": "dflash.fc.weight",
-    "hidden_norm.weight": "dflash.hidden_norm.weight",
-    "norm.weight": "output_norm.weight",
-    "layers.{i}.input_layernorm.weight": "blk.{i}.attn_norm.weight",
-    "layers.{i}.self_attn.q_proj.weight": "blk.{i}.attn_q.weight",
-    "layers.{i}.self_attn.k_proj.weight": "blk.{i}.attn_k.weight",
-    "layers.{i}.self_attn.v_proj.weight": "blk.{i}.attn_v.weight",
-    "layers.{i}.self_attn.o_proj.weight": "blk.{i}.attn_output.weight",
-    "layers.{i}.self_attn.q_norm.weight": "blk.{i}.attn_q_norm.weight",
-    "layers.{i}.self_attn.k_norm.weight": "blk.{i}.attn_k_norm.weight",
-    "layers.{i}.post_attention_layernorm.weight": "blk.{i}.ffn_norm.weight",
-    "layers.{i}.mlp.gate_proj.weight": "blk.{i}.ffn_gate.weight",
-    "layers.{i}.mlp.up_proj.weight": "blk.{i}.ffn_up.weight",
-    "layers.{i}.mlp.down_proj.weight": "blk.{i}.ffn_down.weight",
-}
-
 
 def module_to_gguf_name(name: str) -> str:
     """:class:`DFlashDrafter` parameter name -> GGUF tensor name
@@ -102,7 +83,7 @@ def expected_tensor_names(config: DrafterConfig) -> list[str]:
     """Every GGUF tensor name a drafter of ``config`` has."""
     names = ["dflash.fc.weight", "dflash.hidden_norm.weight"]
     for i in range(config.num_layers):
-        names += [f"blk.{i}.{t}.weight" for t in _LAYER_TENSORS]
+        names += [f"blk.{i}.{t}.weight" for t in LAYER_TENSORS]
     return names + ["output_norm.weight"]
 
 
@@ -164,7 +145,7 @@ def write_drafter(
     for k, v in state.items():
         gname = k if k.startswith(("blk.", "dflash.", "output_norm")) else module_to_gguf_name(k)
         tensors[gname] = v.detach().to(device="cpu", dtype=torch.float32)
-    shapes = _expected_shapes(config)
+    shapes = tensor_shapes(config)
     missing = [n for n in shapes if n not in tensors]
     extra = [n for n in tensors if n not in shapes]
     if missing or extra:
@@ -174,21 +155,6 @@ def write_drafter(
             raise DrafterError(f"{n}: shape {tuple(tensors[n].shape)}, expected {shape}")
     ordered = {n: tensors[n] for n in shapes}
     write_gguf(path, ARCH, config_metadata(config, name, trained), ordered, default_type=STORAGE_TYPES[dtype])
-
-
-def _expected_shapes(c: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    H, D, F_ = c.hidden_size, c.head_dim, c.intermediate_size
-    per_layer = {
-        "attn_norm": (H,), "attn_q": (c.num_heads * D, H), "attn_k": (c.num_kv_heads * D, H),
-        "attn_v": (c.num_kv_heads * D, H), "attn_output": (H, c.num_heads * D), "attn_q_norm": (D,),
-        "attn_k_norm": (D,), "ffn_norm": (H,), "ffn_gate": (F_, H), "ffn_up": (F_, H), "ffn_down": (H, F_),
-    }
-    shapes: dict[str, tuple[int, ...]] = {"dflash.fc.weight": (H, c.feature_size), "dflash.hidden_norm.weight": (H,)}
-    for i in range(c.num_layers):
-        for t in _LAYER_TENSORS:
-            shapes[f"blk.{i}.{t}.weight"] = per_layer[t]
-    shapes["output_norm.weight"] = (H,)
-    return shapes
 
 
 def read_drafter_config(g: GGUFFile | str | os.PathLike[str]) -> DrafterConfig:
@@ -235,13 +201,19 @@ def read_drafter(
         ``(config, state)``: ``state`` maps :class:`DFlashDrafter` parameter names to ``dtype``
         tensors on ``device`` (``model.load_state_dict(state)`` accepts it).
 
+    ``path`` may also be a z-lab checkpoint directory (:func:`draft_service.checkpoint.read_directory`,
+    read in memory).
+
     Raises:
         DrafterError: not a drafter, or a tensor is missing / of the wrong shape.
     """
+    if os.path.isdir(path):
+        ck = read_directory(path)
+        return ck.config, {gguf_to_module_name(n): t.to(device=device, dtype=dtype) for n, t in ck.tensors.items()}
     g = open_gguf(path)
     config = read_drafter_config(g)
     state = {}
-    for name, shape in _expected_shapes(config).items():
+    for name, shape in tensor_shapes(config).items():
         if not g.has_tensor(name):
             raise DrafterError(f"{path}: missing tensor {name}")
         got = g.tensor_info(name).shape
@@ -252,7 +224,10 @@ def read_drafter(
 
 
 def is_trained(path: str | os.PathLike[str]) -> bool:
-    """``dflash.trained`` of a drafter file (True when the key is absent)."""
+    """``dflash.trained`` of a drafter file or checkpoint directory (True when the key is absent)."""
+    if os.path.isdir(path):
+        with open(os.path.join(path, CONFIG_NAME), encoding="utf-8") as f:
+            return bool((json.load(f).get(EXTRA_KEY) or {}).get("trained", True))
     return bool(open_gguf(path).get("dflash.trained", True))
 
 
@@ -263,11 +238,13 @@ def load_drafter(
     dtype: torch.dtype = torch.float32,
     check_target: bool = True,
 ) -> "DFlashDrafter":
-    """Load a drafter GGUF (:func:`read_drafter`) and borrow the target's embedding and
-    LM head from the target GGUF.
+    """Load a drafter GGUF or z-lab checkpoint directory (:func:`read_drafter`), check it fits the
+    target (:func:`draft_service.checkpoint.check_fits`) and borrow the target's embedding and LM head
+    from the target GGUF. A drafter that names no target (a z-lab directory) takes the target's
+    fingerprint once it fits.
 
     Args:
-        drafter_path: the drafter ``.gguf``.
+        drafter_path: the drafter ``.gguf`` or checkpoint directory.
         target_path: the target ``.gguf`` it was built for (a path or an open
             :class:`runtime.gguf_loader.GGUFFile`, to avoid parsing it twice).
         device, dtype: where and in which float dtype the module lives.
@@ -275,19 +252,24 @@ def load_drafter(
             ``dflash.target_fingerprint`` (empty stored fingerprints are not checked).
 
     Raises:
-        DrafterError: the drafter does not belong to that target (fingerprint, hidden size or
-            vocabulary differ) or the file is malformed.
+        DrafterError: the drafter does not belong to that target (fingerprint, hidden size,
+            vocabulary, target_layer_ids or mask_token_id: the message names the field) or the
+            file is malformed.
     """
     config, state = read_drafter(drafter_path, dtype=dtype, device=device)
     target = target_path if isinstance(target_path, GGUFFile) else GGUFFile(target_path)
     target_path = target.path
+    fp = model_fingerprint(target) if check_target else ""
     if check_target and config.target_fingerprint:
-        fp = model_fingerprint(target)
         if fp != config.target_fingerprint:
             raise DrafterError(
                 f"drafter {drafter_path} was built for target {config.target_fingerprint[:16]}..., "
                 f"not for {target_path} ({fp[:16]}...)"
             )
+    if check_target:
+        check_fits(config, target)
+        if not config.target_fingerprint:
+            config.target_fingerprint, config.target_architecture = fp, target.architecture
     embed = target.load_tensor("token_embd.weight", dtype=dtype, device=device)
     head = target.load_tensor("output.weight", dtype=dtype, device=device) if target.has_tensor("output.weight") else None
     if embed.shape[1] != config.hidden_size or embed.shape[0] != config.vocab_size:

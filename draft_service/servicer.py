@@ -185,8 +185,11 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
                 engine's options (:class:`BatchedDrafter`; None: :class:`DraftConfig`'s defaults);
                 its graphs are captured here (``progress``: a tqdm bar).
 
+        ``drafter_path`` is a drafter GGUF or a z-lab checkpoint directory (loaded in memory).
+
         Raises:
-            draft_service.drafter.DrafterError: the drafter belongs to another target.
+            draft_service.drafter.DrafterError: the drafter belongs to another target or does not
+                fit it (the message names the field).
             ValueError: unknown ``engine``.
             runtime.errors.ResourceExhausted: the memory budget holds no session slot.
         """
@@ -215,11 +218,17 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         else:
             eng = ReferenceDrafterEngine(drafter, max_sessions=max_sessions,
                                          max_context=target_context if max_context is None else max_context)
-        name = open_gguf(drafter_path).get("general.name", "") or os.path.basename(drafter_path)
+        if os.path.isdir(drafter_path):   # a z-lab checkpoint directory (draft_service.convert)
+            from draft_service.convert import directory_sha256
+
+            name, fingerprint = os.path.basename(os.path.normpath(drafter_path)), directory_sha256(drafter_path)
+        else:
+            name = open_gguf(drafter_path).get("general.name", "") or os.path.basename(drafter_path)
+            fingerprint = file_sha256(drafter_path)
         return cls(
             eng,
             model_name=str(name),
-            model_fingerprint=file_sha256(drafter_path),
+            model_fingerprint=fingerprint,
             tokenizer_fingerprint=tokenizer_fingerprint(target),
         )
 

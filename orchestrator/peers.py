@@ -41,13 +41,21 @@ def status_code(value: int) -> grpc.StatusCode:
 
 def drafter_mismatch(info: draft_pb2.DrafterInfo, target: common_pb2.ModelInfo, address: str | None = None) -> str | None:
     """Why the drafter of ``info`` cannot draft for ``target`` (None: it can): it was built for
-    another target (fingerprints differ) or its vocabulary differs."""
+    another target (fingerprints differ), or a field does not fit the target (``vocab_size``,
+    ``hidden_size``, ``target_layer_ids`` beyond its layers, ``mask_token_id`` outside its
+    vocabulary; fields the target leaves 0 are not checked)."""
     if info.target_fingerprint != target.model_fingerprint:
         at = f" at {address}" if address else ""
         return (f"the drafter{at} was built for target {info.target_fingerprint[:12]}, "
                 f"not for the served target {target.model_fingerprint[:12]}")
     if info.model.vocab_size != target.vocab_size:
         return "drafter vocabulary differs from the target's"
+    if target.hidden_size and info.model.hidden_size != target.hidden_size:
+        return f"drafter hidden_size {info.model.hidden_size} differs from the target's {target.hidden_size}"
+    if target.num_layers and any(not 0 <= i < target.num_layers for i in info.target_layer_ids):
+        return f"drafter target_layer_ids {list(info.target_layer_ids)} beyond the target's {target.num_layers} layers"
+    if target.vocab_size and not 0 <= info.mask_token_id < target.vocab_size:
+        return f"drafter mask_token_id {info.mask_token_id} outside the target vocabulary [0, {target.vocab_size})"
     return None
 
 
