@@ -57,7 +57,7 @@ def svc(tiny_llama, tiny_drafter, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def oa(svc):
+def oa(svc, api):
     """A sync ``openai.OpenAI`` client of the front door (no retries: errors show at once)."""
     with openai.OpenAI(base_url=svc["base"] + "/v1", api_key=API_KEY, max_retries=0, timeout=60) as c:
         yield c
@@ -65,7 +65,13 @@ def oa(svc):
 
 @pytest.fixture(scope="module")
 def api(svc):
+    """The gRPC SDK client of the same orchestrator, once it reaches the drafter (the
+    orchestrator probes it in the background: until then requests decode plainly)."""
     with sdk.Client(svc["grpc"], timeout=60) as c:
+        deadline = time.monotonic() + 30
+        while not c.info().drafter.available:
+            assert time.monotonic() < deadline, "the orchestrator never reached the draft service"
+            time.sleep(0.1)
         yield c
 
 
