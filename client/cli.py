@@ -144,6 +144,10 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-args", default="", help="extra flags for the target service only (one string)")
     p.add_argument("--draft-args", default="", help="extra flags for the draft service only (one string)")
     p.add_argument("--orchestrator-args", default="", help="extra flags for the orchestrator only (one string)")
+    p.add_argument("--http-port", type=int, default=OrchestratorConfig.http_port,
+                   help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
+                   "/health, /metrics) on this port of --host (default 0: off; --orchestrator-args "
+                   "'--api-key-file PATH' for a bearer key)")
     p.add_argument("--no-restart", action="store_true",
                    help="stop every service when one dies (default: restart it, at most 5 times in 60 s)")
     p.add_argument("--tls-dir", default=None, metavar="DIR",
@@ -444,6 +448,7 @@ def _serve(args: argparse.Namespace, extra: list[str], model: str, drafter: str 
         orchestrator_args=shlex.split(args.orchestrator_args),
         auth_token_file=token_file,
         colocate=args.colocate,
+        http_port=args.http_port,
     )
     group = ServiceGroup(services, grace=args.grace)
     print(f"target and draft take calls carrying the token in {token_file} only (the orchestrator's)", file=sys.stderr,
@@ -457,6 +462,9 @@ def _serve(args: argparse.Namespace, extra: list[str], model: str, drafter: str 
             with _running(group):
                 group.wait_healthy(args.startup_timeout, on_ready=ready)
                 print(f"ready: dflash-grpc generate --address {services[-1].address} PROMPT  (Ctrl-C stops)", flush=True)
+                if args.http_port:
+                    scheme = "https" if args.tls_dir else "http"
+                    print(f"HTTP: {scheme}://{args.host}:{args.http_port}/v1 (OpenAI-compatible)", flush=True)
                 if args.no_restart:
                     while (dead := group.poll()) is None:
                         time.sleep(0.5)

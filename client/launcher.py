@@ -183,6 +183,7 @@ def dflash_services(
     orchestrator_args: Sequence[str] = (),
     auth_token_file: str | None = None,
     colocate: bool = False,
+    http_port: int = 0,
 ) -> list[Service]:
     """The three dflash-grpc services (target, draft, orchestrator), in start order; with
     ``colocate`` two processes (draft, then the orchestrator running the target in its own
@@ -205,6 +206,7 @@ def dflash_services(
             orchestrator sends it. None: no token (anyone who reaches their ports may call them).
         colocate: run the target inside the orchestrator's process (``target_args``, ``device``
             and ``extra`` go to it through ``--target-args``; the target port is unused).
+        http_port: the orchestrator's ``--http-port`` (its OpenAI-compatible HTTP front door; 0: off).
     """
     target_port, draft_port, orch_port = ports
     if drafter is not None and not any(a == "--feature-layers" or a.startswith("--feature-layers=") for a in target_args):
@@ -243,6 +245,8 @@ def dflash_services(
     if drafter is not None:
         orch += ["--draft", draft_addr]
     orch += ["--model", model, "--port", str(orch_port), *common, *orchestrator_args]
+    if http_port:
+        orch += ["--http-port", str(http_port)]
     services.append(Service("orchestrator", orch, f"{host}:{orch_port}", env))
     return services
 

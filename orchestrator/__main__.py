@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         return ["dflash_grpc.v1.GenerationService"]
 
     max_workers = worker_threads(cfg.max_workers, cfg.max_sessions + cfg.max_queue)
+    http = _http_server(cfg, p, servicer, tls, max_workers) if cfg.http_port else None
     # grpc refuses a larger request before decoding it (RESOURCE_EXHAUSTED)
     server, health, port = serving.make_server(add, f"{cfg.host}:{cfg.port}", max_workers=max_workers, tls=tls,
                                                max_receive_bytes=cfg.max_request_bytes, reflection=args.reflection)
@@ -133,11 +134,38 @@ def main(argv: list[str] | None = None) -> None:
     # UNAVAILABLE / SHUTTING_DOWN, release every session on both services, exit
     serving.serve_forever(server, health, "orchestrator", port, shutdown_timeout=cfg.shutdown_timeout,
                           drain=scheduler.drain)
+    if http is not None:
+        http.stop()
     if local is not None:
         from target_service.__main__ import stop_servicer
 
         local.close()
         stop_servicer(local.servicer)
+
+
+#: environment variable holding the HTTP API key when ``--api-key-file`` is not given
+API_KEY_ENV = "DFLASH_API_KEY"
+
+
+def _http_server(cfg: OrchestratorConfig, p: argparse.ArgumentParser, servicer: GenerationServicer, tls, max_streams: int):
+    """``--http-port``: the OpenAI-compatible front door (:mod:`orchestrator.http`, imported here
+    only) on ``--host``, with the gRPC side's TLS; started (listening) before the gRPC server, so
+    it serves once ``READY`` is printed. Its API key: ``--api-key-file`` (owner-only), else
+    ``$DFLASH_API_KEY``, else none. Exits through ``p.error`` when the key is refused."""
+    from orchestrator.http import HttpServer
+
+    key = None
+    try:
+        if cfg.api_key_file is not None:
+            key = serving.read_token_file(cfg.api_key_file)
+        elif os.environ.get(API_KEY_ENV):
+            key = serving.check_token(os.environ[API_KEY_ENV].strip())
+    except ValueError as e:
+        p.error(f"--api-key-file / ${API_KEY_ENV}: {e}")
+    http = HttpServer(servicer, cfg.host, cfg.http_port, tls=tls, model_name=cfg.served_model_name, api_key=key,
+                      max_streams=max_streams)
+    http.start()
+    return http
 
 
 def _local_target(cfg: OrchestratorConfig, p: argparse.ArgumentParser) -> LocalTargetPeer:

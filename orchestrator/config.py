@@ -126,6 +126,14 @@ class OrchestratorConfig:
         30.0, "on SIGTERM: admit no new request, let running and queued ones finish for this long at most, then "
         "end them UNAVAILABLE (SHUTTING_DOWN), release every session and exit", metavar="SECONDS")
     metrics_port: int = setting(0, "Prometheus metrics HTTP port (0: off)")
+    http_port: int = setting(
+        0, "OpenAI-compatible HTTP port (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics) on "
+        "--host, with the gRPC TLS flags' certificate (0: off)")
+    api_key_file: str | None = setting(
+        None, "with --http-port: file holding the API key every /v1/ call must send ('Authorization: Bearer <key>'; "
+        "a file only its owner may read, chmod 600; default: $DFLASH_API_KEY if set, else no key)", metavar="PATH")
+    served_model_name: str | None = setting(
+        None, "with --http-port: the model id of /v1/models and requests (default: the target's model name)")
     max_workers: int | None = setting(
         None, "gRPC worker threads (one per open Generate stream; default: max sessions + max queue + 16); "
         "8 more are kept for unary calls")

@@ -346,6 +346,11 @@ class Scheduler:
             self._end(req, why)
         self._wake.set()
 
+    @property
+    def admitting(self) -> bool:
+        """Whether :meth:`submit` takes new requests (False once draining or stopped)."""
+        return not (self._stop.is_set() or self._draining)
+
     def _held(self) -> int:
         """Requests holding (or opening) a target session."""
         return len(self._active) + len(self._prefilling)
