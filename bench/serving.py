@@ -60,7 +60,8 @@ def _merge(stats: list[AcceptanceStats]) -> dict[str, Any]:
     acc: list[int] = []
     drafted: list[int] = []
     tot = {"generated_tokens": 0, "target_forwards": 0, "draft_tokens": 0, "accepted_tokens": 0, "decode_time_s": 0.0, "drafts": 0,
-           "draft_time_s": 0.0, "verify_time_s": 0.0, "draft_compute_s": 0.0, "verify_compute_s": 0.0}
+           "draft_time_s": 0.0, "verify_time_s": 0.0, "draft_compute_s": 0.0, "verify_compute_s": 0.0,
+           "draft_device_s": 0.0, "verify_device_s": 0.0}
     for s in stats:
         for key in tot:
             tot[key] += getattr(s, key)
@@ -79,6 +80,9 @@ def _merge(stats: list[AcceptanceStats]) -> dict[str, Any]:
             "total": tot["decode_time_s"] * per_step,
             "draft_compute": tot["draft_compute_s"] * per_step,
             "verify_compute": tot["verify_compute_s"] * per_step,
+            # the device part of each (the services' CUDA events; 0 off CUDA)
+            "draft_device": tot["draft_device_s"] * per_step,
+            "verify_device": tot["verify_device_s"] * per_step,
             "grpc_and_queue": (tot["draft_time_s"] - tot["draft_compute_s"] + tot["verify_time_s"] - tot["verify_compute_s"]) * per_step,
             "orchestrator": (tot["decode_time_s"] - tot["draft_time_s"] - tot["verify_time_s"]) * per_step,
         },

@@ -80,6 +80,8 @@ def e2e_table(runs: dict[str, list[dict]], engine: dict | None, llama: float | N
             med = statistics.median(tps)
             st = {k: statistics.median(r["step_ms"][k] for r in rows) for k in rows[0]["step_ms"]}
             dd, vd = _device_ms(engine, cfg)
+            if st.get("verify_device"):   # measured in the services during this very run (CUDA events)
+                dd, vd = st["draft_device"], st["verify_device"]
             fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
             L.append(
                 f"| {label} | {cfg} | {statistics.median(r['tau'] for r in rows):.2f} | "
@@ -125,8 +127,10 @@ def report(d: str, command: str = "") -> str:
         L += [f"Command: `{command}`", ""]
     L += [f"llama.cpp on the same file, same run (`llama-bench -fa 1 -n 128`, tg128): "
           f"{'%.0f tok/s' % llama if llama else 'missing'}.", "",
-          "Step parts in ms per step: draft / verify device from the engine benchmark of the same file in the "
-          "same run (batch 1, CUDA events around the replayed step); host = the service's step time (its "
+          "Step parts in ms per step: draft / verify device = the services' own CUDA events around their "
+          "steps during the run (the replies' `device_s`), or, for a run without them, the engine benchmark "
+          "of the same file in the same run (batch 1, CUDA events around the replayed step); host = the "
+          "service's step time (its "
           "`compute_s`) minus that; gRPC + queue = the exchange round trips minus the services' step times; "
           "orchestrator = the rest of the tick.", ""]
     if runs:

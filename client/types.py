@@ -85,6 +85,8 @@ class AcceptanceStats:
     verify_time_s: float = 0.0
     draft_compute_s: float = 0.0
     verify_compute_s: float = 0.0
+    draft_device_s: float = 0.0
+    verify_device_s: float = 0.0
 
     @classmethod
     def from_proto(cls, msg: generation_pb2.AcceptanceStats) -> AcceptanceStats:
@@ -208,6 +210,7 @@ class ModelInfo:
     max_tree_depth: int = 0
     graph_captures: int = 0
     free_slots: int = 0
+    local_endpoint: str = ""
 
     @classmethod
     def from_proto(cls, msg: common_pb2.ModelInfo) -> ModelInfo:

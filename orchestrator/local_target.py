@@ -118,13 +118,17 @@ class LocalVerifyStream:
                 return
             yield request
 
-    def exchange(self, request: target_pb2.VerifyRequest, timeout: float | None = None) -> target_pb2.VerifyResponse:
-        """Send one request and return its reply.
+    def exchange(self, request: target_pb2.VerifyRequest, timeout: float | None = None,
+                 on_sent: Callable[[], None] | None = None) -> target_pb2.VerifyResponse:
+        """Send one request and return its reply (``on_sent``: called first, as the streams of
+        :mod:`orchestrator.peers` call it once the request is sent; here nothing overlaps it).
 
         Raises:
             StreamError: the call was refused (its code, message and reason), or the stream is
                 closed (CANCELLED).
         """
+        if on_sent is not None:
+            on_sent()
         with self._lock:
             if self.broken:
                 raise StreamError(grpc.StatusCode.CANCELLED, "the Verify stream is closed")

@@ -183,13 +183,16 @@ class StreamCall(_Watched):
     def _cancel(self) -> None:
         self._responses.cancel()
 
-    def exchange(self, request, timeout: float | None = None):
+    def exchange(self, request, timeout: float | None = None, on_sent: Callable[[], None] | None = None):
         """Send ``request`` and wait for its reply.
 
         Args:
             timeout: seconds to wait for the reply (None: no limit). Past it the stream is
                 cancelled and :class:`ExchangeTimeout` raised, so a hung or stopped peer cannot
                 hang the caller; the stream is then unusable (every later exchange raises).
+            on_sent: called once the request is on its way, before the wait (work that may
+                overlap the peer's: the scheduler hands the last tick's tokens to their
+                handlers there). Every stream kind calls it exactly once per exchange.
 
         Raises:
             ExchangeTimeout: no reply within ``timeout``.
@@ -197,6 +200,8 @@ class StreamCall(_Watched):
         """
         def send_and_read():
             self._q.put(request)
+            if on_sent is not None:
+                on_sent()
             return next(self._responses)
 
         return send_and_read() if timeout is None else self._timed(timeout, send_and_read)
@@ -347,7 +352,7 @@ class DirectStreamCall(_Watched):
                 pass
 
     # ---- the contract
-    def exchange(self, request, timeout: float | None = None):
+    def exchange(self, request, timeout: float | None = None, on_sent: Callable[[], None] | None = None):
         """Send ``request`` and wait for its reply (as :meth:`StreamCall.exchange`).
 
         Raises:
@@ -356,16 +361,21 @@ class DirectStreamCall(_Watched):
         """
         with self._lock:
             if self._error is not None:
+                if on_sent is not None:
+                    on_sent()
                 raise self._error
             if timeout is None:
-                return self._exchange(request)
-            return self._timed(timeout, lambda: self._exchange(request))
+                return self._exchange(request, on_sent)
+            return self._timed(timeout, lambda: self._exchange(request, on_sent))
 
-    def _exchange(self, request):
+    def _exchange(self, request, on_sent=None):
         c = _cygrpc
         self._reply = None
-        if not self._call.operate((c.SendMessageOperation(request.SerializeToString(), 0),
-                                   c.ReceiveMessageOperation(0)), _EXCHANGE):
+        started = self._call.operate((c.SendMessageOperation(request.SerializeToString(), 0),
+                                      c.ReceiveMessageOperation(0)), _EXCHANGE)
+        if on_sent is not None:
+            on_sent()
+        if not started:
             raise self._finish()
         self._due += 1
         while self._pump() != _EXCHANGE:
@@ -440,23 +450,30 @@ class LocalHopCall:
         except OSError:
             pass
 
-    def exchange(self, request, timeout: float | None = None):
-        """Send ``request`` and wait for its reply (as :meth:`StreamCall.exchange`).
+    def exchange(self, request, timeout: float | None = None, on_sent: Callable[[], None] | None = None):
+        """Send ``request`` and wait for its reply (as :meth:`StreamCall.exchange`, ``on_sent``
+        included).
 
         Raises:
             ExchangeTimeout: no reply within ``timeout`` (the stream is closed).
             grpc.RpcError: the service ended the call (:class:`StreamError`, its code and
                 reason), the connection was lost (UNAVAILABLE) or the stream was closed.
         """
-        if self._error is not None:
-            raise self._error
-        if self._closed:
+        if self._error is not None or self._closed:
+            if on_sent is not None:
+                on_sent()
+            if self._error is not None:
+                raise self._error
             raise StreamError(grpc.StatusCode.CANCELLED, "the stream is closed")
         from dflash_grpc.localhop import REPLY, parse_status
 
         conn = self._conn
         try:
-            conn.send_bytes(request.SerializeToString())
+            try:
+                conn.send_bytes(request.SerializeToString())
+            finally:
+                if on_sent is not None:
+                    on_sent()
             if timeout is not None and not conn.poll(max(0.0, timeout)):
                 self._expired = True
                 raise self._fail(ExchangeTimeout(timeout))

@@ -285,6 +285,8 @@ class Scheduler:
         self._queue: collections.deque[Request] = collections.deque()
         self._prefilling: list[tuple[Request, grpc.Future]] = []
         self._active: list[Request] = []
+        # (request, event) emitted and not yet handed to its handler (_emit, _flush_events)
+        self._pending: collections.deque[tuple[Request, Tokens]] = collections.deque()
         self._slot_wait_until = 0.0
         self._releasing = {"target": 0, "draft": 0}  # sessions whose Release is unanswered: slots not free yet
         self._verify: StreamCall | None = None
@@ -426,6 +428,22 @@ class Scheduler:
     def _end(self, req: Request, event) -> None:
         if not req.ended:
             req.ended = True
+            self._flush_events()   # the tokens handed over before it come first
+            req.events.put(event)
+
+    def _flush_events(self) -> None:
+        """Hand the tokens emitted so far to their handlers (:meth:`_emit` defers them to here).
+
+        Called once the next exchange's request is on its way (its ``on_sent``), so the handler
+        threads these wake (detokenising, streaming to the client) run while this thread waits
+        for the reply instead of taking the GIL when the reply arrives; also before anything
+        else reaches a handler (:meth:`_end`) and before the loop idles."""
+        pending = self._pending
+        while pending:
+            try:
+                req, event = pending.popleft()
+            except IndexError:
+                return
             req.events.put(event)
 
     def _run(self) -> None:
@@ -436,6 +454,7 @@ class Scheduler:
                 self._collect_prefills()
                 batch = [r for r in self._active if not r.closed]
                 if not batch:
+                    self._flush_events()
                     metrics.flush()   # the last ticks' notes, before idling (metrics: FLUSH_INTERVAL_S)
                     self._wake.wait(0.05 if self._prefilling or self._queue else 1.0)
                     self._wake.clear()
@@ -447,6 +466,7 @@ class Scheduler:
                     self._end(r, Failure(grpc.StatusCode.INTERNAL, f"orchestrator error: {type(e).__name__}: {e}", Reason.INTERNAL))
                     r.closed = True
         # shutting down
+        self._flush_events()
         with self._lock:
             waiting = list(self._queue) + [r for r, _ in self._prefilling] + self._active
             self._queue.clear()
@@ -609,10 +629,12 @@ class Scheduler:
         req.emitted += len(tokens)
         req.stats.decode_time_s = time.monotonic() - req.t_first
         if finish is not None:
-            self._end(req, Tokens(tokens, finish))
+            if not req.ended:
+                req.ended = True
+                self._pending.append((req, Tokens(tokens, finish)))
             req.closed = True
         elif tokens:
-            req.events.put(Tokens(tokens))
+            self._pending.append((req, Tokens(tokens)))   # handed over by _flush_events
 
     def _drafter(self) -> draft_pb2.DrafterInfo | None:
         """The drafter's Info when it is usable for this target now, else None."""
@@ -645,7 +667,7 @@ class Scheduler:
         try:
             if self._verify is None:
                 self._verify = self.target.verify_stream(None)
-            reply = self._verify.exchange(request, self.step_timeout)
+            reply = self._verify.exchange(request, self.step_timeout, self._flush_events)
         except grpc.RpcError as e:
             self._verify_failed(batch, e)
             return
@@ -653,12 +675,13 @@ class Scheduler:
         if self._verify.broken:  # its deadline passed just after the reply came: the reply stands
             self._verify.close()
             self._verify = None
-        compute_s = reply.compute_s
+        compute_s, device_s = reply.compute_s, reply.device_s
         steps = []   # (draft nodes, depth, accepted) of each verified item: the metrics, once per tick
         for i, (r, res) in enumerate(zip(batch, reply.results)):
             stats = r.stats
             stats.verify_time_s += verify_s
             stats.verify_compute_s += compute_s
+            stats.verify_device_s += device_s
             status = res.status
             if status.code:
                 self._verify_item_failed(r, status_code(status.code), status.message, status.reason)
@@ -745,7 +768,7 @@ class Scheduler:
         try:
             if self._propose is None:
                 self._propose = self.draft.propose_stream(None)
-            reply = self._propose.exchange(request, timeout)
+            reply = self._propose.exchange(request, timeout, self._flush_events)
         except grpc.RpcError as e:
             self._draft_failed([batch[i] for i, _ in who], e)
             return {}, time.perf_counter() - t0
@@ -757,12 +780,13 @@ class Scheduler:
         if not extra_rows:
             self.deadline.observe(draft_s, len(who))
         trees = {}
-        compute_s = reply.compute_s
+        compute_s, device_s = reply.compute_s, reply.device_s
         for (i, max_depth), res in zip(who, reply.results):
             r = batch[i]
             r.on_drafter = True
             r.stats.draft_time_s += draft_s
             r.stats.draft_compute_s += compute_s
+            r.stats.draft_device_s += device_s
             status = res.status
             if status.code:
                 log.warning("drafter refused an item; this step goes on without a tree",

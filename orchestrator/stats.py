@@ -41,6 +41,8 @@ class AcceptanceStats:
     verify_time_s: float = 0.0
     draft_compute_s: float = 0.0
     verify_compute_s: float = 0.0
+    draft_device_s: float = 0.0
+    verify_device_s: float = 0.0
 
     @staticmethod
     def _bump(hist: list[int], index: int, by: int = 1) -> None:

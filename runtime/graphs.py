@@ -28,6 +28,7 @@ from typing import Callable, Hashable, Iterable, Iterator, Sequence
 
 import torch
 
+from runtime.device_time import add_device_seconds
 from runtime.config import BATCH_BUCKETS  # noqa: F401 (the one definition, torch-free; re-exported)
 from runtime.errors import ResourceExhausted
 
@@ -100,6 +101,7 @@ class StepGraph:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.graph: torch.cuda.CUDAGraph | None = None
+        self._events: tuple | None = None   # (start, end) CUDA events of run(), made on first use
 
     # ---------------------------------------------------------------- buffers
     def host_buffer(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -144,13 +146,23 @@ class StepGraph:
 
     def run(self) -> None:
         """Run the step on the current host inputs (replay the graph, or :meth:`body`); on CUDA
-        wait for it: the step's one host synchronisation. The host results are then readable."""
+        wait for it: the step's one host synchronisation. The host results are then readable.
+        On CUDA its device time is added to :func:`runtime.device_time.device_seconds`."""
+        if not self.cuda:
+            self.body()
+            return
+        ev = self._events
+        if ev is None:
+            ev = self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        stream = torch.cuda.current_stream(self.device)
+        ev[0].record(stream)
         if self.graph is not None:
             self.graph.replay()
         else:
             self.body()
-        if self.cuda:
-            torch.cuda.current_stream(self.device).synchronize()   # the step's one host sync
+        ev[1].record(stream)
+        stream.synchronize()   # the step's one host sync
+        add_device_seconds(ev[0].elapsed_time(ev[1]) * 1e-3)
 
 
 class GraphSet:

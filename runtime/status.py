@@ -75,7 +75,7 @@ def batch_reply(response_cls, items, outs, done, fill):
     Args:
         response_cls: the reply message class (``VerifyResponse``, ``ProposeResponse``): its
             ``results`` field and the batch timing fields ``compute_s``, ``batch_items``,
-            ``queue_s`` (from ``done``, a :class:`runtime.step_loop.BatchResult`).
+            ``queue_s``, ``device_s`` (from ``done``, a :class:`runtime.step_loop.BatchResult`).
         items, outs: the request's items and their outcomes, in order (an outcome, or the
             exception that refused the item).
         fill: ``fill(result, outcome)`` writes an accepted item's fields into its result.
@@ -84,7 +84,8 @@ def batch_reply(response_cls, items, outs, done, fill):
         The reply: per item its ``session_id`` and, when refused, the mapped status
         (:func:`item_status`); otherwise an OK status, present (code 0), and what ``fill`` wrote.
     """
-    response = response_cls(compute_s=done.compute_s, batch_items=done.batch_items, queue_s=done.queue_s)
+    response = response_cls(compute_s=done.compute_s, batch_items=done.batch_items, queue_s=done.queue_s,
+                            device_s=done.device_s)
     add = response.results.add
     for item, out in zip(items, outs):
         if isinstance(out, BaseException):

@@ -42,6 +42,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
+from runtime.device_time import device_seconds
 from runtime.errors import EngineError, Reason, SessionNotFound, Unavailable
 from runtime.owners import NotOwner, Owner, Owners
 
@@ -60,12 +61,15 @@ class _Work:
 @dataclasses.dataclass
 class BatchResult:
     """What a submitted batch gets back: one result (or error) per item, the seconds the step(s)
-    that ran it took on the loop thread (``compute_s``) and how many items shared them."""
+    that ran it took on the loop thread (``compute_s``), how many items shared them, the seconds
+    they waited (``queue_s``) and the device seconds of those steps (``device_s``: CUDA events,
+    :func:`runtime.device_time.device_seconds`; 0 off CUDA)."""
 
     results: list
     compute_s: float
     batch_items: int
     queue_s: float
+    device_s: float = 0.0
 
 
 class StepLoop:
@@ -320,12 +324,14 @@ class StepLoop:
         if refused:
             log.info("items refused for sessions of another owner", extra={"refused": len(refused)})
         t0 = time.perf_counter()
+        d0 = device_seconds()
         try:
             results = self._batch_fn(items) if items else []
         except BaseException as e:  # noqa: BLE001 - a failed step fails its requests, not the loop
             log.exception("batched step failed", extra={"items": len(items)})
             return [e] * len(batches)
         dt = time.perf_counter() - t0
+        ddev = device_seconds() - d0
         if items:
             self.ticks += 1
             self.items += len(items)
@@ -347,7 +353,7 @@ class StepLoop:
             if w.owner is not None:   # a session it just opened (a drafter's first item) is its
                 self.owners.claim([sid for sid, r in zip(sids_of[wi], out) if sid and not isinstance(r, BaseException)],
                                   w.owner)
-            done.append(BatchResult(out, dt, len(items), t0 - w.enqueued))
+            done.append(BatchResult(out, dt, len(items), t0 - w.enqueued, ddev))
         return done
 
     def _run_prefills(self) -> None:

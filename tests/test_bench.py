@@ -148,3 +148,23 @@ def test_step_report_tables(tmp_path):
     assert cells[:4] == ["colocated", "tree:15:4", "3.70", "1050 [1000, 1100], 2"]
     assert cells[4:6] == ["2.10x", "1.62x"]                 # 1050 / 500, 1050 / 650
     assert cells[7:11] == ["0.35", "0.55", "1.10", "0.50"]  # draft device / host, verify device / host
+
+
+def test_step_report_prefers_the_services_own_device_times(tmp_path):
+    """A run whose replies carried device_s (the services' CUDA events) splits host and device
+    with them, not with the engine benchmark's."""
+    import json
+
+    from bench.step_report import report
+
+    step = {"total": 3.0, "draft_compute": 0.9, "verify_compute": 1.6, "grpc_and_queue": 0.3, "orchestrator": 0.2,
+            "draft_device": 0.5, "verify_device": 1.3}
+    run = {"configs": {"tree:15:4": {"tokens_per_second": 1000, "tau": 3.7, "lossless": True, "step_ms": step}}}
+    (tmp_path / "e2e-colocated-1.json").write_text(json.dumps(run))
+    engine = {"ar_step_device_ms": {"median": 1.0},
+              "draft_propose": {"configs": {"tree:15:4": {"nodes": 16, "device_ms": {"median": 0.35}}}},
+              "verify_width": {"16": {"tree": {"device_ms": {"median": 1.1}}, "chain": {"device_ms": {"median": 1.1}}}}}
+    (tmp_path / "smollm2-135m-q4_1.json").write_text(json.dumps(engine))
+    row = next(line for line in report(str(tmp_path)).splitlines() if "| tree:15:4 |" in line)
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[7:11] == ["0.50", "0.40", "1.30", "0.30"]  # draft device / host, verify device / host

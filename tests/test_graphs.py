@@ -87,6 +87,53 @@ def test_step_graph_runs_eagerly_off_cuda():
         StepGraph("cpu").run()
 
 
+class _Matmul(StepGraph):
+    """A CUDA step of measurable length: ``out = inp @ w`` repeated, copied back to the host."""
+
+    def __init__(self, n: int = 1024, reps: int = 20):
+        super().__init__("cuda")
+        self.reps = reps
+        self.inp = self.host_buffer(n, n, dtype=torch.float32)
+        self.inp_dev = self.device_twin(self.inp)
+        self.w = torch.randn(n, n, device="cuda")
+        self.out = self.host_buffer(n, n, dtype=torch.float32)
+        self.out_dev = self.device_twin(self.out)
+
+    def body(self) -> None:
+        self.copy(self.inp_dev, self.inp)
+        x = self.inp_dev
+        for _ in range(self.reps):
+            x = x @ self.w
+        self.out_dev.copy_(x)
+        self.copy(self.out, self.out_dev)
+
+    def fill_idle(self) -> None:
+        self.inp.zero_()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_step_graph_run_counts_its_device_seconds():
+    """runtime.device_time: each CUDA run (eager and replayed) adds its CUDA-event time, which is
+    positive and within the run's wall time; off CUDA nothing is added."""
+    import time
+
+    from runtime.device_time import device_seconds
+
+    before = device_seconds()
+    _Doubler(4).run()
+    assert device_seconds() == before
+    r = _Matmul()
+    for captured in (False, True):
+        if captured:
+            r.capture(torch.cuda.graph_pool_handle())
+        r.run()   # warm-up
+        d0, t0 = device_seconds(), time.perf_counter()
+        r.run()
+        wall, dev = time.perf_counter() - t0, device_seconds() - d0
+        assert 0 < dev <= wall
+
+
 def test_copy_skips_a_tensor_onto_itself():
     a, b = torch.zeros(3), torch.ones(3)
     StepGraph.copy(a, b)

@@ -219,3 +219,25 @@ def test_connections_beyond_the_cap_are_refused_at_once():
     finally:
         server.stop(None)
         serving.stop_local_hop(server)
+
+
+def test_on_sent_runs_once_between_the_send_and_the_reply(hop):
+    """Every stream kind calls ``on_sent`` once per exchange, after the request left and before
+    the reply is read (the scheduler hands tokens to handlers there), failures included."""
+    echo, server, _, port = hop
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = draft_pb2_grpc.DraftServiceStub(channel)
+    for call in (_open(server), open_stream(channel, METHOD, stub.Propose, draft_pb2.ProposeResponse.FromString),
+                 open_stream(channel, METHOD, stub.Propose, draft_pb2.ProposeResponse.FromString, direct=False)):
+        marks = []
+        t0 = time.perf_counter()
+        reply = call.exchange(_request("slow"), timeout=5.0, on_sent=lambda: marks.append(time.perf_counter()))
+        assert reply.results[0].session_id == "slow"
+        assert len(marks) == 1 and marks[0] - t0 < 0.4   # before the 0.5 s the reply took
+        with pytest.raises(grpc.RpcError):
+            call.exchange(_request("abort"), timeout=5.0, on_sent=lambda: marks.append(0.0))
+        call.close()
+        with pytest.raises(grpc.RpcError):   # a closed stream: called all the same
+            call.exchange(_request(), timeout=5.0, on_sent=lambda: marks.append(0.0))
+        assert len(marks) == 3
+    channel.close()

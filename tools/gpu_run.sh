@@ -210,7 +210,7 @@ timed_start() {
   install_wheels >&2        # (stdout carries only the file's path)
   llamacpp_build_bg >&2
   local smol; smol=$(smollm) || return 1
-  for _ in $(seq 1 120); do [ -e /tmp/llbuild.done ] && break; sleep 5; done
+  [ -e /tmp/llbuild.started ] && for _ in $(seq 1 120); do [ -e /tmp/llbuild.done ] && break; sleep 5; done
   nvidia-smi -L > "$OUT/device.txt"
   echo "$smol"
 }
@@ -280,21 +280,37 @@ cmd_step() {
   # issue 18's end-to-end table from one call: the engine benchmark of the SmolLM2 file (device
   # times of the AR step, the verify, the drafter step, the commit), then the shipped pair end to
   # end with the target in the orchestrator's process and with three processes, twice each,
-  # alternating, then llama-bench on the same file -> $OUT/STEP.md (bench/step_report.py)
+  # alternating, then llama-bench on the same file -> $OUT/STEP.md (bench/step_report.py).
+  # Split over calls (10 minutes each at most): ENGINE=0 skips the engine benchmark, REPS="2"
+  # runs only the second repeat, LLAMA=0 skips llama-bench and the report; results kept in
+  # /tmp/step between calls. LAYOUTS (default "colocated 3proc"): a "-grpc" suffix runs that
+  # layout with the orchestrator's --no-local-hop, an "-old" suffix runs it from .peer/old.tar.gz
+  # (a git archive of an older commit). Everything comes back as $OUT/step.tgz.
   local smol; smol=$(timed_start) || exit 1
-  python3 -m bench.gpu engine --model "$smol" --name smollm2-135m-q4_1 --reps 3 --out "$OUT/smollm2-135m-q4_1.json" 2>&1 | tail -20
+  local S=/tmp/step; mkdir -p $S; cp "$OUT/device.txt" $S/
+  [ "${ENGINE:-1}" = 1 ] && python3 -m bench.gpu engine --model "$smol" --name smollm2-135m-q4_1 --reps 3 \
+    --out "$S/smollm2-135m-q4_1.json" 2>&1 | tail -20
   local cfgs=${CONFIGS:-ar,chain,tree:15:4,tree:16:4,tree:32:4}
-  for i in 1 2; do
-    for layout in colocated 3proc; do
-      local flag=""; [ $layout = colocated ] && flag=--colocate
-      python3 -m client.cli bench --device cuda --model "$smol" --prompts 8 --max-tokens 128 --configs "$cfgs" $flag \
-        --json "$OUT/e2e-$layout-$i.json" --out "$OUT/e2e-$layout-$i.txt" 2>&1 | grep -E "^(ar|chain|tree)"
+  if [[ " ${LAYOUTS:-} " == *-old* ]] && [ -s .peer/old.tar.gz ] && [ ! -d /tmp/old ]; then
+    mkdir -p /tmp/old && tar xzf .peer/old.tar.gz -C /tmp/old && cp draft_service/data/*.gguf /tmp/old/draft_service/data/
+  fi
+  for i in ${REPS:-1 2}; do
+    for layout in ${LAYOUTS:-colocated 3proc}; do
+      local base=${layout%-old}; local dir=$PWD; local pp=$PYTHONPATH
+      if [ "$base" != "$layout" ]; then dir=/tmp/old; pp=/tmp/site:/tmp/old:/tmp/old/proto; fi
+      local flag=""; [ "${base%-grpc}" = colocated ] && flag=--colocate
+      local oargs=""; [ "${base%-grpc}" != "$base" ] && oargs=--no-local-hop
+      (cd $dir && PYTHONPATH=$pp python3 -m client.cli bench --device cuda --model "$smol" --prompts 8 --max-tokens 128 \
+        --configs "$cfgs" $flag --orchestrator-args="$oargs" --json "$S/e2e-$layout-$i.json" --out "$S/e2e-$layout-$i.txt" 2>&1) \
+        | grep -E "^(ar|chain|tree)" | sed "s/^/$layout-$i /"
     done
   done
-  if [ -x $LL/build/bin/llama-bench ]; then
-    bash /tmp/peer/llamacpp-bench.sh /tmp/peer/llama.cpp.tar.gz "$smol" > "$OUT/llamacpp.jsonl"
+  if [ "${LLAMA:-1}" = 1 ]; then
+    [ -x $LL/build/bin/llama-bench ] && bash /tmp/peer/llamacpp-bench.sh /tmp/peer/llama.cpp.tar.gz "$smol" > "$S/llamacpp.jsonl"
+    python3 -m bench.step_report --dir "$S" --out "$S/STEP.md" --command "bash tools/gpu_run.sh step" | tail -24
+    cp $S/STEP.md "$OUT/"
   fi
-  python3 -m bench.step_report --dir "$OUT" --out "$OUT/STEP.md" --command "bash tools/gpu_run.sh step" | tail -20
+  tar -czf "$OUT/step.tgz" -C $S .
 }
 
 cmd_step_load() {

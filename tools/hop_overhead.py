@@ -390,9 +390,9 @@ class Recorder:
             real_tick(batch, draft_s, verify_s, overhead_s)
 
         def recorded(real_exchange):
-            def exchange(call, request, timeout=None):
+            def exchange(call, request, timeout=None, on_sent=None):
                 t0 = time.perf_counter()
-                reply = real_exchange(call, request, timeout)
+                reply = real_exchange(call, request, timeout, on_sent)
                 rec.sent["draft" if isinstance(request, draft_pb2.ProposeRequest) else "verify"].append((t0, time.perf_counter()))
                 if rec.on:
                     rec.compute["draft" if isinstance(request, draft_pb2.ProposeRequest) else "verify"].append(reply.compute_s)

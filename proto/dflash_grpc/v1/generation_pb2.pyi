@@ -98,7 +98,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class AcceptanceStats(_message.Message):
-    __slots__ = ("requests", "prompt_tokens", "generated_tokens", "drafts", "draft_tokens", "accepted_tokens", "accepted_per_position", "drafted_per_position", "mean_acceptance_length", "acceptance_length_histogram", "target_forwards", "wall_time_s", "decode_time_s", "tokens_per_second", "draft_fallbacks", "autoregressive_steps", "draft_time_s", "verify_time_s", "draft_compute_s", "verify_compute_s")
+    __slots__ = ("requests", "prompt_tokens", "generated_tokens", "drafts", "draft_tokens", "accepted_tokens", "accepted_per_position", "drafted_per_position", "mean_acceptance_length", "acceptance_length_histogram", "target_forwards", "wall_time_s", "decode_time_s", "tokens_per_second", "draft_fallbacks", "autoregressive_steps", "draft_time_s", "verify_time_s", "draft_compute_s", "verify_compute_s", "draft_device_s", "verify_device_s")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,8 @@ class AcceptanceStats(_message.Message):
     VERIFY_TIME_S_FIELD_NUMBER: _ClassVar[int]
     DRAFT_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     VERIFY_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_DEVICE_S_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_DEVICE_S_FIELD_NUMBER: _ClassVar[int]
     requests: int
     prompt_tokens: int
     generated_tokens: int
@@ -139,7 +141,9 @@ class AcceptanceStats(_message.Message):
     verify_time_s: float
     draft_compute_s: float
     verify_compute_s: float
-    def __init__(self, requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., mean_acceptance_length: _Optional[float] = ..., acceptance_length_histogram: _Optional[_Iterable[int]] = ..., target_forwards: _Optional[int] = ..., wall_time_s: _Optional[float] = ..., decode_time_s: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., draft_fallbacks: _Optional[int] = ..., autoregressive_steps: _Optional[int] = ..., draft_time_s: _Optional[float] = ..., verify_time_s: _Optional[float] = ..., draft_compute_s: _Optional[float] = ..., verify_compute_s: _Optional[float] = ...) -> None: ...
+    draft_device_s: float
+    verify_device_s: float
+    def __init__(self, requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., mean_acceptance_length: _Optional[float] = ..., acceptance_length_histogram: _Optional[_Iterable[int]] = ..., target_forwards: _Optional[int] = ..., wall_time_s: _Optional[float] = ..., decode_time_s: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., draft_fallbacks: _Optional[int] = ..., autoregressive_steps: _Optional[int] = ..., draft_time_s: _Optional[float] = ..., verify_time_s: _Optional[float] = ..., draft_compute_s: _Optional[float] = ..., verify_compute_s: _Optional[float] = ..., draft_device_s: _Optional[float] = ..., verify_device_s: _Optional[float] = ...) -> None: ...
 
 class ServiceInfoRequest(_message.Message):
     __slots__ = ()
