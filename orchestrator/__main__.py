@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     scheduler = Scheduler(target, draft, max_sessions=cfg.max_sessions, max_queue=cfg.max_queue, step_nodes=cfg.step_nodes,
                           step_timeout=cfg.step_timeout, history_bytes=cfg.history_bytes,
                           draft_deadline_factor=cfg.draft_deadline_factor, draft_deadline_min_ms=cfg.draft_deadline_min_ms,
-                          draft_deadline_ms=cfg.draft_deadline_ms, draft_deadline_row_us=cfg.draft_deadline_row_us)
+                          draft_deadline_ms=cfg.draft_deadline_ms, draft_deadline_row_us=cfg.draft_deadline_row_us,
+                          draft_policy=cfg.draft_policy)
     servicer = GenerationServicer(target, draft, tokenizer, cfg.max_tokens, default_tree(cfg), scheduler,
                                   max_prompt_chars=cfg.max_prompt_chars, max_request_bytes=cfg.max_request_bytes)
     if draft.state() is not None and drafter_mismatch(draft.state(), info) is not None:

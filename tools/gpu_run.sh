@@ -315,15 +315,20 @@ cmd_step() {
 
 cmd_step_load() {
   # the concurrency table of issue 18 (goal 5): aggregate tok/s at 1-64 streams, AR and the default
-  # tree, target in the orchestrator's process and three processes -> $OUT/concurrency-*.json
+  # tree -> $OUT/concurrency-*.json, STEP-load.md. LAYOUTS (default "colocated 3proc"): the target in
+  # the orchestrator's process or three processes; an "-always" suffix runs that layout with the
+  # orchestrator's --draft-policy always (drafting whenever the drafter is up) instead of the
+  # default measured policy.
   install_wheels
   local smol; smol=$(smollm) || exit 1
   nvidia-smi -L | tee "$OUT/device.txt"
-  for layout in colocated 3proc; do
-    local flag=""; [ $layout = colocated ] && flag=--colocate
+  for layout in ${LAYOUTS:-colocated 3proc}; do
+    local base=${layout%-always}
+    local flag=""; [ $base = colocated ] && flag=--colocate
+    local oargs=""; [ "$base" != "$layout" ] && oargs="--draft-policy always"
     python3 -m client.cli bench --device cuda --model "$smol" --prompts 16 --max-tokens 128 --configs ar,tree:15:4 $flag \
       --concurrency "${CONCURRENCY:-1,4,8,16,32,64}" --requests-per-stream "${REQUESTS_PER_STREAM:-2}" \
-      --json "$OUT/concurrency-$layout.json" --out "$OUT/concurrency-$layout.txt" 2>&1 | tail -12
+      --orchestrator-args="$oargs" --json "$OUT/concurrency-$layout.json" --out "$OUT/concurrency-$layout.txt" 2>&1 | tail -12
   done
   python3 -m bench.step_report --dir "$OUT" --out "$OUT/STEP-load.md" --command "bash tools/gpu_run.sh step-load" | tail -16
 }

@@ -1,0 +1,110 @@
+"""When to draft: the scheduler's per-tick choice between a speculative tick (Propose, then a
+verify of every request's tree) and a plain one (a root-only verify), decided by measurement
+(docs/ARCHITECTURE.md, "When to draft").
+
+Speculation pays when the tokens a tick emits per second of tick are more than a plain tick's.
+Both depend on how many requests share the tick: a plain tick of ``B`` requests costs about one
+forward whatever ``B`` (up to the device's compute), while a speculative tick adds a Propose whose
+cost, and a verify whose width, grow with ``B``, and the host work per item of both grows with it
+too (issue 23: from 8 streams up, speculation was slower than plain decoding). So the choice is
+made per batch bucket (``B`` rounded up to a power of two) from what the ticks of that bucket
+measured: :class:`DraftPolicy` keeps, per bucket and per mode, the moving average of emitted
+tokens per second of tick (:meth:`DraftPolicy.observe`), picks the faster mode
+(:meth:`DraftPolicy.choose`), and measures each mode again after ``refresh`` ticks of the bucket
+without it, so a change (acceptance of the text, load on the drafter) is seen.
+
+This module imports nothing of the project and no torch: the orchestrator's unit tests drive it
+with synthetic costs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+#: Modes of a tick.
+DRAFT, PLAIN = "draft", "plain"
+
+
+def batch_bucket(batch: int) -> int:
+    """The power of two at or above ``batch`` (>= 1): ticks of one bucket share their measurements."""
+    return 1 << max(0, int(batch) - 1).bit_length()
+
+
+class DraftPolicy:
+    """Per batch bucket, the faster of drafting and plain decoding, measured (module docstring).
+
+    Args:
+        alpha: weight of a new tick in the moving average of a mode's tokens per second
+            (0 < alpha <= 1).
+        refresh: ticks of a bucket after which the mode not chosen is measured again (one tick).
+        warmup: ticks of each mode run in a bucket before it is compared; the first
+            ``warmup - 1`` are not averaged (the first ticks of a request carry its prompt's
+            features to the drafter and are slow).
+
+    Attributes:
+        choices: ticks run per mode (``{"draft": n, "plain": m}``).
+    """
+
+    def __init__(self, alpha: float = 0.25, refresh: int = 48, warmup: int = 3):
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.alpha = float(alpha)
+        self.refresh = max(2, int(refresh))
+        self.warmup = max(1, int(warmup))
+        self._rate: dict[tuple[int, str], float] = {}   # (bucket, mode) -> tokens per second (moving average)
+        self._count: dict[tuple[int, str], int] = {}    # (bucket, mode) -> ticks measured
+        self._since: dict[tuple[int, str], int] = {}    # (bucket, mode) -> ticks of the bucket since it ran
+        self._best: dict[int, str] = {}                 # bucket -> the mode last preferred (for the log)
+        self.choices = {DRAFT: 0, PLAIN: 0}
+
+    def choose(self, batch: int) -> str:
+        """The mode of the next tick of ``batch`` requests that may draft: :data:`DRAFT` or
+        :data:`PLAIN`. A mode with fewer than ``warmup`` measurements in the bucket is measured
+        first (drafting first); one not run for ``refresh`` ticks of the bucket is run once;
+        otherwise the one with more tokens per second."""
+        b = batch_bucket(batch)
+        for mode in (DRAFT, PLAIN):
+            if self._count.get((b, mode), 0) < self.warmup:
+                return mode
+        for mode in (DRAFT, PLAIN):
+            if self._since.get((b, mode), 0) >= self.refresh:
+                return mode
+        best = DRAFT if self._rate[(b, DRAFT)] >= self._rate[(b, PLAIN)] else PLAIN
+        if self._best.get(b) != best:
+            self._best[b] = best
+            log.info("draft policy: %s is faster at this batch size", best,
+                     extra={"batch_bucket": b, "draft_tok_s": round(self._rate[(b, DRAFT)]),
+                            "plain_tok_s": round(self._rate[(b, PLAIN)])})
+        return best
+
+    def observe(self, batch: int, mode: str, tokens: int, seconds: float) -> None:
+        """A tick of ``batch`` requests ran in ``mode`` and emitted ``tokens`` in ``seconds``
+        (the whole tick: Propose, verify and the orchestrator's own work)."""
+        if seconds <= 0 or batch <= 0:
+            return
+        b = batch_bucket(batch)
+        key = (b, mode)
+        rate = tokens / seconds
+        n = self._count.get(key, 0)
+        # the first warmup - 1 ticks are only counted; the next sets the average, later ones move it by alpha
+        if n == self.warmup - 1:
+            self._rate[key] = rate
+        elif n >= self.warmup:
+            self._rate[key] += self.alpha * (rate - self._rate[key])
+        self._count[key] = n + 1
+        self.choices[mode] = self.choices.get(mode, 0) + 1
+        self._since[key] = 0
+        other = (b, PLAIN if mode == DRAFT else DRAFT)
+        self._since[other] = self._since.get(other, 0) + 1
+
+    def rates(self) -> dict[int, dict[str, float]]:
+        """Tokens per second per bucket and mode, as measured so far (for metrics and tests)."""
+        out: dict[int, dict[str, float]] = {}
+        for (b, mode), r in self._rate.items():
+            out.setdefault(b, {})[mode] = r
+        return out
+
+
+__all__ = ["DRAFT", "PLAIN", "DraftPolicy", "batch_bucket"]

@@ -1,0 +1,111 @@
+"""When to draft (orchestrator.policy.DraftPolicy and the scheduler's use of it): the faster mode
+per batch bucket, measured; the slower one re-measured now and then; lossless whatever it picks."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from orchestrator.policy import DRAFT, PLAIN, DraftPolicy, batch_bucket
+
+
+def test_batch_bucket_is_the_power_of_two_at_or_above():
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 64, 65)] == [1, 2, 4, 4, 8, 8, 16, 64, 128]
+
+
+def _drive(policy: DraftPolicy, cost, batch: int, ticks: int, rng: random.Random) -> list[str]:
+    """Run ``ticks`` ticks of ``batch`` requests: ``cost(mode, batch) -> (tokens, seconds)`` with
+    +-10% noise on the seconds; the modes chosen."""
+    chosen = []
+    for _ in range(ticks):
+        mode = policy.choose(batch)
+        tokens, seconds = cost(mode, batch)
+        policy.observe(batch, mode, tokens, seconds * rng.uniform(0.9, 1.1))
+        chosen.append(mode)
+    return chosen
+
+
+def _gpu_like(mode: str, batch: int) -> tuple[int, float]:
+    """A plain tick costs 1.4 ms for one token per request; a drafting tick emits 3.7 per request
+    and costs 3 ms + 1.2 ms per request (a drafter and host work that grow with the batch)."""
+    if mode == PLAIN:
+        return batch, 1.4e-3 + 0.05e-3 * batch
+    return round(3.7 * batch), 3.0e-3 + 1.2e-3 * batch
+
+
+def test_picks_the_faster_mode_per_batch_size_and_keeps_measuring_the_other():
+    policy, rng = DraftPolicy(refresh=48), random.Random(0)
+    one = _drive(policy, _gpu_like, 1, 500, rng)       # drafting: 3.7 / 4.2 ms; plain 1 / 1.45 ms
+    eight = _drive(policy, _gpu_like, 8, 500, rng)     # drafting: 30 / 12.6 ms; plain 8 / 1.8 ms
+    assert one[-400:].count(DRAFT) >= 0.95 * 400
+    assert eight[-400:].count(PLAIN) >= 0.95 * 400
+    # the mode not chosen is measured again about once per refresh window, not more
+    assert 400 // 48 - 1 <= one[-400:].count(PLAIN) <= 400 // 48 + 1
+    rates = policy.rates()
+    assert rates[1][DRAFT] > rates[1][PLAIN] and rates[8][PLAIN] > rates[8][DRAFT]
+
+
+def test_follows_a_change_within_a_refresh_window():
+    """The drafter's acceptance drops (a different text): drafting stops paying, and the policy
+    moves to plain within about one refresh window."""
+    policy, rng = DraftPolicy(refresh=32, alpha=0.5), random.Random(1)
+    good = lambda mode, b: (4, 3e-3) if mode == DRAFT else (1, 1.5e-3)   # noqa: E731 - 1333 vs 667 tok/s
+    bad = lambda mode, b: (1, 3e-3) if mode == DRAFT else (1, 1.5e-3)    # noqa: E731 - 333 vs 667 tok/s
+    assert _drive(policy, good, 1, 200, rng)[-100:].count(DRAFT) >= 95
+    after = _drive(policy, bad, 1, 200, rng)
+    switched = next(i for i in range(len(after)) if after[i:].count(DRAFT) <= len(after[i:]) // 20)
+    assert switched <= 2 * 32
+
+
+def test_warmup_ticks_are_not_averaged_and_both_modes_are_tried_first():
+    policy = DraftPolicy(warmup=3)
+    modes = []
+    for _ in range(6):
+        m = policy.choose(1)
+        modes.append(m)
+        # the first two ticks of each mode are slow (a prompt's features): they must not count
+        n = modes.count(m)
+        policy.observe(1, m, 1, 1.0 if n <= 2 else 1e-3)
+    assert modes == [DRAFT, DRAFT, DRAFT, PLAIN, PLAIN, PLAIN]
+    assert policy.rates()[1] == {DRAFT: pytest.approx(1000.0), PLAIN: pytest.approx(1000.0)}
+    with pytest.raises(ValueError):
+        DraftPolicy(alpha=0.0)
+
+
+def test_scheduler_stops_drafting_where_it_does_not_pay_and_stays_lossless(tiny_llama, tiny_drafter):
+    """A random drafter (it accepts next to nothing) makes every drafting tick slower than a plain
+    one: with the measured policy the scheduler decodes mostly plainly, and the text equals the
+    target's alone."""
+    from dflash_grpc.v1 import common_pb2, draft_pb2
+    from orchestrator.scheduler import Failure, Request
+    from tests.conftest import draft_in_process, orchestrator_in_process, target_in_process
+
+    def run(sched, speculative: bool, n: int) -> list[int]:
+        req = Request(session_id=f"p-{speculative}-{threading.get_ident()}", prompt=[5, 6, 7, 8], max_tokens=n,
+                      sampling=common_pb2.SamplingParams(), tree=draft_pb2.TreeParams(budget=6, top_k=2),
+                      speculative=speculative)
+        sched.submit(req)
+        out = []
+        while True:
+            ev = req.events.get(timeout=60)
+            assert not isinstance(ev, Failure), ev
+            out += list(ev.tokens)
+            if ev.finish:
+                return out
+
+    with target_in_process(tiny_llama.path, max_sessions=4, max_context=512) as tport, \
+            draft_in_process(tiny_drafter, tiny_llama.path, max_sessions=4, max_context=512) as (_, dport), \
+            orchestrator_in_process(tiny_llama.path, tport, dport, max_sessions=4, draft_policy="measured") as (servicer, _):
+        sched = servicer.scheduler
+        deadline = time.monotonic() + 30
+        while sched.draft.state() is None:   # the drafter reached before the first tick
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        plain = run(sched, False, 60)
+        spec = run(sched, True, 60)
+        assert spec == plain
+        choices = sched.policy.choices
+        assert choices[DRAFT] >= 3 and choices[PLAIN] > choices[DRAFT], choices
