@@ -39,15 +39,15 @@ class DraftPolicy:
         alpha: weight of a new tick in the moving average of a mode's tokens per second
             (0 < alpha <= 1).
         refresh: ticks of a bucket after which the mode not chosen is measured again (one tick).
-        warmup: ticks of each mode run in a bucket before it is compared; the first
-            ``warmup - 1`` are not averaged (the first ticks of a request carry its prompt's
-            features to the drafter and are slow).
+        warmup: ticks of each mode measured in a bucket (interleaved, drafting first) before
+            they are compared; the first is not averaged. The scheduler does not report a
+            drafting tick that carried a prompt's or a resync's features to the drafter.
 
     Attributes:
         choices: ticks run per mode (``{"draft": n, "plain": m}``).
     """
 
-    def __init__(self, alpha: float = 0.25, refresh: int = 48, warmup: int = 3):
+    def __init__(self, alpha: float = 0.3, refresh: int = 16, warmup: int = 4):
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.alpha = float(alpha)
@@ -61,13 +61,13 @@ class DraftPolicy:
 
     def choose(self, batch: int) -> str:
         """The mode of the next tick of ``batch`` requests that may draft: :data:`DRAFT` or
-        :data:`PLAIN`. A mode with fewer than ``warmup`` measurements in the bucket is measured
-        first (drafting first); one not run for ``refresh`` ticks of the bucket is run once;
-        otherwise the one with more tokens per second."""
+        :data:`PLAIN`. While either mode has fewer than ``warmup`` measurements in the bucket the
+        two alternate (drafting first); then a mode not run for ``refresh`` ticks of the bucket is
+        run once; otherwise the one with more tokens per second."""
         b = batch_bucket(batch)
-        for mode in (DRAFT, PLAIN):
-            if self._count.get((b, mode), 0) < self.warmup:
-                return mode
+        nd, np_ = self._count.get((b, DRAFT), 0), self._count.get((b, PLAIN), 0)
+        if nd < self.warmup or np_ < self.warmup:   # both measured, interleaved, drafting first
+            return DRAFT if (nd <= np_ and nd < self.warmup) or np_ >= self.warmup else PLAIN
         for mode in (DRAFT, PLAIN):
             if self._since.get((b, mode), 0) >= self.refresh:
                 return mode
@@ -88,10 +88,10 @@ class DraftPolicy:
         key = (b, mode)
         rate = tokens / seconds
         n = self._count.get(key, 0)
-        # the first warmup - 1 ticks are only counted; the next sets the average, later ones move it by alpha
-        if n == self.warmup - 1:
+        # the first tick is only counted; the next sets the average, later ones move it by alpha
+        if n == 1:
             self._rate[key] = rate
-        elif n >= self.warmup:
+        elif n > 1:
             self._rate[key] += self.alpha * (rate - self._rate[key])
         self._count[key] = n + 1
         self.choices[mode] = self.choices.get(mode, 0) + 1

@@ -658,6 +658,7 @@ class Scheduler:
         self.budget_now = budget
         drafter = self._drafter() if budget > 0 else None
         mode = None   # the policy's choice, when it had one to make (some request may draft)
+        self._resync_rows = 0
         if drafter is not None and self.policy is not None and any(r.speculative for r in batch):
             mode = self.policy.choose(len(batch))
             if mode == PLAIN:
@@ -720,7 +721,9 @@ class Scheduler:
         self.ticks += 1
         self.batched_items += len(batch)
         tick_s = time.perf_counter() - t0
-        if mode is not None and (mode == PLAIN or trees):   # (a drafting tick that drafted nothing: not measured)
+        # not measured: a drafting tick that drafted nothing, or one that carried a prompt's or a
+        # resync's feature rows to the drafter (a cost of the request's start, not of drafting)
+        if mode is not None and (mode == PLAIN or (trees and not self._resync_rows)):
             self.policy.observe(len(batch), mode, emitted, tick_s)
         metrics.observe_tick(len(batch), draft_s, verify_s, tick_s - draft_s - verify_s)
 
@@ -780,6 +783,7 @@ class Scheduler:
                 tree.max_depth = max_depth = nodes
             tree.SetInParent()   # present even when every field is 0, as before
             who.append((i, max_depth))
+        self._resync_rows = extra_rows
         if not who:
             return {}, 0.0
         timeout = self.deadline.timeout(len(who), extra_rows)
