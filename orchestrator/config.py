@@ -98,9 +98,9 @@ class OrchestratorConfig:
         0, f"verify nodes per tick shared by the batch: trees shrink as the batch grows "
         f"(0: {STEP_NODES_CUDA} on a CUDA target, {STEP_NODES_CPU} on a CPU one)")
     draft_policy: str = setting(
-        "auto", "when a tick drafts: measured (when drafting emits more tokens per second than plain decoding at "
-        "that batch size, as measured; docs/ARCHITECTURE.md, 'When to draft'), always (whenever the drafter is up), "
-        "auto (measured on a CUDA target, always on a CPU one)", choices=("auto", "measured", "always"))
+        "always", "when a tick drafts: always (whenever the drafter is up) or measured (when drafting emits more "
+        "tokens per second than plain decoding at that batch size, as measured; experimental: on the GPU it has not "
+        "yet beaten always, docs/ARCHITECTURE.md, 'When to draft')", choices=("always", "measured"))
     step_timeout: float = setting(120.0, "seconds a Verify may take before the target counts as failed (and the most a "
                                          "Propose may take, past its own deadline)")
     draft_deadline_factor: float = setting(

@@ -263,11 +263,9 @@ class Scheduler:
             milliseconds, microseconds per feature row of a new or re-created drafter session;
             ``draft_deadline_ms`` and ``draft_deadline_row_us`` 0 are decided by the drafter's
             device (:meth:`OrchestratorConfig.draft_deadline_for`) when it is reached.
-        draft_policy: ``measured`` (a tick drafts when that is faster at its batch size, as
-            measured: :class:`orchestrator.policy.DraftPolicy`), ``always`` (whenever the
-            drafter is up) or ``auto`` (measured on a CUDA target; always on a CPU one, where the
-            ticks of a busy machine measure noisily and the shipped pair decoded 1.3x faster
-            drafting than plain on a 2-core CPU, README).
+        draft_policy: ``always`` (a tick drafts whenever the drafter is up) or ``measured`` (when
+            that is faster at its batch size, as measured: :class:`orchestrator.policy.DraftPolicy`;
+            experimental, docs/ARCHITECTURE.md "When to draft").
     """
 
     def __init__(self, target: TargetPeer, draft: DraftPeer, *, max_sessions: int,
@@ -316,8 +314,6 @@ class Scheduler:
         self.budget_now = 0
         self.drafting = False
         #: when to draft (orchestrator.policy): measured per batch bucket, or None: whenever a drafter is up
-        if draft_policy == "auto":
-            draft_policy = "measured" if self.info.device.startswith("cuda") else "always"
         self.policy: DraftPolicy | None = DraftPolicy() if draft_policy == "measured" else None
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
         self._thread.start()
