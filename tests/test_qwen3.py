@@ -231,3 +231,30 @@ def test_greedy_lossless_through_the_services(tiny, tmp_path):
             assert spec.stats.drafts > 0 and tree.stats.drafts > 0 and ar.stats.drafts == 0
             accepted += spec.stats.accepted_tokens + tree.stats.accepted_tokens
     assert accepted > 0
+
+
+@pytest.mark.gpu
+def test_gpu_streams_equal_cpu_reference(tmp_path):
+    """On CUDA (skipped elsewhere): the batched engine on a qwen3 target with the Triton kernels
+    (the q/k norm through ``kernels.norm``'s Triton RMSNorm), CUDA graphs on and off, float32 ==
+    the CPU reference engine; bf16 graphs on: chains and trees == the same engine's target-only
+    decoding (width invariance)."""
+    tiny = write_tiny_qwen3(tmp_path / "q3.gguf", hidden=128, heads=4, kv_heads=2, head_dim=64, layers=4, seed=6, std=0.05)
+    cpu = load_model(tiny.path)
+    s, n, layers = GREEDY, 32, [1, 2]
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, tiny.vocab, (k,), generator=gen).tolist() for k in (5, 70, 300)]
+    ref = TargetEngine(cpu, max_sessions=2, max_context=512, max_tree_width=32, max_tree_depth=10)
+    want = [ar_stream(ref, "r", p, s, n, layers)[0] for p in prompts]
+    base = dict(max_sessions=4, max_context=512, max_tree_width=32, max_tree_depth=10, batch_buckets=(1, 2, 4),
+                width_buckets=(1, 4, 8, 16, 32), feature_layers=layers, prefill_chunk=64)
+    gpu = load_model(tiny.path, device="cuda")
+    for graphs in (True, False):
+        engine = BatchedEngine(gpu, cuda_graphs=graphs, **base)
+        assert speculative_streams(engine, prompts, s, want, n, layers=layers)[0] == want
+        assert [ar_stream(engine, "a", p, s, n, layers)[0] for p in prompts] == want
+    on16 = BatchedEngine(load_model(tiny.path, device="cuda", dtype=torch.bfloat16), cuda_graphs=True, **base)
+    ar16 = [ar_stream(on16, "a", p, s, n, layers)[0] for p in prompts]
+    assert speculative_streams(on16, prompts, s, ar16, n, layers=layers, decoys=True, seed=3)[0] == ar16
+    assert speculative_streams(on16, prompts, s, ar16, n, layers=layers, decoys=False)[0] == ar16
+    assert on16.captures == len(on16._runners) + len(on16._prefill_runners)
