@@ -187,6 +187,34 @@ def test_batched_engine_equals_reference(tiny_model, temperature, top_k, top_p):
     assert engine.pool.free == engine.max_sessions
 
 
+def test_training_a_drafter_for_a_qwen3_target(tiny, tmp_path):
+    """``training.train`` on a qwen3 target (its transformers twin, with head_dim != 128, gives
+    the responses and features): the loss falls, and the exported drafter loads for the target."""
+    from draft_service.gguf_io import load_drafter
+    from training.data import SequenceData, generate_responses, load_hf_target
+    from training.train import list_checkpoints, parse_args, train
+
+    hf = load_hf_target(tiny.path)
+    assert hf.config.head_dim == 32
+    gen = torch.Generator().manual_seed(4)
+    prompts = [[1] + torch.randint(3, tiny.vocab, (int(n),), generator=gen).tolist()
+               for n in torch.randint(3, 12, (12,), generator=gen)]
+    responses = generate_responses(hf, prompts, max_new_tokens=40, batch_size=6, eos_token_ids=[tiny.eos_id],
+                                   pad_token_id=tiny.pad_id, progress=False)
+    args = parse_args([
+        "--target", tiny.path, "--out-dir", str(tmp_path / "run"), "--device", "cpu", "--no-progress",
+        "--layers", "1", "--block-size", "8", "--num-target-layers", "2", "--steps", "40", "--seq-per-step", "4",
+        "--batch-anchors", "8", "--lr", "3e-3", "--warmup-steps", "4", "--eval-prompts", "2",
+        "--eval-max-new-tokens", "8", "--checkpoint-every", "40", "--log-every", "0", "--export-dtype", "f32",
+    ])
+    summary = train(args, sequences=SequenceData.from_lists(prompts, responses, {"kind": "tiny-qwen3"}),
+                    eval_prompts=[[1, 40, 41, 42], [1, 90, 91]])
+    losses = [h["loss"] for h in torch.load(list_checkpoints(args.out_dir)[-1][1], weights_only=False)["history"]]
+    assert summary["steps"] == 40 and sum(losses[-5:]) < 0.7 * sum(losses[:5])
+    drafter = load_drafter(args.output, tiny.path)
+    assert drafter.config.target_architecture == "qwen3" and drafter.config.hidden_size == tiny.hidden
+
+
 def near_rank_one_head(tiny, path: str) -> str:
     """``tiny``'s target with an LM head close to rank one (``a u^T`` plus small noise): the target
     and a random drafter (which borrows the head) then both pick mostly among the same few tokens,
