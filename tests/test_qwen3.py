@@ -1,5 +1,7 @@
-"""Qwen3 dense targets (GGUF architecture ``qwen3``): logits against transformers, the batched
-engine against the reference engine, and greedy lossless decoding through the three services.
+"""Qwen3 dense targets (GGUF architecture ``qwen3``): logits against transformers, the synthetic
+writer, the batched engine against the reference engine (and, with ``-m gpu`` on CUDA, its Triton
+kernels and graphs), a drafter trained for a qwen3 target, and greedy lossless decoding through the
+three services.
 
 Models are random (``fixtures.tiny_models.write_tiny_qwen3``, ``fixtures.synth.write_qwen3``) with
 ``head_dim != hidden / heads`` (as in Qwen3-0.6B); the oracle is ``transformers.Qwen3ForCausalLM``
