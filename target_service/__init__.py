@@ -1,4 +1,4 @@
-"""Target service: the target models (``llama``, ``qwen35``), the reference verify engine, the batched
+"""Target service: the target models (``llama``, ``qwen3``, ``qwen35``), the reference verify engine, the batched
 GPU engine (state pool, bucketed steps, CUDA graphs), the gRPC servicer and ``python -m target_service``.
 
 Stands on :mod:`runtime` (errors, GGUF loading, tokenizer, pool, step loop) and :mod:`kernels`;

@@ -134,7 +134,7 @@ cmd_checks() {
   # test marked gpu
   python3 -m pytest -q -p no:cacheprovider --timeout 900 tests/test_kernels.py 2>&1 | tee "$OUT/gpu-tests.txt"
   python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 900 tests/test_batched_engine_gpu.py tests/test_sampler_kernels.py \
-    tests/test_draft_batched.py tests/test_qwen35_gpu.py 2>&1 | tee -a "$OUT/gpu-tests.txt"
+    tests/test_draft_batched.py tests/test_qwen35_gpu.py tests/test_qwen3.py 2>&1 | tee -a "$OUT/gpu-tests.txt"
 }
 
 cmd_tinychecks() {
@@ -150,7 +150,7 @@ PY
   python3 -m pytest -q -p no:cacheprovider --timeout 900 tests/test_kernels.py tests/test_linear_kernels.py \
     tests/test_conv_kernels.py 2>&1 | tail -15 | tee "$OUT/gpu-tests.txt"
   python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 900 tests/test_batched_engine_gpu.py tests/test_sampler_kernels.py \
-    tests/test_draft_batched.py tests/test_qwen35_gpu.py 2>&1 | tail -25 | tee -a "$OUT/gpu-tests.txt"
+    tests/test_draft_batched.py tests/test_qwen35_gpu.py tests/test_qwen3.py 2>&1 | tail -25 | tee -a "$OUT/gpu-tests.txt"
   python3 -m bench.gpu engine --model "$DFLASH_MODEL" --name llama-smollm2-shape --reps 2 --out "$OUT/tiny-engine.json" 2>&1 | tail -8
   timeout 420 python3 -m client.cli bench --device cuda --model "$DFLASH_MODEL" --prompts 4 --max-tokens 64 \
     --configs ar,chain,tree:16:4 --json "$OUT/tiny-e2e.json" --out "$OUT/tiny-e2e.txt" 2>&1 | tail -15

@@ -383,12 +383,19 @@ def load_prompts_file(path: str | os.PathLike[str]) -> dict[str, list[str]]:
 
 def load_hf_target(path: str | os.PathLike[str], device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
     """``transformers.AutoModelForCausalLM`` loaded from the target GGUF (dequantized), in eval
-    mode on ``device``; its ``config`` and weights match :class:`target_service.models.llama.LlamaModel`."""
+    mode on ``device``; its ``config`` and weights match :class:`target_service.models.llama.LlamaModel`.
+    For ``qwen3`` the head size is passed from ``qwen3.attention.key_length`` (transformers' GGUF
+    config map for qwen3 drops it and would take Qwen3Config's default, 128)."""
     import transformers
 
+    from runtime.gguf_loader import open_gguf
+
     path = os.fspath(path)
+    g = open_gguf(path)
+    extra = {"head_dim": int(g.get("{arch}.attention.key_length"))} \
+        if g.architecture == "qwen3" and g.get("{arch}.attention.key_length") else {}
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path), dtype=dtype
+        os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path), dtype=dtype, **extra
     )
     return model.to(device).eval()
 

@@ -13,18 +13,21 @@ import torch
 from runtime.gguf_loader import GGUFError, GGUFFile, open_gguf
 
 #: GGUF ``general.architecture`` values the target service runs.
-ARCHITECTURES = ("llama", "qwen35")
+ARCHITECTURES = ("llama", "qwen3", "qwen35")
 
 
 def load_model(g: GGUFFile | str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, progress: bool = False):
-    """Load the model of a GGUF file (``LlamaModel`` or ``Qwen35Model``).
+    """Load the model of a GGUF file (``LlamaModel`` for ``llama`` and ``qwen3``, ``Qwen35Model``).
 
     Raises:
-        GGUFError: an architecture not in :data:`ARCHITECTURES`, or a malformed file.
+        GGUFError: an architecture not in :data:`ARCHITECTURES`, a DFlash drafter file (its
+            architecture is ``qwen3`` too), or a malformed file.
     """
     if not isinstance(g, GGUFFile):
         g = open_gguf(g)
-    if g.architecture == "llama":
+    if g.get("{arch}.dflash.block_size") is not None:
+        raise GGUFError(f"{g.path} is a DFlash drafter, not a target model")
+    if g.architecture in ("llama", "qwen3"):
         from target_service.models.llama import LlamaModel
 
         return LlamaModel.from_gguf(g, device=device, dtype=dtype, progress=progress)

@@ -1,4 +1,5 @@
-"""The ``llama`` architecture (attention-only decoder: SmolLM2, Llama 2/3 and the like), plain PyTorch.
+"""The ``llama`` and ``qwen3`` architectures (attention-only decoders: SmolLM2, Llama 2/3, Qwen3
+dense and the like), plain PyTorch.
 
 One forward serves prefill and tree verify: ``T`` new tokens at given positions attend to the
 committed KV cache ``[0, L)`` and, among themselves, to what ``mask`` allows (causal for a prefill
@@ -12,6 +13,14 @@ GGUF facts (llama.cpp ``convert_hf_to_gguf.py``, ``LlamaModel.permute``): the ro
 permutation on load (as transformers' GGUF loader does, ``reverse_permute``) and apply rotary in
 the HF "rotate_half" (NeoX) form, so the weights and activations match
 ``transformers.LlamaForCausalLM`` loaded from the same file.
+
+``qwen3`` (llama.cpp ``LLM_ARCH_QWEN3``; converter ``Qwen3Model(Qwen2Model)``) is the same decoder
+plus a per-head RMSNorm of q and k (``blk.{i}.attn_q_norm`` / ``attn_k_norm``, ``[head_dim]``, stored
+as is, the layer's RMS eps) applied before the rotary embedding, and ``head_dim`` from
+``qwen3.attention.key_length`` (it may differ from ``hidden / heads``: Qwen3-0.6B has 1024 / 16 heads
+and head_dim 128). Its converter does not permute q/k rows (NeoX rotary in llama.cpp), so nothing is
+un-permuted. One class runs both (:attr:`LlamaConfig.qk_norm` switches the norm on), so the batched
+GPU engine runs a qwen3 model through the same ``layers_forward``, kernels and graphs.
 """
 
 from __future__ import annotations
@@ -32,9 +41,17 @@ from target_service.models.kv_cache import KVCache
 log = logging.getLogger(__name__)
 
 
+#: GGUF architectures this module runs.
+ARCHITECTURES = ("llama", "qwen3")
+
+
 @dataclasses.dataclass
 class LlamaConfig:
-    """Shapes and constants of a llama model, from GGUF ``llama.*`` metadata."""
+    """Shapes and constants of a llama or qwen3 model, from GGUF ``{arch}.*`` metadata.
+
+    ``qk_norm``: q and k are RMS-normed per head before the rotary embedding (``qwen3``).
+    ``arch``: the GGUF architecture (``llama`` q/k rows are un-permuted on load).
+    """
 
     vocab_size: int
     hidden_size: int
@@ -48,18 +65,21 @@ class LlamaConfig:
     rope_dim: int
     context_length: int
     tied_embeddings: bool
+    qk_norm: bool = False
+    arch: str = "llama"
 
     @classmethod
     def from_gguf(cls, g: GGUFFile) -> "LlamaConfig":
-        """Read ``llama.*`` keys (``block_count``, ``embedding_length``, ``attention.head_count``,
-        ``attention.head_count_kv``, ``feed_forward_length``, ``attention.layer_norm_rms_epsilon``,
-        ``rope.freq_base``, ``rope.dimension_count``, ``context_length``).
+        """Read ``{arch}.*`` keys (``block_count``, ``embedding_length``, ``attention.head_count``,
+        ``attention.head_count_kv``, ``attention.key_length``, ``feed_forward_length``,
+        ``attention.layer_norm_rms_epsilon``, ``rope.freq_base``, ``rope.dimension_count``,
+        ``context_length``).
 
         Raises:
-            GGUFError: a required key is missing or the architecture is not ``llama``.
+            GGUFError: a required key is missing or the architecture is not ``llama`` / ``qwen3``.
         """
-        if g.architecture != "llama":
-            raise GGUFError(f"expected architecture llama, got {g.architecture}")
+        if g.architecture not in ARCHITECTURES:
+            raise GGUFError(f"expected architecture llama or qwen3, got {g.architecture}")
         hidden = int(g.require("{arch}.embedding_length"))
         heads = int(g.require("{arch}.attention.head_count"))
         head_dim = int(g.get("{arch}.attention.key_length", hidden // heads))
@@ -78,6 +98,8 @@ class LlamaConfig:
             rope_dim=int(g.get("{arch}.rope.dimension_count", head_dim)),
             context_length=int(g.get("{arch}.context_length", 4096)),
             tied_embeddings=not g.has_tensor("output.weight"),
+            qk_norm=g.architecture == "qwen3",
+            arch=g.architecture,
         )
 
 
@@ -130,12 +152,13 @@ class SessionKV:
 
 
 class LlamaModel:
-    """Weights and forward of a llama model; stateless apart from the caches it is given.
+    """Weights and forward of a llama or qwen3 model; stateless apart from the caches it is given.
 
     Args:
         cfg: the config.
         weights: name -> tensor in GGUF tensor names (``token_embd.weight``, ``blk.{i}.attn_q.weight``,
-            ...), PyTorch order, rotary rows of q/k already un-permuted.
+            ...; with ``cfg.qk_norm`` also ``blk.{i}.attn_q_norm.weight`` / ``attn_k_norm.weight``),
+            PyTorch order, rotary rows of q/k already un-permuted.
         device, dtype: where and in which float type to compute (float32 on CPU is the reference).
     """
 
@@ -163,10 +186,12 @@ class LlamaModel:
                     "down": w(p + "ffn_down.weight"),
                 }
             )
+            if cfg.qk_norm:
+                self.layers[-1].update(q_norm=w(p + "attn_q_norm.weight"), k_norm=w(p + "attn_k_norm.weight"))
 
     @classmethod
     def from_gguf(cls, g: GGUFFile | str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, progress: bool = False) -> "LlamaModel":
-        """Load and dequantize a llama GGUF (un-permuting q/k rotary rows).
+        """Load and dequantize a llama GGUF (un-permuting q/k rotary rows) or a qwen3 GGUF.
 
         Raises:
             GGUFError: wrong architecture, missing key or tensor.
@@ -177,6 +202,8 @@ class LlamaModel:
         names = ["token_embd.weight", "output_norm.weight"] + ([] if cfg.tied_embeddings else ["output.weight"])
         for i in range(cfg.num_layers):
             names += [f"blk.{i}.{n}.weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")]
+            if cfg.qk_norm:
+                names += [f"blk.{i}.attn_q_norm.weight", f"blk.{i}.attn_k_norm.weight"]
         weights = {}
         it = names
         if progress:
@@ -185,9 +212,10 @@ class LlamaModel:
             it = tqdm(names, desc="loading target", unit="tensor", leave=False)
         for name in it:
             t = g.load_tensor(name, dtype=torch.float32 if dtype == torch.float64 else dtype, device=device)
-            if name.endswith("attn_q.weight"):
+            permuted = cfg.arch == "llama"           # qwen3's converter keeps HF row order
+            if permuted and name.endswith("attn_q.weight"):
                 t = unpermute_rotary_rows(t, cfg.num_heads)
-            elif name.endswith("attn_k.weight"):
+            elif permuted and name.endswith("attn_k.weight"):
                 t = unpermute_rotary_rows(t, cfg.num_kv_heads)
             weights[name] = t.to(dtype)
         return cls(cfg, weights, device, dtype)
@@ -229,6 +257,8 @@ class LlamaModel:
             q = qkv[:, :q_size].reshape(n, c.num_heads, c.head_dim)
             k = qkv[:, q_size : q_size + kv_size].reshape(n, c.num_kv_heads, c.head_dim)
             v = qkv[:, q_size + kv_size :].reshape(n, c.num_kv_heads, c.head_dim)
+            if c.qk_norm:                            # qwen3: per-head RMSNorm before the rotary
+                q, k = rms_norm(q, lw["q_norm"], c.rms_eps), rms_norm(k, lw["k_norm"], c.rms_eps)
             x, h = add_rms_norm(x, linear(backend.attend(i, q, k, v, scale, cos, sin), lw["o"]), lw["ffn_norm"], c.rms_eps)
             x, h = mlp_then_norm(x, h, lw, self.layers[i + 1]["attn_norm"] if i + 1 < len(self.layers) else self.norm, c.rms_eps)
             if i in want:
