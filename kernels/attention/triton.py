@@ -88,11 +88,13 @@ def _pool_attention_kernel(
         col_ok = cols < hi
         if CAUSAL:
             krow = cols
+        elif start + BLOCK_N <= L:
+            krow = cols.to(tl.int64)   # a block of the context alone: no ancestor lookup (the rows below give the same)
         else:
             # position P >= L holds the ancestor of depth P - L, at scratch row L + its index
             e = cols - L
             hit = (bit[None, :] != 0) & (rank[None, :] == e[:, None])
-            krow = tl.where(e < 0, cols, L + tl.sum(tl.where(hit, jw[None, :], 0), 1))
+            krow = tl.where(e < 0, cols, L + tl.sum(tl.where(hit, jw[None, :], 0), 1)).to(tl.int64)
         kt = tl.load(k_ptr + base + krow[None, :].to(tl.int64) * skr + d[:, None], mask=col_ok[None, :], other=0.0)
         if IEEE:
             s = tl.dot(q, kt, input_precision="ieee")
