@@ -13,7 +13,7 @@ dequantize-then-matmul path beyond. Tolerances: float32 activations, so the kern
 IEEE float32 and differ from the reference (dequantize + float32 matmul) only in summation
 order: 1e-3 relative for single products (the issue's bound), 1e-4 relative (Frobenius) for the
 whole model's logits; the reference dispatch (the CPU path) gives the dequantized model's logits
-to 1e-6. GPU checks (bf16, SmolLM2 Q4_1) are in tests/test_batched_engine_gpu.py.
+to 1e-6 (1e-5 where a PackedWeight splits a matmul into BLAS calls of other shapes). GPU checks (bf16, SmolLM2 Q4_1) are in tests/test_batched_engine_gpu.py.
 """
 
 from __future__ import annotations
@@ -175,13 +175,13 @@ def _forward(model, tokens):
 
 def test_whole_model_logits_match_the_dequantized_model(models, request):
     """Prefills of 7 and 70 tokens (the skinny path and the many-rows path): the quantized model's
-    logits against the model dequantized at load, with the CPU dispatch (1e-6) and the Triton
+    logits against the model dequantized at load, with the CPU dispatch (1e-5) and the Triton
     dispatch (1e-4 relative, float32 summation order), and the same greedy choices."""
     mq, mb = models
     for n in (7, 70):
         tokens = [(37 * i + 11) % mq.cfg.vocab_size for i in range(n)]
         want = _forward(mb, tokens)
-        assert rel(_forward(mq, tokens), want) <= 1e-6
+        assert rel(_forward(mq, tokens), want) <= 1e-5                  # layer 0's qkv is a PackedWeight
     request.getfixturevalue("triton_quant")
     for n in (7, 70):
         tokens = [(37 * i + 11) % mq.cfg.vocab_size for i in range(n)]
@@ -227,3 +227,58 @@ def test_smollm2_q4_1_quantized_equals_dequantized_at_load(smollm_path, smollm_m
     assert mq.embed.qtype.name == "Q8_0" and mq.layers[0]["qkv"].qtype.name == "Q4_1"
     tokens = [1, 504, 3458, 282, 4649, 314]
     assert rel(_forward(mq, tokens), _forward(smollm_model, tokens)) <= 1e-6
+
+
+def test_service_flag_picks_the_weights(tiny_q, caplog):
+    """``--weights`` reaches the loader: quantized blocks when asked, the CPU default dequantizes;
+    the load is logged with the resident bytes."""
+    from target_service.__main__ import build_engine, build_parser
+    from runtime.config import from_args
+    from target_service.config import TargetConfig
+
+    cfg = from_args(TargetConfig, build_parser().parse_args(["--weights", "quantized", "--max-sessions", "1"]))
+    assert cfg.weights == "quantized"
+    with caplog.at_level(logging.INFO, logger="target_service"):
+        eng, _ = build_engine(tiny_q, cfg, max_context=64)
+    assert isinstance(eng.model.embed, QuantizedWeight)
+    rec = next(r for r in caplog.records if r.getMessage() == "weights loaded")
+    assert rec.weights == "quantized" and rec.weight_bytes == weight_bytes(eng.model) and rec.file_bytes > 0
+    dense, _ = build_engine(tiny_q, max_sessions=1, max_context=64)
+    assert isinstance(dense.model.embed, torch.Tensor) and weight_bytes(dense.model) > 4 * rec.weight_bytes
+
+
+@pytest.fixture(scope="module")
+def tiny_q35(tmp_path_factory, tiny_q):
+    """A qwen35 file in the synthetic Q4_K_M-like mix (``fixtures.synth``: Q4_K projections with
+    ``K`` a multiple of 256, Q8_0 ``ssm_alpha`` / ``ssm_beta`` and LM head, F16 conv kernel)."""
+    import dataclasses
+
+    from fixtures.synth import PRESETS, write_qwen35
+
+    cfg = dataclasses.replace(PRESETS["tiny"], hidden_size=256, intermediate_size=256, num_hidden_layers=4)
+    path = str(tmp_path_factory.mktemp("q35") / "q35-q4k.gguf")
+    write_qwen35(path, cfg, dtype="q4_k", seed=3, tokenizer_from=tiny_q, progress=False, std=0.05)
+    return path
+
+
+def test_qwen35_quantized_equals_dequantized(tiny_q35):
+    """The hybrid model: ``in_proj`` packs Q4_K ``attn_qkv`` / ``attn_gate`` with Q8_0 ``ssm_beta`` /
+    ``ssm_alpha`` (a PackedWeight), the untied Q8_0 LM head, Q4_K embedding; logits of a prefill
+    equal the dequantized model's (CPU dispatch), and the batched engine's greedy tokens too."""
+    from target_service.batched_engine import BatchedEngine
+    from target_service.engine import Sampling
+    from tests.test_batched_engine import ar_stream
+
+    mq, mb = load_model(tiny_q35, weights="quantized"), load_model(tiny_q35, weights="bf16")
+    gdn = mq.layers[0]
+    assert isinstance(gdn["in_proj"], PackedWeight)
+    assert [p.qtype.name for p in gdn["in_proj"].parts] == ["Q4_K", "Q8_0"]
+    assert isinstance(gdn["conv"], torch.Tensor) and mq.lm_head.qtype.name == "Q8_0" and mq.embed.qtype.name == "Q4_K"
+    assert mq.layers[3]["qkv"].qtype.name == "Q4_K"                                   # the attention layer
+    tokens = [(53 * i + 7) % mq.cfg.vocab_size for i in range(9)]
+    # 1e-5: the packed parts' matmuls are separate BLAS calls (another float32 summation order)
+    assert rel(_forward(mq, tokens), _forward(mb, tokens)) <= 1e-5
+    kw = dict(max_sessions=1, max_context=64, max_tree_width=8, max_tree_depth=8)
+    s = Sampling.checked(0.0, 0, 0.0, 0)
+    assert ar_stream(BatchedEngine(mq, **kw), "q", tokens, s, 8, layers=[])[0] == \
+        ar_stream(BatchedEngine(mb, **kw), "b", tokens, s, 8, layers=[])[0]
