@@ -57,9 +57,10 @@ def load_weights(g: GGUFFile, names: Iterable[str], dtype: torch.dtype, device: 
     With ``quantized``, a tensor ``keep_quantized(name)`` accepts that is stored in one of
     :data:`kernels.quant.QTYPES` is copied to ``device`` as its blocks (no float copy is made);
     every other tensor is dequantized as :meth:`GGUFFile.load_tensor` does, to float32 where
-    ``float32(name)``, else to ``dtype``. One warning names the block-quantized types of ``names``
-    that were dequantized although ``quantized`` was asked (types the kernels do not read, such as
-    Q2_K, Q3_K, the IQ types). Without ``quantized``: every tensor dequantized, as before.
+    ``float32(name)``, else to ``dtype``. One warning names the block-quantized types of the
+    tensors ``keep_quantized`` accepts that were dequantized although ``quantized`` was asked
+    (types the kernels do not read, such as Q2_K, Q3_K, the IQ and TQ types). Without
+    ``quantized``: every tensor dequantized, as before.
 
     Raises:
         GGUFError: a tensor is missing or unreadable.
@@ -74,11 +75,12 @@ def load_weights(g: GGUFFile, names: Iterable[str], dtype: torch.dtype, device: 
     fallback: set[str] = set()
     for name in it:
         t = g.tensor_info(name).type_name
-        if quantized and keep_quantized(name) and t in QTYPES:
+        keep = quantized and keep_quantized(name)
+        if keep and t in QTYPES:
             raw = g.load_raw(name, device=device)
             out[name] = QuantizedWeight(raw.data.reshape(raw.shape[0], -1), raw.qtype, raw.shape)
             continue
-        if quantized and t not in FLOAT_TYPES:
+        if keep and t not in FLOAT_TYPES:
             fallback.add(t)
         out[name] = g.load_tensor(name, dtype=torch.float32 if float32(name) else dtype, device=device)
     if fallback:
