@@ -282,3 +282,16 @@ def test_qwen35_quantized_equals_dequantized(tiny_q35):
     s = Sampling.checked(0.0, 0, 0.0, 0)
     assert ar_stream(BatchedEngine(mq, **kw), "q", tokens, s, 8, layers=[])[0] == \
         ar_stream(BatchedEngine(mb, **kw), "b", tokens, s, 8, layers=[])[0]
+
+
+def test_qwen3_quantized_equals_dequantized(tmp_path):
+    """``qwen3`` (the llama class with q/k norms, rows not permuted): Q8_0 projections kept as
+    blocks, the per-head norms float; logits equal the dequantized model's (CPU dispatch)."""
+    from fixtures.tiny_models import write_tiny_qwen3
+
+    path = str(tmp_path / "qwen3-q8.gguf")
+    write_tiny_qwen3(path, layers=2, tensor_type=T.Q8_0)
+    mq, mb = load_model(path, weights="quantized"), load_model(path, weights="bf16")
+    assert mq.layers[0]["qkv"].qtype.name == "Q8_0" and isinstance(mq.layers[0]["q_norm"], torch.Tensor)
+    tokens = [(31 * i + 5) % mq.cfg.vocab_size for i in range(8)]
+    assert rel(_forward(mq, tokens), _forward(mb, tokens)) <= 1e-5
