@@ -122,20 +122,24 @@ class _Timer:
         self._cls.run = self._orig
 
 
-def _weights(model) -> list[torch.Tensor]:
-    """The model's weight tensors, each once (a tied LM head is the embedding)."""
-    seen, out = set(), []
-    for t in [model.embed, model.lm_head, model.norm] + [x for lw in model.layers for x in lw.values()]:
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
+def _weights(model) -> list:
+    """The model's weights, each once (a tied LM head is the embedding): float tensors,
+    ``kernels.quant.QuantizedWeight`` / ``PackedWeight`` (``--weights quantized``)."""
+    from target_service.models.weights import model_weights
+
+    return model_weights(model)
+
+
+def _numel(w) -> int:
+    """Elements (parameters) of a weight of any form (a quantized one by its logical shape)."""
+    return w.numel() if isinstance(w, torch.Tensor) else int(w.shape[0]) * int(w.shape[1])
 
 
 def bench_engine(path: str, name: str, reps: int = 5, hf: bool = False, max_context: int = 2048,
                  batch_buckets=(1, 4, 16), width_buckets=(1, 4, 8, 16, 32, 64), log=print,
-                 drafter: bool = True, drafter_path: str | None = None) -> dict:
-    """Everything ``engine`` measures for one GGUF (module docstring); returns a JSON-able dict."""
+                 drafter: bool = True, drafter_path: str | None = None, weights: str = "auto") -> dict:
+    """Everything ``engine`` measures for one GGUF (module docstring); returns a JSON-able dict.
+    ``weights``: the target's ``--weights`` (auto: quantized blocks on CUDA)."""
     from target_service.batched_engine import BatchedEngine
     from target_service.engine import Sampling
     from runtime.gguf_loader import open_gguf
@@ -149,15 +153,18 @@ def bench_engine(path: str, name: str, reps: int = 5, hf: bool = False, max_cont
     base = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
     g = open_gguf(path)
-    model = load_model(g, device=dev, dtype=torch.bfloat16, progress=True)
+    model = load_model(g, device=dev, dtype=torch.bfloat16, progress=True, weights=weights)
+    out["weights"] = weights
     out["arch"] = g.architecture
     out["load_s"] = time.perf_counter() - t0
     weights = torch.cuda.memory_allocated() - base
-    wbytes = sum(t.numel() * t.element_size() for t in _weights(model))
+    from target_service.models.weights import weight_bytes
+
+    wbytes = weight_bytes(model)
     out["weight_bytes"] = wbytes
-    out["params"] = sum(t.numel() for t in _weights(model))
+    out["params"] = sum(_numel(t) for t in _weights(model))
     out["floor_tok_s"] = bw / wbytes
-    log(f"[{name}] loaded {out['params'] / 1e9:.3f}B params, {wbytes / 2**30:.2f} GiB bf16 in {out['load_s']:.1f} s; "
+    log(f"[{name}] loaded {out['params'] / 1e9:.3f}B params, {wbytes / 2**30:.2f} GiB ({weights}) in {out['load_s']:.1f} s; "
         f"copy {bw / 1e12:.2f} TB/s -> floor {out['floor_tok_s']:.0f} tok/s")
     taps = [1, max(1, model.cfg.num_layers // 2), model.cfg.num_layers - 3] if g.architecture == "llama" else []
     engine = BatchedEngine(model, max_sessions=16, max_context=max_context, max_tree_width=64, max_tree_depth=63,
@@ -919,6 +926,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--out", required=True)
     e.add_argument("--hf", action="store_true", help="also time transformers on the same file")
     e.add_argument("--reps", type=int, default=5)
+    e.add_argument("--weights", choices=["auto", "bf16", "quantized"], default="auto",
+                   help="the target's weights: GGUF blocks (auto / quantized) or dequantized to bf16")
     e.add_argument("--max-context", type=int, default=2048)
     e.add_argument("--no-drafter", dest="drafter", action="store_false", help="skip the drafter's propose timing")
     e.add_argument("--drafter", dest="drafter_path", default=None,
@@ -956,7 +965,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "engine":
         return measure_to_json(lambda: bench_engine(args.model, args.name, reps=args.reps, hf=args.hf, max_context=args.max_context,
                                                     log=lambda m: print(m, flush=True), drafter=args.drafter,
-                                                    drafter_path=args.drafter_path))
+                                                    drafter_path=args.drafter_path, weights=args.weights))
     elif args.cmd == "drafter":
         return measure_to_json(lambda: {"drafter_of": args.name, "draft_propose": drafter_timing(
             args.model, args.drafter_path, log=lambda m: print(f"[{args.name}] {m}", flush=True))})

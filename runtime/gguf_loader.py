@@ -205,7 +205,9 @@ def write_gguf(
             ``(value, GGUFValueType.X)`` to force a type.
         tensors: name -> tensor in PyTorch order (``[out, in]`` for a linear weight).
         tensor_types: per-name storage type; others use ``default_type``. Quantized types are
-            made with ``gguf.quants.quantize``; 1-D tensors are always stored F32.
+            made with ``gguf.quants.quantize``; 1-D tensors are always stored F32. A tensor given
+            as a ``uint8`` numpy array ``[N, K / QK * BS]`` is written as is, as the blocks of its
+            (quantized) type in ``tensor_types`` (the types gguf-py cannot quantize: k-quants).
     """
     tensor_types = dict(tensor_types or {})
     writer = gguf.GGUFWriter(os.fspath(path), arch)
@@ -233,6 +235,11 @@ def write_gguf(
         else:
             raise TypeError(f"metadata {key!r}: unsupported value type {type(value).__name__}")
     for name, value in tensors.items():
+        qtype = tensor_types.get(name, default_type)
+        if isinstance(value, np.ndarray) and value.dtype == np.uint8 and qtype not in (
+                GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            writer.add_tensor(name, np.ascontiguousarray(value), raw_dtype=qtype)
+            continue
         arr = value.detach().float().cpu().numpy() if hasattr(value, "detach") else np.asarray(value, np.float32)
         qtype = tensor_types.get(name, default_type)
         if arr.ndim == 1:

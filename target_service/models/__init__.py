@@ -16,13 +16,23 @@ from runtime.gguf_loader import GGUFError, GGUFFile, open_gguf
 ARCHITECTURES = ("llama", "qwen3", "qwen35")
 
 
-def load_model(g: GGUFFile | str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, progress: bool = False):
+def load_model(g: GGUFFile | str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, progress: bool = False,
+               weights: str = "bf16"):
     """Load the model of a GGUF file (``LlamaModel`` for ``llama`` and ``qwen3``, ``Qwen35Model``).
+
+    ``weights`` (:data:`target_service.models.weights.WEIGHT_MODES`): ``bf16`` dequantizes every
+    tensor to ``dtype`` at load; ``quantized`` keeps the block-quantized projection, embedding and
+    LM head tensors of the supported types as GGUF blocks on ``device``; ``auto`` is quantized on
+    CUDA and bf16 elsewhere (:func:`~target_service.models.weights.resolve_weights`).
 
     Raises:
         GGUFError: an architecture not in :data:`ARCHITECTURES`, a DFlash drafter file (its
             architecture is ``qwen3`` too), or a malformed file.
+        ValueError: an unknown ``weights`` mode.
     """
+    from target_service.models.weights import resolve_weights
+
+    quantized = resolve_weights(weights, device) == "quantized"
     if not isinstance(g, GGUFFile):
         g = open_gguf(g)
     if g.get("{arch}.dflash.block_size") is not None:
@@ -30,9 +40,9 @@ def load_model(g: GGUFFile | str, device: str | torch.device = "cpu", dtype: tor
     if g.architecture in ("llama", "qwen3"):
         from target_service.models.llama import LlamaModel
 
-        return LlamaModel.from_gguf(g, device=device, dtype=dtype, progress=progress)
+        return LlamaModel.from_gguf(g, device=device, dtype=dtype, progress=progress, quantized=quantized)
     if g.architecture == "qwen35":
         from target_service.models.qwen35 import Qwen35Model
 
-        return Qwen35Model.from_gguf(g, device=device, dtype=dtype, progress=progress)
+        return Qwen35Model.from_gguf(g, device=device, dtype=dtype, progress=progress, quantized=quantized)
     raise GGUFError(f"architecture {g.architecture!r} is not supported (supported: {', '.join(ARCHITECTURES)})")

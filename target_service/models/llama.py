@@ -33,10 +33,12 @@ import torch
 
 from kernels.attention import tree_attention
 from kernels.linear import linear
+from kernels.quant import embedding
 from kernels.norm import add_rms_norm, rms_norm
 from target_service.models.layers import apply_rope_rows, mlp_then_norm, rope_cos_sin
 from runtime.gguf_loader import GGUFError, GGUFFile, open_gguf, vocab_size
 from target_service.models.kv_cache import KVCache
+from target_service.models.weights import load_weights, pack_rows, permute_rows, place
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +160,9 @@ class LlamaModel:
         cfg: the config.
         weights: name -> tensor in GGUF tensor names (``token_embd.weight``, ``blk.{i}.attn_q.weight``,
             ...; with ``cfg.qk_norm`` also ``blk.{i}.attn_q_norm.weight`` / ``attn_k_norm.weight``),
-            PyTorch order, rotary rows of q/k already un-permuted.
+            PyTorch order, rotary rows of q/k already un-permuted; a 2-D weight may be a
+            :class:`kernels.quant.QuantizedWeight` (kept as GGUF blocks; ``qkv`` / ``gate_up`` are
+            then packed by :func:`~target_service.models.weights.pack_rows`).
         device, dtype: where and in which float type to compute (float32 on CPU is the reference).
     """
 
@@ -168,7 +172,7 @@ class LlamaModel:
         self.dtype = dtype
 
         def w(name: str) -> torch.Tensor:
-            return weights[name].to(device=self.device, dtype=dtype).contiguous()
+            return place(weights[name], self.device, dtype)
 
         self.embed = w("token_embd.weight")
         self.lm_head = self.embed if cfg.tied_embeddings else w("output.weight")
@@ -179,10 +183,10 @@ class LlamaModel:
             self.layers.append(
                 {
                     "attn_norm": w(p + "attn_norm.weight"),
-                    "qkv": torch.cat([w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")]).contiguous(),
+                    "qkv": pack_rows([w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")]),
                     "o": w(p + "attn_output.weight"),
                     "ffn_norm": w(p + "ffn_norm.weight"),
-                    "gate_up": torch.cat([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")]).contiguous(),
+                    "gate_up": pack_rows([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")]),
                     "down": w(p + "ffn_down.weight"),
                 }
             )
@@ -190,8 +194,12 @@ class LlamaModel:
                 self.layers[-1].update(q_norm=w(p + "attn_q_norm.weight"), k_norm=w(p + "attn_k_norm.weight"))
 
     @classmethod
-    def from_gguf(cls, g: GGUFFile | str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, progress: bool = False) -> "LlamaModel":
-        """Load and dequantize a llama GGUF (un-permuting q/k rotary rows) or a qwen3 GGUF.
+    def from_gguf(cls, g: GGUFFile | str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, progress: bool = False,
+                  quantized: bool = False) -> "LlamaModel":
+        """Load a llama GGUF (un-permuting q/k rotary rows) or a qwen3 GGUF: every tensor
+        dequantized to ``dtype``, or with ``quantized`` the 2-D weights of the types of
+        :data:`kernels.quant.QTYPES` kept as GGUF blocks on ``device``
+        (:func:`~target_service.models.weights.load_weights`).
 
         Raises:
             GGUFError: wrong architecture, missing key or tensor.
@@ -204,20 +212,15 @@ class LlamaModel:
             names += [f"blk.{i}.{n}.weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")]
             if cfg.qk_norm:
                 names += [f"blk.{i}.attn_q_norm.weight", f"blk.{i}.attn_k_norm.weight"]
-        weights = {}
-        it = names
-        if progress:
-            from tqdm import tqdm
-
-            it = tqdm(names, desc="loading target", unit="tensor", leave=False)
-        for name in it:
-            t = g.load_tensor(name, dtype=torch.float32 if dtype == torch.float64 else dtype, device=device)
-            permuted = cfg.arch == "llama"           # qwen3's converter keeps HF row order
+        weights = load_weights(g, names, torch.float32 if dtype == torch.float64 else dtype, device, quantized,
+                               keep_quantized=lambda name: not name.endswith("norm.weight"), progress=progress)
+        permuted = cfg.arch == "llama"               # qwen3's converter keeps HF row order
+        for name, t in weights.items():
             if permuted and name.endswith("attn_q.weight"):
-                t = unpermute_rotary_rows(t, cfg.num_heads)
+                t = permute_rows(t, lambda x: unpermute_rotary_rows(x, cfg.num_heads))
             elif permuted and name.endswith("attn_k.weight"):
-                t = unpermute_rotary_rows(t, cfg.num_kv_heads)
-            weights[name] = t.to(dtype)
+                t = permute_rows(t, lambda x: unpermute_rotary_rows(x, cfg.num_kv_heads))
+            weights[name] = place(t, t.device, dtype)
         return cls(cfg, weights, device, dtype)
 
     def new_cache(self, max_length: int) -> KVCache:
@@ -297,7 +300,7 @@ class LlamaModel:
         c = self.cfg
         cos, sin = rope_cos_sin(positions, c.rope_dim, c.rope_theta)
         backend = SessionKV(cache, mask)
-        x, feats = self.layers_forward(self.embed[tokens], cos, sin, backend, feature_layers)
+        x, feats = self.layers_forward(embedding(self.embed, tokens, self.dtype), cos, sin, backend, feature_layers)
         features = torch.cat([feats[i] for i in feature_layers], dim=-1) if feature_layers else None
         logits = self.logits(x if logits_rows is None else x[logits_rows])
         return ForwardOutput(logits, backend.new_k, backend.new_v, features)

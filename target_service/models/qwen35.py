@@ -70,9 +70,11 @@ from kernels.gated_delta import gdn_gates, gdn_qkv, gdn_update, recurrent_gated_
 from runtime.gguf_loader import GGUFError, GGUFFile, open_gguf, vocab_size
 from target_service.models.kv_cache import KVCache
 from kernels.linear import linear
+from kernels.quant import embedding
 from kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
 from target_service.models.layers import mlp_then_norm, rope_cos_sin
 from target_service.models.llama import SessionKV
+from target_service.models.weights import load_weights, pack_rows, place
 
 log = logging.getLogger(__name__)
 
@@ -252,12 +254,23 @@ class SessionHybrid(SessionKV):
         return o
 
 
+def _is_projection(name: str) -> bool:
+    """Whether GGUF tensor ``name`` is read by a matmul or the embedding lookup (so it may stay
+    block-quantized); norms, the conv kernel, ``ssm_a`` and ``ssm_dt.bias`` are not."""
+    return name.endswith(("token_embd.weight", "output.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+                          "attn_output.weight", "attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight",
+                          "ssm_alpha.weight", "ssm_out.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"))
+
+
 class Qwen35Model:
     """Weights and forward of a qwen35 model (stateless but for the caches it is given).
 
     Args:
         cfg: the config.
-        weights: GGUF tensor name -> tensor (PyTorch order, GGUF values: ``1+w`` norms, tiled heads).
+        weights: GGUF tensor name -> tensor (PyTorch order, GGUF values: ``1+w`` norms, tiled heads);
+            a projection weight may be a :class:`kernels.quant.QuantizedWeight` (GGUF blocks; the
+            packed ``qkv`` / ``in_proj`` / ``gate_up`` are made by
+            :func:`~target_service.models.weights.pack_rows`).
         device, dtype: where and in which float type to compute (float32 on CPU is the reference).
         rollback: ``"gather"`` or ``"recompute"`` (module docstring).
     """
@@ -272,7 +285,7 @@ class Qwen35Model:
         self.rollback = rollback
 
         def w(name: str, dt: torch.dtype | None = None) -> torch.Tensor:
-            return weights[name].to(device=self.device, dtype=dt or dtype).contiguous()
+            return place(weights[name], self.device, dt or dtype)
 
         self.embed = w("token_embd.weight")
         self.lm_head = self.embed if cfg.tied_embeddings else w("output.weight")
@@ -283,17 +296,17 @@ class Qwen35Model:
             lw = {
                 "attn_norm": w(p + "attn_norm.weight"),
                 "post_norm": w(p + "post_attention_norm.weight"),
-                "gate_up": torch.cat([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")]).contiguous(),
+                "gate_up": pack_rows([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")]),
                 "down": w(p + "ffn_down.weight"),
             }
             if cfg.is_attention(i):
                 lw.update(
-                    qkv=torch.cat([w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")]).contiguous(),
+                    qkv=pack_rows([w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")]),
                     o=w(p + "attn_output.weight"), q_norm=w(p + "attn_q_norm.weight"), k_norm=w(p + "attn_k_norm.weight"),
                 )
             else:
                 lw.update(
-                    in_proj=torch.cat([w(p + "attn_qkv.weight"), w(p + "attn_gate.weight"), w(p + "ssm_beta.weight"), w(p + "ssm_alpha.weight")]).contiguous(),
+                    in_proj=pack_rows([w(p + "attn_qkv.weight"), w(p + "attn_gate.weight"), w(p + "ssm_beta.weight"), w(p + "ssm_alpha.weight")]),
                     conv=w(p + "ssm_conv1d.weight"),
                     a=w(p + "ssm_a", torch.float32).reshape(-1),
                     dt_bias=w(p + "ssm_dt.bias", torch.float32).reshape(-1),
@@ -318,8 +331,11 @@ class Qwen35Model:
 
     @classmethod
     def from_gguf(cls, g: GGUFFile | str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                  progress: bool = False, rollback: str = DEFAULT_ROLLBACK) -> "Qwen35Model":
-        """Load and dequantize a qwen35 GGUF (MTP blocks skipped).
+                  progress: bool = False, rollback: str = DEFAULT_ROLLBACK, quantized: bool = False) -> "Qwen35Model":
+        """Load a qwen35 GGUF (MTP blocks skipped): every tensor dequantized to ``dtype``, or with
+        ``quantized`` the projection weights (and the embedding / LM head) of the types of
+        :data:`kernels.quant.QTYPES` kept as GGUF blocks on ``device``
+        (:func:`~target_service.models.weights.load_weights`).
 
         Raises:
             GGUFError: wrong architecture, missing key or tensor.
@@ -327,14 +343,8 @@ class Qwen35Model:
         if not isinstance(g, GGUFFile):
             g = open_gguf(g)
         cfg = Qwen35Config.from_gguf(g)
-        names = cls.tensor_names(cfg)
-        it = names
-        if progress:
-            from tqdm import tqdm
-
-            it = tqdm(names, desc="loading target", unit="tensor", leave=False)
-        weights = {name: g.load_tensor(name, dtype=torch.float32 if name.endswith(("ssm_a", "ssm_dt.bias")) else dtype, device=device)
-                   for name in it}
+        weights = load_weights(g, cls.tensor_names(cfg), dtype, device, quantized, keep_quantized=_is_projection,
+                               float32=lambda name: name.endswith(("ssm_a", "ssm_dt.bias")), progress=progress)
         return cls(cfg, weights, device, dtype, rollback)
 
     def new_cache(self, max_length: int) -> HybridCache:
@@ -424,7 +434,7 @@ class Qwen35Model:
         c = self.cfg
         cos, sin = rope_cos_sin(positions, c.rope_dim, c.rope_theta)
         backend = SessionHybrid(cache, mask, parents, self.rollback)
-        x, feats = self.layers_forward(self.embed[tokens], cos, sin, backend, feature_layers)
+        x, feats = self.layers_forward(embedding(self.embed, tokens, self.dtype), cos, sin, backend, feature_layers)
         out = HybridForwardOutput(logits=None, new_k=backend.new_k, new_v=backend.new_v, gdn=backend.scratch,
                                   features=None, prefill=parents is None)
         if feature_layers:
