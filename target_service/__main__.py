@@ -61,7 +61,7 @@ def build_engine(model_path: str, config: TargetConfig | None = None, *, progres
             (any of its fields, e.g. ``max_sessions=4``) override them. Its device-dependent
             defaults are decided by :meth:`TargetConfig.resolved`: ``engine`` ``auto`` is batched on
             CUDA and the reference on the CPU, ``dtype`` ``auto`` bfloat16 on CUDA and float32 on
-            the CPU, ``weights`` ``auto`` quantized on CUDA and bf16 on the CPU, ``max_sessions`` None 64 on CUDA and 8 on the CPU (the batched engine may hold
+            the CPU, ``weights`` ``auto`` bf16 (quantized is opt-in), ``max_sessions`` None 64 on CUDA and 8 on the CPU (the batched engine may hold
             fewer if the memory budget is smaller).
         progress: show a progress bar while loading weights and capturing graphs.
 

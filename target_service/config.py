@@ -25,7 +25,8 @@ class TargetConfig:
 
     Device-dependent defaults are ``auto`` / ``None`` and resolved once by :meth:`resolved()`:
     ``dtype`` (bfloat16 on CUDA, float32 on the CPU), ``engine`` (batched on CUDA, reference on the
-    CPU), ``weights`` (quantized on CUDA, bf16 on the CPU), ``max_sessions``
+    CPU), ``weights`` (bf16 on every device until the quantized path has run on a GPU: issue 19),
+    ``max_sessions``
     (:attr:`MAX_SESSIONS_CUDA` / :attr:`MAX_SESSIONS_CPU`).
     """
 
@@ -49,7 +50,8 @@ class TargetConfig:
     weights: str = setting(
         "auto", "GGUF block-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): quantized keeps them "
         "as blocks on the device (fused dequantize-matmul kernels), bf16 dequantizes every tensor to --dtype at load "
-        "(auto: quantized on CUDA, bf16 on the CPU; other quantized types are always dequantized, with a warning)",
+        "(auto: bf16 for now, quantized is opt-in: its CUDA path has not run on a GPU yet; other quantized types are "
+        "always dequantized, with a warning)",
         choices=WEIGHTS)
     max_sessions: int | None = setting(
         None, f"session slots (default {MAX_SESSIONS_CUDA} on CUDA, {MAX_SESSIONS_CPU} on the CPU; "
@@ -90,7 +92,7 @@ class TargetConfig:
             self,
             dtype=("bfloat16" if cuda else "float32") if self.dtype == "auto" else self.dtype,
             engine=("batched" if cuda else "reference") if self.engine == "auto" else self.engine,
-            weights=("quantized" if cuda else "bf16") if self.weights == "auto" else self.weights,
+            weights="bf16" if self.weights == "auto" else self.weights,
             max_sessions=(self.MAX_SESSIONS_CUDA if cuda else self.MAX_SESSIONS_CPU) if self.max_sessions is None
             else self.max_sessions,
         )

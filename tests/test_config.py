@@ -161,9 +161,9 @@ def test_help_of_the_orchestrator_command():
 
 
 def test_device_dependent_defaults_are_resolved_once():
-    assert TargetConfig().resolved("cuda:0") == TargetConfig(dtype="bfloat16", engine="batched", weights="quantized", max_sessions=64)
+    assert TargetConfig().resolved("cuda:0") == TargetConfig(dtype="bfloat16", engine="batched", weights="bf16", max_sessions=64)
     assert TargetConfig().resolved() == TargetConfig(dtype="float32", engine="reference", weights="bf16", max_sessions=8)
-    assert TargetConfig(weights="bf16").resolved("cuda").weights == "bf16"
+    assert TargetConfig(weights="quantized").resolved("cuda").weights == "quantized"
     from target_service.models.weights import WEIGHT_MODES
 
     assert TargetConfig.WEIGHTS == WEIGHT_MODES

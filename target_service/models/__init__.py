@@ -22,8 +22,8 @@ def load_model(g: GGUFFile | str, device: str | torch.device = "cpu", dtype: tor
 
     ``weights`` (:data:`target_service.models.weights.WEIGHT_MODES`): ``bf16`` dequantizes every
     tensor to ``dtype`` at load; ``quantized`` keeps the block-quantized projection, embedding and
-    LM head tensors of the supported types as GGUF blocks on ``device``; ``auto`` is quantized on
-    CUDA and bf16 elsewhere (:func:`~target_service.models.weights.resolve_weights`).
+    LM head tensors of the supported types as GGUF blocks on ``device``; ``auto`` is bf16 for now
+    (:func:`~target_service.models.weights.resolve_weights`).
 
     Raises:
         GGUFError: an architecture not in :data:`ARCHITECTURES`, a DFlash drafter file (its

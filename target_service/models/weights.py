@@ -3,8 +3,8 @@ reference path) or, for GGUF block-quantized tensors, kept as the file's blocks 
 (``quantized``: :class:`kernels.quant.QuantizedWeight`, read by the fused dequantize-matmul;
 docs/ARCHITECTURE.md, "Weights").
 
-* :data:`WEIGHT_MODES`, :func:`resolve_weights`: the ``--weights`` choice (``auto``: quantized on
-  CUDA, dequantized elsewhere).
+* :data:`WEIGHT_MODES`, :func:`resolve_weights`: the ``--weights`` choice (``auto``: dequantized,
+  until the quantized path has run on a GPU; ``quantized`` is opt-in).
 * :func:`load_weights`: a model's tensors from a GGUF file in either form, one warning naming the
   quantized types that had to be dequantized.
 * :func:`place`, :func:`pack_rows`, :func:`permute_rows`: move, stack and permute rows of a weight
@@ -36,7 +36,8 @@ __all__ = ["FLOAT_TYPES", "WEIGHT_MODES", "load_weights", "pack_rows", "permute_
 
 def resolve_weights(mode: str, device: "str | torch.device") -> str:
     """``"bf16"`` (dequantize at load to the model dtype) or ``"quantized"`` for ``mode`` on
-    ``device``: ``auto`` is quantized on CUDA, bf16 elsewhere (the CPU keeps the reference path).
+    ``device``: ``auto`` is bf16 on every device for now (the quantized CUDA path, tested on the
+    CPU under the Triton interpreter, has not run on a GPU yet: issue 19); ``quantized`` is opt-in.
 
     Raises:
         ValueError: ``mode`` not in :data:`WEIGHT_MODES`.
@@ -44,7 +45,7 @@ def resolve_weights(mode: str, device: "str | torch.device") -> str:
     if mode not in WEIGHT_MODES:
         raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {mode!r}")
     if mode == "auto":
-        return "quantized" if torch.device(device).type == "cuda" else "bf16"
+        return "bf16"
     return mode
 
 
