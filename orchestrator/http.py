@@ -56,6 +56,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
+from dflash_grpc.localhop import HopAborted, LocalContext
 from dflash_grpc.transport import MAX_MESSAGE_BYTES, REASON_KEY, TlsConfig
 from dflash_grpc.v1 import generation_pb2, target_pb2
 from orchestrator.servicer import GenerationServicer, RequestError
@@ -114,70 +115,18 @@ def http_error(code: grpc.StatusCode, message: str, reason: str = "") -> HttpErr
 # ------------------------------------------------------------------------------ one generation
 
 
-class _Aborted(Exception):
-    """Raised by :meth:`_Context.abort` inside ``Generate``: the call's status."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, reason: str):
-        super().__init__(message)
-        self.code, self.reason = code, reason
-
-
-class _Context:
-    """The part of ``grpc.ServicerContext`` that ``GenerationServicer.Generate`` uses: trailing
-    metadata (the reason), ``abort`` (raises :class:`_Aborted`), callbacks run once when the call
-    ends (:meth:`end`; one added after that runs at once, as grpc does for a call already over)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._callbacks: list[Callable[[], Any]] = []
-        self._reason = ""
-        self.ended = False
-
-    def set_trailing_metadata(self, md) -> None:
-        self._reason = dict(md).get(REASON_KEY, "")
-
-    def abort(self, code: grpc.StatusCode, details: str):
-        raise _Aborted(code, details, self._reason)
-
-    def add_callback(self, fn: Callable[[], Any]) -> bool:
-        with self._lock:
-            if not self.ended:
-                self._callbacks.append(fn)
-                return True
-        fn()
-        return False
-
-    def is_active(self) -> bool:
-        return not self.ended
-
-    def time_remaining(self):
-        return None
-
-    def end(self) -> None:
-        """The call is over (finished, or the client went away): run the callbacks once; the
-        servicer's callback closes the request, which the scheduler then releases."""
-        with self._lock:
-            self.ended = True
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            try:
-                fn()
-            except Exception:  # noqa: BLE001 - a callback's failure must not stop the others
-                log.exception("http call callback failed")
-
-
 _END = object()
 
 
 class _Generation:
     """``servicer.Generate(request)`` on its own thread; its messages (``GenerateResponse``), then
-    an :class:`_Aborted` if it failed, then :data:`_END`, are put on an asyncio queue of ``loop``.
+    an :class:`HopAborted` if it failed, then :data:`_END`, are put on an asyncio queue of ``loop``.
     :meth:`cancel` ends the call as a client cancel does (the scheduler frees its sessions)."""
 
     def __init__(self, servicer: GenerationServicer, request: generation_pb2.GenerateRequest,
                  loop: asyncio.AbstractEventLoop, on_exit: Callable[[], None]):
         self.servicer, self.request, self.loop, self.on_exit = servicer, request, loop, on_exit
-        self.ctx = _Context()
+        self.ctx = LocalContext(peer="http")
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def start(self) -> None:
@@ -193,14 +142,15 @@ class _Generation:
         gen = self.servicer.Generate(self.request, self.ctx)
         try:
             for message in gen:
-                if self.ctx.ended:  # cancelled: close the generator, which closes the request
+                if not self.ctx.is_active():  # cancelled: close the generator, which closes the request
                     break
                 self._put(message)
-        except _Aborted as e:
+        except HopAborted as e:
             self._put(e)
         except Exception as e:  # noqa: BLE001 - never lose a request to a bug: INTERNAL, logged
             log.exception("http generation failed")
-            self._put(_Aborted(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}", Reason.INTERNAL))
+            self._put(HopAborted(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}",
+                                 ((REASON_KEY, Reason.INTERNAL),)))
         finally:
             gen.close()
             self.ctx.end()
@@ -212,7 +162,7 @@ class _Generation:
         self.ctx.end()
 
     async def next(self):
-        """The next message, :class:`_Aborted` or :data:`_END`."""
+        """The next message, :class:`HopAborted` or :data:`_END`."""
         return await self.queue.get()
 
 
@@ -496,7 +446,7 @@ def create_app(servicer: GenerationServicer, *, model_name: str | None = None, a
             gen.cancel()
             watcher.cancel()
             raise
-        if isinstance(first, _Aborted) or first is _END:
+        if isinstance(first, HopAborted) or first is _END:
             watcher.cancel()
             if first is _END:  # cancelled before anything came
                 raise HttpError(499, "client closed the request", code="cancelled")
@@ -514,7 +464,7 @@ def create_app(servicer: GenerationServicer, *, model_name: str | None = None, a
     async def _whole(gen: _Generation, message, chat: bool, rid: str) -> JSONResponse:
         text = []
         while True:
-            if isinstance(message, _Aborted):
+            if isinstance(message, HopAborted):
                 raise http_error(message.code, str(message), message.reason)
             if message is _END:
                 raise HttpError(499, "client closed the request", code="cancelled")
@@ -552,7 +502,7 @@ def create_app(servicer: GenerationServicer, *, model_name: str | None = None, a
                 first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
                 yield _sse(first)
             while True:
-                if isinstance(message, _Aborted):
+                if isinstance(message, HopAborted):
                     yield _sse(http_error(message.code, str(message), message.reason).body())
                     break
                 if message is _END:

@@ -37,6 +37,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import grpc
 
+from dflash_grpc.transport import REASON_KEY
+
 log = logging.getLogger("dflash_grpc.localhop")
 
 #: Tag byte of an answer carrying a reply message.
@@ -53,24 +55,31 @@ SCHEME = "unix:"
 
 class HopAborted(Exception):
     """Raised by :meth:`LocalContext.abort`: the call ends with ``code`` and ``details`` (and
-    the trailing metadata set before)."""
+    the trailing metadata set before; its reason code: :attr:`reason`)."""
 
     def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple = ()):
         super().__init__(details)
         self.code, self.details, self.trailing = code, details, tuple(trailing)
 
+    @property
+    def reason(self) -> str:
+        """The reason code of the trailing metadata (:data:`dflash_grpc.transport.REASON_KEY`), or ``""``."""
+        return next((str(v) for k, v in self.trailing if k == REASON_KEY), "")
+
 
 class LocalContext:
     """The part of ``grpc.ServicerContext`` the project's servicers and interceptors use, for a
-    call that does not travel over gRPC (the same-host hop, the in-process target): metadata,
-    ``abort`` (raises :class:`HopAborted`), trailing metadata, callbacks run when the call
-    ends, ``is_active``, ``peer``."""
+    call that does not travel over gRPC (the same-host hop, the in-process target, the HTTP front
+    door): metadata, ``abort`` (raises :class:`HopAborted`), trailing metadata, callbacks run once
+    when the call ends (:meth:`end`, from any thread; one added after the end runs at once, as
+    grpc runs it for a call already over), ``is_active``, ``peer``."""
 
-    def __init__(self, metadata: Sequence[tuple[str, str]], peer: str = "local"):
+    def __init__(self, metadata: Sequence[tuple[str, str]] = (), peer: str = "local"):
         self._metadata = tuple(metadata)
         self._peer = peer
         self.trailing: tuple = ()
         self._callbacks: list[Callable[[], Any]] = []
+        self._lock = threading.Lock()
         self.active = True
 
     def invocation_metadata(self):
@@ -86,8 +95,12 @@ class LocalContext:
         raise HopAborted(code, details, self.trailing)
 
     def add_callback(self, fn: Callable[[], Any]) -> bool:
-        self._callbacks.append(fn)
-        return True
+        with self._lock:
+            if self.active:
+                self._callbacks.append(fn)
+                return True
+        fn()
+        return False
 
     def is_active(self) -> bool:
         return self.active
@@ -96,9 +109,10 @@ class LocalContext:
         return None
 
     def end(self) -> None:
-        """The call is over: run the callbacks once."""
-        self.active = False
-        callbacks, self._callbacks = self._callbacks, []
+        """The call is over: run the callbacks once (idempotent, any thread)."""
+        with self._lock:
+            self.active = False
+            callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
             try:
                 fn()
