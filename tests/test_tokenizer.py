@@ -565,3 +565,25 @@ def test_unsupported_and_malformed(tmp_path):
         GGUFTokenizer.from_gguf(tmp_path / "junk.gguf")
     # isa ValueError, so callers can catch one type
     assert issubclass(UnsupportedTokenizerError, ValueError)
+
+
+def test_export_tokenizer_writes_a_hf_tokenizer_that_encodes_the_same(tmp_path):
+    """tools/export_tokenizer.py: the GGUF tokenizer as a Hugging Face tokenizer directory (what
+    aiperf's --tokenizer reads offline): transformers loads it and encodes as the services do."""
+    import importlib.util
+    import pathlib
+
+    from transformers import AutoTokenizer
+
+    from runtime.defaults import default_model_path
+    from runtime.tokenizer import GGUFTokenizer
+
+    spec = importlib.util.spec_from_file_location(
+        "export_tokenizer", pathlib.Path(__file__).resolve().parents[1] / "tools" / "export_tokenizer.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main([str(tmp_path)]) == 0
+    ours, hf = GGUFTokenizer.from_gguf(default_model_path()), AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in ("def fibonacci(n):\n    return n", "<|im_start|>user\nHi!<|im_end|>", "  spaces\tand tabs "):
+        assert hf.encode(text, add_special_tokens=False) == ours.encode(text)
+    assert hf.eos_token == ours.id_to_token(ours.eos_token_id)
