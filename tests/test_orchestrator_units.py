@@ -102,3 +102,47 @@ def test_adaptive_budget_shares_the_tick_in_width_buckets():
     # below two draft nodes per request the tick does not draft
     assert adaptive_budget(200, 512, want=16) == 0
     assert adaptive_budget(64, 64, want=16) == 0
+
+
+def test_tokens_reach_the_handler_once_handed_over_and_before_any_end():
+    """Scheduler._emit defers a tick's tokens to _flush_events (the next exchange's on_sent):
+    nothing reaches the handler before, everything in order after; a request's final tokens
+    mark it ended at once; a failure event (_end) hands the pending tokens over first."""
+    import queue
+
+    import grpc
+
+    from dflash_grpc.v1 import common_pb2, draft_pb2
+    from orchestrator.scheduler import Failure, Request, Scheduler, Tokens
+
+    class Target:
+        def info(self):
+            return common_pb2.ModelInfo(device="cpu", max_sessions=4)
+
+    class NoDraft:
+        address = None
+
+    sched = Scheduler(Target(), NoDraft(), max_sessions=2)
+    try:
+        def request(n):
+            return Request(session_id=f"r{n}", prompt=[1], sampling=common_pb2.SamplingParams(), max_tokens=5,
+                           tree=draft_pb2.TreeParams())
+
+        a, b = request(1), request(2)
+        sched._emit(a, [10, 11])
+        sched._emit(b, [20])
+        sched._emit(a, [12, 13, 14, 15])       # past max_tokens: the last of a, cut to 3 tokens
+        assert a.ended and a.closed and not b.ended
+        assert a.events.empty() and b.events.empty()   # nothing handed over yet
+        sched._flush_events()
+        got = [a.events.get_nowait(), a.events.get_nowait()]
+        assert [(e.tokens, e.finish) for e in got] == [([10, 11], None), ([12, 13, 14], "length")]
+        assert b.events.get_nowait().tokens == [20]
+        sched._emit(b, [21])
+        sched._end(b, Failure(grpc.StatusCode.UNAVAILABLE, "gone", "TARGET_UNAVAILABLE"))
+        first, second = b.events.get_nowait(), b.events.get_nowait()
+        assert isinstance(first, Tokens) and first.tokens == [21] and isinstance(second, Failure)
+        with pytest.raises(queue.Empty):
+            b.events.get_nowait()
+    finally:
+        sched.stop(timeout=1.0, release_timeout=0.1)
