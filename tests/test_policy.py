@@ -108,4 +108,3 @@ def test_scheduler_stops_drafting_where_it_does_not_pay_and_stays_lossless(tiny_
         assert spec == plain
         choices = sched.policy.choices
         assert choices[DRAFT] >= 3 and choices[PLAIN] > choices[DRAFT], choices
-
