@@ -211,6 +211,7 @@ class ModelInfo:
     graph_captures: int = 0
     free_slots: int = 0
     local_endpoint: str = ""
+    weight_bytes: int = 0
 
     @classmethod
     def from_proto(cls, msg: common_pb2.ModelInfo) -> ModelInfo:
@@ -231,6 +232,8 @@ class ModelInfo:
         ]:
             if value:
                 parts.append(f"{label} {value}")
+        if self.weight_bytes:
+            parts.append(f"weights {self.weight_bytes / 2**20:.0f} MiB")
         if self.device:
             parts.append(f"on {self.device}")
         return ", ".join(parts)

@@ -75,7 +75,8 @@ def build_engine(model_path: str, config: TargetConfig | None = None, *, progres
     dev = torch.device(device)
     g = open_gguf(model_path)
     model = load_model(g, device=device, dtype=_DTYPES[dtype], progress=progress, weights=cfg.weights)
-    log.info("weights loaded", extra={"weights": cfg.weights, "weight_bytes": weight_bytes(model),
+    resident = weight_bytes(model)
+    log.info("weights loaded", extra={"weights": cfg.weights, "weight_bytes": resident,
                                       "file_bytes": os.path.getsize(model_path)})
     if engine == "batched":
         from target_service.batched_engine import BatchedEngine
@@ -109,6 +110,7 @@ def build_engine(model_path: str, config: TargetConfig | None = None, *, progres
         num_layers=model.cfg.num_layers,
         features=features,
         device=str(model.device),
+        weight_bytes=resident,
     )
     return eng, info
 

@@ -75,6 +75,9 @@ def test_info_reports_both_services(api):
     info = api.info()
     assert info.target.architecture == "llama"
     assert info.target.vocab_size == 49152
+    # the weights as the CPU target holds them: the Q4_1 file (98 MB) dequantized to float32
+    assert 400 << 20 < info.target.weight_bytes < 700 << 20, info.target.weight_bytes
+    assert f"weights {info.target.weight_bytes / 2**20:.0f} MiB" in info.target.format()
     assert info.drafter.available and info.drafter.compatible
     assert info.drafter.model.block_size == 16
 

@@ -59,7 +59,7 @@ class ItemStatus(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "tokenizer_fingerprint", "model_fingerprint", "block_size", "max_context", "max_tree_width", "max_sessions", "hidden_size", "num_layers", "features", "device", "max_tree_depth", "graph_captures", "free_slots", "local_endpoint")
+    __slots__ = ("model_name", "architecture", "vocab_size", "tokenizer_fingerprint", "model_fingerprint", "block_size", "max_context", "max_tree_width", "max_sessions", "hidden_size", "num_layers", "features", "device", "max_tree_depth", "graph_captures", "free_slots", "local_endpoint", "weight_bytes")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class ModelInfo(_message.Message):
     GRAPH_CAPTURES_FIELD_NUMBER: _ClassVar[int]
     FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     vocab_size: int
@@ -94,7 +95,8 @@ class ModelInfo(_message.Message):
     graph_captures: int
     free_slots: int
     local_endpoint: str
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_tree_width: _Optional[int] = ..., max_sessions: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., features: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., max_tree_depth: _Optional[int] = ..., graph_captures: _Optional[int] = ..., free_slots: _Optional[int] = ..., local_endpoint: _Optional[str] = ...) -> None: ...
+    weight_bytes: int
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_tree_width: _Optional[int] = ..., max_sessions: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., features: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., max_tree_depth: _Optional[int] = ..., graph_captures: _Optional[int] = ..., free_slots: _Optional[int] = ..., local_endpoint: _Optional[str] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_ids",)
