@@ -46,7 +46,7 @@ from draft_service.checkpoint import (  # noqa: F401 - the directory format's AP
     write_directory, zlab_target_layer_ids, GGML_TO_TORCH, TORCH_TO_GGML,
 )
 from draft_service.drafter import DrafterError
-from draft_service.gguf_io import ARCH, config_metadata, read_drafter_config, tensor_shapes
+from draft_service.gguf_io import ARCH, checked_tensors, config_metadata, read_drafter_config
 from runtime.gguf_loader import GGUFFile, open_gguf, write_gguf
 
 
@@ -61,14 +61,10 @@ def read_gguf(path: str | os.PathLike[str]) -> Checkpoint:
     g = open_gguf(path)
     config = read_drafter_config(g)
     tensors = {}
-    for name, shape in tensor_shapes(config).items():
-        if not g.has_tensor(name):
-            raise DrafterError(f"{path}: missing tensor {name}")
+    for name, shape in checked_tensors(g, config, path):
         raw = g.load_raw(name)
         if raw.qtype not in GGML_TO_TORCH:
             raise DrafterError(f"{path}: {name} is {raw.qtype.name}; only F32, F16 and BF16 drafters convert")
-        if tuple(raw.shape) != shape:
-            raise DrafterError(f"{path}: {name} has shape {tuple(raw.shape)}, expected {shape}")
         tensors[name] = raw.data.view(GGML_TO_TORCH[raw.qtype]).reshape(shape).clone()
     return Checkpoint(
         config=config,

@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 from gguf import GGMLQuantizationType
@@ -212,15 +212,25 @@ def read_drafter(
         return ck.config, {gguf_to_module_name(n): t.to(device=device, dtype=dtype) for n, t in ck.tensors.items()}
     g = open_gguf(path)
     config = read_drafter_config(g)
-    state = {}
+    state = {gguf_to_module_name(name): g.load_tensor(name, dtype=dtype, device=device)
+             for name, _ in checked_tensors(g, config, path)}
+    return config, state
+
+
+def checked_tensors(g: GGUFFile, config: DrafterConfig, path: str | os.PathLike[str]) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """``(name, shape)`` of each tensor a drafter of ``config`` has (:func:`tensor_shapes`),
+    each checked present in ``g`` with that shape.
+
+    Raises:
+        DrafterError: a tensor missing or of another shape (``path`` names the file).
+    """
     for name, shape in tensor_shapes(config).items():
         if not g.has_tensor(name):
             raise DrafterError(f"{path}: missing tensor {name}")
         got = g.tensor_info(name).shape
         if tuple(got) != shape:
             raise DrafterError(f"{path}: {name} has shape {tuple(got)}, expected {shape}")
-        state[gguf_to_module_name(name)] = g.load_tensor(name, dtype=dtype, device=device)
-    return config, state
+        yield name, shape
 
 
 def is_trained(path: str | os.PathLike[str]) -> bool:

@@ -14,15 +14,18 @@ breaker"): each Propose gets a deadline of a few of its measured round trips
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
 import time
+from multiprocessing.connection import Client
 from typing import Any, Callable
 
 import grpc
 
 from dflash_grpc import serving
+from dflash_grpc.localhop import REPLY, endpoint_path, parse_status
 from dflash_grpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from orchestrator import metrics
 
@@ -432,7 +435,6 @@ class LocalHopCall:
         self._deserialize = deserialize
         self._error: grpc.RpcError | None = None
         self._closed = False
-        self._expired = False
 
     @property
     def broken(self) -> bool:
@@ -465,8 +467,6 @@ class LocalHopCall:
             if self._error is not None:
                 raise self._error
             raise StreamError(grpc.StatusCode.CANCELLED, "the stream is closed")
-        from dflash_grpc.localhop import REPLY, parse_status
-
         conn = self._conn
         try:
             try:
@@ -475,7 +475,6 @@ class LocalHopCall:
                 if on_sent is not None:
                     on_sent()
             if timeout is not None and not conn.poll(max(0.0, timeout)):
-                self._expired = True
                 raise self._fail(ExchangeTimeout(timeout))
             answer = conn.recv_bytes()
         except (OSError, EOFError) as e:
@@ -527,11 +526,6 @@ def open_local(endpoint: str, method: str, deserialize, metadata: tuple = (), ti
             seconds, or answered with another nonce (another service now owns the path): the
             caller falls back to gRPC or reports it.
     """
-    import json
-    from multiprocessing.connection import Client
-
-    from dflash_grpc.localhop import REPLY, endpoint_path, parse_status
-
     where = endpoint_path(endpoint)
     if where is None:
         return None

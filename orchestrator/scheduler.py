@@ -69,8 +69,8 @@ from dflash_grpc.transport import reason_of
 from dflash_grpc.v1 import common_pb2, draft_pb2, generation_pb2, target_pb2
 from orchestrator import metrics
 from orchestrator.config import OrchestratorConfig
-from orchestrator.policy import DRAFT, PLAIN, DraftPolicy
 from orchestrator.peers import DraftDeadline, DraftPeer, ExchangeTimeout, StreamCall, TargetPeer, drafter_mismatch, status_code
+from orchestrator.policy import PLAIN, DraftPolicy
 from orchestrator.stats import AcceptanceStats
 from runtime.errors import Reason
 from runtime.tree import TreeError, tree_depths
@@ -290,8 +290,8 @@ class Scheduler:
         self._queue: collections.deque[Request] = collections.deque()
         self._prefilling: list[tuple[Request, grpc.Future]] = []
         self._active: list[Request] = []
-        # (request, event) emitted and not yet handed to its handler (_emit, _flush_events)
-        self._pending: collections.deque[tuple[Request, Tokens]] = collections.deque()
+        # (request, event) emitted and not yet handed to its handler (_emit, _end, _flush_events)
+        self._pending: collections.deque[tuple[Request, Tokens | Failure]] = collections.deque()
         self._slot_wait_until = 0.0
         self._releasing = {"target": 0, "draft": 0}  # sessions whose Release is unanswered: slots not free yet
         self._verify: StreamCall | None = None
@@ -432,11 +432,15 @@ class Scheduler:
                      extra={"target": len(on_target), "draft": len(on_drafter), "released": released})
 
     # ------------------------------------------------------------------ scheduler thread
-    def _end(self, req: Request, event) -> None:
+    def _end(self, req: Request, event, hand_over: bool = True) -> None:
+        """``event`` is ``req``'s last: queued behind the tokens emitted before it, and handed
+        over now with them (``hand_over``), or by the next :meth:`_flush_events` (a request's
+        final tokens, from :meth:`_emit`). Later ends of the same request are dropped."""
         if not req.ended:
             req.ended = True
-            self._flush_events()   # the tokens handed over before it come first
-            req.events.put(event)
+            self._pending.append((req, event))
+            if hand_over:
+                self._flush_events()
 
     def _flush_events(self) -> None:
         """Hand the tokens emitted so far to their handlers (:meth:`_emit` defers them to here).
@@ -636,9 +640,7 @@ class Scheduler:
         req.emitted += len(tokens)
         req.stats.decode_time_s = time.monotonic() - req.t_first
         if finish is not None:
-            if not req.ended:
-                req.ended = True
-                self._pending.append((req, Tokens(tokens, finish)))
+            self._end(req, Tokens(tokens, finish), hand_over=False)
             req.closed = True
         elif tokens:
             self._pending.append((req, Tokens(tokens)))   # handed over by _flush_events
@@ -654,16 +656,15 @@ class Scheduler:
         self.budget_now = budget
         drafter = self._drafter() if budget > 0 else None
         mode = None   # the policy's choice, when it had one to make (some request may draft)
-        self._resync_rows = 0
         if drafter is not None and self.policy is not None and any(r.speculative for r in batch):
             mode = self.policy.choose(len(batch))
             if mode == PLAIN:
                 drafter = None
         self.drafting = drafter is not None
         trees: dict[int, tuple[list[int], list[int], int]] = {}   # batch index -> tokens, parents, depth
-        draft_s = 0.0
+        draft_s, resync_rows = 0.0, 0
         if drafter is not None:
-            trees, draft_s = self._propose_trees(batch, drafter)
+            trees, draft_s, resync_rows = self._propose_trees(batch, drafter)
         t1 = time.perf_counter()
         # built in place (items added to the request, trees extended): no message built and copied in
         request = target_pb2.VerifyRequest()
@@ -719,14 +720,15 @@ class Scheduler:
         tick_s = time.perf_counter() - t0
         # not measured: a drafting tick that drafted nothing, or one that carried a prompt's or a
         # resync's feature rows to the drafter (a cost of the request's start, not of drafting)
-        if mode is not None and (mode == PLAIN or (trees and not self._resync_rows)):
+        if mode is not None and (mode == PLAIN or (trees and not resync_rows)):
             self.policy.observe(len(batch), mode, emitted, tick_s)
         metrics.observe_tick(len(batch), draft_s, verify_s, tick_s - draft_s - verify_s)
 
     def _propose_trees(self, batch: list[Request],
-                       drafter: draft_pb2.DrafterInfo) -> tuple[dict[int, tuple[list[int], list[int], int]], float]:
-        """One Propose for every request that drafts this tick; their trimmed trees by batch
-        index, with their depths (:func:`fit_tree`)."""
+                       drafter: draft_pb2.DrafterInfo) -> tuple[dict[int, tuple[list[int], list[int], int]], float, int]:
+        """One Propose for every request that drafts this tick: their trimmed trees by batch
+        index, with their depths (:func:`fit_tree`), the exchange's seconds, and the feature rows
+        it carried beyond a step's worth (new or re-created drafter sessions)."""
         block = drafter.model.block_size or 1
         width_cap = self.info.max_tree_width or 1
         depth_cap = self.info.max_tree_depth or 10**9
@@ -779,9 +781,8 @@ class Scheduler:
                 tree.max_depth = max_depth = nodes
             tree.SetInParent()   # present even when every field is 0, as before
             who.append((i, max_depth))
-        self._resync_rows = extra_rows
         if not who:
-            return {}, 0.0
+            return {}, 0.0, extra_rows
         timeout = self.deadline.timeout(len(who), extra_rows)
         if timeout is not None:
             metrics.set_draft_deadline(timeout)
@@ -792,7 +793,7 @@ class Scheduler:
             reply = self._propose.exchange(request, timeout, self._flush_events)
         except grpc.RpcError as e:
             self._draft_failed([batch[i] for i, _ in who], e)
-            return {}, time.perf_counter() - t0
+            return {}, time.perf_counter() - t0, extra_rows
         draft_s = time.perf_counter() - t0
         if self._propose.broken:  # its deadline passed just after the reply came: the reply stands
             self._propose.close()
@@ -831,7 +832,7 @@ class Scheduler:
                 continue
             if tokens and tokens[0] == r.root:
                 trees[i] = (tokens, parents, depth)
-        return trees, draft_s
+        return trees, draft_s, extra_rows
 
     def _draft_failed(self, asked: list[Request], e: grpc.RpcError) -> None:
         """The Propose call failed or missed its deadline: every request goes on root-only this

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from draft_service.convert import (
-    CONFIG_NAME, WEIGHTS_NAME, check_fits, gguf_to_hf_name, main, read_checkpoint, read_gguf, zlab_target_layer_ids,
+    CONFIG_NAME, WEIGHTS_NAME, gguf_to_hf_name, main, read_checkpoint, read_gguf, zlab_target_layer_ids,
 )
 from draft_service.drafter import DrafterError
 from draft_service.gguf_io import load_drafter, read_drafter

@@ -12,7 +12,6 @@ GGUF loader reading the file.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import gguf
 import pytest

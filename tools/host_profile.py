@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from client.launcher import drafter_feature_layers
-    from dflash_grpc.v1 import common_pb2, draft_pb2, target_pb2
+    from dflash_grpc.v1 import draft_pb2, target_pb2
     from draft_service import batched as dbatched
     from draft_service import shipped_drafter
     from draft_service.servicer import DraftServiceServicer
@@ -141,11 +141,15 @@ def main(argv: list[str] | None = None) -> int:
         t.SetInParent()
         return draft.propose(req, None)
 
-    rows = {"propose": {"wall": [], "compute": [], "device": []}, "verify": {"wall": [], "compute": [], "device": []}}
+    def new_rows() -> dict:
+        return {key: {"wall": [], "compute": [], "device": []} for key in ("propose", "verify")}
+
+    rows, plain = new_rows(), new_rows()   # with CUDA events around each step; without (host timing alone)
     profs = {"propose": cProfile.Profile(), "verify": cProfile.Profile()}
     accepted = []
 
-    def loop(n: int, timer: _DeviceTimer | None, profile: bool, record: bool):
+    def loop(n: int, into: dict | None = None, timer: _DeviceTimer | None = None, profile: bool = False):
+        """``n`` speculative steps of the session; each call's times into ``into`` (None: not kept)."""
         nonlocal root, length, feats
         for _ in range(n):
             if timer:
@@ -171,11 +175,11 @@ def main(argv: list[str] | None = None) -> int:
             res = vr.results[0]
             if res.status.code:
                 raise RuntimeError(f"verify refused: {res.status.message}")
-            if record:
+            if into is not None:
                 for key, wall, comp, dev in (("propose", t1 - t0, pr.compute_s, dp), ("verify", t3 - t2, vr.compute_s, dv)):
-                    rows[key]["wall"].append(wall * 1e3)
-                    rows[key]["compute"].append(comp * 1e3)
-                    rows[key]["device"].append(dev)
+                    into[key]["wall"].append(wall * 1e3)
+                    into[key]["compute"].append(comp * 1e3)
+                    into[key]["device"].append(dev)
                 accepted.append(len(res.accepted_tokens))
             root, length, feats = res.bonus_token, res.committed_length, res.features
             if length > 1500:   # start over before the context fills
@@ -184,31 +188,12 @@ def main(argv: list[str] | None = None) -> int:
                 pres = target._prefill(preq, ctx, None).results[0]
                 root, length, feats = pres.first_token, pres.committed_length, pres.features
 
-    loop(10, None, False, False)
+    loop(10)
     cuda = args.device.startswith("cuda")
     with _DeviceTimer(*((batched_engine._Runner, dbatched._Runner) if cuda else ())) as timer:
-        loop(args.steps, timer if cuda else None, False, True)
-    # host timing without the events' syncs inside the call
-    walls_plain = {"propose": [], "verify": []}
-    t_end = time.perf_counter()
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        pr = propose_call(feats, root, length)
-        t1 = time.perf_counter()
-        tree = pr.results[0].tree
-        vr = verify_call(list(tree.tokens) or [root], list(tree.parents) or [-1])
-        t2 = time.perf_counter()
-        walls_plain["propose"].append((t1 - t0) * 1e3)
-        walls_plain["verify"].append((t2 - t1) * 1e3)
-        res = vr.results[0]
-        root, length, feats = res.bonus_token, res.committed_length, res.features
-        if length > 1500:
-            target.loop.release([sid])
-            draft.release([sid])
-            pres = target._prefill(preq, ctx, None).results[0]
-            root, length, feats = pres.first_token, pres.committed_length, pres.features
-    del t_end
-    loop(args.steps, None, True, False)
+        loop(args.steps, rows, timer if cuda else None)
+    loop(args.steps, plain)   # host timing without the events' syncs inside the call
+    loop(args.steps, profile=True)
 
     lines = [f"# host_profile: {os.path.basename(args.model)}, drafter {os.path.basename(drafter)}, "
              f"budget {args.budget} top-k {args.top_k}, {args.steps} steps, {torch.cuda.get_device_name() if cuda else 'cpu'}",
@@ -217,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("propose", "verify"):
         r = rows[key]
         host = [w - d for w, d in zip(r["wall"], r["device"])]
-        lines.append(f"{key:8} | {_stats(r['wall']):25} | {_stats(walls_plain[key]):25} | {_stats(r['compute']):25} | "
+        lines.append(f"{key:8} | {_stats(r['wall']):25} | {_stats(plain[key]['wall']):25} | {_stats(r['compute']):25} | "
                      f"{_stats(r['device']):25} | {_stats(host)}")
     for key, prof in profs.items():
         s = io.StringIO()

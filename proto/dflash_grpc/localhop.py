@@ -222,12 +222,6 @@ class HopServer:
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
 
-    @property
-    def connections(self) -> int:
-        """Connections open now."""
-        with self._lock:
-            return len(self._conns)
-
     def _accept(self) -> None:
         while not self._stopped.is_set():
             try:
@@ -243,7 +237,7 @@ class HopServer:
                 try:
                     conn.send_bytes(_status_frame(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                                   f"all {self.max_connections} local connections are busy; retry later",
-                                                  (("dflash-reason", "STREAMS_BUSY"),)))
+                                                  ((REASON_KEY, "STREAMS_BUSY"),)))
                 except OSError:
                     pass
                 conn.close()
@@ -284,7 +278,6 @@ class HopServer:
         serialize = handler.response_serializer
         ctx = LocalContext(metadata, peer="unix:local-hop")
         limit = self.max_receive_bytes
-        too_big: list[bool] = []
 
         def requests() -> Iterator:
             while True:
@@ -294,7 +287,6 @@ class HopServer:
                     return   # the client closed its side: the request stream ends
                 except OSError as e:
                     if "bad message length" in str(e):
-                        too_big.append(True)
                         ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                   f"request message larger than {limit} bytes")
                     return
