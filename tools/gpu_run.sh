@@ -29,6 +29,8 @@
 #                                          # engines (SmolLM2-shaped synthetic target, random drafter of the
 #                                          # shipped shape): gRPC vs the same-host hop, colocated and 3
 #                                          # processes, then traced splits -> $OUT/hop-real.txt
+#   bash tools/gpu_run.sh contention       # without SmolLM2: tools/gpu_contention.py, then again under NVIDIA MPS
+#                                          # -> $OUT/contention{,-mps}.{json,txt}
 #   bash tools/gpu_run.sh concurrency      # the three services with the shipped SmolLM2 pair: aggregate
 #                                          # tok/s at 1-64 concurrent streams, AR vs speculative
 #                                          # -> $OUT/concurrency.{txt,json} (PNG: made from the JSON locally)
@@ -276,6 +278,33 @@ PY
   done
 }
 
+mps_start() {
+  # NVIDIA MPS (one GPU context shared by every CUDA process of this machine, so the services do
+  # not switch contexts on each step): started for the "-mps" layouts, checked with one CUDA
+  # call, stopped again by mps_stop. Returns 1 (and leaves MPS off) where it cannot run.
+  command -v nvidia-cuda-mps-control > /dev/null || { echo "no nvidia-cuda-mps-control here" >&2; return 1; }
+  mkdir -p /tmp/mps-log; export CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  nvidia-cuda-mps-control -d || return 1
+  if ! timeout 60 python3 -c "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()" 2>/tmp/mps-check.err; then
+    echo "MPS client check failed: $(tail -3 /tmp/mps-check.err)" >&2; mps_stop; return 1
+  fi
+}
+
+mps_stop() {
+  echo quit | nvidia-cuda-mps-control 2>/dev/null; sleep 1
+}
+
+cmd_contention() {
+  # tools/gpu_contention.py (two CUDA contexts alternating on one GPU), without and with MPS
+  install_wheels
+  nvidia-smi -L | tee "$OUT/device.txt"
+  python3 tools/gpu_contention.py --steps ${STEPS:-300} --out "$OUT/contention.json" 2>&1 | tail -8 | tee "$OUT/contention.txt"
+  if mps_start; then
+    python3 tools/gpu_contention.py --steps ${STEPS:-300} --out "$OUT/contention-mps.json" 2>&1 | tail -8 | tee "$OUT/contention-mps.txt"
+    mps_stop
+  fi
+}
+
 cmd_step() {
   # issue 18's end-to-end table from one call: the engine benchmark of the SmolLM2 file (device
   # times of the AR step, the verify, the drafter step, the commit), then the shipped pair end to
@@ -285,7 +314,8 @@ cmd_step() {
   # runs only the second repeat, LLAMA=0 skips llama-bench and the report; results kept in
   # /tmp/step between calls. LAYOUTS (default "colocated 3proc"): a "-grpc" suffix runs that
   # layout with the orchestrator's --no-local-hop, an "-old" suffix runs it from .peer/old.tar.gz
-  # (a git archive of an older commit). Everything comes back as $OUT/step.tgz.
+  # (a git archive of an older commit), a "-mps" suffix (last) runs it under NVIDIA MPS (mps_start).
+  # Everything comes back as $OUT/step.tgz.
   local smol; smol=$(timed_start) || exit 1
   local S=/tmp/step; mkdir -p $S; cp "$OUT/device.txt" $S/
   [ "${ENGINE:-1}" = 1 ] && python3 -m bench.gpu engine --model "$smol" --name smollm2-135m-q4_1 --reps 3 \
@@ -296,13 +326,15 @@ cmd_step() {
   fi
   for i in ${REPS:-1 2}; do
     for layout in ${LAYOUTS:-colocated 3proc}; do
-      local base=${layout%-old}; local dir=$PWD; local pp=$PYTHONPATH
-      if [ "$base" != "$layout" ]; then dir=/tmp/old; pp=/tmp/site:/tmp/old:/tmp/old/proto; fi
+      local mps=${layout%-mps}; [ "$mps" != "$layout" ] && { mps_start || continue; }
+      local base=${mps%-old}; local dir=$PWD; local pp=$PYTHONPATH
+      if [ "$base" != "$mps" ]; then dir=/tmp/old; pp=/tmp/site:/tmp/old:/tmp/old/proto; fi
       local flag=""; [ "${base%-grpc}" = colocated ] && flag=--colocate
       local oargs=""; [ "${base%-grpc}" != "$base" ] && oargs=--no-local-hop
       (cd $dir && PYTHONPATH=$pp python3 -m client.cli bench --device cuda --model "$smol" --prompts 8 --max-tokens 128 \
         --configs "$cfgs" $flag --orchestrator-args="$oargs" --json "$S/e2e-$layout-$i.json" --out "$S/e2e-$layout-$i.txt" 2>&1) \
         | grep -E "^(ar|chain|tree)" | sed "s/^/$layout-$i /"
+      [ "$mps" != "$layout" ] && mps_stop
     done
   done
   if [ "${LLAMA:-1}" = 1 ]; then
@@ -347,5 +379,6 @@ case ${1:-all} in
   e2e-ab) cmd_e2e_ab ;;
   step) cmd_step ;;
   step-load) cmd_step_load ;;
+  contention) cmd_contention ;;
   *) echo "usage: $0 stage|smoke|checks|bench|all [models]|concurrency" >&2; exit 2 ;;
 esac
