@@ -123,13 +123,10 @@ def _pool_attention_kernel(
     if SPLITS == 1:
         tl.store(out_ptr + b * sob + w[:, None] * sow + head[:, None] * soh + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
-        # partials: [B, W, Hq, SPLITS, D] and lse [B, W, Hq, SPLITS]; a split past every key of
-        # its rows (lo >= total) stores only its -inf log-sum-exp: the combine reads no partial
-        # of weight 0, so the result keeps its bits (those terms were exact zeros)
+        # partials: [B, W, Hq, SPLITS, D] and lse [B, W, Hq, SPLITS]
         hq = HKV * G
         idx = ((b * W + w) * hq + head) * SPLITS + split
-        if lo < total:
-            tl.store(part_ptr + idx[:, None].to(tl.int64) * D + d[None, :], out, mask=row_ok[:, None])
+        tl.store(part_ptr + idx[:, None].to(tl.int64) * D + d[None, :], out, mask=row_ok[:, None])
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
         tl.store(lse_ptr + idx, lse, mask=row_ok)
 
@@ -150,8 +147,7 @@ def _combine_kernel(part_ptr, lse_ptr, out_ptr, HQ, W, SPLITS, sob, sow, soh,
     wt = tl.exp(lse - m)
     wt = wt / tl.sum(wt, 0)
     d = tl.arange(0, D)
-    live = s_ok & (wt > 0.0)     # dead splits stored no partial (their weight is exactly 0)
-    part = tl.load(part_ptr + (pid.to(tl.int64) * SPLITS + s[:, None]) * D + d[None, :], mask=live[:, None], other=0.0)
+    part = tl.load(part_ptr + (pid.to(tl.int64) * SPLITS + s[:, None]) * D + d[None, :], mask=s_ok[:, None], other=0.0)
     out = tl.sum(part * wt[:, None], 0)
     tl.store(out_ptr + b * sob + w * sow + head * soh + d, out.to(out_ptr.dtype.element_ty))
 
