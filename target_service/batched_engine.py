@@ -24,7 +24,7 @@ import logging
 import numpy as np
 import torch
 
-from kernels.attention import default_splits
+from kernels.attention import default_splits, split_buckets, splits_for
 from target_service.config import TargetConfig
 from target_service.engine import PrefillJob, PrefillOutcome, Sampling, VerifyOutcome, check_prompt
 from runtime.errors import EngineError, InvalidArgument, Reason, ResourceExhausted, SessionNotFound
@@ -79,9 +79,17 @@ class _Runner(StepGraph):
     (``out_feats``: ``[B, W, len(taps) * H]`` in the model dtype, ``None`` without taps), so the
     step ends with one device-to-host copy."""
 
-    def __init__(self, engine: "BatchedEngine", batch: int, width: int, prefill: bool = False):
+    def __init__(self, engine: "BatchedEngine", batch: int, width: int, prefill: bool = False, splits: int = 1,
+                 share: "_Runner | None" = None):
         super().__init__(engine.device)
         self.engine, self.layout, self.prefill = engine, StepLayout(batch, width), prefill
+        #: the attention kernel's key-range splits of this step (``kernels.attention.splits_for``)
+        self.splits = splits
+        if share is not None:   # a fewer-split variant of the same shape: the same buffers
+            for name in ("host", "host_np", "views", "dev", "out_host", "out_dev", "out_ints", "out_feats",
+                         "_dev_ints", "_dev_feats"):
+                setattr(self, name, getattr(share, name))
+            return
         self.host = self.host_buffer(self.layout.size, dtype=torch.long)
         self.host_np = self.host.numpy()
         self.views = self.layout.host_views(self.host_np)       # built once: packed every step
@@ -94,14 +102,13 @@ class _Runner(StepGraph):
         self.out_dev = self.device_twin(self.out_host)
         self.out_ints, self.out_feats = self._views(self.out_host, n_ints, batch, width, feat)
         self._dev_ints, self._dev_feats = self._views(self.out_dev, n_ints, batch, width, feat)
-        self.splits = default_splits(engine.max_context + engine.max_tree_width) if self.cuda else 1
 
     def body(self) -> None:
         e = self.engine
         self.copy(self.dev, self.host)
         st = StepTensors.from_buffer(self.layout, self.dev, e.conv_kernel)
         out = prefill_step(e.model, e.pool, st, e.rope, e.taps) if self.prefill else \
-            run_step(e.model, e.pool, st, e.rope, e.taps, self.splits)
+            run_step(e.model, e.pool, st, e.rope, e.taps, self.splits, e.max_splits)
         self._dev_ints[: out.ints.shape[0]].copy_(out.ints)
         if self._dev_feats is not None:
             self._dev_feats.copy_(out.features)
@@ -165,8 +172,13 @@ class BatchedEngine:
         self.rope = rope_table(self.max_context + self.max_tree_width + 1, self.cfg.rope_dim, self.cfg.rope_theta, self.device)
         self.taps = sorted(set(feature_layers))
         self.sessions: dict[str, PoolSession] = {}
-        #: the step runners, keyed ``(batch, width, prefill)``
-        self.graphs = GraphSet(lambda key: _Runner(self, *key), self.cuda_graphs)
+        #: the attention kernel's key-range splits (CUDA): the full count, and the split counts a
+        #: verify step may run with (a runner per count and shape; :meth:`_step` takes the fewest
+        #: that hold the step's keys, with the same bits: ``kernels.attention.splits_for``)
+        self.max_splits = default_splits(self.max_context + self.max_tree_width) if self.cuda else 1
+        self.split_buckets = split_buckets(self.max_splits) if self.pad else (self.max_splits,)
+        #: the step runners, keyed ``(batch, width, prefill, splits)``
+        self.graphs = GraphSet(self._build_runner, self.cuda_graphs)
         #: prefill chunk sizes replayed as graphs (CUDA graphs only): powers of two up to
         #: ``prefill_chunk``; a prompt is cut into chunks of exactly these sizes, largest first,
         #: so no chunk is padded (padding nodes of a chain would be committed)
@@ -186,14 +198,21 @@ class BatchedEngine:
         return self.graphs.captures
 
     @property
-    def _runners(self) -> dict[tuple[int, int], _Runner]:
-        """The verify runners built so far, by ``(batch, width)``."""
-        return {(b, w): r for (b, w, prefill), r in self.graphs.items() if not prefill}
+    def _runners(self) -> dict[tuple[int, int, int], _Runner]:
+        """The verify runners built so far, by ``(batch, width, splits)``."""
+        return {(b, w, sp): r for (b, w, prefill, sp), r in self.graphs.items() if not prefill}
 
     @property
     def _prefill_runners(self) -> dict[int, _Runner]:
         """The prefill-chunk runners built so far, by chunk size."""
-        return {w: r for (_, w, prefill), r in self.graphs.items() if prefill}
+        return {w: r for (_, w, prefill, _sp), r in self.graphs.items() if prefill}
+
+    def _build_runner(self, key: tuple[int, int, bool, int]) -> _Runner:
+        """The runner of ``(batch, width, prefill, splits)``; a fewer-split verify runner shares
+        the buffers of its shape's full-split runner (built first)."""
+        b, w, prefill, splits = key
+        share = None if prefill or splits == self.max_splits else self.graphs.get((b, w, False, self.max_splits))
+        return _Runner(self, b, w, prefill, splits, share)
 
     def _bucket(self, n: int, buckets: tuple[int, ...]) -> int:
         return bucket_for(n, buckets) if self.pad else n
@@ -205,20 +224,22 @@ class BatchedEngine:
         rows = capped_buckets(self.batch_buckets, self.max_sessions)
         return [(b, w) for b in rows for w in self.width_buckets if b * w <= self.max_step_tokens or b == 1]
 
-    def _runner(self, b: int, w: int) -> _Runner:
-        """The verify runner of ``(b, w)`` (built, and with CUDA graphs captured, on first use)."""
-        return self.graphs.get((b, w, False))
+    def _runner(self, b: int, w: int, splits: int | None = None) -> _Runner:
+        """The verify runner of ``(b, w)`` with ``splits`` attention splits (default: the full
+        count), built, and with CUDA graphs captured, on first use."""
+        return self.graphs.get((b, w, False, self.max_splits if splits is None else splits))
 
     def _prefill_runner(self, w: int) -> _Runner:
         """The runner of a prefill chunk of exactly ``w`` tokens."""
-        return self.graphs.get((1, w, True))
+        return self.graphs.get((1, w, True, 1))
 
     def capture(self, progress: bool = False) -> int:
         """Build the runner of every bucket and prefill chunk size (largest first, so the shared
         graph memory pool is sized once) and, with CUDA graphs, capture it; eagerly, run each
         once. Returns the number of runners. ``progress`` shows a tqdm bar (graph capture also
         pays Triton JIT compilation)."""
-        shapes = [(b, w, False) for b, w in self.buckets()] + [(1, w, True) for w in self.prefill_buckets]
+        shapes = [(b, w, False, sp) for b, w in self.buckets() for sp in reversed(self.split_buckets)] + \
+            [(1, w, True, 1) for w in self.prefill_buckets]
         n = self.graphs.capture(shapes, size=lambda s: s[0] * s[1], progress=progress)
         self._warm_prefill()
         return n
@@ -405,7 +426,10 @@ class BatchedEngine:
     def _step(self, group: list) -> list[VerifyOutcome]:
         b = len(group)
         w = max(len(item[2]) for item in group)
-        runner = self._runner(self._bucket(b, self.batch_buckets), self._bucket(w, self.width_buckets))
+        wb = self._bucket(w, self.width_buckets)
+        # the fewest attention splits whose chunks hold every row's keys (context + its nodes)
+        splits = splits_for(max(item[1].length for item in group) + wb, self.split_buckets)
+        runner = self._runner(self._bucket(b, self.batch_buckets), wb, splits)
         lay = runner.layout
         v = runner.views
         for r, (_, s, tokens, parents, depth, bits) in enumerate(group):

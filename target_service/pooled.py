@@ -158,13 +158,17 @@ class PoolBackend:
             for :meth:`commit`.
         causal: attention mask of a prefill chunk (rows ``j <= i``) instead of ancestor masks.
         splits: key-range splits of the attention kernel.
+        max_splits: the engine's largest split count (sizes the kernel's combine, so that fewer
+            splits give the same bits: ``kernels.attention.splits_for``; default ``splits``).
         fla: run long causal chunks' GDN recurrence through fla-core's chunked kernel when it is
             installed (eager prefill only: it is not graph-safe); otherwise ``pool_gdn_tree``.
     """
 
-    def __init__(self, pool, st: StepTensors, commit_chain: bool, causal: bool = False, splits: int = 1, fla: bool = False):
+    def __init__(self, pool, st: StepTensors, commit_chain: bool, causal: bool = False, splits: int = 1, fla: bool = False,
+                 max_splits: int | None = None):
         self.pool, self.st = pool, st
         self.commit_chain, self.causal, self.splits, self.fla = commit_chain, causal, splits, fla
+        self.max_splits = max_splits
         #: per GDN layer of a tree step, what its commit needs: pre-conv inputs, conv output,
         #: raw gates, layer weights, key heads and head dim
         self.saved: dict[int, tuple] = {}
@@ -177,7 +181,8 @@ class PoolBackend:
         kp, vp = pool.k[a], pool.v[a]
         q = rope_store(q, k, v, cos, sin, kp, vp, st.slots, st.rows)
         o = attn_ops.pool_attention(q.reshape(self.b, self.w, hq, d), kp, vp, st.slots, st.lengths,
-                                    None if self.causal else st.ancestors, scale, causal=self.causal, splits=self.splits)
+                                    None if self.causal else st.ancestors, scale, causal=self.causal, splits=self.splits,
+                                    max_splits=self.max_splits)
         return o.reshape(n, hq * d)
 
     def gdn(self, layer: int, conv_in: torch.Tensor, a: torch.Tensor, b: torch.Tensor, lw, key_heads: int,
@@ -237,13 +242,13 @@ def node_rows(t: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def forward(model, pool, st: StepTensors, rope: tuple[torch.Tensor, torch.Tensor], taps: list[int], *,
-            commit_chain: bool, causal: bool = False, splits: int = 1, fla: bool = False):
+            commit_chain: bool, causal: bool = False, splits: int = 1, fla: bool = False, max_splits: int | None = None):
     """Embed, run the layers over the pool, and return ``(hidden [B*W, H], taps {layer: [B*W, H]},
     backend)``."""
     tokens = st.tokens.reshape(-1)
     pos = st.positions.reshape(-1)
     cos, sin = rope[0][pos], rope[1][pos]
-    backend = PoolBackend(pool, st, commit_chain=commit_chain, causal=causal, splits=splits, fla=fla)
+    backend = PoolBackend(pool, st, commit_chain=commit_chain, causal=causal, splits=splits, fla=fla, max_splits=max_splits)
     x, feats = model.layers_forward(embedding(model.embed, tokens, model.dtype), cos, sin, backend, taps)
     return x, feats, backend
 
@@ -269,10 +274,12 @@ def prefill_step(model, pool, st: StepTensors, rope, taps: list[int], fla: bool 
     return StepOutputs(first.reshape(-1), features)
 
 
-def run_step(model, pool, st: StepTensors, rope, taps: list[int], splits: int = 1) -> StepOutputs:
-    """One verify step of a ``(B, W)`` bucket (module docstring); graph-safe."""
+def run_step(model, pool, st: StepTensors, rope, taps: list[int], splits: int = 1,
+             max_splits: int | None = None) -> StepOutputs:
+    """One verify step of a ``(B, W)`` bucket (module docstring); graph-safe. ``splits`` /
+    ``max_splits``: the attention kernel's key-range splits (:class:`PoolBackend`)."""
     b, w = st.tokens.shape
-    x, feats, backend = forward(model, pool, st, rope, taps, commit_chain=w == 1, splits=splits)
+    x, feats, backend = forward(model, pool, st, rope, taps, commit_chain=w == 1, splits=splits, max_splits=max_splits)
     logits = model.logits(x)
     choice = choose(logits, st, (st.positions + 1).reshape(-1), w).reshape(b, w)
     path, n_accept, bonus = accept_trees(st.tokens, st.parents, st.ancestors, st.depth, st.valid, choice)

@@ -76,6 +76,37 @@ def test_pool_attention_tree_node_equals_ar_step(dtype, splits):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_pool_attention_fewer_splits_same_bits(dtype, causal):
+    """A step run with the fewest splits of ``split_buckets`` that hold its keys
+    (``splits_for``) equals the same step with every split: bit for bit on a GPU (the engine picks
+    the split count per step, and a tree node must still match the target-only step), to ``TOL``
+    under the interpreter; and ``splits_for`` picks by the longest row's keys."""
+    from kernels.attention import CHUNK, split_buckets, splits_for
+    from kernels.attention import triton as tri
+
+    assert split_buckets(17) == (1, 4, 17) and split_buckets(3) == (1, 3) and split_buckets(1) == (1,)
+    assert split_buckets(5, (1, 2)) == (1, 2, 5)
+    assert [splits_for(n, (1, 4, 17)) for n in (1, CHUNK, CHUNK + 1, 4 * CHUNK, 4 * CHUNK + 1)] == [1, 1, 4, 4, 17]
+    gen = torch.Generator().manual_seed(11)
+    if DEV == "cpu" and dtype != torch.float32:
+        pytest.skip("under the interpreter float32 covers it (slow); every dtype runs on the GPU")
+    hq, hkv, d, w, r, full = 4, 2, 16, 6, 600, 5
+    k = torch.randn(3, r, hkv, d, generator=gen).to(DEV, dtype)
+    v = torch.randn(3, r, hkv, d, generator=gen).to(DEV, dtype)
+    q = torch.randn(2, w, hq, d, generator=gen).to(DEV, dtype)
+    slots = torch.tensor([2, 0], device=DEV)
+    _, anc = rand_tree(gen, 2, w, pad=0.0)
+    for lengths in ([40, CHUNK - w], [300, 2 * CHUNK - w]):     # one split; two (of variants 1, 2)
+        lens = torch.tensor(lengths, device=DEV)
+        splits = splits_for(max(lengths) + w, split_buckets(full, (1, 2)))
+        assert splits < full
+        every = tri.pool_attention(q, k, v, slots, lens, anc, 0.3, causal, splits=full)
+        fewer = tri.pool_attention(q, k, v, slots, lens, anc, 0.3, causal, splits=splits, max_splits=full)
+        assert_bits_on_gpu(fewer, every, TOL[dtype], (lengths, splits))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("b,w,hq,hkv,d,causal,splits", [(2, 5, 6, 2, 16, False, 1), (3, 7, 4, 1, 32, False, 3),
                                                           (2, 9, 4, 2, 16, True, 2), (1, 64, 2, 1, 16, False, 2)])
 def test_pool_attention(dtype, b, w, hq, hkv, d, causal, splits):

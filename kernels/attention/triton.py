@@ -166,9 +166,13 @@ def pool_attention(
     scale: float,
     causal: bool = False,
     splits: int = 1,
+    max_splits: int | None = None,
 ) -> torch.Tensor:
     """Triton version of ``kernels.attention.reference.pool_attention`` (same arguments and
-    result); ``splits``: key-range splits of :data:`CHUNK` keys (see :func:`default_splits`). float32 inputs use IEEE
+    result); ``splits``: key-range splits of :data:`CHUNK` keys (see :func:`default_splits`);
+    ``max_splits``: the largest split count the caller uses (default ``splits``): the combine's
+    block of splits is sized by it, so a step run with fewer splits, where every row's keys fit
+    them, gets the same bits (:func:`kernels.attention.splits_for`). float32 inputs use IEEE
     float32 dots (no tf32), so they match the reference to float32 rounding.
 
     Raises:
@@ -210,5 +214,5 @@ def pool_attention(
     )
     if splits > 1:
         _combine_kernel[(bsz * w * hq,)](part, lse, out, hq, w, splits, out.stride(0), out.stride(1), out.stride(2),
-                                         D=d, BLOCK_S=triton.next_power_of_2(splits))
+                                         D=d, BLOCK_S=triton.next_power_of_2(max(splits, max_splits or 1)))
     return out
