@@ -20,14 +20,15 @@ def default_splits(max_rows: int) -> int:
     return max(1, math.ceil(max_rows / CHUNK))
 
 
-def pool_attention(q, k_pool, v_pool, slots, lengths, ancestors, scale, causal=False, splits=1):
+def pool_attention(q, k_pool, v_pool, slots, lengths, ancestors, scale, causal=False, splits=1, window=0):
     """:func:`kernels.attention.reference.pool_attention`, run by its Triton version on CUDA
-    (``splits``: key-range splits, used by the Triton version only)."""
+    (``splits``: key-range splits, used by the Triton version only; ``window``: the sliding
+    window of a sliding drafter layer, 0 = none)."""
     if use_triton(q):
         from kernels.attention import triton as tri
 
-        return tri.pool_attention(q, k_pool, v_pool, slots, lengths, ancestors, scale, causal, splits)
-    return reference.pool_attention(q, k_pool, v_pool, slots, lengths, ancestors, scale, causal)
+        return tri.pool_attention(q, k_pool, v_pool, slots, lengths, ancestors, scale, causal, splits, window)
+    return reference.pool_attention(q, k_pool, v_pool, slots, lengths, ancestors, scale, causal, window)
 
 
 def pool_kv_commit(k_pool, v_pool, slots, lengths, path, n_accept):
