@@ -52,6 +52,8 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 #: config.json key holding what the project needs beyond the reference's fields.
 EXTRA_KEY = "dflash_grpc"
+#: ``sliding_window`` of transformers' ``Qwen3Config`` when config.json has no such key.
+QWEN3_DEFAULT_WINDOW = 4096
 #: ``max_position_embeddings`` written when neither the source nor ``--target`` knows it
 #: (``transformers.Qwen3Config``'s default; the drafter itself does not use it).
 DEFAULT_MAX_POSITIONS = 32768
@@ -172,12 +174,13 @@ def _layer_windows(cfg: dict[str, Any], layers: int, where: str) -> tuple[list[s
     """``(layer_types, sliding_window)`` of a z-lab config as the reference runs it.
 
     The reference's config is transformers' ``Qwen3Config``, whose ``sliding_window`` is the
-    file's ``sliding_window`` when ``use_sliding_window`` is true and None otherwise, and whose
+    file's ``sliding_window`` (:data:`QWEN3_DEFAULT_WINDOW` when the key is absent) when
+    ``use_sliding_window`` is true and None otherwise, and whose
     ``layer_types`` default to sliding for layers ``i >= max_window_layers`` (default 28) when a
     window is on; ``Qwen3DFlashAttention`` gives a ``"sliding_attention"`` layer that
     ``sliding_window``. So a layer slides exactly when its type says so **and** the window is on;
-    ``layer_types`` naming sliding layers with ``use_sliding_window`` false or no
-    ``sliding_window`` run full attention (logged). Normalised as
+    ``layer_types`` naming sliding layers with ``use_sliding_window`` false or
+    ``sliding_window: null`` run full attention (logged as a warning). Normalised as
     :class:`DrafterConfig` keeps it: ``([], 0)`` when no layer slides.
 
     Raises:
@@ -186,12 +189,13 @@ def _layer_windows(cfg: dict[str, Any], layers: int, where: str) -> tuple[list[s
     types = cfg.get("layer_types")
     if types is not None and (not isinstance(types, list) or len(types) != layers or any(t not in LAYER_TYPES for t in types)):
         raise DrafterError(f"{where}: layer_types {types!r}: expected {layers} entries, each one of {LAYER_TYPES}")
-    raw = cfg.get("sliding_window")
+    raw = cfg.get("sliding_window", QWEN3_DEFAULT_WINDOW)   # absent: Qwen3Config's default; null: none
     on = bool(cfg.get("use_sliding_window", False)) and raw is not None
     if on and (not isinstance(raw, int) or isinstance(raw, bool) or raw < 1):
         raise DrafterError(f"{where}: sliding_window {raw!r}: expected a positive integer")
     if types is None:
-        first = int(cfg.get("max_window_layers", 28))
+        first = cfg.get("max_window_layers")
+        first = 28 if first is None else int(first)
         types = [SLIDING if on and i >= first else FULL for i in range(layers)]
     if SLIDING not in types:
         return [], 0
