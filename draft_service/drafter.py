@@ -117,7 +117,7 @@ class DrafterConfig:
             slides, else 0). A sliding layer's block query at position ``p`` sees key position
             ``j`` only when ``|p - j| <= W - 1`` (flash-attn ``window_size = (W-1, W-1)``,
             non-causal, as transformers passes ``sliding_window`` to flash-attn; see
-            :func:`window_visible` and docs/ARCHITECTURE.md, "Drafter formats").
+            :func:`window_visible` and docs/ARCHITECTURE.md, "Sliding-window drafter layers").
     """
 
     hidden_size: int

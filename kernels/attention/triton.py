@@ -22,6 +22,12 @@ bit the result of the autoregressive step (speculative decoding stays token-iden
 target-only decoding in bf16; tests/test_kernels.py checks it on the GPU; Triton's CPU
 interpreter sums position-independently, so there it checks only the mapping). Causal prefill
 chunks use taller blocks (they are not compared with anything).
+
+Sliding window (``window`` > 0, the drafter's sliding layers): a separately compiled variant
+(``WINDOW``) masks key rows farther than ``window - 1`` from the query row ``L + i`` and starts
+each split's loop at the first tile (at its fixed absolute start) that reaches the window, so
+splits and tiles wholly below it cost nothing; skipping them is exact (an all ``-inf`` tile
+leaves the online-softmax state unchanged). Without a window the kernel is the code it was.
 """
 
 from __future__ import annotations
