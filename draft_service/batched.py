@@ -33,7 +33,8 @@ rows its earlier items appended).
   written into the pool through index tensors), then the block ``[root, MASK x (B-1)]`` at
   positions ``L..L+B-1`` through every layer (the block's K/V written at the scratch rows
   ``[L, L+B)`` of the slot; attention by ``kernels.attention.pool_attention`` with every block
-  row seeing all context rows and all block rows), ``output_norm``, the target LM head on rows
+  row seeing all context rows and all block rows, or in a sliding layer those within its window,
+  ``window`` = the layer's ``sliding_window``: pool row = position), ``output_norm``, the target LM head on rows
   ``1..B-1``, log-softmax and the top-``K`` per depth (``K = max_top_k``);
 * one device-to-host copy of the ``[batch, B-1, K]`` log-prob + token table per step, then the
   tree of each item on the host (:func:`draft_service.tree.build_tree` on the table: the same tree
@@ -274,11 +275,14 @@ class ReferenceDrafterEngine:
 class _PoolAttend:
     """The attention backend of :meth:`DFlashDrafter._layer` over one layer of the context pool:
     writes the block's K/V at rows ``[L, L + B)`` of each row's slot and runs
-    ``kernels.attention.pool_attention`` (all context rows and all block rows visible)."""
+    ``kernels.attention.pool_attention`` (all context rows and all block rows visible; for a
+    sliding layer, ``window`` > 0, only those within its window: pool row = position)."""
 
-    def __init__(self, k_pool, v_pool, slots, lengths, block_rows, ancestors, scale: float, splits: int):
+    def __init__(self, k_pool, v_pool, slots, lengths, block_rows, ancestors, scale: float, splits: int,
+                 window: int = 0):
         self.k_pool, self.v_pool, self.slots, self.lengths = k_pool, v_pool, slots, lengths
         self.block_rows, self.ancestors, self.scale, self.splits = block_rows, ancestors, scale, splits
+        self.window = int(window)
 
     def __call__(self, q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor) -> torch.Tensor:
         nb, nh, B, D = q.shape
@@ -286,7 +290,7 @@ class _PoolAttend:
         self.k_pool[where] = k_blk.transpose(1, 2).to(self.k_pool.dtype)
         self.v_pool[where] = v_blk.transpose(1, 2).to(self.v_pool.dtype)
         o = attn_ops.pool_attention(q.transpose(1, 2), self.k_pool, self.v_pool, self.slots, self.lengths,
-                                    self.ancestors, self.scale, splits=self.splits)
+                                    self.ancestors, self.scale, splits=self.splits, window=self.window)
         return o.reshape(nb, B, nh * D)
 
 
@@ -339,8 +343,8 @@ def draft_step(drafter: DFlashDrafter, pool: StatePool, slots: torch.Tensor, hel
     ancestors = torch.full((b, B), (1 << B) - 1 if B < 64 else -1, dtype=torch.long, device=dev)
     tokens = torch.cat([roots[:, None], torch.full((b, B - 1), c.mask_token_id, dtype=torch.long, device=dev)], dim=1)
     scale = 1.0 / math.sqrt(c.head_dim)
-    attends = [_PoolAttend(pool.k[i], pool.v[i], slots, lengths, block_rows, ancestors, scale, splits)
-               for i in range(c.num_layers)]
+    attends = [_PoolAttend(pool.k[i], pool.v[i], slots, lengths, block_rows, ancestors, scale, splits,
+                           c.layer_window(i)) for i in range(c.num_layers)]
     hidden = drafter.run_blocks(tokens, block_rows, attends)                 # [b, B, H]
     logits = drafter.logits(hidden[:, 1:])                                   # [b, B-1, V] float32
     top = torch.topk(torch.log_softmax(logits.float(), dim=-1), k, dim=-1)

@@ -11,14 +11,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 from typing import Any
 
 import torch
 from gguf import GGMLQuantizationType
 
-from draft_service.drafter import DrafterConfig, DrafterError
+from draft_service.drafter import FULL, LAYER_TYPES, SLIDING, DrafterConfig, DrafterError
 from runtime.gguf_loader import GGUFFile, vocab_size
+
+logger = logging.getLogger(__name__)
 
 LAYER_TENSORS = (
     "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
@@ -49,6 +52,8 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 #: config.json key holding what the project needs beyond the reference's fields.
 EXTRA_KEY = "dflash_grpc"
+#: ``sliding_window`` of transformers' ``Qwen3Config`` when config.json has no such key.
+QWEN3_DEFAULT_WINDOW = 4096
 #: ``max_position_embeddings`` written when neither the source nor ``--target`` knows it
 #: (``transformers.Qwen3Config``'s default; the drafter itself does not use it).
 DEFAULT_MAX_POSITIONS = 32768
@@ -165,13 +170,50 @@ def _field(cfg: dict[str, Any], key: str, where: str, default: Any = None, requi
     return v
 
 
+def _layer_windows(cfg: dict[str, Any], layers: int, where: str) -> tuple[list[str], int]:
+    """``(layer_types, sliding_window)`` of a z-lab config as the reference runs it.
+
+    The reference's config is transformers' ``Qwen3Config``, whose ``sliding_window`` is the
+    file's ``sliding_window`` (:data:`QWEN3_DEFAULT_WINDOW` when the key is absent) when
+    ``use_sliding_window`` is true and None otherwise, and whose
+    ``layer_types`` default to sliding for layers ``i >= max_window_layers`` (default 28) when a
+    window is on; ``Qwen3DFlashAttention`` gives a ``"sliding_attention"`` layer that
+    ``sliding_window``. So a layer slides exactly when its type says so **and** the window is on;
+    ``layer_types`` naming sliding layers with ``use_sliding_window`` false or
+    ``sliding_window: null`` run full attention (logged as a warning). Normalised as
+    :class:`DrafterConfig` keeps it: ``([], 0)`` when no layer slides.
+
+    Raises:
+        DrafterError: ``layer_types`` not one known type per layer, or a window below 1.
+    """
+    types = cfg.get("layer_types")
+    if types is not None and (not isinstance(types, list) or len(types) != layers or any(t not in LAYER_TYPES for t in types)):
+        raise DrafterError(f"{where}: layer_types {types!r}: expected {layers} entries, each one of {LAYER_TYPES}")
+    raw = cfg.get("sliding_window", QWEN3_DEFAULT_WINDOW)   # absent: Qwen3Config's default; null: none
+    on = bool(cfg.get("use_sliding_window", False)) and raw is not None
+    if on and (not isinstance(raw, int) or isinstance(raw, bool) or raw < 1):
+        raise DrafterError(f"{where}: sliding_window {raw!r}: expected a positive integer")
+    if types is None:
+        first = cfg.get("max_window_layers")
+        first = 28 if first is None else int(first)
+        types = [SLIDING if on and i >= first else FULL for i in range(layers)]
+    if SLIDING not in types:
+        return [], 0
+    if not on:
+        logger.warning("drafter config names sliding layers but no window is on: full attention, as the reference runs it",
+                       extra={"config": where, "use_sliding_window": cfg.get("use_sliding_window"), "sliding_window": raw})
+        return [], 0
+    return [str(t) for t in types], int(raw)
+
+
 def config_from_json(cfg: dict[str, Any], where: str = CONFIG_NAME) -> tuple[DrafterConfig, dict[str, Any]]:
     """The :class:`DrafterConfig` of a z-lab ``config.json`` (parsed) and its ``dflash_grpc``
     extras (``{}`` when absent).
 
     Raises:
         DrafterError: not a DFlash drafter config, or a field the project cannot run (attention
-            bias, RoPE scaling, sliding-window layers, another activation), named in the message.
+            bias, RoPE scaling, another activation) or that is malformed (``layer_types``,
+            ``sliding_window``), named in the message.
     """
     archs = cfg.get("architectures") or []
     if "DFlashDraftModel" not in archs:
@@ -185,16 +227,13 @@ def config_from_json(cfg: dict[str, Any], where: str = CONFIG_NAME) -> tuple[Dra
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise DrafterError(f"{where}: rope_scaling {rope!r} is not supported (plain RoPE only)")
-    layer_types = cfg.get("layer_types") or []
-    if any(t != "full_attention" for t in layer_types) or (not layer_types and cfg.get("use_sliding_window")):
-        raise DrafterError(f"{where}: layer_types {layer_types!r} / use_sliding_window {cfg.get('use_sliding_window')!r}: "
-                           "sliding-window drafter layers are not supported yet")
     theta = cfg.get("rope_theta", rope.get("rope_theta"))
     if theta is None:
         raise DrafterError(f"{where}: missing field 'rope_theta'")
     hidden = int(_field(cfg, "hidden_size", where))
     heads = int(_field(cfg, "num_attention_heads", where))
     layers = int(_field(cfg, "num_hidden_layers", where))
+    layer_types, window = _layer_windows(cfg, layers, where)
     dflash = cfg.get("dflash_config") or {}
     ids = dflash.get("target_layer_ids")
     if ids is None:
@@ -221,6 +260,8 @@ def config_from_json(cfg: dict[str, Any], where: str = CONFIG_NAME) -> tuple[Dra
         vocab_size=int(_field(cfg, "vocab_size", where)),
         target_fingerprint=str(extra.get("target_fingerprint", "")),
         target_architecture=str(extra.get("target_architecture", "")),
+        layer_types=layer_types,
+        sliding_window=window,
     )
     try:
         config.validate()
@@ -262,6 +303,9 @@ def config_to_json(ck: Checkpoint) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "torch_dtype": torch_dtype,
         "block_size": c.block_size,
+        "layer_types": list(c.layer_types) or [FULL] * c.num_layers,
+        "use_sliding_window": bool(c.sliding_window),
+        "sliding_window": c.sliding_window or None,
     }
     if ck.num_target_layers is not None:
         out["num_target_layers"] = int(ck.num_target_layers)

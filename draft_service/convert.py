@@ -12,7 +12,9 @@ The checkpoint directory:
 * ``config.json``: ``architectures: ["DFlashDraftModel"]``, ``model_type: "qwen3"``, the Qwen3
   fields (``hidden_size``, ``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads``,
   ``head_dim``, ``rms_norm_eps``, ``rope_theta``, ``vocab_size``, ``num_hidden_layers``,
-  ``max_position_embeddings``, ``attention_bias``), ``block_size``, ``num_target_layers`` and
+  ``max_position_embeddings``, ``attention_bias``; ``layer_types``, ``use_sliding_window`` and
+  ``sliding_window`` for sliding-window layers, read as transformers' ``Qwen3Config`` reads them:
+  :func:`draft_service.checkpoint._layer_windows`), ``block_size``, ``num_target_layers`` and
   ``dflash_config: {mask_token_id, target_layer_ids}``. When ``target_layer_ids`` is absent it is
   derived as the reference does (:func:`zlab_target_layer_ids`). What the project needs beyond
   that (the target's fingerprint and architecture, ``trained``, the name) is kept under the key

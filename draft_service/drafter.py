@@ -13,7 +13,8 @@ Model (``L`` decoder layers, Qwen3 style, hidden size ``H`` = the target's)::
         K, V   = [rope(k_norm(heads(ctx @ Wk^T))) ; rope(k_norm(heads(h @ Wk^T)))]   context then block
                  [heads(ctx @ Wv^T) ; heads(h @ Wv^T)]                [nkv, n+B, D]
         a      = softmax(q K^T / sqrt(D)) V             no causal mask: every block row sees every
-                                                        context row and every block row
+                                                        context row and every block row (a sliding
+                                                        layer: only keys within its window)
         x      = x + a @ Wo^T
         x      = x + down(silu(gate(ffn_norm(x))) * up(ffn_norm(x)))
     logits = output_norm(x) @ target_lm_head^T          [B, V]; row d (d >= 1) predicts position P+d
@@ -23,6 +24,11 @@ Model (``L`` decoder layers, Qwen3 style, hidden size ``H`` = the target's)::
 * RoPE: NeoX style (``rotate_half``) over the whole ``head_dim``, ``inv_freq = theta^(-2i/D)``, at the
   absolute position of each row (context row ``j`` is position ``j``; the block starts at ``P`` =
   number of context rows, the target's committed length).
+* Sliding layers (``DrafterConfig.layer_types[i] == "sliding_attention"``, window ``W`` =
+  ``DrafterConfig.sliding_window``): the block query at position ``p`` sees the key at position
+  ``j`` only when ``|p - j| <= W - 1`` (:func:`window_visible`: flash-attn's non-causal
+  ``window_size = (W-1, W-1)``, what z-lab's reference runs under flash-attention 2). The
+  context rows are all kept (cache and pool); the window is a mask. Full layers see everything.
 * GQA: query head ``h`` uses kv head ``h // (nh / nkv)`` (``repeat_kv``).
 * The context K/V of a row depend on that row only (fc, hidden_norm, k/v projections, k_norm, RoPE
   are per row), so they are computed once per session and cached (:class:`DrafterContext`): the
@@ -67,6 +73,10 @@ DEFAULT_NUM_TARGET_LAYERS = 5
 #: v_blk [nb, nkv, B, D]) -> [nb, B, nh * D]`` in ``q``'s dtype.
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
+#: ``DrafterConfig.layer_types`` values (z-lab / transformers ``layer_types``).
+FULL, SLIDING = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL, SLIDING)
+
 # GGUF tokenizer token types (llama.cpp ``llama_token_type``).
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_UNUSED = 5
@@ -100,6 +110,14 @@ class DrafterConfig:
         vocab_size: target vocabulary size (rows of its embedding / LM head).
         target_fingerprint: :func:`runtime.fingerprint.model_fingerprint` of the target.
         target_architecture: the target's ``general.architecture``.
+        layer_types: per layer ``"full_attention"`` or ``"sliding_attention"`` (z-lab's
+            ``layer_types``); empty = every layer full. Kept normalised: empty unless some layer
+            slides (:meth:`validate`).
+        sliding_window: ``W``, the window of the sliding layers in tokens (> 0 when a layer
+            slides, else 0). A sliding layer's block query at position ``p`` sees key position
+            ``j`` only when ``|p - j| <= W - 1`` (flash-attn ``window_size = (W-1, W-1)``,
+            non-causal, as transformers passes ``sliding_window`` to flash-attn; see
+            :func:`window_visible` and docs/ARCHITECTURE.md, "Sliding-window drafter layers").
     """
 
     hidden_size: int
@@ -116,6 +134,18 @@ class DrafterConfig:
     vocab_size: int
     target_fingerprint: str = ""
     target_architecture: str = ""
+    layer_types: list[str] = dataclasses.field(default_factory=list)
+    sliding_window: int = 0
+
+    def layer_window(self, i: int) -> int:
+        """The attention window of layer ``i`` in tokens: :attr:`sliding_window` for a sliding
+        layer, 0 (none: full attention) otherwise."""
+        return self.sliding_window if self.layer_types and self.layer_types[i] == SLIDING else 0
+
+    @property
+    def layer_windows(self) -> list[int]:
+        """:meth:`layer_window` of every layer."""
+        return [self.layer_window(i) for i in range(self.num_layers)]
 
     @property
     def num_target_layers(self) -> int:
@@ -147,11 +177,19 @@ class DrafterConfig:
             (all(i >= 0 for i in self.target_layer_ids), "target_layer_ids >= 0"),
             (self.vocab_size > 0, "vocab_size > 0"),
             (0 <= self.mask_token_id < self.vocab_size, "0 <= mask_token_id < vocab_size"),
+            (not self.layer_types or len(self.layer_types) == self.num_layers, "one layer_types entry per layer"),
+            (all(t in LAYER_TYPES for t in self.layer_types), f"layer_types in {LAYER_TYPES}"),
+            (self.sliding_window >= 0, "sliding_window >= 0"),
+            (SLIDING not in self.layer_types or self.sliding_window >= 1, "sliding_window >= 1 with sliding layers"),
         ]
         bad = [what for ok, what in checks if not ok]
         if bad:
             raise DrafterError(f"invalid drafter config ({', '.join(bad)}): {self}")
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        self.layer_types = [str(t) for t in self.layer_types]
+        self.sliding_window = int(self.sliding_window)
+        if SLIDING not in self.layer_types:  # normalised: no window unless a layer slides
+            self.layer_types, self.sliding_window = [], 0
         return self
 
     @classmethod
@@ -332,6 +370,20 @@ def choose_mask_token(
 # --------------------------------------------------------------------------------------------
 
 
+def window_visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """The sliding-window mask of a sliding drafter layer: ``[..., Q] x [..., K] -> [..., Q, K]``
+    bool, True where the query at position ``q_pos[..., i]`` may see the key at ``k_pos[..., j]``:
+    ``|q - k| <= window - 1``.
+
+    This is flash-attn's ``window_size = (W - 1, W - 1)`` (transformers passes a layer's
+    ``sliding_window`` ``W`` so) for the drafter's non-causal block over ``[context ; block]``:
+    flash-attn aligns the queries bottom-right, so block row ``i`` of a step with ``L`` context
+    rows stands at position ``L + i`` and key ``j`` at ``j``, which is what the positions here
+    are. With ``B <= W`` every block row sees every other one and the window only drops context
+    rows older than ``p - (W - 1)``."""
+    return (q_pos[..., :, None] - k_pos[..., None, :]).abs() <= int(window) - 1
+
+
 class RMSNorm(nn.Module):
     """RMSNorm with a weight (ones at init); see :func:`rms_norm`."""
 
@@ -501,6 +553,9 @@ class DFlashDrafter(nn.Module):
         k_blk: torch.Tensor,
         v_blk: torch.Tensor,
         ctx_visible: torch.Tensor | None,
+        window: int = 0,
+        positions: torch.Tensor | None = None,
+        ctx_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Block queries over ``[context ; block]`` keys, no causal mask, in float32 (float64 for a
         float64 model).
@@ -510,6 +565,11 @@ class DFlashDrafter(nn.Module):
             k_ctx, v_ctx: ``[nkv, n, D]``, shared by the ``nb`` blocks.
             k_blk, v_blk: ``[nb, nkv, B, D]``.
             ctx_visible: ``[nb, n]`` bool (which context rows each block may see) or None (all).
+            window: the layer's window ``W`` in tokens (0: none). With a window, the query at
+                position ``p`` sees a key at position ``j`` (context or block) only when
+                ``|p - j| <= W - 1`` (:func:`window_visible`), on top of ``ctx_visible``.
+            positions: ``[nb, B]`` positions of the block rows (needed with a window).
+            ctx_positions: ``[n]`` positions of the context rows (needed with a window).
 
         Returns:
             ``[nb, B, nh * D]`` in ``q``'s dtype.
@@ -524,6 +584,11 @@ class DFlashDrafter(nn.Module):
         s_blk = torch.einsum("bkgqd,bknd->bkgqn", qf, k_blk.to(acc)) * scale
         if ctx_visible is not None:
             s_ctx = s_ctx.masked_fill(~ctx_visible[:, None, None, None, :], float("-inf"))
+        if window:
+            if positions is None or ctx_positions is None:
+                raise ValueError("a windowed attention needs the block and context positions")
+            s_ctx = s_ctx.masked_fill(~window_visible(positions, ctx_positions, window)[:, None, None], float("-inf"))
+            s_blk = s_blk.masked_fill(~window_visible(positions, positions, window)[:, None, None], float("-inf"))
         n = s_ctx.shape[-1]
         p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1), dim=-1)
         out = torch.einsum("bkgqn,knd->bkgqd", p[..., :n], v_ctx.to(acc))
@@ -552,10 +617,13 @@ class DFlashDrafter(nn.Module):
         h = layer.ffn_norm(x)
         return x + layer.ffn_down(F.silu(layer.ffn_gate(h)) * layer.ffn_up(h))
 
-    def _dense_attend(self, k_ctx: torch.Tensor, v_ctx: torch.Tensor, ctx_visible: torch.Tensor | None) -> "Attend":
+    def _dense_attend(self, k_ctx: torch.Tensor, v_ctx: torch.Tensor, ctx_visible: torch.Tensor | None,
+                      window: int = 0, positions: torch.Tensor | None = None,
+                      ctx_positions: torch.Tensor | None = None) -> "Attend":
         """The dense attention backend of :meth:`_layer` over context K/V tensors (see
-        :meth:`_attention` for the shapes)."""
-        return lambda q, k_blk, v_blk: self._attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_visible)
+        :meth:`_attention` for the shapes and the window)."""
+        return lambda q, k_blk, v_blk: self._attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_visible,
+                                                       window, positions, ctx_positions)
 
     def embed_blocks(self, block_tokens: torch.Tensor) -> torch.Tensor:
         """Target embedding of ``block_tokens`` ``[nb, B]`` -> ``[nb, B, H]`` in the model dtype."""
@@ -575,9 +643,19 @@ class DFlashDrafter(nn.Module):
         block_tokens: torch.Tensor,
         positions: torch.Tensor,
         ctx_visible: torch.Tensor | None,
+        ctx_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Embed ``block_tokens`` ``[nb, B]``, run every layer, apply ``output_norm`` -> ``[nb, B, H]``."""
-        return self.run_blocks(block_tokens, positions, [self._dense_attend(k, v, ctx_visible) for k, v in ctx_kv])
+        """Embed ``block_tokens`` ``[nb, B]``, run every layer, apply ``output_norm`` -> ``[nb, B, H]``.
+
+        ``ctx_positions`` ``[n]``: the positions of the context rows of ``ctx_kv`` (default
+        ``0..n-1``), which a sliding layer's window is measured against (``positions`` ``[nb, B]``
+        are the block rows')."""
+        if ctx_positions is None and any(self.config.layer_windows):
+            n = ctx_kv[0][0].shape[1]
+            ctx_positions = torch.arange(n, device=positions.device)
+        attends = [self._dense_attend(k, v, ctx_visible, self.config.layer_window(i), positions, ctx_positions)
+                   for i, (k, v) in enumerate(ctx_kv)]
+        return self.run_blocks(block_tokens, positions, attends)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[..., H]`` -> float32 logits ``[..., vocab]`` with the target's LM head

@@ -15,7 +15,9 @@ the kernels the target engine uses (docs/ARCHITECTURE.md, "The drafter step"):
   one launch, with ``cos`` / ``sin`` read from a table made once
   (``kernels.rope.reference.rope_table``: the float64 angles rounded to float32, which is what
   the reference's ``apply_rope`` computes with);
-* ``kernels.activation.silu_mul`` for SwiGLU.
+* ``kernels.activation.silu_mul`` for SwiGLU;
+* ``kernels.attention.pool_attention`` with the layer's window on sliding layers
+  (``DrafterConfig.layer_window``; the kernel skips key tiles below the window).
 
 The order of the writes is the reference's: every layer's context K/V first (padding context rows
 land at scratch rows the block then overwrites), then the block's K/V layer by layer. On the CPU
@@ -128,7 +130,7 @@ class FusedDrafter:
             v = qkv[:, (nh + nkv) * D :].reshape(n, nkv, D)
             q = rope_store(q, kk, v, cos, sin, pool.k[i], pool.v[i], slots, block_rows)
             o = attn_ops.pool_attention(q.reshape(b, B, nh, D), pool.k[i], pool.v[i], slots, lengths, ancestors,
-                                        scale, splits=splits)
+                                        scale, splits=splits, window=c.layer_window(i))
             x, h = add_rms_norm(x, linear(o.reshape(n, nh * D), lw.o), lw.ffn_norm, self.eps)
             nxt = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.drafter.output_norm.weight
             x, h = add_rms_norm(x, linear(silu_mul(linear(h, lw.gate_up)), lw.down), nxt, self.eps)

@@ -24,7 +24,10 @@ Metadata: ``qwen3.block_count``, ``qwen3.embedding_length``, ``qwen3.feed_forwar
 ``qwen3.rope.freq_base``, ``qwen3.vocab_size``, ``qwen3.dflash.block_size``,
 ``qwen3.dflash.target_layer_ids`` (int32 array), ``qwen3.dflash.mask_token_id``,
 ``dflash.target_fingerprint``, ``dflash.target_architecture``, ``dflash.trained`` (bool; False for
-a random init), ``general.name``.
+a random init), ``general.name``. A drafter with sliding-window layers also has llama.cpp's
+``qwen3.attention.sliding_window`` (``W``, int) and ``qwen3.attention.sliding_window_pattern``
+(bool array, one per layer, True = ``"sliding_attention"``); drafters without them have neither
+key (their files are unchanged).
 
 There is no embedding or LM head: the drafter borrows the target's.
 
@@ -45,7 +48,7 @@ from gguf import GGMLQuantizationType
 from draft_service.checkpoint import (  # noqa: F401
     CONFIG_NAME, EXTRA_KEY, HF_TO_GGUF, LAYER_TENSORS, check_fits, read_directory, tensor_shapes,
 )
-from draft_service.drafter import DFlashDrafter, DrafterConfig, DrafterError
+from draft_service.drafter import FULL, SLIDING, DFlashDrafter, DrafterConfig, DrafterError
 from runtime.fingerprint import model_fingerprint
 from runtime.gguf_loader import GGUFError, GGUFFile, open_gguf, write_gguf
 
@@ -90,6 +93,12 @@ def expected_tensor_names(config: DrafterConfig) -> list[str]:
 def config_metadata(config: DrafterConfig, name: str = "dflash-drafter", trained: bool = True) -> dict[str, Any]:
     """GGUF metadata (keys with ``{arch}``) for ``config``."""
     c = config
+    windows = {}
+    if c.sliding_window:
+        windows = {
+            "{arch}.attention.sliding_window": int(c.sliding_window),
+            "{arch}.attention.sliding_window_pattern": [t == SLIDING for t in c.layer_types],
+        }
     return {
         "general.name": name,
         "general.type": "model",
@@ -106,6 +115,7 @@ def config_metadata(config: DrafterConfig, name: str = "dflash-drafter", trained
         "{arch}.dflash.block_size": c.block_size,
         "{arch}.dflash.target_layer_ids": [int(i) for i in c.target_layer_ids],
         "{arch}.dflash.mask_token_id": c.mask_token_id,
+        **windows,
         "dflash.target_fingerprint": c.target_fingerprint,
         "dflash.target_architecture": c.target_architecture,
         "dflash.trained": bool(trained),
@@ -169,6 +179,11 @@ def read_drafter_config(g: GGUFFile | str | os.PathLike[str]) -> DrafterConfig:
         if g.architecture != ARCH or g.get("{arch}.dflash.block_size") is None:
             raise DrafterError(f"{g.path}: not a DFlash drafter (architecture {g.architecture!r}, no {ARCH}.dflash.block_size)")
         ids = g.require("{arch}.dflash.target_layer_ids")
+        window = int(g.get("{arch}.attention.sliding_window", 0) or 0)
+        pattern = g.get("{arch}.attention.sliding_window_pattern")
+        if window and not isinstance(pattern, list):
+            raise DrafterError(f"{g.path}: {ARCH}.attention.sliding_window without {ARCH}.attention.sliding_window_pattern")
+        types = [SLIDING if bool(p) else FULL for p in pattern] if window else []
         config = DrafterConfig(
             hidden_size=int(g.require("{arch}.embedding_length")),
             num_layers=int(g.require("{arch}.block_count")),
@@ -184,6 +199,8 @@ def read_drafter_config(g: GGUFFile | str | os.PathLike[str]) -> DrafterConfig:
             vocab_size=int(g.require("{arch}.vocab_size")),
             target_fingerprint=str(g.get("dflash.target_fingerprint", "")),
             target_architecture=str(g.get("dflash.target_architecture", "")),
+            layer_types=types,
+            sliding_window=window,
         )
     except GGUFError as e:
         raise DrafterError(str(e)) from e

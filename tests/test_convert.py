@@ -71,9 +71,10 @@ def test_reference_layer_ids_formula():
     assert zlab_target_layer_ids(30, 1) == [15]
 
 
-def _zlab_dir(path, tiny, *, dtype=torch.bfloat16, layers=2, ids=None, mask=5, hidden=None, vocab=None, seed=0):
+def _zlab_dir(path, tiny, *, dtype=torch.bfloat16, layers=2, ids=None, mask=5, hidden=None, vocab=None, seed=0, extra=None):
     """A checkpoint directory as z-lab publishes one: no ``dflash_grpc`` extras, no tokenizer,
-    HF names; ``ids`` None leaves ``target_layer_ids`` out (derived from ``num_target_layers``)."""
+    HF names; ``ids`` None leaves ``target_layer_ids`` out (derived from ``num_target_layers``);
+    ``extra``: more config.json fields."""
     from safetensors.torch import save_file
 
     H, heads, kv, D, F = hidden or tiny.hidden, 4, 2, 16, 96
@@ -94,7 +95,7 @@ def _zlab_dir(path, tiny, *, dtype=torch.bfloat16, layers=2, ids=None, mask=5, h
     cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": H, "intermediate_size": F,
            "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": D, "num_hidden_layers": layers,
            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": vocab or tiny.vocab, "max_position_embeddings": 4096,
-           "attention_bias": False, "block_size": 4, "num_target_layers": tiny.layers, "dflash_config": dflash}
+           "attention_bias": False, "block_size": 4, "num_target_layers": tiny.layers, "dflash_config": dflash} | (extra or {})
     with open(os.path.join(path, CONFIG_NAME), "w") as f:
         json.dump(cfg, f)
     return str(path)
@@ -151,10 +152,14 @@ def test_unsupported_or_broken_directories_are_refused(tiny_llama, tmp_path):
     cfg = json.loads(open(cfg_path).read())
     for key, value, match in [("attention_bias", True, "attention_bias"), ("architectures", ["Qwen3ForCausalLM"], "DFlashDraftModel"),
                               ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope_scaling"),
-                              ("layer_types", ["full_attention", "sliding_attention"], "sliding"),
-                              ("use_sliding_window", True, "sliding")]:
+                              ("layer_types", ["full_attention"], "layer_types"),
+                              ("layer_types", ["full_attention", "chunked_attention"], "layer_types")]:
         open(cfg_path, "w").write(json.dumps(cfg | {key: value}))
         with pytest.raises(DrafterError, match=match):
+            read_checkpoint(d)
+    for bad in (0, -3, 2.5, "16"):
+        open(cfg_path, "w").write(json.dumps(cfg | {"use_sliding_window": True, "sliding_window": bad}))
+        with pytest.raises(DrafterError, match="sliding_window"):
             read_checkpoint(d)
     open(cfg_path, "w").write(json.dumps(cfg | {"dflash_config": {"target_layer_ids": [1, 2]}}))
     with pytest.raises(DrafterError, match="mask_token_id"):
@@ -162,6 +167,58 @@ def test_unsupported_or_broken_directories_are_refused(tiny_llama, tmp_path):
     open(cfg_path, "w").write(json.dumps(cfg | {"num_hidden_layers": 3}))
     with pytest.raises(DrafterError, match="layers.2"):
         read_checkpoint(d)
+
+
+SLIDING_CFG = {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "use_sliding_window": True,
+               "sliding_window": 7, "max_window_layers": 0}
+
+
+def test_sliding_window_drafter_round_trips(tiny_llama, tmp_path):
+    """A z-lab directory with sliding-window layers -> GGUF -> directory -> GGUF: the windows
+    survive every hop (GGUF keys ``qwen3.attention.sliding_window`` / ``_pattern``, config.json's
+    ``layer_types`` / ``use_sliding_window`` / ``sliding_window``), the two GGUFs are the same
+    bytes, and the drafter loads with the windows."""
+    d = _zlab_dir(tmp_path / "swa", tiny_llama, layers=3, ids=[0, 2], extra=SLIDING_CFG)
+    first, back_dir, second = tmp_path / "a.gguf", tmp_path / "back", tmp_path / "b.gguf"
+    assert main([d, str(first), "--target", tiny_llama.path]) == 0
+    assert main([str(first), str(back_dir)]) == 0
+    assert main([str(back_dir), str(second)]) == 0
+    with open(first, "rb") as fa, open(second, "rb") as fb:
+        assert fa.read() == fb.read()
+    g = open_gguf(first)
+    assert g.get("qwen3.attention.sliding_window") == 7
+    assert [bool(x) for x in g.get("qwen3.attention.sliding_window_pattern")] == [True, False, True]
+    cfg = json.loads((back_dir / CONFIG_NAME).read_text())
+    assert (cfg["layer_types"], cfg["use_sliding_window"], cfg["sliding_window"]) == (SLIDING_CFG["layer_types"], True, 7)
+    for src in (d, str(first), str(back_dir)):
+        c = read_checkpoint(src).config
+        assert (c.layer_types, c.sliding_window, c.layer_windows) == (SLIDING_CFG["layer_types"], 7, [7, 0, 7]), src
+    assert load_drafter(str(second), tiny_llama.path).config.layer_windows == [7, 0, 7]
+    # a drafter without windows writes them off explicitly, and its GGUF has no window keys
+    plain = _zlab_dir(tmp_path / "plain", tiny_llama, ids=[0, 2])
+    assert main([plain, str(tmp_path / "p.gguf"), "--target", tiny_llama.path]) == 0
+    assert open_gguf(tmp_path / "p.gguf").get("qwen3.attention.sliding_window") is None
+    assert main([str(tmp_path / "p.gguf"), str(tmp_path / "pdir")]) == 0
+    cfg = json.loads((tmp_path / "pdir" / CONFIG_NAME).read_text())
+    assert (cfg["layer_types"], cfg["use_sliding_window"], cfg["sliding_window"]) == (["full_attention"] * 2, False, None)
+
+
+@pytest.mark.parametrize("fields, windows", [
+    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 7}, [0, 0]),      # use_sliding_window off
+    ({"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True}, [4096, 0]),   # Qwen3Config's default size
+    ({"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True, "sliding_window": None}, [0, 0]),
+    ({"use_sliding_window": True, "sliding_window": 7}, [0, 0]),                      # layers < max_window_layers (28)
+    ({"use_sliding_window": True, "sliding_window": 7, "max_window_layers": 1}, [0, 7]),
+    ({"use_sliding_window": False, "sliding_window": 7, "layer_types": ["full_attention"] * 2}, [0, 0]),
+], ids=["window-off", "default-size", "null-size", "derived-none", "derived-from-max_window_layers", "all-full"])
+def test_layer_windows_follow_transformers_qwen3_config(fields, windows, tiny_llama, tmp_path):
+    """Which layers slide, as the reference's config (transformers' ``Qwen3Config``) decides:
+    ``sliding_window`` only counts when ``use_sliding_window`` is true, and ``layer_types``
+    defaults to sliding from layer ``max_window_layers`` on."""
+    c = read_checkpoint(_zlab_dir(tmp_path / "z", tiny_llama, ids=[0, 2], extra=fields)).config
+    assert c.layer_windows == windows
+    qwen3 = pytest.importorskip("transformers").Qwen3Config(num_hidden_layers=2, **fields)
+    assert [qwen3.sliding_window if t == "sliding_attention" else None for t in qwen3.layer_types] == [w or None for w in windows]
 
 
 def test_names_map_both_ways():

@@ -12,7 +12,12 @@ below, following z-lab/dflash ``dflash/model.py`` (``Qwen3DFlashAttention``,
 * the draft K/V cache keeps every row it was given and is cut back to the committed length after
   each draft (``past_key_values_draft.crop(start)``), so the next round's new context (the
   accepted rows) is appended at the committed length;
-* the draft distributions are the LM head over the last ``B - 1`` block rows.
+* the draft distributions are the LM head over the last ``B - 1`` block rows;
+* a ``"sliding_attention"`` layer gets ``sliding_window`` from transformers' ``Qwen3Config``
+  (None unless ``use_sliding_window``), which the reference hands to the attention function; the
+  project follows what flash-attention 2 (the reference benchmark's backend) does with it:
+  ``window_size = (W - 1, W - 1)`` when the keys outnumber ``W``, queries aligned to the last
+  keys (bottom-right), non-causal. Written below as that explicit mask.
 
 One random checkpoint, written as a z-lab directory (config.json + model.safetensors, HF names,
 fp32), is loaded into that model and into the project (``draft_service.gguf_io.load_drafter`` on
@@ -21,7 +26,9 @@ random llama target (transformers' ``LlamaForCausalLM`` gives the features). The
 choices are scripted so the acceptance varies (0 .. B-1 drafts accepted): at each step the
 reference's first ``a`` drafts are accepted and the next token is another one; the project's loop
 computes its own acceptance against that same token sequence. Checked at every step: the draft
-logits within 1e-4 (fp32) and the acceptance lengths equal.
+logits within 1e-4 (fp32) and the acceptance lengths equal. The same for drafters with
+sliding-window layers (windows shorter than the context, one shorter than the block too), and
+the window is shown to change the logits.
 """
 
 from __future__ import annotations
@@ -76,13 +83,28 @@ class DraftCache:
         self.v = [None if t is None else t[:, :, :n] for t in self.v]
 
 
+def flash_window_mask(q_len: int, kv_len: int, window: int | None) -> torch.Tensor | None:
+    """What flash-attention 2 does with a layer's ``sliding_window`` under transformers
+    (``_flash_attention_forward``): nothing unless ``kv_len > window``; then
+    ``window_size = (window - 1, window - 1)``, non-causal, with query ``i`` aligned to key
+    position ``i + kv_len - q_len`` (flash-attn's bottom-right alignment): it sees keys ``j``
+    with ``|i + kv_len - q_len - j| <= window - 1``. ``[q_len, kv_len]`` bool, or None."""
+    if window is None or kv_len <= window:
+        return None
+    qpos = torch.arange(q_len)[:, None] + (kv_len - q_len)
+    return (qpos - torch.arange(kv_len)[None, :]).abs() <= window - 1
+
+
 class RefAttention(nn.Module):
     """``Qwen3DFlashAttention``: queries from the block, keys/values from ``[context ; block]``,
-    q/k RMSNorm per head, RoPE (queries at the block's positions), no mask, eager softmax."""
+    q/k RMSNorm per head, RoPE (queries at the block's positions), eager softmax; no mask on a
+    full layer, :func:`flash_window_mask` on a sliding one."""
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
+        # the reference's rule (cfg.sliding_window is None unless use_sliding_window)
+        self.sliding_window = cfg.sliding_window if cfg.layer_types[layer_idx] == "sliding_attention" else None
         self.head_dim = cfg.head_dim
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
         self.scaling = self.head_dim ** -0.5
@@ -108,7 +130,11 @@ class RefAttention(nn.Module):
         k, v = cache.update(k, v, self.layer_idx)
         k = k.repeat_interleave(self.groups, dim=1)
         v = v.repeat_interleave(self.groups, dim=1)
-        p = torch.softmax((q @ k.transpose(2, 3)) * self.scaling, dim=-1, dtype=torch.float32).to(q.dtype)
+        scores = (q @ k.transpose(2, 3)) * self.scaling
+        mask = flash_window_mask(q_len, k.shape[2], self.sliding_window)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return self.o_proj((p @ v).transpose(1, 2).reshape(bsz, q_len, -1))
 
 
@@ -151,14 +177,15 @@ class RefDraftModel(nn.Module):
 # ------------------------------------------------------------------------- the checkpoint
 
 
-def _zlab_checkpoint(path, tiny, seed: int = 11) -> dict:
-    """Write a random fp32 z-lab drafter directory for ``tiny``; returns its config dict."""
+def _zlab_checkpoint(path, tiny, seed: int = 11, windows: dict | None = None) -> dict:
+    """Write a random fp32 z-lab drafter directory for ``tiny`` (``windows``: extra config
+    fields, the sliding-window ones); returns its config dict."""
     H, heads, kv, D, F = tiny.hidden, 4, 2, 16, 96
     cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": H, "intermediate_size": F,
            "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": D, "num_hidden_layers": DRAFT_LAYERS,
            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": tiny.vocab, "max_position_embeddings": 2048,
            "attention_bias": False, "hidden_act": "silu", "block_size": BLOCK, "num_target_layers": tiny.layers,
-           "dflash_config": {"mask_token_id": MASK, "target_layer_ids": TAPS}, "torch_dtype": "float32"}
+           "dflash_config": {"mask_token_id": MASK, "target_layer_ids": TAPS}, "torch_dtype": "float32"} | (windows or {})
     g = torch.Generator().manual_seed(seed)
     w = lambda *s: torch.randn(*s, generator=g) * 0.15  # noqa: E731
     norm = lambda n: 1 + 0.2 * torch.randn(n, generator=g)  # noqa: E731
@@ -189,17 +216,33 @@ def _reference_model(directory: str, cfg: dict) -> RefDraftModel:
 # ------------------------------------------------------------------------- the test
 
 
+#: the drafters compared: full attention; a sliding first layer with a window shorter than the
+#: block (5 < 8: the window bites inside the block too); a sliding second layer with B <= W = 10
+#: (the published drafters' case: only old context rows drop out). Contexts reach 44 rows.
+WINDOWS = {
+    "full": None,
+    "window-5": {"use_sliding_window": True, "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"]},
+    "window-10": {"use_sliding_window": True, "sliding_window": 10, "layer_types": ["full_attention", "sliding_attention"]},
+}
+
+
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+@pytest.mark.parametrize("windows", list(WINDOWS.values()), ids=list(WINDOWS))
 @torch.no_grad()
-def test_project_drafter_matches_the_reference_over_a_greedy_decode(tiny_llama, tmp_path):
+def test_project_drafter_matches_the_reference_over_a_greedy_decode(tiny_llama, tmp_path, windows):
     from draft_service.batched import DraftItem, ReferenceDrafterEngine
     from draft_service.gguf_io import load_drafter
 
     tiny = tiny_llama
     directory = str(tmp_path / "zlab-drafter")
-    cfg = _zlab_checkpoint(directory, tiny)
+    cfg = _zlab_checkpoint(directory, tiny, windows=windows)
     ref = _reference_model(directory, cfg)
     project = ReferenceDrafterEngine(load_drafter(directory, tiny.path, dtype=torch.float32), max_sessions=1)
+    want_windows = [0] * DRAFT_LAYERS if windows is None else [
+        windows["sliding_window"] if t == "sliding_attention" else 0 for t in windows["layer_types"]]
+    assert project.drafter.config.layer_windows == want_windows
+    assert [layer.self_attn.sliding_window or 0 for layer in ref.layers] == want_windows
+    window_bit = []                                             # |windowed - full| of the reference's logits
 
     target = transformers.LlamaForCausalLM(transformers.LlamaConfig(**tiny.hf_config())).eval()
     target.load_state_dict(tiny.hf_state_dict)
@@ -227,6 +270,15 @@ def test_project_drafter_matches_the_reference_over_a_greedy_decode(tiny_llama, 
         positions = torch.arange(draft_cache.length(), start + BLOCK)[None]
         hidden = ref(positions, embed(block), new_ctx, draft_cache)
         ref_logits = lm_head(hidden[:, 1 - BLOCK:])[0]          # [B-1, V]
+        if windows is not None:                                 # the same step without the windows
+            saved = [layer.self_attn.sliding_window for layer in ref.layers]
+            for layer in ref.layers:
+                layer.self_attn.sliding_window = None
+            draft_cache.crop(start - new_ctx.shape[1])
+            full = lm_head(ref(positions, embed(block), new_ctx, draft_cache)[:, 1 - BLOCK:])[0]
+            for layer, w in zip(ref.layers, saved):
+                layer.self_attn.sliding_window = w
+            window_bit.append(float((full - ref_logits).abs().max()))
         draft_cache.crop(start)
         drafts = ref_logits.argmax(-1).tolist()
         # -- the project (the draft service's CPU engine: append the new rows, draft the block)
@@ -250,4 +302,6 @@ def test_project_drafter_matches_the_reference_over_a_greedy_decode(tiny_llama, 
         new_ctx = target_features(committed)
         start += planned + 1
     assert accepted_project == accepted_ref == SCHEDULE
+    if windows is not None:                                     # the windows changed the drafts' logits
+        assert max(window_bit) > 1e-2, window_bit
     assert project.session_length("s") == start - (SCHEDULE[-1] + 1)

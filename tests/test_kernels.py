@@ -127,6 +127,42 @@ def test_pool_attention(dtype, b, w, hq, hkv, d, causal, splits):
     assert rel(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("w,window,causal,splits", [(4, 20, False, 2), (6, 3, False, 1), (5, 9, True, 2)],
+                         ids=["drafter-block", "window-below-block", "causal"])
+def test_pool_attention_sliding_window(w, window, causal, splits):
+    """A sliding window (sliding drafter layers): the Triton kernel against the reference's mask
+    (row ``L + i`` sees pool rows within ``window - 1`` of it, either side), float32, contexts
+    past a 256-key split so whole splits and tiles lie below the window (skipped); the
+    window changes the result, and a window wider than every row gives the windowless result."""
+    from kernels.attention import reference
+    from kernels.attention import triton as tri
+
+    gen = torch.Generator().manual_seed(w + window)
+    s, r, hq, hkv, d = 3, 330, 2, 1, 16
+    k = torch.randn(s, r, hkv, d, generator=gen).to(DEV)
+    v = torch.randn(s, r, hkv, d, generator=gen).to(DEV)
+    q = torch.randn(2, w, hq, d, generator=gen).to(DEV)
+    slots = torch.tensor([2, 0], device=DEV)
+    lengths = torch.tensor([300, 3], device=DEV)               # one past the first 256-key split, one shorter than the window
+    anc = torch.full((2, w), (1 << w) - 1, dtype=torch.long, device=DEV)   # the drafter's block: all rows visible
+    ref = reference.pool_attention(q, k, v, slots, lengths, anc, 0.3, causal, window=window)
+    out = tri.pool_attention(q, k, v, slots, lengths, anc, 0.3, causal, splits=splits, window=window)
+    assert rel(out, ref) < TOL[torch.float32]
+    # the reference's mask, spelled out for row 0 (L = 300): only rows within the window count
+    L, i = 300, 2
+    rows = torch.arange(max(0, L + i - window + 1), min(L + i + window, L + (i + 1 if causal else w)))
+    kk, vv = k[2, rows].float(), v[2, rows].float()            # [n, hkv, D]
+    sc = torch.einsum("hd,nhd->hn", q[0, i].float().view(hkv, hq // hkv, d).reshape(hq, d),
+                      kk.repeat_interleave(hq // hkv, dim=1)) * 0.3
+    want = torch.einsum("hn,nhd->hd", sc.softmax(-1), vv.repeat_interleave(hq // hkv, dim=1))
+    torch.testing.assert_close(ref[0, i].float(), want, atol=1e-5, rtol=1e-5)
+    full = reference.pool_attention(q, k, v, slots, lengths, anc, 0.3, causal)
+    assert (ref[0] - full[0]).abs().max() > 1e-2                # the window bites
+    short = (q[1:], k, v, slots[1:], lengths[1:], anc[1:], 0.3, causal)   # L = 3: cheap under the interpreter
+    wide = tri.pool_attention(*short, splits=splits, window=w + 3)
+    assert_bits_on_gpu(wide, tri.pool_attention(*short, splits=splits), TOL[torch.float32])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("b,w,hk,hv,dk", [(2, 6, 2, 4, 16), (3, 9, 1, 2, 16)])
 def test_gated_delta_kernels(dtype, b, w, hk, hv, dk):

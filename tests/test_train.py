@@ -188,10 +188,15 @@ def test_block_loss_equals_blocks_alone_through_cached_path(tiny):
     assert drafter.embed_weight.grad is None
 
 
-def test_grouped_sequences_equal_one_at_a_time(tiny):
-    """Several sequences in one drafter forward (stacked contexts) == each sequence alone."""
+@pytest.mark.parametrize("window", [0, 4], ids=["full", "sliding"])
+def test_grouped_sequences_equal_one_at_a_time(tiny, window):
+    """Several sequences in one drafter forward (stacked contexts) == each sequence alone (also
+    with a sliding-window layer: the window counts each context row's own position)."""
     drafter = tiny_drafter(tiny, block_size=5, num_target_layers=2)
     c = drafter.config
+    if window:
+        c.layer_types, c.sliding_window = ["sliding_attention"] + ["full_attention"] * (c.num_layers - 1), window
+        c.validate()
     gen = torch.Generator().manual_seed(7)
     seqs = [torch.randint(0, c.vocab_size, (n,), generator=gen) for n in (12, 30, 7)]
     feats = [torch.randn(s.numel(), c.feature_size, generator=gen) for s in seqs]

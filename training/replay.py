@@ -186,7 +186,7 @@ def replay_tau(
                 blk = torch.tensor(active, device=dev)
                 visible = (row_seq[None, :] == blk[:, None]) & (pos[None, :] < j[:, None])
                 positions = j[:, None] + torch.arange(B, device=dev)
-                hidden = drafter._blocks_hidden(ctx_kv, toks, positions, visible)
+                hidden = drafter._blocks_hidden(ctx_kv, toks, positions, visible, pos)
                 logits = drafter.logits(hidden[:, 1:])  # [len(active), B-1, V]
                 picks = logits.argmax(-1).cpu().tolist() if tree is None else None
                 still = []

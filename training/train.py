@@ -208,7 +208,7 @@ def blocks_hidden(
     toks = torch.cat([t.to(dev) for t in tokens])
     positions = start[:, None] + torch.arange(toks.shape[1], device=dev)
     ctx_kv = [drafter._context_kv(layer, ctx, pos) for layer in drafter.layers]
-    return drafter._blocks_hidden(ctx_kv, toks, positions, visible)
+    return drafter._blocks_hidden(ctx_kv, toks, positions, visible, pos)
 
 
 def block_loss(

@@ -47,15 +47,18 @@ def splits_for(keys: int, buckets: tuple[int, ...]) -> int:
     return buckets[-1]
 
 
-def pool_attention(q, k_pool, v_pool, slots, lengths, ancestors, scale, causal=False, splits=1, max_splits=None):
+def pool_attention(q, k_pool, v_pool, slots, lengths, ancestors, scale, causal=False, splits=1, window=0,
+                   max_splits=None):
     """:func:`kernels.attention.reference.pool_attention`, run by its Triton version on CUDA
     (``splits``: key-range splits, ``max_splits``: the engine's largest split count, which sizes
-    the combine so that fewer splits give the same bits; both used by the Triton version only)."""
+    the combine so that fewer splits give the same bits; both used by the Triton version only;
+    ``window``: the sliding window of a sliding drafter layer, 0 = none)."""
     if use_triton(q):
         from kernels.attention import triton as tri
 
-        return tri.pool_attention(q, k_pool, v_pool, slots, lengths, ancestors, scale, causal, splits, max_splits)
-    return reference.pool_attention(q, k_pool, v_pool, slots, lengths, ancestors, scale, causal)
+        return tri.pool_attention(q, k_pool, v_pool, slots, lengths, ancestors, scale, causal, splits, window,
+                                  max_splits)
+    return reference.pool_attention(q, k_pool, v_pool, slots, lengths, ancestors, scale, causal, window)
 
 
 def pool_kv_commit(k_pool, v_pool, slots, lengths, path, n_accept):

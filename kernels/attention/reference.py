@@ -62,6 +62,7 @@ def pool_attention(
     ancestors: torch.Tensor | None,
     scale: float,
     causal: bool = False,
+    window: int = 0,
 ) -> torch.Tensor:
     """Attention of a batch of token trees (or prefill chunks) over a pooled KV cache.
 
@@ -82,6 +83,12 @@ def pool_attention(
             ``i`` or one of its ancestors; bit ``i`` must be set); ignored when ``causal``.
         scale: softmax scale (``1 / sqrt(D)``).
         causal: new token ``i`` sees new rows ``j <= i`` (``W`` unbounded).
+        window: a sliding window of ``window`` rows (0: none, the default): new token ``i``
+            (row ``L_b + i``) also sees pool row ``r`` only when ``|L_b + i - r| <= window - 1``
+            (flash-attn's ``window_size = (window-1, window-1)``). Rows are positions in the
+            drafter's layout (context row ``r`` at position ``r``, block row ``i`` at ``L_b + i``,
+            every ancestor bit set), the one caller (sliding drafter layers); for a tree whose
+            rows are not its positions the window counts rows.
 
     Returns:
         ``[B, W, Hq, D]`` in ``q``'s dtype; scores, softmax and the weighted sum in float32
@@ -107,6 +114,9 @@ def pool_attention(
         else:
             new = ((ancestors[b][:, None] >> j[None, :]) & 1).bool()      # [W, W]
         mask = torch.cat([torch.ones(w, n, dtype=torch.bool, device=q.device), new], dim=1)
+        if window:
+            rows = torch.arange(n + w, device=q.device)
+            mask = mask & ((n + j)[:, None] - rows[None, :]).abs().le(int(window) - 1)
         qb = q[b].to(acc).reshape(w, hkv, g, d)
         scores = torch.einsum("wkgd,nkd->kgwn", qb, k) * scale
         probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)

@@ -22,6 +22,12 @@ bit the result of the autoregressive step (speculative decoding stays token-iden
 target-only decoding in bf16; tests/test_kernels.py checks it on the GPU; Triton's CPU
 interpreter sums position-independently, so there it checks only the mapping). Causal prefill
 chunks use taller blocks (they are not compared with anything).
+
+Sliding window (``window`` > 0, the drafter's sliding layers): a separately compiled variant
+(``WINDOW``) masks key rows farther than ``window - 1`` from the query row ``L + i`` and starts
+each split's loop at the first tile (at its fixed absolute start) that reaches the window, so
+splits and tiles wholly below it cost nothing; skipping them is exact (an all ``-inf`` tile
+leaves the online-softmax state unchanged). Without a window the kernel is the code it was.
 """
 
 from __future__ import annotations
@@ -36,13 +42,13 @@ from kernels.attention import CHUNK, default_splits  # noqa: F401 (re-exported)
 @triton.jit
 def _pool_attention_kernel(
     q_ptr, k_ptr, v_ptr, slots_ptr, lengths_ptr, anc_ptr, out_ptr, part_ptr, lse_ptr,
-    sm_scale,
+    sm_scale, window,
     W, G, HKV, SPLITS, CHUNK,
     sqb, sqw, sqh,                 # q strides (last dim contiguous)
     sks, skr, skh,                 # pool strides (same for k and v)
     sob, sow, soh,                 # out strides
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, WINDOW: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -58,12 +64,14 @@ def _pool_attention_kernel(
         row_ok = rows < W * G
         w = rows // G
         head = kvh * G + rows % G
+        w_first = (pid_m * BLOCK_M) // G
         w_last = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, W * G - 1) // G
         total = L + w_last + 1                     # keys any row of this block can see
     else:
         # one node per program (its G query heads): the node's ancestors are read in position
         # order, the ancestor at depth e standing at position L + e as in target-only decoding
         node = pid_m
+        w_first = node
         r = tl.arange(0, BLOCK_M)
         row_ok = r < G
         w = tl.zeros([BLOCK_M], tl.int32) + node
@@ -79,6 +87,12 @@ def _pool_attention_kernel(
     if split == SPLITS - 1:
         hi = total
 
+    if WINDOW:
+        # a sliding window: tiles of context rows below every query row's window are skipped
+        # (they would add exact zeros: the online softmax state is unchanged by an all -inf
+        # tile); tiles keep their absolute starts
+        first = tl.minimum(L + w_first - (window - 1), L)
+        lo = lo + (tl.maximum(first - lo, 0) // BLOCK_N) * BLOCK_N
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -106,6 +120,9 @@ def _pool_attention_kernel(
             visible = col_ok[None, :] & ((j[None, :] < 0) | (j[None, :] <= w[:, None]))
         else:
             visible = col_ok[None, :] & row_ok[:, None]
+        if WINDOW:
+            dist = (L + w)[:, None] - krow[None, :]     # query row L + w, key at pool row krow
+            visible = visible & (dist <= window - 1) & (dist >= 1 - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -166,6 +183,7 @@ def pool_attention(
     scale: float,
     causal: bool = False,
     splits: int = 1,
+    window: int = 0,
     max_splits: int | None = None,
 ) -> torch.Tensor:
     """Triton version of ``kernels.attention.reference.pool_attention`` (same arguments and
@@ -173,7 +191,10 @@ def pool_attention(
     ``max_splits``: the largest split count the caller uses (default ``splits``): the combine's
     block of splits is sized by it, so a step run with fewer splits, where every row's keys fit
     them, gets the same bits (:func:`kernels.attention.splits_for`). float32 inputs use IEEE
-    float32 dots (no tf32), so they match the reference to float32 rounding.
+    float32 dots (no tf32), so they match the reference to float32 rounding. ``window`` (0: none)
+    is the reference's sliding window; it compiles a separate kernel (``WINDOW``), so calls
+    without one run exactly the code they ran before, and skips key tiles wholly below the
+    window.
 
     Raises:
         ValueError: head counts do not divide, head_dim not a power of two >= 16, or a tree
@@ -204,13 +225,13 @@ def pool_attention(
     grid = (bsz * hkv, triton.cdiv(w * g, block_m) if causal else w, splits)
     slots, lengths, anc = slots.contiguous(), lengths.contiguous(), anc.contiguous()
     _pool_attention_kernel[grid](
-        q, k_pool, v_pool, slots, lengths, anc, out, part, lse, float(scale),
+        q, k_pool, v_pool, slots, lengths, anc, out, part, lse, float(scale), max(0, int(window)),
         w, g, hkv, splits, CHUNK if splits > 1 else 1 << 30,
         q.stride(0), q.stride(1), q.stride(2),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal), IEEE=q.dtype == torch.float32,
-        num_warps=4,
+        WINDOW=int(window) > 0, num_warps=4,
     )
     if splits > 1:
         _combine_kernel[(bsz * w * hq,)](part, lse, out, hq, w, splits, out.stride(0), out.stride(1), out.stride(2),
