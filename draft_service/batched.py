@@ -69,6 +69,7 @@ from draft_service.drafter import DFlashDrafter, DrafterContext
 from draft_service.fused_step import FusedDrafter
 from draft_service.tree import TopK, build_tree
 from kernels import attention as attn_ops
+from kernels.attention import default_splits, split_buckets, splits_for
 from runtime.errors import EngineError, FailedPrecondition, InvalidArgument, Reason, ResourceExhausted
 from runtime.graphs import GraphSet, StepGraph, bucket_for, capped_buckets, slots_for_budget
 from runtime.pool import PoolShape, StatePool
@@ -279,10 +280,11 @@ class _PoolAttend:
     sliding layer, ``window`` > 0, only those within its window: pool row = position)."""
 
     def __init__(self, k_pool, v_pool, slots, lengths, block_rows, ancestors, scale: float, splits: int,
-                 window: int = 0):
+                 window: int = 0, max_splits: int | None = None):
         self.k_pool, self.v_pool, self.slots, self.lengths = k_pool, v_pool, slots, lengths
         self.block_rows, self.ancestors, self.scale, self.splits = block_rows, ancestors, scale, splits
         self.window = int(window)
+        self.max_splits = max_splits
 
     def __call__(self, q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor) -> torch.Tensor:
         nb, nh, B, D = q.shape
@@ -290,7 +292,8 @@ class _PoolAttend:
         self.k_pool[where] = k_blk.transpose(1, 2).to(self.k_pool.dtype)
         self.v_pool[where] = v_blk.transpose(1, 2).to(self.v_pool.dtype)
         o = attn_ops.pool_attention(q.transpose(1, 2), self.k_pool, self.v_pool, self.slots, self.lengths,
-                                    self.ancestors, self.scale, splits=self.splits, window=self.window)
+                                    self.ancestors, self.scale, splits=self.splits, window=self.window,
+                                    max_splits=self.max_splits)
         return o.reshape(nb, B, nh * D)
 
 
@@ -315,7 +318,7 @@ def write_context(drafter: DFlashDrafter, pool: StatePool, slots: torch.Tensor, 
 
 def draft_step(drafter: DFlashDrafter, pool: StatePool, slots: torch.Tensor, held: torch.Tensor,
                n_rows: torch.Tensor, roots: torch.Tensor, features: torch.Tensor, k: int,
-               splits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+               splits: int = 1, max_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One batched drafter step over the pool (module docstring); graph-safe (no host reads, no
     value-dependent shapes).
 
@@ -328,6 +331,8 @@ def draft_step(drafter: DFlashDrafter, pool: StatePool, slots: torch.Tensor, hel
         features: ``[b, a, N*H]`` new context rows (model dtype).
         k: candidates per depth.
         splits: key-range splits of the Triton attention kernel.
+        max_splits: the engine's largest split count (sizes the kernel's combine:
+            ``kernels.attention.splits_for``; default ``splits``).
 
     Returns:
         ``(logprobs [b, B-1, k] float32, tokens [b, B-1, k] int64)``: the top-``k`` of the
@@ -344,7 +349,7 @@ def draft_step(drafter: DFlashDrafter, pool: StatePool, slots: torch.Tensor, hel
     tokens = torch.cat([roots[:, None], torch.full((b, B - 1), c.mask_token_id, dtype=torch.long, device=dev)], dim=1)
     scale = 1.0 / math.sqrt(c.head_dim)
     attends = [_PoolAttend(pool.k[i], pool.v[i], slots, lengths, block_rows, ancestors, scale, splits,
-                           c.layer_window(i)) for i in range(c.num_layers)]
+                           c.layer_window(i), max_splits) for i in range(c.num_layers)]
     hidden = drafter.run_blocks(tokens, block_rows, attends)                 # [b, B, H]
     logits = drafter.logits(hidden[:, 1:])                                   # [b, B-1, V] float32
     top = torch.topk(torch.log_softmax(logits.float(), dim=-1), k, dim=-1)
@@ -368,23 +373,25 @@ class _Runner(StepGraph):
     """The drafter's step (a :class:`runtime.graphs.StepGraph`) of one ``(batch, rows)`` shape:
     a pinned int64 buffer ``[4, batch]`` (slots, held, n_rows, roots), a pinned features buffer
     ``[batch, rows, N*H]`` in the model dtype, and a pinned int32 output ``[batch, B-1, K, 2]``
-    (log-prob bits, token)."""
+    (log-prob bits, token). ``splits``: the attention kernel's key-range splits of this step
+    (``kernels.attention.splits_for``); ``share``: the runner of the same shape whose buffers a
+    fewer-split variant uses."""
 
-    def __init__(self, engine: "BatchedDrafter", batch: int, rows: int):
+    def __init__(self, engine: "BatchedDrafter", batch: int, rows: int, splits: int = 1,
+                 share: "_Runner | None" = None):
         super().__init__(engine.device)
-        self.engine, self.batch, self.rows = engine, batch, rows
+        self.engine, self.batch, self.rows, self.splits = engine, batch, rows, splits
         c = engine.config
+        if share is not None:
+            self.host, self.host_np, self.dev = share.host, share.host_np, share.dev
+            self.feats_host, self.feats_dev, self.out = share.feats_host, share.feats_dev, share.out
+            return
         self.host = self.host_buffer(len(_FIELDS), batch, dtype=torch.long)
         self.host_np = self.host.numpy()
         self.dev = self.device_twin(self.host)
         self.feats_host = self.host_buffer(batch, rows, c.feature_size, dtype=engine.dtype)
         self.feats_dev = self.device_twin(self.feats_host)
         self.out = self.host_buffer(batch, c.block_size - 1, engine.k, 2, dtype=torch.int32)
-        self.splits = 1
-        if self.cuda:
-            from kernels.attention import default_splits
-
-            self.splits = default_splits(engine.pool.shape.rows)
 
     def view(self, name: str) -> np.ndarray:
         return self.host_np[_FIELDS.index(name)]
@@ -404,9 +411,10 @@ class _Runner(StepGraph):
         self.copy(self.feats_dev, self.feats_host)
         slots, held, n_rows, roots = self.dev.unbind(0)
         if e.fused is not None:
-            lp, tok = e.fused.step(e.pool, slots, held, n_rows, roots, self.feats_dev, e.k, self.splits)
+            lp, tok = e.fused.step(e.pool, slots, held, n_rows, roots, self.feats_dev, e.k, self.splits, e.max_splits)
         else:
-            lp, tok = draft_step(e.drafter, e.pool, slots, held, n_rows, roots, self.feats_dev, e.k, self.splits)
+            lp, tok = draft_step(e.drafter, e.pool, slots, held, n_rows, roots, self.feats_dev, e.k, self.splits,
+                                 e.max_splits)
         packed = torch.stack([lp.contiguous().view(torch.int32), tok.to(torch.int32)], dim=-1)
         self.out.copy_(packed, non_blocking=True)
 
@@ -477,8 +485,13 @@ class BatchedDrafter:
         #: the fused step's packed weights and rotary table, or None (the reference step)
         self.fused = FusedDrafter(drafter, shape.rows) if (self.cuda if fused is None else fused) else None
         self.sessions: dict[str, DraftSession] = {}
-        #: the step runners of the fixed shapes, keyed ``(batch, rows)``
-        self.graphs = GraphSet(lambda key: _Runner(self, *key), self.cuda_graphs)
+        #: the attention kernel's key-range splits (CUDA): the full count, and the split counts a
+        #: step may run with (``kernels.attention.split_buckets``; the fewest that hold the step's
+        #: keys, with the same bits)
+        self.max_splits = default_splits(shape.rows) if self.cuda else 1
+        self.split_buckets = split_buckets(self.max_splits) if self.fixed else (self.max_splits,)
+        #: the step runners of the fixed shapes, keyed ``(batch, rows, splits)``
+        self.graphs = GraphSet(self._build_runner, self.cuda_graphs)
         #: steps run and their seconds (inputs staged, step run, output read back), rows appended
         #: eagerly (excess rows), trees built and their host seconds (graphs captured: :attr:`captures`)
         self.steps = 0
@@ -515,22 +528,32 @@ class BatchedDrafter:
     def _max_step(self) -> int:
         return self.buckets()[-1] if self.fixed else 1 << 30
 
-    def _runner(self, batch: int, rows: int) -> _Runner:
-        """The runner of ``(batch, rows)``: on fixed shapes built (and with CUDA graphs captured)
-        once; on exact shapes fresh (small) buffers every step."""
+    def _runner(self, batch: int, rows: int, splits: int | None = None) -> _Runner:
+        """The runner of ``(batch, rows)`` with ``splits`` attention splits (default: the full
+        count): on fixed shapes built (and with CUDA graphs captured) once; on exact shapes fresh
+        (small) buffers every step."""
+        splits = self.max_splits if splits is None else splits
         if not self.fixed:
-            return _Runner(self, batch, rows)
-        return self.graphs.get((batch, rows))
+            return _Runner(self, batch, rows, splits)
+        return self.graphs.get((batch, rows, splits))
+
+    def _build_runner(self, key: tuple[int, int, int]) -> _Runner:
+        """The runner of ``(batch, rows, splits)``; a fewer-split runner shares the buffers of its
+        shape's full-split runner (built first)."""
+        batch, rows, splits = key
+        share = None if splits == self.max_splits else self.graphs.get((batch, rows, self.max_splits))
+        return _Runner(self, batch, rows, splits, share)
 
     @torch.no_grad()
     def capture(self, progress: bool = False) -> int:
         """Build every bucket's runner (largest first, so the shared graph memory pool is sized
         once) and, with CUDA graphs, capture it (after a warm-up that compiles the Triton
-        kernels); eagerly, run each once. No-op on exact shapes. Returns the number of buckets.
-        ``progress`` shows a tqdm bar."""
+        kernels); eagerly, run each once: every batch bucket with each split count of
+        :attr:`split_buckets`. No-op on exact shapes. Returns the number of runners. ``progress``
+        shows a tqdm bar."""
         if not self.fixed:
             return 0
-        shapes = [(b, self.append_rows) for b in self.buckets()]
+        shapes = [(b, self.append_rows, sp) for b in self.buckets() for sp in reversed(self.split_buckets)]
         return self.graphs.capture(shapes, size=lambda s: s[0], progress=progress, desc="drafter: ")
 
     # ------------------------------------------------------------------ proposals
@@ -608,7 +631,9 @@ class BatchedDrafter:
                 sessions.append(s)
             b = len(part)
             rows = A if self.fixed else max(1, min(A, max(f.shape[0] for _, _, f, _ in part)))
-            runner = self._runner(self._bucket(b), rows)
+            # the fewest attention splits whose chunks hold every row's keys (context + block)
+            keys = max(s.length + f.shape[0] for (_, _, f, _), s in zip(part, sessions)) + self.config.block_size
+            runner = self._runner(self._bucket(b), rows, splits_for(keys, self.split_buckets))
             t0 = time.perf_counter()
             slots, held, n_rows, roots = (runner.view(n) for n in _FIELDS)
             for r, ((_, item, feats, _), s) in enumerate(zip(part, sessions)):

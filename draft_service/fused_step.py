@@ -104,7 +104,8 @@ class FusedDrafter:
 
     @torch.no_grad()
     def step(self, pool, slots: torch.Tensor, held: torch.Tensor, n_rows: torch.Tensor, roots: torch.Tensor,
-             features: torch.Tensor, k: int, splits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+             features: torch.Tensor, k: int, splits: int = 1,
+             max_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`draft_service.batched.draft_step` on the fused kernels (same arguments and
         returns: ``(logprobs [b, B-1, k] float32, tokens [b, B-1, k] int64)``). Graph-safe."""
         c = self.config
@@ -130,7 +131,8 @@ class FusedDrafter:
             v = qkv[:, (nh + nkv) * D :].reshape(n, nkv, D)
             q = rope_store(q, kk, v, cos, sin, pool.k[i], pool.v[i], slots, block_rows)
             o = attn_ops.pool_attention(q.reshape(b, B, nh, D), pool.k[i], pool.v[i], slots, lengths, ancestors,
-                                        scale, splits=splits, window=c.layer_window(i))
+                                        scale, splits=splits, window=c.layer_window(i),
+                                        max_splits=max_splits)
             x, h = add_rms_norm(x, linear(o.reshape(n, nh * D), lw.o), lw.ffn_norm, self.eps)
             nxt = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.drafter.output_norm.weight
             x, h = add_rms_norm(x, linear(silu_mul(linear(h, lw.gate_up)), lw.down), nxt, self.eps)
