@@ -61,9 +61,10 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+from gguf.constants import GGML_QUANT_SIZES
 
 from kernels.linear.triton import MAX_ROWS, is_pow2, skinny_rows
-from kernels.quant.weight import QuantizedWeight
+from kernels.quant.weight import QuantizedWeight, as_qtype
 
 #: Rows per program of the skinny path (the tensor-core tile height); fixed, so it can never depend on ``M``.
 BLOCK_M = 16
@@ -319,7 +320,7 @@ class TiledConfig:
     block_m: int = 128
     block_n: int = 128
     num_warps: int = 8
-    num_stages: int = 3
+    num_stages: int = 2
     dequant: bool = True
     split: bool | None = None
 
@@ -334,9 +335,11 @@ class TiledConfig:
 
 def tiled_config_for(n: int, k: int, qtype) -> TiledConfig:
     """The tiled path's config for an ``[N, K]`` weight of ``qtype``: 128 x 128 tiles, 8 warps,
-    3 stages, dequantize-then-dot (an untuned rule; ``tools/sweep_quant.py`` measures others).
-    ``BLOCK_N`` 64 for ``N`` <= 2048 (more programs on small projections). Never depends on ``M``."""
-    return TiledConfig(128, 64 if n <= 2048 else 128, 8, 3, True, None)
+    2 stages, dequantize-then-dot (an untuned rule; ``tools/sweep_quant.py`` measures others).
+    ``BLOCK_N`` 64 for ``N`` <= 2048 (more programs on small projections). Never depends on ``M``.
+    Compiled for sm_90 the k-quants' loop pipelines every group's loads: 3 stages of 128 x 128
+    would need 232 KB (Q4_K) of shared memory, over an H100's 227 KB; 2 stages need 152 KB."""
+    return TiledConfig(128, 64 if n <= 2048 else 128, 8, 2, True, None)
 
 
 def linear_tiled(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | None = None,
@@ -383,11 +386,18 @@ def linear_tiled(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtyp
 _BIASED = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")
 
 
+def kernel_constants(qtype, x_dtype: torch.dtype, block_m: int, block_n: int, dequant: bool, split: bool) -> dict:
+    """The ``tl.constexpr`` arguments of :func:`_qlinear_kernel` for a weight of ``qtype`` and ``x``
+    of ``x_dtype`` (what a launch passes; ``tools/sweep_quant.py`` precompiles with them)."""
+    qt = as_qtype(qtype)
+    qk, bs = GGML_QUANT_SIZES[qt]
+    return dict(QTYPE=int(qt), QK=qk, BS=bs, G=16 if qt.name == "Q6_K" else 32, HAS_BIAS=qt.name in _BIASED,
+                BLOCK_M=block_m, BLOCK_N=block_n, DEQUANT=bool(dequant),
+                SPLIT=bool(split) and x_dtype != torch.float32, IEEE=x_dtype == torch.float32)
+
+
 def _launch(x2, weight: QuantizedWeight, y, m, n, k, block_m, block_n, num_warps, num_stages, dequant, split) -> None:
-    name = weight.qtype.name
     _qlinear_kernel[(triton.cdiv(n, block_n) * triton.cdiv(m, block_m),)](
         x2, weight.data, y, m, n, k, x2.stride(0), weight.data.stride(0), y.stride(0),
-        QTYPE=int(weight.qtype), QK=weight.block_elems, BS=weight.block_bytes, G=16 if name == "Q6_K" else 32,
-        HAS_BIAS=name in _BIASED, BLOCK_M=block_m, BLOCK_N=block_n, DEQUANT=dequant,
-        SPLIT=bool(split) and x2.dtype != torch.float32, IEEE=x2.dtype == torch.float32,
+        **kernel_constants(weight.qtype, x2.dtype, block_m, block_n, dequant, split),
         num_warps=num_warps, num_stages=num_stages)
