@@ -186,7 +186,8 @@ def test_tiled_against_reference(name):
     for m, dt, split, tol in ((72, torch.float32, None, 1e-5), (80, torch.float16, True, 1e-5),
                               (80, torch.float16, None, 1e-3)):
         x = torch.randn(m, k, generator=gen).to(DEV, dt)
-        y = T.linear_tiled(x, w, torch.float32, config=T.TiledConfig(64, 32, 4, 2, True, split))
+        cfg = T.tiled_config_for(n, k, name, dt) if dt == torch.float32 else T.TiledConfig(64, 32, 4, 2, True, split)
+        y = T.linear_tiled(x, w, torch.float32, config=cfg)
         want = x.float() @ wf.T
         assert y.shape == (m, n) and rel(y, want) <= tol, (name, m, dt, split, rel(y, want))
 
@@ -203,9 +204,9 @@ def test_tiled_factored_mode_and_shapes(name):
     w = qweight(raw, name, n, k)
     wf = torch.from_numpy(gguf.quants.dequantize(raw, GGMLQuantizationType[name]).reshape(n, k)).to(DEV)
     x = torch.randn(2, 35, k, generator=torch.Generator().manual_seed(6)).to(DEV)
-    y = T.linear_tiled(x, w, torch.float32, config=T.TiledConfig(64, 32, 4, 2, dequant=False))
+    y = T.linear_tiled(x, w, torch.float32, config=T.TiledConfig(32, 32, 4, 1, dequant=False))
     assert y.shape == (2, 35, n) and rel(y, x @ wf.T) <= 1e-5
-    yb = T.linear_tiled(x, w, torch.bfloat16, config=T.TiledConfig(64, 32, 4, 2))
+    yb = T.linear_tiled(x, w, torch.bfloat16)                       # the float32 default config
     assert yb.dtype == torch.bfloat16 and rel(yb, x @ wf.T) <= 1e-2
 
 
@@ -226,6 +227,7 @@ def test_tiled_bad_arguments_and_empty():
     assert T.linear_tiled(torch.zeros(0, 32, device=DEV), w).shape == (0, 4)
     assert T.tiled_config_for(4096, 4096, "Q4_K") == T.tiled_config_for(4096, 4096, "Q8_0")
     assert T.tiled_config_for(576, 576, "Q4_1").block_n == 64
+    assert T.tiled_config_for(576, 576, "Q4_1", torch.float32).block_m == 32
 
 
 def test_dispatch(monkeypatch):

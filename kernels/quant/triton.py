@@ -333,12 +333,17 @@ class TiledConfig:
                              "num_warps a power of two <= 32, num_stages >= 1, dequant a bool, split None or a bool")
 
 
-def tiled_config_for(n: int, k: int, qtype) -> TiledConfig:
-    """The tiled path's config for an ``[N, K]`` weight of ``qtype``: 128 x 128 tiles, 8 warps,
-    2 stages, dequantize-then-dot (an untuned rule; ``tools/sweep_quant.py`` measures others).
-    ``BLOCK_N`` 64 for ``N`` <= 2048 (more programs on small projections). Never depends on ``M``.
-    Compiled for sm_90 the k-quants' loop pipelines every group's loads: 3 stages of 128 x 128
-    would need 232 KB (Q4_K) of shared memory, over an H100's 227 KB; 2 stages need 152 KB."""
+def tiled_config_for(n: int, k: int, qtype, dtype: torch.dtype = torch.bfloat16) -> TiledConfig:
+    """The tiled path's config for an ``[N, K]`` weight of ``qtype`` and ``x`` of ``dtype``. 16-bit
+    ``x``: 128 x 128 tiles (``BLOCK_N`` 64 for ``N`` <= 2048: more programs on small
+    projections), 8 warps, 2 stages, dequantize-then-dot (an untuned rule;
+    ``tools/sweep_quant.py`` measures others). Compiled for sm_90, the k-quants' loop pipelines
+    every group's loads: 3 stages of 128 x 128 would need 232 KB (Q4_K) of shared memory, over an
+    H100's 227 KB; 2 stages need 152 KB. float32 ``x`` (IEEE dots on the CUDA cores, tests only):
+    32 x 32 tiles, 4 warps, 1 stage (larger tiles spill registers and take ~1 minute to compile).
+    Never depends on ``M``."""
+    if dtype == torch.float32:
+        return TiledConfig(32, 32, 4, 1, True, None)
     return TiledConfig(128, 64 if n <= 2048 else 128, 8, 2, True, None)
 
 
@@ -373,7 +378,7 @@ def linear_tiled(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtyp
         x2 = x2.contiguous()
     m = x2.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
-    cfg = config or tiled_config_for(n, k, weight.qtype)
+    cfg = config or tiled_config_for(n, k, weight.qtype, x2.dtype)
     split = cfg.split if cfg.split is not None else x2.dtype == torch.bfloat16
     if m and n and k:
         _launch(x2, weight, y, m, n, k, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.dequant, split)
