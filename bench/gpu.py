@@ -137,9 +137,16 @@ def _numel(w) -> int:
 
 def bench_engine(path: str, name: str, reps: int = 5, hf: bool = False, max_context: int = 2048,
                  batch_buckets=(1, 4, 16), width_buckets=(1, 4, 8, 16, 32, 64), log=print,
-                 drafter: bool = True, drafter_path: str | None = None, weights: str = "auto") -> dict:
+                 drafter: bool = True, drafter_path: str | None = None, weights: str = "auto",
+                 quick: bool = False) -> dict:
     """Everything ``engine`` measures for one GGUF (module docstring); returns a JSON-able dict.
-    ``weights``: the target's ``--weights`` (auto: quantized blocks on CUDA)."""
+    ``weights``: the target's ``--weights`` (``auto`` = bf16 for now, ``bf16``, ``quantized``: GGUF
+    blocks on the GPU). ``quick``: only what the quantized table needs (decode, prefill-512,
+    verify of 1 and 16 rows, memory): width buckets 1 and 16, batch bucket 1, no eager-prefill
+    comparison, commit timing, kernel profile or drafter. The result also holds the file's
+    ``tensor_bytes`` and ``file_type`` (:func:`bench.quant_report.file_summary`)."""
+    if quick:
+        batch_buckets, width_buckets, drafter = (1,), (1, 16), False
     from target_service.batched_engine import BatchedEngine
     from target_service.engine import Sampling
     from runtime.gguf_loader import open_gguf
@@ -156,6 +163,9 @@ def bench_engine(path: str, name: str, reps: int = 5, hf: bool = False, max_cont
     model = load_model(g, device=dev, dtype=torch.bfloat16, progress=True, weights=weights)
     out["weights"] = weights
     out["arch"] = g.architecture
+    from bench.quant_report import file_summary
+
+    out.update(file_summary(g))
     out["load_s"] = time.perf_counter() - t0
     weights = torch.cuda.memory_allocated() - base
     from target_service.models.weights import weight_bytes
@@ -206,7 +216,7 @@ def bench_engine(path: str, name: str, reps: int = 5, hf: bool = False, max_cont
     out["ttft_warm_s"] = _stats(ttft[1:])
     out["prefill512_tok_s"] = _stats([512 / x for x in ttft[1:]])
     prefill_scratch = torch.cuda.max_memory_allocated() - before_prefill
-    if engine.prefill_buckets:
+    if engine.prefill_buckets and not quick:
         # the eager prefill path (fla-core's chunked GDN kernel when installed) for comparison
         buckets, engine.prefill_buckets = engine.prefill_buckets, ()
         try:
@@ -265,6 +275,8 @@ def bench_engine(path: str, name: str, reps: int = 5, hf: bool = False, max_cont
         out["verify_batch"][b] = verify_timing(b, _tree_shape(16))
         log(f"[{name}] verify B={b} W=16: {out['verify_batch'][b]['device_ms']['median']:.3f} ms device")
     try:
+        if quick:
+            raise RuntimeError("skipped (quick)")
         out["commit_ms"] = commit_timing(engine)
         out["commit_graph_ms"] = commit_timing(engine, graph=True)
         log(f"[{name}] commit of a 16-node verify: {out['commit_ms']['median']:.3f} ms eager, "
@@ -272,7 +284,7 @@ def bench_engine(path: str, name: str, reps: int = 5, hf: bool = False, max_cont
     except Exception as e:  # noqa: BLE001 - report and go on
         out.setdefault("commit_ms", {"error": repr(e)})
         out["commit_graph_ms"] = {"error": repr(e)}
-    for key, kw in PROFILES.items():
+    for key, kw in ({} if quick else PROFILES).items():
         try:
             out.setdefault("profile", {})[key] = pr = profile_step(engine, **kw)
             log(f"[{name}] eager {key} step: {pr['kernels']} kernels, {pr['device_us'] / 1e3:.3f} ms device; "
@@ -927,7 +939,9 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--hf", action="store_true", help="also time transformers on the same file")
     e.add_argument("--reps", type=int, default=5)
     e.add_argument("--weights", choices=["auto", "bf16", "quantized"], default="auto",
-                   help="the target's weights: GGUF blocks (auto / quantized) or dequantized to bf16")
+                   help="the target's weights: GGUF blocks (quantized) or dequantized to bf16 (bf16; auto = bf16 for now)")
+    e.add_argument("--quick", action="store_true",
+                   help="only decode, prefill-512, verify of 1 and 16 rows and memory (tools/gpu_quant.sh)")
     e.add_argument("--max-context", type=int, default=2048)
     e.add_argument("--no-drafter", dest="drafter", action="store_false", help="skip the drafter's propose timing")
     e.add_argument("--drafter", dest="drafter_path", default=None,
@@ -965,7 +979,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "engine":
         return measure_to_json(lambda: bench_engine(args.model, args.name, reps=args.reps, hf=args.hf, max_context=args.max_context,
                                                     log=lambda m: print(m, flush=True), drafter=args.drafter,
-                                                    drafter_path=args.drafter_path, weights=args.weights))
+                                                    drafter_path=args.drafter_path, weights=args.weights,
+                                                    quick=args.quick))
     elif args.cmd == "drafter":
         return measure_to_json(lambda: {"drafter_of": args.name, "draft_propose": drafter_timing(
             args.model, args.drafter_path, log=lambda m: print(f"[{args.name}] {m}", flush=True))})

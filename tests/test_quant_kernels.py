@@ -14,9 +14,10 @@ Q8_0 tensors)::
 are read through the project's loader (``runtime.gguf_loader.open_gguf``, cached per process, and
 ``GGUFFile.load_raw``).
 
-On the CPU the Triton kernel runs in Triton's interpreter, small shapes, float32 and float16 inputs
-(the interpreter's bfloat16 ``dot`` is broken, see tests/test_linear_kernels.py); the ``gpu`` tests
-run bigger shapes, bfloat16, and bit-exactness across ``M`` on a GPU (``pytest -m gpu``).
+On the CPU the Triton kernels (skinny and tiled paths) run in Triton's interpreter, small shapes,
+float32 and float16 inputs (the interpreter's bfloat16 ``dot`` is broken, see
+tests/test_linear_kernels.py); the ``gpu`` tests run bigger shapes, bfloat16, and bit-exactness
+across ``M`` on a GPU (``pytest -m gpu``).
 """
 
 from __future__ import annotations
@@ -167,11 +168,74 @@ def test_triton_bad_arguments_and_empty():
     assert T.config_for(576, 576, "Q4_1") == T.config_for(576, 576, "Q4_K")
 
 
+@pytest.mark.parametrize("name", LEGACY + KQUANTS)
+def test_tiled_against_reference(name):
+    """The tiled path (more than 64 rows: prefill) for every type against gguf-py's
+    dequantization + a float32 matmul: M = 72 (float32: IEEE dots, <= 1e-5), 80 (float16 with the
+    split: <= 1e-5; float16 without: <= 1e-3); N = 48 over two programs (a partial one), K = 256
+    (legacy) or 512 (two super-blocks). bfloat16 (the engine's dtype, split on by default) runs on
+    the GPU only: the interpreter's bfloat16 ``dot`` is broken."""
+    from kernels.quant import triton as T
+
+    rng = np.random.default_rng(200 + sum(map(ord, name)))
+    n, k = 48, (512 if name in KQUANTS else 256)
+    raw = random_bytes(rng, name, n, k) if name in KQUANTS else quantized_bytes(rng, name, n, k)
+    w = qweight(raw, name, n, k)
+    wf = torch.from_numpy(gguf.quants.dequantize(raw, GGMLQuantizationType[name]).reshape(n, k)).to(DEV)
+    gen = torch.Generator().manual_seed(5)
+    for m, dt, split, tol in ((72, torch.float32, None, 1e-5), (80, torch.float16, True, 1e-5),
+                              (80, torch.float16, None, 1e-3)):
+        x = torch.randn(m, k, generator=gen).to(DEV, dt)
+        cfg = T.tiled_config_for(n, k, name, dt) if dt == torch.float32 else T.TiledConfig(64, 32, 4, 2, True, split)
+        y = T.linear_tiled(x, w, torch.float32, config=cfg)
+        want = x.float() @ wf.T
+        assert y.shape == (m, n) and rel(y, want) <= tol, (name, m, dt, split, rel(y, want))
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q4_K"])
+def test_tiled_factored_mode_and_shapes(name):
+    """``TiledConfig(dequant=False)`` (the skinny arithmetic in large tiles) on a bias type of each
+    family; leading dims and a bfloat16 output round once from the float32 result."""
+    from kernels.quant import triton as T
+
+    rng = np.random.default_rng(9)
+    n, k = 32, 256
+    raw = random_bytes(rng, name, n, k)
+    w = qweight(raw, name, n, k)
+    wf = torch.from_numpy(gguf.quants.dequantize(raw, GGMLQuantizationType[name]).reshape(n, k)).to(DEV)
+    x = torch.randn(2, 35, k, generator=torch.Generator().manual_seed(6)).to(DEV)
+    y = T.linear_tiled(x, w, torch.float32, config=T.TiledConfig(32, 32, 4, 1, dequant=False))
+    assert y.shape == (2, 35, n) and rel(y, x @ wf.T) <= 1e-5
+    yb = T.linear_tiled(x, w, torch.bfloat16)                       # the float32 default config
+    assert yb.dtype == torch.bfloat16 and rel(yb, x @ wf.T) <= 1e-2
+
+
+def test_tiled_bad_arguments_and_empty():
+    from kernels.quant import triton as T
+
+    w = QuantizedWeight(torch.zeros(4, 18, dtype=torch.uint8, device=DEV), "Q4_0", (4, 32))
+    for bad in (lambda: T.TiledConfig(48), lambda: T.TiledConfig(64, 8), lambda: T.TiledConfig(64, 64, 3),
+                lambda: T.TiledConfig(64, 64, 4, 0), lambda: T.TiledConfig(split="yes")):
+        with pytest.raises(ValueError):
+            bad()
+    with pytest.raises(ValueError):
+        T.linear_tiled(torch.zeros(70, 64, device=DEV), w)
+    with pytest.raises(ValueError):
+        T.linear_tiled(torch.zeros(70, 32, device=DEV, dtype=torch.float64), w)
+    with pytest.raises(TypeError):
+        T.linear_tiled(torch.zeros(70, 32, device=DEV), torch.zeros(4, 32, device=DEV))
+    assert T.linear_tiled(torch.zeros(0, 32, device=DEV), w).shape == (0, 4)
+    assert T.tiled_config_for(4096, 4096, "Q4_K") == T.tiled_config_for(4096, 4096, "Q8_0")
+    assert T.tiled_config_for(576, 576, "Q4_1").block_n == 64
+    assert T.tiled_config_for(576, 576, "Q4_1", torch.float32).block_m == 32
+
+
 def test_dispatch(monkeypatch):
     """``kernels.quant.linear``: the float32 reference on the CPU; with ``DFLASH_KERNELS=triton``
-    (the interpreter) the Triton kernel up to 64 rows and ``linear_dequantized`` above, whose
-    chunks over output features give the unchunked result (up to the BLAS's blocking, which
-    depends on the chunk's width)."""
+    (the interpreter) the skinny kernel up to 64 rows and the tiled one above.
+    ``reference.linear_dequantized`` (the weight rounded to ``x``'s dtype, then the BLAS; a
+    baseline of tools/sweep_quant.py): its chunks over output features give the unchunked result
+    (up to the BLAS's blocking, which depends on the chunk's width)."""
     import kernels.quant as Q
     from kernels.quant import triton as T
 
@@ -184,8 +248,9 @@ def test_dispatch(monkeypatch):
     assert torch.equal(Q.linear(x3, w), R.linear(x3, w)) and torch.equal(Q.linear(x70, w), R.linear(x70, w))
     monkeypatch.setenv("DFLASH_KERNELS", "triton")
     assert torch.equal(Q.linear(x3, w), T.linear(x3, w))
-    full = Q.linear(x70, w)
-    assert torch.equal(full, R.linear_dequantized(x70, w))
+    assert torch.equal(Q.linear(x70[:64], w), T.linear(x70[:64], w))
+    assert torch.equal(Q.linear(x70, w), T.linear_tiled(x70, w))
+    full = R.linear_dequantized(x70, w)
     monkeypatch.setattr(R, "CHUNK_ELEMS", 5 * k)                      # 5 rows per chunk: 5 chunks
     assert rel(R.linear_dequantized(x70, w), full) < 1e-6 and rel(full, R.linear(x70, w)) < 1e-6
     assert torch.equal(Q.dequantize(w), R.dequantize(w))
@@ -308,10 +373,38 @@ def test_gpu_against_reference_and_rows_bit_identical(name, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", LEGACY + KQUANTS)
+def test_gpu_tiled_prefill(name):
+    """The tiled path on a GPU at a prefill shape (M = 512, N = K = 2048) and odd row counts (65,
+    200), bfloat16 (split on) and float16 ``x``: relative error <= 1e-3 against gguf-py's
+    dequantization + a float32 matmul; ``kernels.quant.linear`` takes it above 64 rows; the
+    factored candidate of the sweep (``dequant=False``) too."""
+    import kernels.quant as Q
+    from kernels.quant import triton as T
+
+    rng = np.random.default_rng(21)
+    gen = torch.Generator().manual_seed(8)
+    n, k = 2048, 2048
+    raw = random_bytes(rng, name, n, k)
+    w = qweight(raw, name, n, k, "cuda")
+    wf = torch.from_numpy(gguf.quants.dequantize(raw, GGMLQuantizationType[name]).reshape(n, k)).cuda()
+    for dtype in (torch.bfloat16, torch.float16):
+        x = (torch.randn(512, k, generator=gen) * 3).to("cuda", dtype)
+        want = x.float() @ wf.T
+        y32 = T.linear_tiled(x, w, torch.float32)
+        assert rel(y32, want) <= 1e-3, (name, dtype, rel(y32, want))
+        assert torch.equal(Q.linear(x, w), T.linear_tiled(x, w))
+        for m in (65, 200):
+            assert rel(T.linear_tiled(x[:m], w, torch.float32), want[:m]) <= 1e-3, (name, dtype, m)
+        yf = T.linear_tiled(x, w, torch.float32, config=T.TiledConfig(dequant=False))
+        assert rel(yf, want) <= 1e-3, (name, dtype, "factored", rel(yf, want))
+
+
+@pytest.mark.gpu
 def test_gpu_real_tensors_and_prefill_path(smollm_path):
     """SmolLM2's Q4_1 projections (and the Q8_0 embedding as an LM head) on a GPU, bfloat16 ``x``:
-    the skinny kernel within 1e-3 of gguf-py + float32; more than 64 rows through
-    ``kernels.quant.linear`` (the weight dequantized to bfloat16, then cuBLAS) within 1e-2."""
+    the skinny kernel and, for more than 64 rows, ``kernels.quant.linear`` (the tiled path) within
+    1e-3 of gguf-py + float32."""
     import kernels.quant as Q
     from kernels.quant import triton as T
 
@@ -326,4 +419,4 @@ def test_gpu_real_tensors_and_prefill_path(smollm_path):
         x = torch.randn(80, shape[1], generator=gen).to("cuda", torch.bfloat16)
         for m in (1, 16):
             assert rel(T.linear(x[:m], w, torch.float32), x[:m].float() @ wf.T) <= 1e-3, (name, m)
-        assert rel(Q.linear(x, w), x.float() @ wf.T) <= 1e-2, name
+        assert rel(Q.linear(x, w, torch.float32), x.float() @ wf.T) <= 1e-3, name

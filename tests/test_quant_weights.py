@@ -54,9 +54,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def triton_quant(monkeypatch):
     """The quantized linear's CUDA dispatch on CPU tensors (the interpreter), with 128 output
     features per program (the interpreter's time is per program: 6x faster than the GPU rule's
-    16 at these sizes; the config never depends on ``M``, so the rows' results are unaffected)."""
+    16 at these sizes; the config never depends on ``M``, so the rows' results are unaffected),
+    and 128 x 128 tiles on the tiled path (over 64 rows; the float32 rule's 32 x 32 tiles take
+    ~5x longer here)."""
     monkeypatch.setattr(kernels.quant, "impl", lambda package, *t: QT)
     monkeypatch.setattr(QT, "config_for", lambda n, k, qtype: QT.Config(128))
+    monkeypatch.setattr(QT, "tiled_config_for", lambda n, k, qtype, dtype=None: QT.TiledConfig(128, 128, 4, 1))
 
 
 def qweights(gen: torch.Generator):

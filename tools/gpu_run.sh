@@ -31,6 +31,8 @@
 #                                          # processes, then traced splits -> $OUT/hop-real.txt
 #   bash tools/gpu_run.sh contention       # without SmolLM2: tools/gpu_contention.py, then again under NVIDIA MPS
 #                                          # -> $OUT/contention{,-mps}.{json,txt}
+#   bash tools/gpu_run.sh quant            # issue 19: quantized-weight tests, our engine and llama.cpp on
+#                                          # llama-quantize'd files -> $OUT/QUANT.md (tools/gpu_quant.sh: phases, env)
 #   bash tools/gpu_run.sh concurrency      # the three services with the shipped SmolLM2 pair: aggregate
 #                                          # tok/s at 1-64 concurrent streams, AR vs speculative
 #                                          # -> $OUT/concurrency.{txt,json} (PNG: made from the JSON locally)
@@ -380,5 +382,6 @@ case ${1:-all} in
   step) cmd_step ;;
   step-load) cmd_step_load ;;
   contention) cmd_contention ;;
+  quant) shift; bash tools/gpu_quant.sh "$@" ;;
   *) echo "usage: $0 stage|smoke|checks|bench|all [models]|concurrency" >&2; exit 2 ;;
 esac

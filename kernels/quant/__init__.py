@@ -1,7 +1,6 @@
 """GGUF block-quantized weights kept as the file's bytes (:class:`QuantizedWeight`) and ``x @ w^T``
-on them: the Triton skinny kernel (dequantizing inside the matmul loop) on CUDA for <= 64 rows,
-the weight dequantized to ``x``'s dtype by chunks then ``F.linear`` for more rows (prefill, for
-now), the float32 reference on the CPU."""
+on them: the Triton kernels (dequantizing inside the matmul loop) on CUDA, the skinny path for
+<= 64 rows and the tiled path for more (prefill), the float32 reference on the CPU."""
 
 import torch
 
@@ -12,23 +11,19 @@ from kernels.quant.weight import QTYPES, PackedWeight, QuantizedWeight, as_qtype
 def linear(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ dequantize(weight)^T``, ``[..., K]`` -> ``[..., N]`` in ``out_dtype`` (default ``x``'s).
 
-    At most 64 rows: :func:`kernels.quant.triton.linear` where :func:`kernels._select.impl` picks
-    Triton (CUDA, or ``DFLASH_KERNELS=triton``), else :func:`kernels.quant.reference.linear`
-    (float32). More rows: :func:`kernels.quant.reference.linear_dequantized` where Triton would run
-    (the weight rounded to ``x``'s dtype, then cuBLAS), the float32 reference otherwise.
+    Where :func:`kernels._select.impl` picks Triton (CUDA, or ``DFLASH_KERNELS=triton``): at most
+    64 rows :func:`kernels.quant.triton.linear` (the skinny path: decode, verify, the LM head),
+    more rows :func:`kernels.quant.triton.linear_tiled` (the tiled path: prefill, large verify
+    batches). Elsewhere :func:`kernels.quant.reference.linear` (float32).
 
     Raises:
         ValueError / TypeError: as the implementations (``K`` mismatch, not a ``QuantizedWeight``).
     """
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     mod = impl("quant", x)
-    if rows <= 64:
+    if rows <= 64 or not hasattr(mod, "linear_tiled"):
         return mod.linear(x, weight, out_dtype)
-    from kernels.quant import reference
-
-    if mod is reference:
-        return reference.linear(x, weight, out_dtype)
-    return reference.linear_dequantized(x, weight, out_dtype)
+    return mod.linear_tiled(x, weight, out_dtype)
 
 
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:

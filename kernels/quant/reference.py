@@ -115,8 +115,10 @@ CHUNK_ELEMS = 1 << 24
 def linear_dequantized(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``F.linear(x, dequantize(weight, x.dtype))`` (the weight rounded to ``x``'s dtype, as the
     loader's bf16 weights are, then the usual matmul: cuBLAS on CUDA), by chunks of output features
-    of at most :data:`CHUNK_ELEMS` elements so the dequantized copy stays small. The path for many
-    rows (prefill) in this step; returns ``[..., N]`` in ``out_dtype`` (default ``x``'s).
+    of at most :data:`CHUNK_ELEMS` elements so the dequantized copy stays small. Not on a serving
+    path (more than 64 rows on CUDA go to :func:`kernels.quant.triton.linear_tiled`): the baseline
+    ``tools/sweep_quant.py`` times the tiled kernel against. Returns ``[..., N]`` in ``out_dtype``
+    (default ``x``'s).
 
     Raises:
         ValueError / TypeError: as :func:`linear`.

@@ -1,40 +1,57 @@
-"""Skinny ``y = x @ w^T`` in Triton on GGUF block-quantized weights, dequantizing inside the matmul
-loop (``M <= 64`` rows of ``x``: decode, verify, the drafter's block, the LM head).
+"""``y = x @ w^T`` in Triton on GGUF block-quantized weights, dequantizing inside the matmul loop:
+the skinny path (``M <= 64`` rows of ``x``: decode, verify, the drafter's block, the LM head;
+:func:`linear`) and the tiled path (more rows: prefill; :func:`linear_tiled`).
 
-One kernel for all eight types (:data:`kernels.quant.weight.QTYPES`), the type a ``tl.constexpr``
-(each type compiles to its own binary). ``x`` ``[..., K]`` (float16 / bfloat16 / float32), the
-weight a :class:`~kernels.quant.weight.QuantizedWeight` ``[N, K]`` (its ``uint8`` bytes, block
-layouts in :mod:`kernels.quant.weight`), ``y`` ``[..., N]``.
+One kernel for all eight types (:data:`kernels.quant.weight.QTYPES`) and both paths, the type a
+``tl.constexpr`` (each type compiles to its own binary). ``x`` ``[..., K]`` (float16 / bfloat16 /
+float32), the weight a :class:`~kernels.quant.weight.QuantizedWeight` ``[N, K]`` (its ``uint8``
+bytes, block layouts in :mod:`kernels.quant.weight`), ``y`` ``[..., N]``.
 
-**The loop.** One program per (block of ``BLOCK_N`` output features, block of :data:`BLOCK_M` = 16
-rows of ``x``) walks ``K`` one quantization block at a time (32 elements for the legacy types, a
+**The loop.** One program per (block of ``BLOCK_N`` output features, block of ``BLOCK_M`` rows of
+``x``) walks ``K`` one quantization block at a time (32 elements for the legacy types, a
 256-element super-block for the k-quants, unrolled over its sub-blocks). A *group* is a run of
 elements sharing one scale (and min): the 32 of a legacy block, a 32-element sub-block of Q4_K /
-Q5_K, a 16-element sub-block of Q6_K. For each group the program gathers the integer codes
-``q`` ``[BLOCK_N, G]`` from the bytes (offsets folded in: ``q - 8``, ``q - 16``, ``q - 32``), and
-accumulates, in float32::
+Q5_K, a 16-element sub-block of Q6_K. For each group :func:`_codes` (the one reader of the block
+layouts) gathers the integer codes ``q`` ``[BLOCK_N, G]`` from the bytes (offsets folded in:
+``q - 8``, ``q - 16``, ``q - 32``) and the group's float32 ``scale`` and ``bias`` per output
+feature, so that ``w = scale * q + bias`` is the per-element value of the layouts (``scale = d``
+(legacy) or ``d * sc`` (k-quants), ``bias = m`` (Q4_1, Q5_1), ``-dmin * m`` (Q4_K, Q5_K), none
+otherwise). :func:`_group` then accumulates the group into the float32 ``[BLOCK_M, BLOCK_N]``
+accumulator, in one of two ways:
 
-    acc += scale[n] * dot(x[:, group], q[n, :]) + bias[n] * sum(x[:, group])
+* **skinny** (:data:`BLOCK_M` = 16, ``BLOCK_N`` 16-64): ``acc += scale[n] * dot(x[:, group],
+  q[n, :]) + bias[n] * sum(x[:, group])``, the per-element formula factored as llama.cpp's kernels
+  factor it. The codes are small integers (|q| <= 128), exact in float16 / bfloat16, so the dot
+  runs on the tensor cores in ``x``'s dtype with exact products and a float32 sum (float32 ``x``:
+  IEEE float32 dots); there is no rounding of a dequantized weight to 16 bits. Few ALU operations
+  per weight byte: decode is a read of the weights.
+* **tiled** (``BLOCK_M`` 128, ``BLOCK_N`` 64-128: :class:`TiledConfig`): the group's weights are
+  dequantized in registers, ``w = scale * q + bias`` (float32, ``[BLOCK_N, G]``), rounded to
+  ``x``'s dtype, and dotted into the accumulator (``acc = dot(x, w^T, acc)``: the tensor-core
+  accumulation chains through the groups, no per-group rescaling of a product). bfloat16 keeps
+  only 8 significant bits, which leaves a relative error of ~1.6e-3 on random weights (over the
+  1e-3 of the tests), so for bfloat16 ``x`` the rounding error ``w - bf16(w)`` goes through a
+  second dot (``split``): ``hi + lo`` carries ~16 bits, ~1e-6 relative. float16 (11 bits, ~2e-4)
+  needs no split. Each weight byte is dequantized once per ``BLOCK_M`` rows of ``x`` (4 times for
+  a 512-token prefill chunk), in registers: the dequantized weight never reaches memory.
+  ``TiledConfig(dequant=False)`` runs the skinny arithmetic in large tiles instead (a sweep
+  candidate).
 
-with ``scale = d`` (legacy) or ``d * sc`` (k-quants) and ``bias = m`` (Q4_1, Q5_1), ``-dmin * m``
-(Q4_K, Q5_K), none otherwise: the per-element ``w = scale * q + bias`` of the layouts, factored as
-llama.cpp's kernels factor it. The codes are small integers (|q| <= 128), exact in float16 /
-bfloat16, so the dot runs on the tensor cores in ``x``'s dtype with exact products and a float32
-sum (float32 ``x``: IEEE float32 dots); there is no rounding of a dequantized weight to 16 bits.
-The result is rounded once to the output dtype. Against gguf-py's dequantization followed by a
-float32 matmul the difference is the float32 summation order (tests: relative error <= 1e-3, in
-practice ~1e-6 on float32 inputs).
+Against gguf-py's dequantization followed by a float32 matmul the difference is the float32
+summation order (and, tiled, the split's ~2^-16): the tests ask for relative error <= 1e-3 and
+see ~1e-6 on float32 and bfloat16 inputs.
 
 **Bit-exactness across ``M``** (as in :mod:`kernels.linear.triton`, whose docstring gives the
-reasons): the launch configuration is a function of ``(N, K, qtype)`` only, ``M`` is not
-specialised, a row's accumulator sees the same groups in the same order whatever ``M`` is, and the
-dots never mix rows; so a row of a 16-row verify gets the bits of a 1-row decode.
+reasons), for the skinny path: the launch configuration is a function of ``(N, K, qtype)`` only,
+``M`` is not specialised, a row's accumulator sees the same groups in the same order whatever
+``M`` is, and the dots never mix rows; so a row of a 16-row verify gets the bits of a 1-row
+decode. The tiled path (over 64 rows) has other arithmetic, as cuBLAS above 64 rows has for the
+float weights.
 
-**Not yet tuned** (this is the correctness-first kernel; the GPU sweep comes with the engine
-integration): every byte is gathered with a computed offset (two nibbles of a byte are two loads,
-served by L1), scales are read per group, there is no split-K and no vectorised block loads. More
-than 64 rows (prefill) use :func:`kernels.quant.reference.linear_dequantized` (dequantize to
-``x``'s dtype by chunks, then cuBLAS) for now.
+**Not yet tuned** (correctness first; ``tools/sweep_quant.py`` times candidate configs on a GPU):
+every byte is gathered with a computed offset (two nibbles of a byte are two loads, served by L1),
+scales are read per group, there is no split-K and no vectorised block loads; the tiled path's
+dots are one group (16 or 32 elements of ``K``) deep.
 """
 
 from __future__ import annotations
@@ -44,11 +61,12 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+from gguf.constants import GGML_QUANT_SIZES
 
 from kernels.linear.triton import MAX_ROWS, is_pow2, skinny_rows
-from kernels.quant.weight import QuantizedWeight
+from kernels.quant.weight import QuantizedWeight, as_qtype
 
-#: Rows per program (the tensor-core tile height); fixed, so it can never depend on ``M``.
+#: Rows per program of the skinny path (the tensor-core tile height); fixed, so it can never depend on ``M``.
 BLOCK_M = 16
 
 # GGUF type numbers (GGMLQuantizationType), the kernel's QTYPE constexpr.
@@ -59,7 +77,7 @@ _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_K, _Q5_K, _Q6_K = (tl.constexpr(v) for v 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Launch configuration of :func:`_qlinear_kernel` for one ``(N, K, qtype)``.
+    """Launch configuration of the skinny path (:func:`linear`) for one ``(N, K, qtype)``.
 
     Attributes:
         block_n: output features per program (power of two, >= 16).
@@ -106,26 +124,119 @@ def _i8(ptr):
 
 
 @triton.jit
-def _group(acc, x_ptr, rm, mm, sxm, k0, q, scale, bias, HAS_BIAS: tl.constexpr, G: tl.constexpr, IEEE: tl.constexpr):
-    """``acc += scale * dot(x[:, k0:k0+G], q^T) (+ bias * sum(x[:, k0:k0+G]))`` (module docstring)."""
+def _head(blk, QTYPE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The block-wide fields of the blocks at ``blk`` (``[BLOCK_N]`` pointers), float32
+    ``[BLOCK_N]`` each: ``(d, m)`` with ``m`` = the min (Q4_1, Q5_1) or ``dmin`` (Q4_K, Q5_K): the
+    ``HAS_BIAS`` types, whose second float16 is at byte 2; ``d`` again (unused) for the others."""
+    if QTYPE == _Q6_K:
+        d = _f16(blk + 208)
+        m = d
+    else:
+        d = _f16(blk)
+        if HAS_BIAS:
+            m = _f16(blk + 2)
+        else:
+            m = d
+    return d, m
+
+
+@triton.jit
+def _codes(blk, s: tl.constexpr, d, m, QTYPE: tl.constexpr, G: tl.constexpr):
+    """Group ``s`` of the blocks at ``blk`` (``[BLOCK_N]`` pointers; ``d``, ``m`` from
+    :func:`_head`): ``(q, scale, bias)``, the integer codes ``[BLOCK_N, G]`` (int32, offsets folded
+    in) and float32 ``[BLOCK_N]`` scale and bias (the bias meaningful only for the types with a min:
+    ``HAS_BIAS``), so that element ``j`` of the group is ``scale * q[:, j] (+ bias)`` exactly as
+    gguf-py computes it (layouts in :mod:`kernels.quant.weight`). The one place the kernels read
+    the block layouts: the skinny and the tiled path both call it."""
+    c = tl.arange(0, G)
+    if QTYPE == _Q6_K:  # 16 groups of 16
+        hh = s // 8                                               # which half (128 elements)
+        r = (s % 8) * 16                                          # first element within the half
+        lo = (_u8(blk[:, None] + hh * 64 + (r % 64) + c[None, :]) >> (4 * (r // 64))) & 15
+        hi = (_u8(blk[:, None] + 128 + hh * 32 + (r % 32) + c[None, :]) >> (2 * (r // 32))) & 3
+        q = (lo | (hi << 4)) - 32
+        scale = d * _i8(blk + 192 + s).to(tl.float32)
+        bias = scale
+    elif QTYPE == _Q4_K or QTYPE == _Q5_K:  # 8 groups of 32
+        if s < 4:
+            sc = _u8(blk + 4 + s) & 63
+            mn = _u8(blk + 8 + s) & 63
+        else:
+            sc = (_u8(blk + 8 + s) & 15) | ((_u8(blk + s) >> 6) << 4)
+            mn = (_u8(blk + 8 + s) >> 4) | ((_u8(blk + 4 + s) >> 6) << 4)
+        if QTYPE == _Q4_K:
+            q = (_u8(blk[:, None] + 16 + (s // 2) * 32 + c[None, :]) >> (4 * (s % 2))) & 15
+        else:
+            q = (_u8(blk[:, None] + 48 + (s // 2) * 32 + c[None, :]) >> (4 * (s % 2))) & 15
+            q = q | (((_u8(blk[:, None] + 16 + c[None, :]) >> s) & 1) << 4)
+        scale = d * sc.to(tl.float32)
+        bias = -(m * mn.to(tl.float32))
+    else:  # legacy: one group of 32 per block
+        nib = (c // 16) * 4                                       # element j: nibble j // 16 of byte j % 16
+        scale = d
+        bias = m
+        if QTYPE == _Q4_0:
+            q = ((_u8(blk[:, None] + 2 + (c % 16)[None, :]) >> nib[None, :]) & 15) - 8
+        elif QTYPE == _Q4_1:
+            q = (_u8(blk[:, None] + 4 + (c % 16)[None, :]) >> nib[None, :]) & 15
+        elif QTYPE == _Q5_0:
+            h = (_u8(blk[:, None] + 2 + (c // 8)[None, :]) >> (c % 8)[None, :]) & 1
+            q = (((_u8(blk[:, None] + 6 + (c % 16)[None, :]) >> nib[None, :]) & 15) | (h << 4)) - 16
+        elif QTYPE == _Q5_1:
+            h = (_u8(blk[:, None] + 4 + (c // 8)[None, :]) >> (c % 8)[None, :]) & 1
+            q = ((_u8(blk[:, None] + 8 + (c % 16)[None, :]) >> nib[None, :]) & 15) | (h << 4)
+        else:  # Q8_0
+            q = _i8(blk[:, None] + 2 + c[None, :])
+    return q, scale, bias
+
+
+@triton.jit
+def _group(acc, x_ptr, rm, mm, sxm, k0, q, scale, bias, HAS_BIAS: tl.constexpr, G: tl.constexpr,
+           DEQUANT: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
+    """One group into the accumulator ``[BLOCK_M, BLOCK_N]``.
+
+    ``DEQUANT`` off (the skinny path): ``acc += scale * dot(x[:, k0:k0+G], q^T) (+ bias *
+    sum(x[:, k0:k0+G]))``, the codes exact in ``x``'s dtype (module docstring). ``DEQUANT`` on (the
+    tiled path): the group's weights ``w = scale * q (+ bias)`` in float32, then ``acc +=
+    dot(x, w^T)`` chained into the accumulator (no per-group rescaling of the product); ``w`` is
+    rounded to ``x``'s dtype, and with ``SPLIT`` the rounding error ``w - hi`` goes through a
+    second dot (``hi + lo`` carries ~16 significant bits: bfloat16 alone would leave a relative
+    error of ~1.6e-3 on random weights, over the 1e-3 the tests ask). float32 ``x`` (``IEEE``):
+    IEEE float32 dots, no rounding."""
     rk = k0 + tl.arange(0, G)
     x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :], mask=mm[:, None], other=0.0)
-    qt = tl.trans(q.to(x_ptr.dtype.element_ty))
-    if IEEE:
-        part = tl.dot(x, qt, input_precision="ieee")
+    if DEQUANT:
+        w = q.to(tl.float32) * scale[:, None]
+        if HAS_BIAS:
+            w = w + bias[:, None]
+        if IEEE:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            hi = w.to(x_ptr.dtype.element_ty)
+            acc = tl.dot(x, tl.trans(hi), acc)
+            if SPLIT:
+                lo = (w - hi.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                acc = tl.dot(x, tl.trans(lo), acc)
     else:
-        part = tl.dot(x, qt)
-    acc += part * scale[None, :]
-    if HAS_BIAS:
-        acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * bias[None, :]
+        qt = tl.trans(q.to(x_ptr.dtype.element_ty))
+        if IEEE:
+            part = tl.dot(x, qt, input_precision="ieee")
+        else:
+            part = tl.dot(x, qt)
+        acc += part * scale[None, :]
+        if HAS_BIAS:
+            acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * bias[None, :]
     return acc
 
 
 @triton.jit(do_not_specialize=["M"])
 def _qlinear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
-                    QTYPE: tl.constexpr, QK: tl.constexpr, BS: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """``y = x @ dequant(w)^T``, one quantization block of ``K`` per iteration (module docstring)."""
+                    QTYPE: tl.constexpr, QK: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DEQUANT: tl.constexpr, SPLIT: tl.constexpr,
+                    IEEE: tl.constexpr):
+    """``y = x @ dequant(w)^T``, one quantization block of ``K`` per iteration, its ``QK // G``
+    groups unrolled (module docstring); the skinny path (``DEQUANT`` off, ``BLOCK_M`` 16) and the
+    tiled one (``DEQUANT`` on, large tiles) differ only in :func:`_group`."""
     num_m = tl.cdiv(M, BLOCK_M)
     pid = tl.program_id(0)
     rn = (pid // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -136,62 +247,28 @@ def _qlinear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for b in range(0, K // QK):
         blk = row + b * BS                                          # [BLOCK_N]: this block of each row
-        k0 = b * QK
-        if QK == 32:  # legacy: one group of 32
-            c = tl.arange(0, 32)
-            nib = (c // 16) * 4                                      # element j: nibble j // 16 of byte j % 16
-            if QTYPE == _Q4_0:
-                q = ((_u8(blk[:, None] + 2 + (c % 16)[None, :]) >> nib[None, :]) & 15) - 8
-                acc = _group(acc, x_ptr, rm, mm, sxm, k0, q, _f16(blk), _f16(blk), False, 32, IEEE)
-            elif QTYPE == _Q4_1:
-                q = (_u8(blk[:, None] + 4 + (c % 16)[None, :]) >> nib[None, :]) & 15
-                acc = _group(acc, x_ptr, rm, mm, sxm, k0, q, _f16(blk), _f16(blk + 2), True, 32, IEEE)
-            elif QTYPE == _Q5_0:
-                h = (_u8(blk[:, None] + 2 + (c // 8)[None, :]) >> (c % 8)[None, :]) & 1
-                q = (((_u8(blk[:, None] + 6 + (c % 16)[None, :]) >> nib[None, :]) & 15) | (h << 4)) - 16
-                acc = _group(acc, x_ptr, rm, mm, sxm, k0, q, _f16(blk), _f16(blk), False, 32, IEEE)
-            elif QTYPE == _Q5_1:
-                h = (_u8(blk[:, None] + 4 + (c // 8)[None, :]) >> (c % 8)[None, :]) & 1
-                q = ((_u8(blk[:, None] + 8 + (c % 16)[None, :]) >> nib[None, :]) & 15) | (h << 4)
-                acc = _group(acc, x_ptr, rm, mm, sxm, k0, q, _f16(blk), _f16(blk + 2), True, 32, IEEE)
-            else:  # Q8_0
-                q = _i8(blk[:, None] + 2 + c[None, :])
-                acc = _group(acc, x_ptr, rm, mm, sxm, k0, q, _f16(blk), _f16(blk), False, 32, IEEE)
-        elif QTYPE == _Q6_K:  # 16 groups of 16
-            c = tl.arange(0, 16)
-            d = _f16(blk + 208)
-            for s in tl.static_range(16):
-                hh = s // 8                                           # which half (128 elements)
-                r = (s % 8) * 16                                      # first element within the half
-                lo = (_u8(blk[:, None] + hh * 64 + (r % 64) + c[None, :]) >> (4 * (r // 64))) & 15
-                hi = (_u8(blk[:, None] + 128 + hh * 32 + (r % 32) + c[None, :]) >> (2 * (r // 32))) & 3
-                q = (lo | (hi << 4)) - 32
-                scale = d * _i8(blk + 192 + s).to(tl.float32)
-                acc = _group(acc, x_ptr, rm, mm, sxm, k0 + s * 16, q, scale, scale, False, 16, IEEE)
-        else:  # Q4_K / Q5_K: 8 groups of 32
-            c = tl.arange(0, 32)
-            d = _f16(blk)
-            dmin = _f16(blk + 2)
-            for s in tl.static_range(8):
-                if s < 4:
-                    sc = _u8(blk + 4 + s) & 63
-                    mn = _u8(blk + 8 + s) & 63
-                else:
-                    sc = (_u8(blk + 8 + s) & 15) | ((_u8(blk + s) >> 6) << 4)
-                    mn = (_u8(blk + 8 + s) >> 4) | ((_u8(blk + 4 + s) >> 6) << 4)
-                if QTYPE == _Q4_K:
-                    q = (_u8(blk[:, None] + 16 + (s // 2) * 32 + c[None, :]) >> (4 * (s % 2))) & 15
-                else:
-                    q = (_u8(blk[:, None] + 48 + (s // 2) * 32 + c[None, :]) >> (4 * (s % 2))) & 15
-                    q = q | (((_u8(blk[:, None] + 16 + c[None, :]) >> s) & 1) << 4)
-                acc = _group(acc, x_ptr, rm, mm, sxm, k0 + s * 32, q, d * sc.to(tl.float32),
-                             -(dmin * mn.to(tl.float32)), True, 32, IEEE)
+        d, m = _head(blk, QTYPE, HAS_BIAS)
+        for s in tl.static_range(QK // G):
+            q, scale, bias = _codes(blk, s, d, m, QTYPE, G)
+            acc = _group(acc, x_ptr, rm, mm, sxm, b * QK + s * G, q, scale, bias, HAS_BIAS, G, DEQUANT, SPLIT, IEEE)
     tl.store(y_ptr + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & (rn < N)[None, :])
+
+
+def _check(x: torch.Tensor, weight: QuantizedWeight) -> None:
+    if not isinstance(weight, QuantizedWeight):
+        raise TypeError(f"weight must be a QuantizedWeight, got {type(weight).__name__}")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x [..., {x.shape[-1]}] does not match the {weight.qtype.name} weight {weight.shape}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    if x.device != weight.device:
+        raise ValueError(f"x on {x.device}, weight on {weight.device}")
 
 
 def linear(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | None = None,
            config: Config | None = None) -> torch.Tensor:
-    """Triton version of :func:`kernels.quant.reference.linear` for at most :data:`MAX_ROWS` rows.
+    """Triton version of :func:`kernels.quant.reference.linear` for at most :data:`MAX_ROWS` rows
+    (the skinny path).
 
     Args:
         x: ``[..., K]``, float16 / bfloat16 / float32 (float32: IEEE float32 dots).
@@ -207,29 +284,125 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | No
             float32, or ``x`` and the weight on different devices.
         TypeError: ``weight`` is not a :class:`QuantizedWeight`.
     """
-    if not isinstance(weight, QuantizedWeight):
-        raise TypeError(f"weight must be a QuantizedWeight, got {type(weight).__name__}")
+    _check(x, weight)
     n, k = weight.shape
-    if x.shape[-1] != k:
-        raise ValueError(f"x [..., {x.shape[-1]}] does not match the {weight.qtype.name} weight {weight.shape}")
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
-    if x.device != weight.device:
-        raise ValueError(f"x on {x.device}, weight on {weight.device}")
     x2 = skinny_rows(x, k)
     m = x2.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
     cfg = config or config_for(n, k, weight.qtype)
     if m and n and k:
-        _launch(x2, weight, y, m, n, k, cfg)
+        _launch(x2, weight, y, m, n, k, BLOCK_M, cfg.block_n, cfg.num_warps, cfg.num_stages, False, False)
     elif m and n:
         y.zero_()
     return y.reshape(*x.shape[:-1], n)
 
 
-def _launch(x2, weight: QuantizedWeight, y, m, n, k, cfg: Config) -> None:
-    _qlinear_kernel[(triton.cdiv(n, cfg.block_n) * triton.cdiv(m, BLOCK_M),)](
+@dataclasses.dataclass(frozen=True)
+class TiledConfig:
+    """Launch configuration of the tiled path (:func:`linear_tiled`) for one ``(N, K, qtype)``.
+
+    Attributes:
+        block_m: rows of ``x`` per program (power of two, >= 16).
+        block_n: output features per program (power of two, >= 16).
+        num_warps: warps per program (power of two <= 32).
+        num_stages: software-pipelining depth (>= 1).
+        dequant: ``True``: each group's weights dequantized to ``x``'s dtype, then one dot chained
+            into the accumulator (:func:`_group`); ``False``: the skinny path's arithmetic (codes
+            dotted, the product scaled per group) in large tiles (exact products; for the sweep).
+        split: with ``dequant`` and 16-bit ``x``, the rounding error of the weights goes through a
+            second dot (:func:`_group`); ``None``: on for bfloat16, off for float16 (its 11-bit
+            weights stay within ~2e-4 of the float32 result).
+
+    Raises:
+        ValueError: a field out of range.
+    """
+
+    block_m: int = 128
+    block_n: int = 128
+    num_warps: int = 8
+    num_stages: int = 2
+    dequant: bool = True
+    split: bool | None = None
+
+    def __post_init__(self):
+        pow2 = is_pow2
+        if not (pow2(self.block_m) and self.block_m >= 16 and pow2(self.block_n) and self.block_n >= 16
+                and pow2(self.num_warps) and self.num_warps <= 32 and isinstance(self.num_stages, int)
+                and self.num_stages >= 1 and isinstance(self.dequant, bool) and self.split in (None, True, False)):
+            raise ValueError(f"invalid tiled quantized linear config {self}: BLOCK_M and BLOCK_N powers of two >= 16, "
+                             "num_warps a power of two <= 32, num_stages >= 1, dequant a bool, split None or a bool")
+
+
+def tiled_config_for(n: int, k: int, qtype, dtype: torch.dtype = torch.bfloat16) -> TiledConfig:
+    """The tiled path's config for an ``[N, K]`` weight of ``qtype`` and ``x`` of ``dtype``. 16-bit
+    ``x``: 128 x 128 tiles (``BLOCK_N`` 64 for ``N`` <= 2048: more programs on small
+    projections), 8 warps, 2 stages, dequantize-then-dot (an untuned rule;
+    ``tools/sweep_quant.py`` measures others). Compiled for sm_90, the k-quants' loop pipelines
+    every group's loads: 3 stages of 128 x 128 would need 232 KB (Q4_K) of shared memory, over an
+    H100's 227 KB; 2 stages need 152 KB. float32 ``x`` (IEEE dots on the CUDA cores, tests only):
+    32 x 32 tiles, 4 warps, 1 stage (larger tiles spill registers and take ~1 minute to compile).
+    Never depends on ``M``."""
+    if dtype == torch.float32:
+        return TiledConfig(32, 32, 4, 1, True, None)
+    return TiledConfig(128, 64 if n <= 2048 else 128, 8, 2, True, None)
+
+
+def linear_tiled(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | None = None,
+                 config: TiledConfig | None = None) -> torch.Tensor:
+    """``x @ dequantize(weight)^T`` for any number of rows (the prefill path: more than
+    :data:`MAX_ROWS` rows), the weight dequantized group by group in registers inside the matmul
+    (``TiledConfig.dequant``), float32 accumulation, one rounding to ``out_dtype``.
+
+    Against gguf-py's dequantization and a float32 matmul: float32 ``x`` within the summation
+    order (~1e-6 relative); bfloat16 ``x`` (``split`` on) ~1e-6; float16 ``x`` (``split`` off)
+    ~2e-4. The weight is never materialised in memory.
+
+    Args:
+        x: ``[..., K]``, float16 / bfloat16 / float32 (float32: IEEE float32 dots).
+        weight: a :class:`QuantizedWeight` ``[N, K]`` on ``x``'s device.
+        out_dtype: dtype of ``y`` (default ``x``'s).
+        config: launch config (default :func:`tiled_config_for`; benchmarks and tests only).
+
+    Returns:
+        ``[..., N]``.
+
+    Raises:
+        ValueError: ``K`` mismatch, ``x`` not float16 / bfloat16 / float32, or ``x`` and the
+            weight on different devices.
+        TypeError: ``weight`` is not a :class:`QuantizedWeight`.
+    """
+    _check(x, weight)
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
+    cfg = config or tiled_config_for(n, k, weight.qtype, x2.dtype)
+    split = cfg.split if cfg.split is not None else x2.dtype == torch.bfloat16
+    if m and n and k:
+        _launch(x2, weight, y, m, n, k, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.dequant, split)
+    elif m and n:
+        y.zero_()
+    return y.reshape(*x.shape[:-1], n)
+
+
+#: the types with a min / dmin (``w = scale * q + bias``)
+_BIASED = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")
+
+
+def kernel_constants(qtype, x_dtype: torch.dtype, block_m: int, block_n: int, dequant: bool, split: bool) -> dict:
+    """The ``tl.constexpr`` arguments of :func:`_qlinear_kernel` for a weight of ``qtype`` and ``x``
+    of ``x_dtype`` (what a launch passes; ``tools/sweep_quant.py`` precompiles with them)."""
+    qt = as_qtype(qtype)
+    qk, bs = GGML_QUANT_SIZES[qt]
+    return dict(QTYPE=int(qt), QK=qk, BS=bs, G=16 if qt.name == "Q6_K" else 32, HAS_BIAS=qt.name in _BIASED,
+                BLOCK_M=block_m, BLOCK_N=block_n, DEQUANT=bool(dequant),
+                SPLIT=bool(split) and x_dtype != torch.float32, IEEE=x_dtype == torch.float32)
+
+
+def _launch(x2, weight: QuantizedWeight, y, m, n, k, block_m, block_n, num_warps, num_stages, dequant, split) -> None:
+    _qlinear_kernel[(triton.cdiv(n, block_n) * triton.cdiv(m, block_m),)](
         x2, weight.data, y, m, n, k, x2.stride(0), weight.data.stride(0), y.stride(0),
-        QTYPE=int(weight.qtype), QK=weight.block_elems, BS=weight.block_bytes,
-        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, IEEE=x2.dtype == torch.float32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        **kernel_constants(weight.qtype, x2.dtype, block_m, block_n, dequant, split),
+        num_warps=num_warps, num_stages=num_stages)

@@ -1,0 +1,427 @@
+"""Micro-benchmark of the quantized Triton kernels (``kernels/quant/triton.py``) on a GPU: times
+candidate launch configs of the skinny path at decode shapes and of the tiled path at a prefill
+shape, beside baselines, and prints what a config table would hold (issue 19; nothing is changed
+in the code: paste the winners into ``config_for`` / ``tiled_config_for`` by hand).
+
+Usage (on the GPU machine, from the repository root; ``tools/gpu_quant.sh`` runs it with SWEEP=1)::
+
+    python tools/sweep_quant.py --out sweep-quant.json                 # defaults below, ~3-5 min
+    python tools/sweep_quant.py --types Q4_K --skinny-only --budget-s 120
+    python tools/sweep_quant.py --dry-run                              # the candidates, no GPU
+    python tools/sweep_quant.py --smoke                                # CPU self-test (interpreter)
+
+What it measures (bfloat16 activations, the engine's dtype):
+
+* **skinny** (decode, verify), ``--types`` (default Q4_K, Q8_0, Q6_K: a Q4_K_M file's types and
+  Q8_0) x ``--shapes`` (default the 9B's: ``N x K`` = 4096 x 4096, 12288 x 4096 (per half of
+  ``gate_up``), 4096 x 12288 (``down``), 8192 x 4096) x ``M`` in ``--rows`` (default 1, 16):
+  every ``Config(BLOCK_N, num_warps, num_stages)`` of ``BLOCK_N`` {16, 32, 64, 128} x warps {2, 4,
+  8} x stages {1, 2, 3, 4} that leaves at least one program per SM, plus the current default.
+  Per candidate: microseconds per call and GB/s of the weight's bytes (what a decode step reads).
+  Baselines: the bf16 skinny kernel of ``kernels/linear`` on a bf16 weight of the same shape (the
+  ``--weights bf16`` path) and a device-to-device copy of the quantized bytes (``copy GB/s``: read
+  bytes per second, the bandwidth yardstick).
+* **tiled** (prefill), the same types x ``--prefill-shapes`` (default 4096 x 4096, 12288 x 4096)
+  at ``M`` = ``--prefill-rows`` (512): ``TiledConfig`` of ``BLOCK_M`` {64, 128} x ``BLOCK_N`` {64,
+  128} x warps {4, 8} x stages {2, 3} (dequantize-then-dot, split), the factored arithmetic
+  (``dequant=False``) on 128 x 128 tiles, the default, and ``split=False`` on the default (what
+  bfloat16 without the second dot would gain, at ~1.6e-3 relative error). TFLOP/s
+  (``2 M N K``). Baselines: cuBLAS on a bf16 weight, and ``reference.linear_dequantized`` (the weight
+  dequantized per call, then cuBLAS: the path the tiled kernel replaced).
+
+Method (as ``tools/sweep_linear.py``): every candidate kernel is first compiled into Triton's
+on-disk cache on ``--jobs`` processes (``JITFunction.warmup``; compiling is single-threaded, ~1-3 s
+a kernel, ~150 kernels for the defaults); then each timed unit is a CUDA graph of ``C``
+back-to-back calls cycling through ``R`` copies of the weight spanning twice the L2 cache, so each
+call reads its weight from HBM as in a real step; median over ``--reps`` replays of ``elapsed /
+C``. All skinny timings come before the tiled ones; ``--budget-s`` stops timing new candidates
+when spent (those left are listed). Each best config is checked against ``reference.linear``
+(relative error, float32 output).
+
+Output: per (type, shape, M) the candidates by time with the default marked, a summary of the best
+per type against the default and the baselines, and ``--out`` JSON (every timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+SKINNY_BN = (16, 32, 64, 128)
+SKINNY_WARPS = (2, 4, 8)
+SKINNY_STAGES = (1, 2, 3)
+TILED_BM = (64, 128)
+TILED_BN = (64, 128)
+TILED_WARPS = (4, 8)
+TILED_STAGES = (2, 3)
+#: byte offsets of each type's float16 fields in a block (d, m, dmin): set to finite values
+F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+              "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+SMS_H100 = 132
+L2_BYTES = 50 * 2**20
+
+
+def parse_shapes(s: str) -> list[tuple[int, int]]:
+    """``"4096x4096,12288x4096"`` -> ``[(4096, 4096), (12288, 4096)]`` (``N x K``)."""
+    out = []
+    for part in s.split(","):
+        n, k = part.lower().split("x")
+        out.append((int(n), int(k)))
+    return out
+
+
+def random_weight(name: str, n: int, k: int, device, seed: int = 0):
+    """A :class:`kernels.quant.QuantizedWeight` of random blocks whose float16 fields are finite
+    (``N(0, 0.02)``), made on ``device``."""
+    from kernels.quant import QuantizedWeight, block_geometry
+
+    qk, bs = block_geometry(name)
+    g = torch.Generator(device=device).manual_seed(seed)
+    raw = torch.randint(0, 256, (n, k // qk, bs), generator=g, device=device, dtype=torch.uint8)
+    for off in F16_FIELDS[name]:
+        f = (torch.randn(n, k // qk, generator=g, device=device) * 0.02).half()
+        raw[:, :, off:off + 2] = f.view(torch.uint8).reshape(n, k // qk, 2)
+    return QuantizedWeight(raw.reshape(n, -1).contiguous(), name, (n, k))
+
+
+def skinny_candidates(n: int, sms: int) -> list:
+    """Skinny configs for ``N`` output features: every grid point leaving >= ``sms / 2`` programs
+    at ``M = 1`` (``BLOCK_N`` 16 always); :func:`sweep` adds the default."""
+    from kernels.quant.triton import Config
+
+    out = [Config(bn, w, s) for bn in SKINNY_BN for w in SKINNY_WARPS for s in SKINNY_STAGES
+           if bn == 16 or -(-n // bn) >= sms // 2]
+    return out
+
+
+def tiled_candidates(smoke: bool = False) -> list:
+    """Tiled configs (the grid of the module docstring; ``smoke``: two small ones)."""
+    from kernels.quant.triton import TiledConfig
+
+    if smoke:
+        return [TiledConfig(64, 32, 4, 2), TiledConfig(64, 32, 4, 2, dequant=False)]
+    return [TiledConfig(bm, bn, w, s) for bm in TILED_BM for bn in TILED_BN for w in TILED_WARPS
+            for s in TILED_STAGES] + [TiledConfig(128, 128, 8, s, dequant=False) for s in TILED_STAGES]
+
+
+def _warm_worker(items: list[tuple]) -> int:
+    """Compile kernels into Triton's on-disk cache (a process of the pool); returns how many failed."""
+    from kernels.quant import triton as T
+    from kernels.quant.weight import block_geometry
+
+    failed = 0
+    for kind, name, n, k, cfg in items:
+        qk, bs = block_geometry(name)
+        try:
+            if kind == "skinny":
+                bn, w, s = cfg
+                const = T.kernel_constants(name, torch.bfloat16, T.BLOCK_M, bn, False, False)
+            else:
+                bm, bn, w, s, dq, split = cfg
+                const = T.kernel_constants(name, torch.bfloat16, bm, bn, dq, True if split is None else split)
+            T._qlinear_kernel.warmup(torch.bfloat16, torch.uint8, torch.bfloat16, 1, n, k, k, k // qk * bs, n,
+                                     **const, num_warps=w, num_stages=s, grid=(1,))
+        except Exception:  # noqa: BLE001 - the timed run reports it
+            failed += 1
+    return failed
+
+
+def precompile(items: list[tuple], jobs: int) -> None:
+    """Fill Triton's cache in parallel (module docstring). Failures are left to the timed run."""
+    if jobs <= 1 or not items:
+        return
+    import concurrent.futures
+    import multiprocessing
+
+    t0 = time.time()
+    chunks = [items[i::jobs * 2] for i in range(jobs * 2)]
+    try:
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
+            failed = sum(ex.map(_warm_worker, [c for c in chunks if c]))
+        print(f"[sweep-quant] precompiled {len(items)} kernels on {jobs} processes in {time.time() - t0:.1f} s "
+              f"({failed} failed)", flush=True)
+    except Exception as exc:  # noqa: BLE001 - compile lazily instead
+        print(f"[sweep-quant] parallel precompile failed ({exc!r}); compiling lazily", file=sys.stderr)
+
+
+class Timer:
+    """Microseconds per call of ``fn(i)`` (``i`` picks the weight copy): a CUDA graph of ``calls``
+    back-to-back calls, median over ``reps`` replays; on the CPU a plain loop (``--smoke``)."""
+
+    def __init__(self, device, calls: int, reps: int, warmup: int = 3):
+        self.device, self.calls, self.reps, self.warmup = device, calls, reps, warmup
+
+    def __call__(self, fn) -> float:
+        fn(0)                                   # compile, allocate
+        if self.device.type != "cuda":
+            t = time.perf_counter()
+            for i in range(self.calls):
+                fn(i)
+            return (time.perf_counter() - t) / self.calls * 1e6
+        torch.cuda.synchronize()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for i in range(2):
+                fn(i)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(self.calls):
+                fn(i)
+        for _ in range(self.warmup):
+            graph.replay()
+        times = []
+        for _ in range(self.reps):
+            torch.cuda._sleep(200_000)          # keep launch latency out of the events
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e3 / self.calls)
+        del graph
+        return statistics.median(times)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@dataclasses.dataclass
+class Budget:
+    seconds: float
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+    skipped: list = dataclasses.field(default_factory=list)
+
+    def spent(self) -> bool:
+        return time.perf_counter() - self.start > self.seconds
+
+
+def sweep(args) -> dict:
+    """Run the sweep described in the module docstring; returns the JSON-able result."""
+    import torch.nn.functional as F
+
+    from kernels.linear import triton as LT
+    from kernels.quant import reference as R
+    from kernels.quant import triton as T
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if device.type == "cuda" else 2
+    budget = Budget(args.budget_s)
+    res: dict = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (smoke)",
+                 "skinny": [], "tiled": [], "skipped": budget.skipped}
+    print(f"[sweep-quant] {res['device']}, {sms} SMs; types {args.types}; budget {args.budget_s:.0f} s", flush=True)
+    gen = torch.Generator().manual_seed(1)
+
+    def copies(name, n, k, r):
+        return [random_weight(name, n, k, device, seed=i) for i in range(r)]
+
+    def n_copies(nbytes: int) -> int:
+        return 1 if device.type != "cuda" else max(2, math.ceil(2 * L2_BYTES / max(nbytes, 1)))
+
+    timer = Timer(device, args.calls, args.reps)
+    if device.type == "cuda":
+        items = []
+        for name in args.types:
+            for n, k in ([] if args.tiled_only else args.shapes):
+                items += [("skinny", name, n, k, dataclasses.astuple(c)) for c in skinny_candidates(n, sms) + [T.config_for(n, k, name)]]
+            for n, k in ([] if args.skinny_only else args.prefill_shapes):
+                d = T.tiled_config_for(n, k, name)
+                items += [("tiled", name, n, k, dataclasses.astuple(c))
+                          for c in tiled_candidates() + [d, dataclasses.replace(d, split=False)]]
+        precompile(sorted(set(items)), args.jobs)
+    # ---------------------------------------------------------------------- skinny (decode, verify)
+    for name in args.types:
+        for n, k in ([] if args.tiled_only else args.shapes):
+            w0 = random_weight(name, n, k, device)
+            ws = copies(name, n, k, n_copies(w0.nbytes))
+            wb = [torch.randn(n, k, generator=gen).to(device, torch.bfloat16) for _ in range(n_copies(n * k * 2))]
+            src = [w.data for w in ws]
+            dst = torch.empty_like(src[0])
+            copy_us = timer(lambda i: dst.copy_(src[i % len(src)]))
+            default = T.config_for(n, k, name)
+            cands = skinny_candidates(n, sms) if not args.smoke else [default, T.Config(32, 4, 2)]
+            if default not in cands:
+                cands.append(default)
+            for m in args.rows:
+                x = torch.randn(m, k, generator=gen).to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+                xb = x.to(torch.bfloat16)
+                entry = {"type": name, "n": n, "k": k, "m": m, "weight_bytes": w0.nbytes,
+                         "copy_us": copy_us, "copy_GBps": w0.nbytes / copy_us / 1e3, "configs": []}
+                if device.type == "cuda":
+                    us = timer(lambda i: LT.linear(xb, wb[i % len(wb)]))
+                    entry["bf16_skinny_us"] = us
+                for cfg in cands:
+                    if budget.spent():
+                        budget.skipped.append(f"skinny {name} {n}x{k} M={m} {cfg}")
+                        continue
+                    try:
+                        us = timer(lambda i: T.linear(x, ws[i % len(ws)], config=cfg))
+                    except Exception as e:  # noqa: BLE001 - a config that does not compile is a result
+                        entry["configs"].append({"config": dataclasses.asdict(cfg), "error": repr(e)[:200]})
+                        continue
+                    entry["configs"].append({"config": dataclasses.asdict(cfg), "us": us, "GBps": w0.nbytes / us / 1e3,
+                                             "default": cfg == default})
+                ok = [c for c in entry["configs"] if "us" in c]
+                if ok:
+                    best = min(ok, key=lambda c: c["us"])
+                    y = T.linear(x, w0, torch.float32, config=T.Config(**best["config"]))
+                    entry["best_rel_err"] = rel(y, R.linear(x, w0, torch.float32))
+                res["skinny"].append(entry)
+                print_skinny(entry, args.top)
+    # ---------------------------------------------------------------------- tiled (prefill)
+    for name in args.types:
+        for n, k in ([] if args.skinny_only else args.prefill_shapes):
+            m = args.prefill_rows
+            w0 = random_weight(name, n, k, device)
+            ws = copies(name, n, k, n_copies(w0.nbytes))
+            x = torch.randn(m, k, generator=gen).to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+            flop = 2 * m * n * k
+            entry = {"type": name, "n": n, "k": k, "m": m, "weight_bytes": w0.nbytes, "configs": []}
+            if device.type == "cuda":
+                wb = torch.randn(n, k, generator=gen).to(device, torch.bfloat16)
+                entry["cublas_bf16_us"] = timer(lambda i: F.linear(x, wb))
+                entry["dequant_then_cublas_us"] = timer(lambda i: R.linear_dequantized(x, ws[i % len(ws)]))
+            default = T.tiled_config_for(n, k, name)
+            cands = tiled_candidates(args.smoke)
+            extra = [default, dataclasses.replace(default, split=False)]
+            for cfg in cands + [c for c in extra if c not in cands]:
+                if budget.spent():
+                    budget.skipped.append(f"tiled {name} {n}x{k} M={m} {cfg}")
+                    continue
+                try:
+                    us = timer(lambda i: T.linear_tiled(x, ws[i % len(ws)], config=cfg))
+                except Exception as e:  # noqa: BLE001
+                    entry["configs"].append({"config": dataclasses.asdict(cfg), "error": repr(e)[:200]})
+                    continue
+                entry["configs"].append({"config": dataclasses.asdict(cfg), "us": us, "TFLOPs": flop / us / 1e6,
+                                         "default": cfg == default})
+            ok = [c for c in entry["configs"] if "us" in c and c["config"]["split"] is not False]
+            if ok:
+                best = min(ok, key=lambda c: c["us"])
+                y = T.linear_tiled(x, w0, torch.float32, config=T.TiledConfig(**best["config"]))
+                entry["best_rel_err"] = rel(y, R.linear(x, w0, torch.float32))
+            res["tiled"].append(entry)
+            print_tiled(entry, args.top)
+    res["summary"] = summary(res)
+    print("\n".join(res["summary"]))
+    if budget.skipped:
+        print(f"[sweep-quant] budget spent: {len(budget.skipped)} candidates not timed (listed in the JSON)")
+    return res
+
+
+def _cfg(c: dict) -> str:
+    d = c["config"]
+    if "block_m" in d:
+        mode = "dequant" + ("" if d["split"] is None else f" split={d['split']}") if d["dequant"] else "factored"
+        return f"BM={d['block_m']} BN={d['block_n']} w={d['num_warps']} s={d['num_stages']} {mode}"
+    return f"BN={d['block_n']} w={d['num_warps']} s={d['num_stages']}"
+
+
+def print_skinny(e: dict, top: int) -> None:
+    ok = sorted((c for c in e["configs"] if "us" in c), key=lambda c: c["us"])
+    base = f"bf16 skinny {e['bf16_skinny_us']:.1f} us; " if "bf16_skinny_us" in e else ""
+    print(f"\nskinny {e['type']} N={e['n']} K={e['k']} M={e['m']}: {e['weight_bytes'] / 2**20:.1f} MiB; {base}"
+          f"copy {e['copy_us']:.1f} us ({e['copy_GBps']:.0f} GB/s read)", flush=True)
+    shown = ok[:top] + [c for c in ok[top:] if c.get("default")]
+    for c in shown:
+        print(f"  {c['us']:8.1f} us {c['GBps']:7.0f} GB/s  {_cfg(c)}{'  (default)' if c.get('default') else ''}")
+    for c in e["configs"]:
+        if "error" in c:
+            print(f"  failed: {_cfg(c)}: {c['error']}")
+    if "best_rel_err" in e:
+        print(f"  best config's relative error vs the float32 reference: {e['best_rel_err']:.1e}")
+
+
+def print_tiled(e: dict, top: int) -> None:
+    ok = sorted((c for c in e["configs"] if "us" in c), key=lambda c: c["us"])
+    base = (f"cuBLAS bf16 {e['cublas_bf16_us']:.1f} us, dequantize + cuBLAS {e['dequant_then_cublas_us']:.1f} us; "
+            if "cublas_bf16_us" in e else "")
+    print(f"\ntiled {e['type']} N={e['n']} K={e['k']} M={e['m']}: {base}", flush=True)
+    shown = ok[:top] + [c for c in ok[top:] if c.get("default") or c["config"]["split"] is False]
+    for c in shown:
+        print(f"  {c['us']:8.1f} us {c['TFLOPs']:6.1f} TFLOP/s  {_cfg(c)}{'  (default)' if c.get('default') else ''}")
+    for c in e["configs"]:
+        if "error" in c:
+            print(f"  failed: {_cfg(c)}: {c['error']}")
+    if "best_rel_err" in e:
+        print(f"  best config's relative error vs the float32 reference: {e['best_rel_err']:.1e}")
+
+
+def summary(res: dict) -> list[str]:
+    """One line per (path, type, shape, M): best vs default time and the best config."""
+    L = ["", "summary (best vs default; skinny GB/s of the quantized bytes, tiled TFLOP/s):"]
+    for kind in ("skinny", "tiled"):
+        for e in res[kind]:
+            ok = [c for c in e["configs"] if "us" in c and not (kind == "tiled" and c["config"]["split"] is False)]
+            if not ok:
+                continue
+            best = min(ok, key=lambda c: c["us"])
+            d = next((c for c in ok if c.get("default")), None)
+            unit = "GBps" if kind == "skinny" else "TFLOPs"
+            base = ""
+            if kind == "skinny" and "bf16_skinny_us" in e:
+                base = f"; bf16 skinny {e['bf16_skinny_us']:.1f} us, copy {e['copy_GBps']:.0f} GB/s"
+            elif kind == "tiled" and "cublas_bf16_us" in e:
+                base = f"; cuBLAS bf16 {e['cublas_bf16_us']:.1f} us, dequantize+cuBLAS {e['dequant_then_cublas_us']:.1f} us"
+            L.append(f"  {kind:6s} {e['type']:5s} {e['n']:6d}x{e['k']:<6d} M={e['m']:<4d} best {best['us']:8.1f} us "
+                     f"({best[unit]:.1f} {unit}) {_cfg(best)}; default "
+                     + (f"{d['us']:.1f} us ({d['us'] / best['us']:.2f}x)" if d else "-") + base)
+    return L
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--types", default="Q4_K,Q8_0,Q6_K", help="GGUF types, comma-separated")
+    p.add_argument("--shapes", default="4096x4096,12288x4096,4096x12288,8192x4096", help="skinny N x K list")
+    p.add_argument("--rows", default="1,16", help="skinny M list")
+    p.add_argument("--prefill-shapes", default="4096x4096,12288x4096", help="tiled N x K list")
+    p.add_argument("--prefill-rows", type=int, default=512)
+    p.add_argument("--skinny-only", action="store_true")
+    p.add_argument("--tiled-only", action="store_true")
+    p.add_argument("--calls", type=int, default=20, help="calls per captured graph")
+    p.add_argument("--reps", type=int, default=10, help="graph replays timed")
+    p.add_argument("--top", type=int, default=6, help="candidates printed per shape")
+    p.add_argument("--budget-s", type=float, default=300.0, help="stop timing new candidates after this")
+    p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="processes compiling kernels up front")
+    p.add_argument("--out", default=None, help="JSON of every timing")
+    p.add_argument("--dry-run", action="store_true", help="print the candidates and exit")
+    p.add_argument("--smoke", action="store_true", help="CPU self-test under the Triton interpreter (tiny shapes)")
+    args = p.parse_args(argv)
+    args.types = [t.strip() for t in args.types.split(",") if t.strip()]
+    args.rows = [int(v) for v in args.rows.split(",")]
+    args.shapes = parse_shapes(args.shapes)
+    args.prefill_shapes = parse_shapes(args.prefill_shapes)
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        args.types = args.types[:1]
+        args.shapes, args.rows, args.prefill_shapes, args.prefill_rows = [(64, 256)], [1], [(64, 256)], 72
+        args.calls, args.reps = 1, 1
+    if args.dry_run:
+        for n, k in args.shapes:
+            print(f"skinny {n}x{k}: {len(skinny_candidates(n, SMS_H100))} candidates per type and M")
+        print(f"tiled: {len(tiled_candidates()) + 2} candidates per type and shape")
+        return 0
+    res = sweep(args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
