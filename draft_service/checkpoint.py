@@ -254,7 +254,8 @@ def config_from_json(cfg: dict[str, Any], where: str = CONFIG_NAME) -> tuple[Dra
         intermediate_size=int(_field(cfg, "intermediate_size", where)),
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=float(theta),
-        block_size=int(_field(cfg, "block_size", where)),
+        # (some published configs carry it inside dflash_config only)
+        block_size=int(_field(cfg, "block_size", where, default=dflash.get("block_size"))),
         target_layer_ids=[int(i) for i in ids],
         mask_token_id=int(mask),
         vocab_size=int(_field(cfg, "vocab_size", where)),

@@ -116,6 +116,15 @@ def test_zlab_directory_loads_and_serves(tiny_llama, tmp_path):
         assert list(info.target_layer_ids) == [1, 1] and info.model.model_name == "zlab" and len(info.model.model_fingerprint) == 64
     finally:
         servicer.close()
+    # block_size inside dflash_config only (as in some published configs) reads the same
+    moved = _zlab_dir(tmp_path / "moved", tiny_llama, extra={"block_size": None})
+    with open(os.path.join(moved, CONFIG_NAME)) as f:
+        cfg = json.load(f)
+    del cfg["block_size"]
+    cfg["dflash_config"]["block_size"] = 4
+    with open(os.path.join(moved, CONFIG_NAME), "w") as f:
+        json.dump(cfg, f)
+    assert load_drafter(moved, tiny_llama.path).config.block_size == 4
     from client.launcher import drafter_feature_layers
 
     assert drafter_feature_layers(_zlab_dir(tmp_path / "ids", tiny_llama, ids=[0, 2])) == [0, 2]
