@@ -171,6 +171,11 @@ def _f(v: float | None, digits: int = 0) -> str:
     return "-" if v is None else f"{v:,.{digits}f}"
 
 
+def _rate(v: float | None) -> str:
+    """tok/s: whole numbers from 100 up, one decimal below (CPU smoke runs)."""
+    return _f(v, 0 if v is None or v >= 100 else 1)
+
+
 def table(runs: list[Run]) -> str:
     """The markdown results table of :func:`load_runs`' runs."""
     ref = {r.streams: r.tok_s for r in runs if r.system == REFERENCE}
@@ -180,7 +185,7 @@ def table(runs: list[Run]) -> str:
     for r in runs:
         base = ref.get(r.streams)
         ratio = f"{r.tok_s / base:.2f}x" if r.tok_s and base and r.system != REFERENCE else "-"
-        lines.append(f"| {r.system} | {r.streams} | {_f(r.tok_s)} | {ratio} | {_f(r.ttft_p50, 1)} / {_f(r.ttft_p99, 1)} | "
+        lines.append(f"| {r.system} | {r.streams} | {_rate(r.tok_s)} | {ratio} | {_f(r.ttft_p50, 1)} / {_f(r.ttft_p99, 1)} | "
                      f"{_f(r.itl_p50, 2)} / {_f(r.itl_p99, 2)} | {_f(r.osl, 1)} | {_f(r.tau, 2)} | {r.ok} / {r.errors} |")
     return "\n".join(lines) + "\n"
 
