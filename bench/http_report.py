@@ -95,7 +95,7 @@ def _records(path: str) -> tuple[int, int, str | None]:
                     bad += 1
                     if first is None:
                         e = rec["error"]
-                        first = f"{e.get('code')} {e.get('message', '')}".strip()
+                        first = " ".join(str(x) for x in (e.get("code"), e.get("message") or e.get("type")) if x)
                 else:
                     ok += 1
     return ok, bad, first

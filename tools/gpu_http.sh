@@ -6,26 +6,35 @@
 #
 #   bash tools/gpu_run.sh http        # (= bash tools/gpu_http.sh) -> $OUT/HTTP.md, http.tgz, phases.txt
 #
-# Before it, the usual `stage` calls bring the SmolLM2 parts; naming llama-server there starts its
-# build early (4-5 minutes on 16 cores), so this call does not wait for it:
-#   LLAMA_TARGETS="llama-bench llama-server" bash tools/gpu_run.sh stage       (x3, one part each)
-# This call carries .whl, .whl-http (tools/http_wheels.sh: FastAPI, uvicorn, pydantic, aiperf and
-# what aiperf imports that the image lacks), .peer and .stage/sha256.
+# Before it, back to back, `stage` calls bring the SmolLM2 parts, one a call (a 36 MB part beside
+# the 28 MB of tracked files leaves no room for more). The one with the last, smaller part goes
+# first and also carries .peer and .whl: naming llama-server in LLAMA_TARGETS there starts its build
+# (4-5 minutes on 16 cores) while the other parts travel, so this call waits for little of it:
+#   LLAMA_TARGETS="llama-bench llama-server" bash tools/gpu_run.sh stage   carry .stage/part-02 .stage/sha256 .peer .whl
+#   bash tools/gpu_run.sh stage                                            carry .stage/part-00
+#   bash tools/gpu_run.sh stage                                            carry .stage/part-01
+#   bash tools/gpu_run.sh http                                carry .whl .whl-http .peer .stage/sha256
+# .whl-http: tools/http_wheels.sh (FastAPI, uvicorn, pydantic, aiperf and what aiperf imports that
+# the image lacks; 15 MB).
 #
 # Every run: HumanEval prompts in task order (bench/http_report.py prompts: about 139 tokens on
 # average), /v1/completions streamed, 128 output tokens (ignore_eos), temperature 0, requests =
 # max(REQ_MIN, REQ_MULT x streams), as many warm-up requests as streams (2 at least). Our server
 # runs once (both modes, same process); llama-server starts once per stream count (-np N, 1024 tokens
 # of context a slot). aiperf's exports of each run (directory <system>-c<streams>) and the server logs
-# come back in http.tgz; HTTP.md is bench/http_report.py's table of them, rewritten after every system
-# so a call cut short still returns what it measured.
+# come back in http.tgz. A new connection each request (aiperf --connection-reuse-strategy never):
+# llama-server (cpp-httplib) closes a kept-alive connection after 5 idle seconds, and aiperf's pool then sent a
+# request on a closed one (ServerDisconnectedError in a CPU run).
+# HTTP.md is bench/http_report.py's table of them. Both are rewritten after every run, so a call cut
+# short still returns what it measured; no run starts past DEADLINE seconds (540).
 #
 # Settings (environment): DEVICE (cuda; cpu for a smoke run), LEVELS ("1 8 32"), SYSTEMS ("ours-spec
 # ours-ar llama-server"), OUT_TOKENS (128), REQ_MIN (16), REQ_MULT (4), OURS_ARGS (more `serve` flags,
 # e.g. --colocate), WHEELS (1; 0: use the Python environment as it is), SITE (/tmp/site), SMOL (the
 # GGUF; default: the staged SmolLM2 file), LLAMA_SERVER (binary; default the llama.cpp build's),
 # AIPERF ("python3 -m aiperf"), PY (python3, for our services), PORT (8765, and the three above it),
-# BUILD_WAIT (seconds to wait for the llama.cpp build, 420), RUN_TIMEOUT (seconds per aiperf run, 180).
+# BUILD_WAIT (seconds to wait for the llama.cpp build, 420), RUN_TIMEOUT (seconds per aiperf run, 180),
+# DEADLINE (540).
 set -uo pipefail
 source "$(dirname "$0")/gpu_run.sh"   # functions only (install_wheels, llamacpp_build_bg, smollm); cd to the repo root
 DEVICE=${DEVICE:-cuda}
@@ -82,6 +91,7 @@ run_aiperf() {  # SYSTEM PORT STREAMS EXTRA_JSON
   local sys=$1 port=$2 c=$3 extra=$4
   local n=$((c * REQ_MULT)); [ "$n" -lt "$REQ_MIN" ] && n=$REQ_MIN
   local warm=$c; [ "$warm" -lt 2 ] && warm=2
+  if [ "$SECONDS" -ge "${DEADLINE:-540}" ]; then phase "$sys c=$c: skipped (past DEADLINE=${DEADLINE:-540} s)"; return; fi
   local dir=$W/art/$sys-c$c; mkdir -p "$dir"
   [ "${sys#ours}" != "$sys" ] && save_url "http://127.0.0.1:$port/metrics" "$dir/metrics-before.txt"
   local t=$SECONDS
@@ -95,7 +105,7 @@ run_aiperf() {  # SYSTEM PORT STREAMS EXTRA_JSON
     --endpoint-type completions --streaming --input-file "$W/prompts.jsonl" --custom-dataset-type single_turn \
     --dataset-sampling-strategy sequential --output-tokens-mean "$OUT_TOKENS" --output-tokens-stddev 0 \
     --extra-inputs "$extra" --concurrency "$c" --request-count "$n" --warmup-request-count "$warm" \
-    --no-auto-plot --ui-type none --no-gpu-telemetry --no-server-metrics --output-artifact-dir "$dir" \
+    --connection-reuse-strategy never --no-auto-plot --ui-type none --no-gpu-telemetry --no-server-metrics --output-artifact-dir "$dir" \
     > "$dir/aiperf.log" 2>&1)
   local rc=$?
   [ "${sys#ours}" != "$sys" ] && save_url "http://127.0.0.1:$port/metrics" "$dir/metrics-after.txt"
@@ -106,6 +116,7 @@ r = load_run(sys.argv[1])
 print(f'{r.tok_s or 0:.0f} tok/s, TTFT p50 {r.ttft_p50 or 0:.1f} ms, ITL p50 {r.itl_p50 or 0:.2f} ms, ok {r.ok}, failed {r.errors}')
 " "$dir" 2>&1 | tail -1)
   phase "$sys c=$c: $n requests, aiperf rc=$rc, $((SECONDS - t)) s: $line"
+  finish
 }
 
 # ---- preparation ------------------------------------------------------------------------------
@@ -166,7 +177,6 @@ if [ -n "$modes" ]; then
   fi
   stop "$pid"
   phase "our server stopped"
-  finish
 fi
 
 # ---- llama-server: one start per stream count ---------------------------------------------------
@@ -187,7 +197,7 @@ if [ $want_llama = 1 ]; then
   else
     phase "llama-server: no binary at $LLAMA_SERVER, skipped"
   fi
-  finish
 fi
 phase "done"
+finish
 cat "$OUT/HTTP.md" 2>/dev/null
