@@ -385,7 +385,9 @@ def load_hf_target(path: str | os.PathLike[str], device: str | torch.device = "c
     """``transformers.AutoModelForCausalLM`` loaded from the target GGUF (dequantized), in eval
     mode on ``device``; its ``config`` and weights match :class:`target_service.models.llama.LlamaModel`.
     For ``qwen3`` the head size is passed from ``qwen3.attention.key_length`` (transformers' GGUF
-    config map for qwen3 drops it and would take Qwen3Config's default, 128)."""
+    config map for qwen3 drops it and would take Qwen3Config's default, 128); for ``qwen3moe`` the
+    experts' width from ``qwen3moe.expert_feed_forward_length`` (its map drops that one, leaving
+    Qwen3MoeConfig's default 768)."""
     import transformers
 
     from runtime.gguf_loader import open_gguf
@@ -394,6 +396,8 @@ def load_hf_target(path: str | os.PathLike[str], device: str | torch.device = "c
     g = open_gguf(path)
     extra = {"head_dim": int(g.get("{arch}.attention.key_length"))} \
         if g.architecture == "qwen3" and g.get("{arch}.attention.key_length") else {}
+    if g.architecture == "qwen3moe" and g.get("{arch}.expert_feed_forward_length"):
+        extra["moe_intermediate_size"] = int(g.get("{arch}.expert_feed_forward_length"))
     model = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path), dtype=dtype, **extra
     )

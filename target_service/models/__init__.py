@@ -13,12 +13,13 @@ import torch
 from runtime.gguf_loader import GGUFError, GGUFFile, open_gguf
 
 #: GGUF ``general.architecture`` values the target service runs.
-ARCHITECTURES = ("llama", "qwen3", "qwen35")
+ARCHITECTURES = ("llama", "qwen3", "qwen3moe", "qwen35")
 
 
 def load_model(g: GGUFFile | str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, progress: bool = False,
                weights: str = "bf16"):
-    """Load the model of a GGUF file (``LlamaModel`` for ``llama`` and ``qwen3``, ``Qwen35Model``).
+    """Load the model of a GGUF file (``LlamaModel`` for ``llama``, ``qwen3`` and ``qwen3moe``,
+    ``Qwen35Model``).
 
     ``weights`` (:data:`target_service.models.weights.WEIGHT_MODES`): ``bf16`` dequantizes every
     tensor to ``dtype`` at load; ``quantized`` keeps the block-quantized projection, embedding and
@@ -37,7 +38,7 @@ def load_model(g: GGUFFile | str, device: str | torch.device = "cpu", dtype: tor
         g = open_gguf(g)
     if g.get("{arch}.dflash.block_size") is not None:
         raise GGUFError(f"{g.path} is a DFlash drafter, not a target model")
-    if g.architecture in ("llama", "qwen3"):
+    if g.architecture in ("llama", "qwen3", "qwen3moe"):
         from target_service.models.llama import LlamaModel
 
         return LlamaModel.from_gguf(g, device=device, dtype=dtype, progress=progress, quantized=quantized)

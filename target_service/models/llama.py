@@ -1,5 +1,5 @@
-"""The ``llama`` and ``qwen3`` architectures (attention-only decoders: SmolLM2, Llama 2/3, Qwen3
-dense and the like), plain PyTorch.
+"""The ``llama``, ``qwen3`` and ``qwen3moe`` architectures (attention-only decoders: SmolLM2,
+Llama 2/3, Qwen3 dense, Qwen3-MoE and the like), plain PyTorch.
 
 One forward serves prefill and tree verify: ``T`` new tokens at given positions attend to the
 committed KV cache ``[0, L)`` and, among themselves, to what ``mask`` allows (causal for a prefill
@@ -21,6 +21,20 @@ as is, the layer's RMS eps) applied before the rotary embedding, and ``head_dim`
 and head_dim 128). Its converter does not permute q/k rows (NeoX rotary in llama.cpp), so nothing is
 un-permuted. One class runs both (:attr:`LlamaConfig.qk_norm` switches the norm on), so the batched
 GPU engine runs a qwen3 model through the same ``layers_forward``, kernels and graphs.
+
+``qwen3moe`` (llama.cpp ``LLM_ARCH_QWEN3MOE``; converter ``Qwen3MoeModel(Qwen2MoeModel)``) is
+``qwen3``'s attention with a sparse mixture-of-experts FFN in every layer instead of the MLP:
+``blk.{i}.ffn_gate_inp`` ``[E, H]`` (the router; llama.cpp's converter stores it F32),
+``ffn_gate_exps`` / ``ffn_up_exps`` ``[E, F, H]`` and ``ffn_down_exps`` ``[E, H, F]`` (the HF
+experts' ``gate_proj`` / ``up_proj`` / ``down_proj`` stacked on a leading expert axis; PyTorch
+order), with ``qwen3moe.expert_count`` (E), ``expert_used_count`` (k) and
+``expert_feed_forward_length`` (F; llama.cpp falls back to ``feed_forward_length / k``).
+Routing is softmax over the router logits in float32, top-k, the k probabilities renormalised
+(llama.cpp's ``qwen3moe.cpp`` passes ``norm_w = true``; transformers' GGUF loader sets
+``norm_topk_prob = True`` for it), :func:`~target_service.models.layers.moe_ffn`. On load the
+experts are restacked for that function's two dense projections (``gate_up_exps`` ``[E * 2F, H]``,
+``down_exps`` ``[H, E * F]``) and always held as floats: quantized expert tensors are dequantized
+at load (a warning names their types when ``--weights quantized`` was asked).
 """
 
 from __future__ import annotations
@@ -35,24 +49,30 @@ from kernels.attention import tree_attention
 from kernels.linear import linear
 from kernels.quant import embedding
 from kernels.norm import add_rms_norm, rms_norm
-from target_service.models.layers import apply_rope_rows, mlp_then_norm, rope_cos_sin
+from target_service.models.layers import apply_rope_rows, mlp_then_norm, moe_then_norm, rope_cos_sin
 from runtime.gguf_loader import GGUFError, GGUFFile, open_gguf, vocab_size
 from target_service.models.kv_cache import KVCache
-from target_service.models.weights import load_weights, pack_rows, permute_rows, place
+from target_service.models.weights import FLOAT_TYPES, load_weights, pack_rows, permute_rows, place
 
 log = logging.getLogger(__name__)
 
 
 #: GGUF architectures this module runs.
-ARCHITECTURES = ("llama", "qwen3")
+ARCHITECTURES = ("llama", "qwen3", "qwen3moe")
+#: Per-layer tensors of the MoE FFN (``qwen3moe``), in place of ``ffn_gate`` / ``ffn_up`` / ``ffn_down``.
+MOE_TENSORS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
 @dataclasses.dataclass
 class LlamaConfig:
-    """Shapes and constants of a llama or qwen3 model, from GGUF ``{arch}.*`` metadata.
+    """Shapes and constants of a llama, qwen3 or qwen3moe model, from GGUF ``{arch}.*`` metadata.
 
-    ``qk_norm``: q and k are RMS-normed per head before the rotary embedding (``qwen3``).
+    ``qk_norm``: q and k are RMS-normed per head before the rotary embedding (``qwen3``, ``qwen3moe``).
     ``arch``: the GGUF architecture (``llama`` q/k rows are un-permuted on load).
+    ``num_experts``: experts per layer (``qwen3moe``; 0 = a dense MLP); ``num_experts_used``: the
+    top-k; ``expert_ffn``: each expert's intermediate size; ``norm_topk_prob``: the chosen experts'
+    probabilities renormalised to sum 1 (true for qwen3moe, as llama.cpp runs it).
+    ``intermediate_size`` is the dense MLP's (for qwen3moe, what the file states; unused).
     """
 
     vocab_size: int
@@ -69,24 +89,40 @@ class LlamaConfig:
     tied_embeddings: bool
     qk_norm: bool = False
     arch: str = "llama"
+    num_experts: int = 0
+    num_experts_used: int = 0
+    expert_ffn: int = 0
+    norm_topk_prob: bool = True
 
     @classmethod
     def from_gguf(cls, g: GGUFFile) -> "LlamaConfig":
         """Read ``{arch}.*`` keys (``block_count``, ``embedding_length``, ``attention.head_count``,
         ``attention.head_count_kv``, ``attention.key_length``, ``feed_forward_length``,
         ``attention.layer_norm_rms_epsilon``, ``rope.freq_base``, ``rope.dimension_count``,
-        ``context_length``).
+        ``context_length``; for ``qwen3moe`` also ``expert_count``, ``expert_used_count``,
+        ``expert_feed_forward_length``).
 
         Raises:
-            GGUFError: a required key is missing or the architecture is not ``llama`` / ``qwen3``.
+            GGUFError: a required key is missing, an expert count is out of range, or the
+                architecture is not ``llama`` / ``qwen3`` / ``qwen3moe``.
         """
         if g.architecture not in ARCHITECTURES:
-            raise GGUFError(f"expected architecture llama or qwen3, got {g.architecture}")
+            raise GGUFError(f"expected architecture llama, qwen3 or qwen3moe, got {g.architecture}")
+        moe = g.architecture == "qwen3moe"
         hidden = int(g.require("{arch}.embedding_length"))
         heads = int(g.require("{arch}.attention.head_count"))
         head_dim = int(g.get("{arch}.attention.key_length", hidden // heads))
         if g.get("{arch}.rope.scaling.type") not in (None, "none"):
             log.warning("rope scaling %s is not supported; ignoring it", g.get("{arch}.rope.scaling.type"))
+        ffn = int(g.get("{arch}.feed_forward_length", 0)) if moe else int(g.require("{arch}.feed_forward_length"))
+        experts = used = expert_ffn = 0
+        if moe:
+            experts, used = int(g.require("{arch}.expert_count")), int(g.require("{arch}.expert_used_count"))
+            if not 1 <= used <= experts:
+                raise GGUFError(f"{g.path}: expert_used_count {used} must be in [1, expert_count {experts}]")
+            expert_ffn = int(g.get("{arch}.expert_feed_forward_length", 0)) or ffn // used   # llama.cpp's fallback
+            if expert_ffn < 1:
+                raise GGUFError(f"{g.path}: no qwen3moe.expert_feed_forward_length (nor feed_forward_length)")
         return cls(
             vocab_size=vocab_size(g),
             hidden_size=hidden,
@@ -94,14 +130,17 @@ class LlamaConfig:
             num_heads=heads,
             num_kv_heads=int(g.get("{arch}.attention.head_count_kv", heads)),
             head_dim=head_dim,
-            intermediate_size=int(g.require("{arch}.feed_forward_length")),
+            intermediate_size=ffn,
             rms_eps=float(g.get("{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(g.get("{arch}.rope.freq_base", 10000.0)),
             rope_dim=int(g.get("{arch}.rope.dimension_count", head_dim)),
             context_length=int(g.get("{arch}.context_length", 4096)),
             tied_embeddings=not g.has_tensor("output.weight"),
-            qk_norm=g.architecture == "qwen3",
+            qk_norm=g.architecture in ("qwen3", "qwen3moe"),
             arch=g.architecture,
+            num_experts=experts,
+            num_experts_used=used,
+            expert_ffn=expert_ffn,
         )
 
 
@@ -113,6 +152,32 @@ def unpermute_rotary_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """
     rows, cols = w.shape
     return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def stack_experts(cfg: LlamaConfig, router: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                  device: str | torch.device, dtype: torch.dtype, layer: str = "") -> dict[str, torch.Tensor]:
+    """One layer's MoE tensors (``ffn_gate_inp`` ``[E, H]``, ``ffn_gate_exps`` / ``ffn_up_exps``
+    ``[E, F, H]``, ``ffn_down_exps`` ``[E, H, F]``, float) as
+    :func:`~target_service.models.layers.moe_ffn` reads them: ``router`` ``[E, H]`` (float32, or
+    float64 for a float64 model), ``gate_up_exps`` ``[E * 2F, H]`` (per expert its gate rows, then
+    its up rows) and ``down_exps`` ``[H, E * F]`` (per expert its down matrix as columns), on
+    ``device`` in ``dtype``.
+
+    Raises:
+        GGUFError: a tensor is not a float tensor of the shape ``cfg`` implies (``layer`` prefixes
+            the name in the message).
+    """
+    e, f, hid = cfg.num_experts, cfg.expert_ffn, cfg.hidden_size
+    want = {"ffn_gate_inp": (e, hid), "ffn_gate_exps": (e, f, hid), "ffn_up_exps": (e, f, hid), "ffn_down_exps": (e, hid, f)}
+    for n, t in zip(MOE_TENSORS, (router, gate, up, down)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != want[n]:
+            raise GGUFError(f"{layer}{n}.weight: shape {tuple(getattr(t, 'shape', ()))}, expected {want[n]}")
+    return {
+        "router": router.to(device=device, dtype=torch.promote_types(dtype, torch.float32)).contiguous(),
+        "gate_up_exps": torch.stack([gate.to(device=device, dtype=dtype), up.to(device=device, dtype=dtype)], dim=1)
+        .reshape(e * 2 * f, hid),
+        "down_exps": down.to(device=device, dtype=dtype).permute(1, 0, 2).reshape(hid, e * f).contiguous(),
+    }
 
 
 @dataclasses.dataclass
@@ -154,19 +219,26 @@ class SessionKV:
 
 
 class LlamaModel:
-    """Weights and forward of a llama or qwen3 model; stateless apart from the caches it is given.
+    """Weights and forward of a llama, qwen3 or qwen3moe model; stateless apart from the caches it
+    is given.
 
     Args:
         cfg: the config.
         weights: name -> tensor in GGUF tensor names (``token_embd.weight``, ``blk.{i}.attn_q.weight``,
-            ...; with ``cfg.qk_norm`` also ``blk.{i}.attn_q_norm.weight`` / ``attn_k_norm.weight``),
+            ...; with ``cfg.qk_norm`` also ``blk.{i}.attn_q_norm.weight`` / ``attn_k_norm.weight``;
+            with ``cfg.num_experts`` the :data:`MOE_TENSORS` instead of ``ffn_gate`` / ``ffn_up`` /
+            ``ffn_down``, float tensors, restacked by :func:`stack_experts`; not read for the layers
+            ``experts`` gives),
             PyTorch order, rotary rows of q/k already un-permuted; a 2-D weight may be a
             :class:`kernels.quant.QuantizedWeight` (kept as GGUF blocks; ``qkv`` / ``gate_up`` are
             then packed by :func:`~target_service.models.weights.pack_rows`).
         device, dtype: where and in which float type to compute (float32 on CPU is the reference).
+        experts: per layer, its MoE weights already made by :func:`stack_experts` (what
+            :meth:`from_gguf` passes, so that the file's expert tensors are freed layer by layer).
     """
 
-    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 experts: list[dict[str, torch.Tensor]] | None = None):
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
@@ -186,20 +258,27 @@ class LlamaModel:
                     "qkv": pack_rows([w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")]),
                     "o": w(p + "attn_output.weight"),
                     "ffn_norm": w(p + "ffn_norm.weight"),
-                    "gate_up": pack_rows([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")]),
-                    "down": w(p + "ffn_down.weight"),
                 }
             )
+            if cfg.num_experts:
+                self.layers[-1].update(experts[i] if experts is not None else
+                                       stack_experts(cfg, *(weights[p + n + ".weight"] for n in MOE_TENSORS),
+                                                     device=self.device, dtype=dtype, layer=p))
+            else:
+                self.layers[-1].update(gate_up=pack_rows([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")]),
+                                       down=w(p + "ffn_down.weight"))
             if cfg.qk_norm:
                 self.layers[-1].update(q_norm=w(p + "attn_q_norm.weight"), k_norm=w(p + "attn_k_norm.weight"))
 
     @classmethod
     def from_gguf(cls, g: GGUFFile | str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, progress: bool = False,
                   quantized: bool = False) -> "LlamaModel":
-        """Load a llama GGUF (un-permuting q/k rotary rows) or a qwen3 GGUF: every tensor
+        """Load a llama GGUF (un-permuting q/k rotary rows), a qwen3 or a qwen3moe GGUF: every tensor
         dequantized to ``dtype``, or with ``quantized`` the 2-D weights of the types of
         :data:`kernels.quant.QTYPES` kept as GGUF blocks on ``device``
-        (:func:`~target_service.models.weights.load_weights`).
+        (:func:`~target_service.models.weights.load_weights`); the MoE router and experts are
+        always dequantized (the router to float32), with a warning naming the block-quantized
+        types of experts when ``quantized`` was asked.
 
         Raises:
             GGUFError: wrong architecture, missing key or tensor.
@@ -208,12 +287,25 @@ class LlamaModel:
             g = open_gguf(g)
         cfg = LlamaConfig.from_gguf(g)
         names = ["token_embd.weight", "output_norm.weight"] + ([] if cfg.tied_embeddings else ["output.weight"])
+        ffn = () if cfg.num_experts else ("ffn_gate", "ffn_up", "ffn_down")
         for i in range(cfg.num_layers):
-            names += [f"blk.{i}.{n}.weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")]
+            names += [f"blk.{i}.{n}.weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", *ffn)]
             if cfg.qk_norm:
                 names += [f"blk.{i}.attn_q_norm.weight", f"blk.{i}.attn_k_norm.weight"]
-        weights = load_weights(g, names, torch.float32 if dtype == torch.float64 else dtype, device, quantized,
+        load_dtype = torch.float32 if dtype == torch.float64 else dtype
+        weights = load_weights(g, names, load_dtype, device, quantized,
                                keep_quantized=lambda name: not name.endswith("norm.weight"), progress=progress)
+        experts = None
+        if cfg.num_experts:                         # layer by layer: one layer's file tensors alive at a time
+            experts = [stack_experts(cfg, *(g.load_tensor(f"blk.{i}.{n}.weight", device=device,
+                                                          dtype=torch.float32 if n == "ffn_gate_inp" else load_dtype)
+                                            for n in MOE_TENSORS),
+                                     device=device, dtype=dtype, layer=f"blk.{i}.") for i in range(cfg.num_layers)]
+            types = sorted({g.tensor_info(f"blk.{i}.{n}.weight").type_name for i in range(cfg.num_layers) for n in MOE_TENSORS}
+                           - set(FLOAT_TYPES))
+            if quantized and types:
+                log.warning("qwen3moe expert tensors (%s) have no quantized path: dequantized at load", ", ".join(types),
+                            extra={"types": types, "model": g.path})
         permuted = cfg.arch == "llama"               # qwen3's converter keeps HF row order
         for name, t in weights.items():
             if permuted and name.endswith("attn_q.weight"):
@@ -221,7 +313,7 @@ class LlamaModel:
             elif permuted and name.endswith("attn_k.weight"):
                 t = permute_rows(t, lambda x: unpermute_rotary_rows(x, cfg.num_kv_heads))
             weights[name] = place(t, t.device, dtype)
-        return cls(cfg, weights, device, dtype)
+        return cls(cfg, weights, device, dtype, experts=experts)
 
     def new_cache(self, max_length: int) -> KVCache:
         """An empty :class:`KVCache` for one session."""
@@ -263,7 +355,11 @@ class LlamaModel:
             if c.qk_norm:                            # qwen3: per-head RMSNorm before the rotary
                 q, k = rms_norm(q, lw["q_norm"], c.rms_eps), rms_norm(k, lw["k_norm"], c.rms_eps)
             x, h = add_rms_norm(x, linear(backend.attend(i, q, k, v, scale, cos, sin), lw["o"]), lw["ffn_norm"], c.rms_eps)
-            x, h = mlp_then_norm(x, h, lw, self.layers[i + 1]["attn_norm"] if i + 1 < len(self.layers) else self.norm, c.rms_eps)
+            nxt = self.layers[i + 1]["attn_norm"] if i + 1 < len(self.layers) else self.norm
+            if c.num_experts:                        # qwen3moe: the sparse MoE FFN
+                x, h = moe_then_norm(x, h, lw, nxt, c.rms_eps, c.num_experts_used, c.norm_topk_prob)
+            else:
+                x, h = mlp_then_norm(x, h, lw, nxt, c.rms_eps)
             if i in want:
                 feats[i] = x
         return h, feats
