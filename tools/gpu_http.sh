@@ -184,6 +184,7 @@ if [ $want_llama = 1 ]; then
   if [ -x "$LLAMA_SERVER" ]; then
     ngl=99; [ "$DEVICE" = cpu ] && ngl=0
     for c in $LEVELS; do
+      if [ "$SECONDS" -ge "${DEADLINE:-540}" ]; then phase "llama-server c=$c: skipped (past DEADLINE=${DEADLINE:-540} s)"; continue; fi
       setsid "$LLAMA_SERVER" -m "$smol" -ngl $ngl -fa on -np "$c" -c $((c * 1024)) --host 127.0.0.1 --port "$LPORT" \
         --alias "$NAME" --no-webui > "$W/llama-server-c$c.log" 2>&1 &
       pid=$!
