@@ -91,12 +91,13 @@ class HttpError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def http_error(code: grpc.StatusCode, message: str, reason: str = "") -> HttpError:
+def http_error(code: grpc.StatusCode, message: str, reason: str = "", chat: bool = True) -> HttpError:
     """The HTTP error of a gRPC status ``code`` with reason ``reason`` (docs/ARCHITECTURE.md,
     "Errors"): INVALID_ARGUMENT and FAILED_PRECONDITION 400; RESOURCE_EXHAUSTED 429 for
     ``QUEUE_FULL`` / ``STREAMS_BUSY`` (with ``Retry-After``), 400 for ``PROMPT_TOO_LONG`` (the
     prompt's tokens do not fit the context), else 503; UNAVAILABLE 503; DEADLINE_EXCEEDED 504;
-    UNAUTHENTICATED 401; PERMISSION_DENIED 403; NOT_FOUND 404; anything else 500."""
+    UNAUTHENTICATED 401; PERMISSION_DENIED 403; NOT_FOUND 404; anything else 500. ``chat``: the
+    request was a chat completion (a too-long prompt names ``messages``, else ``prompt``)."""
     reason = reason or None
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
         return HttpError(400, message, "invalid_request_error", code=reason)
@@ -104,7 +105,7 @@ def http_error(code: grpc.StatusCode, message: str, reason: str = "") -> HttpErr
         if reason in (Reason.QUEUE_FULL, Reason.STREAMS_BUSY):
             return HttpError(429, message, "rate_limit_exceeded", code=reason, headers={"Retry-After": str(RETRY_AFTER_S)})
         if reason == Reason.PROMPT_TOO_LONG:
-            return HttpError(400, message, "invalid_request_error", param="messages", code=reason)
+            return HttpError(400, message, "invalid_request_error", param="messages" if chat else "prompt", code=reason)
         return HttpError(503, message, "server_error", code=reason)
     status = {grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
               grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403,
@@ -450,7 +451,7 @@ def create_app(servicer: GenerationServicer, *, model_name: str | None = None, a
             watcher.cancel()
             if first is _END:  # cancelled before anything came
                 raise HttpError(499, "client closed the request", code="cancelled")
-            raise http_error(first.code, str(first), first.reason)
+            raise http_error(first.code, str(first), first.reason, chat)
         if stream:
             watcher.cancel()   # from here StreamingResponse watches for the disconnect
             return StreamingResponse(_stream(gen, first, chat, rid, include_usage), media_type="text/event-stream",
@@ -465,7 +466,7 @@ def create_app(servicer: GenerationServicer, *, model_name: str | None = None, a
         text = []
         while True:
             if isinstance(message, HopAborted):
-                raise http_error(message.code, str(message), message.reason)
+                raise http_error(message.code, str(message), message.reason, chat)
             if message is _END:
                 raise HttpError(499, "client closed the request", code="cancelled")
             text.append(message.text)
@@ -503,7 +504,7 @@ def create_app(servicer: GenerationServicer, *, model_name: str | None = None, a
                 yield _sse(first)
             while True:
                 if isinstance(message, HopAborted):
-                    yield _sse(http_error(message.code, str(message), message.reason).body())
+                    yield _sse(http_error(message.code, str(message), message.reason, chat).body())
                     break
                 if message is _END:
                     break

@@ -189,7 +189,11 @@ def test_errors_in_openai_shape(svc, oa, model):
     # more tokens than the context (1024): 400; more characters than --max-prompt-chars: 413
     with pytest.raises(openai.BadRequestError) as e:
         oa.completions.create(model=model, prompt="The quick brown fox. " * 300, max_tokens=1)
-    assert e.value.body["code"] == "PROMPT_TOO_LONG"
+    assert e.value.body["code"] == "PROMPT_TOO_LONG" and e.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.chat.completions.create(model=model, messages=[{"role": "user", "content": "The quick brown fox. " * 300}],
+                                   max_tokens=1)
+    assert e.value.body["code"] == "PROMPT_TOO_LONG" and e.value.body["param"] == "messages"
     with pytest.raises(openai.APIStatusError) as e:
         oa.completions.create(model=model, prompt="x" * (MAX_REQUEST_BYTES + 10), max_tokens=1)
     assert e.value.status_code == 413 and e.value.body["code"] == "PROMPT_TOO_LONG"
