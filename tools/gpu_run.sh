@@ -29,6 +29,8 @@
 #                                          # engines (SmolLM2-shaped synthetic target, random drafter of the
 #                                          # shipped shape): gRPC vs the same-host hop, colocated and 3
 #                                          # processes, then traced splits -> $OUT/hop-real.txt
+#   bash tools/gpu_run.sh pyspy            # py-spy over whole bench runs (services included): one stream
+#                                          # and 64 streams -> $OUT/pyspy-{one,load}.{txt,md} (tools/pyspy_report.py)
 #   bash tools/gpu_run.sh contention       # without SmolLM2: tools/gpu_contention.py, then again under NVIDIA MPS
 #                                          # -> $OUT/contention{,-mps}.{json,txt}
 #   bash tools/gpu_run.sh quant            # issue 19: quantized-weight tests, our engine and llama.cpp on
@@ -349,6 +351,27 @@ cmd_step() {
   tar -czf "$OUT/step.tgz" -C $S .
 }
 
+cmd_pyspy() {
+  # where the services' host time goes end to end (issues 18, 23): py-spy (carried in .whl) samples
+  # every process of a bench run, the services included (--subprocesses); raw stacks and
+  # tools/pyspy_report.py's tables -> $OUT/pyspy-{one,load}.{txt,md}. "one": one stream, the
+  # default tree, target co-located; "load": three processes, 64 streams, AR then the default tree.
+  local smol; smol=$(timed_start) || exit 1
+  local PS=/tmp/site/bin/py-spy
+  [ -x $PS ] || { echo "py-spy missing: carry its wheel in .whl" >&2; exit 1; }
+  $PS record -r ${RATE:-250} -f raw --subprocesses --nonblocking -o "$OUT/pyspy-one.txt" -- \
+    python3 -m client.cli bench --device cuda --model "$smol" --prompts 8 --max-tokens 128 --configs tree:15:4 --colocate \
+    --json "$OUT/pyspy-one.json" 2>&1 | grep -E "^(ar|tree)"
+  $PS record -r ${RATE:-250} -f raw --subprocesses --nonblocking -o "$OUT/pyspy-load.txt" -- \
+    python3 -m client.cli bench --device cuda --model "$smol" --prompts 16 --max-tokens 128 --configs ar,tree:15:4 \
+    --concurrency 64 --requests-per-stream ${REQUESTS_PER_STREAM:-3} --json "$OUT/pyspy-load.json" 2>&1 | tail -4
+  for p in one load; do
+    { python3 tools/pyspy_report.py "$OUT/pyspy-$p.txt" --top 30
+      for u in propose_batch verify_batch Scheduler._tick Propose Verify Generate; do
+        echo; echo "### under $u"; python3 tools/pyspy_report.py "$OUT/pyspy-$p.txt" --top 20 --under $u; done; } > "$OUT/pyspy-$p.md"
+  done
+}
+
 cmd_step_load() {
   # the concurrency table of issue 18 (goal 5): aggregate tok/s at 1-64 streams, AR and the default
   # tree -> $OUT/concurrency-*.json, STEP-load.md. LAYOUTS (default "colocated 3proc"): the target in
@@ -386,6 +409,7 @@ case ${1:-all} in
   step) cmd_step ;;
   step-load) cmd_step_load ;;
   contention) cmd_contention ;;
+  pyspy) cmd_pyspy ;;
   quant) shift; bash tools/gpu_quant.sh "$@" ;;
   http) shift; bash tools/gpu_http.sh "$@" ;;
   *) echo "usage: $0 stage|smoke|checks|bench|all [models]|concurrency" >&2; exit 2 ;;
