@@ -409,6 +409,31 @@ def test_gpu_against_reference_and_rows_bit_identical(name, dtype):
             assert torch.equal(T.linear(x[i:i + 1], w)[0], y[i]), (name, n, k, i)
 
 
+def test_sweep_smollm_candidates():
+    """tools/sweep_quant.py --smollm's candidates (no kernel runs): SmolLM2's five skinny cases,
+    every candidate runnable on its weight (``Config.fits``), unrolled and split-``K`` ones among
+    them (split only where ``N / BLOCK_N`` is under one program per SM: not the LM head), no
+    duplicates; the default sweep keeps one unrolled variant per grid point and no split."""
+    import os
+    import sys
+
+    from kernels.quant import triton as T
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    import sweep_quant as S
+
+    assert [(n, k) for _, n, k in S.SMOLLM_CASES] == [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+    for name, n, k in S.SMOLLM_CASES:
+        cs = S.skinny_candidates(n, S.SMS_H100, k, name, small=True)
+        assert cs and len(set(cs)) == len(cs) and all(c.fits(k, name) for c in cs), (name, n, k)
+        assert any(c.unroll > 1 for c in cs)
+        assert any(c.split_k > 1 for c in cs) == (n < 49152), (name, n, k)
+    wide = S.skinny_candidates(4096, S.SMS_H100, 4096, "Q8_0")
+    assert {c.split_k for c in wide} == {1} and {c.unroll for c in wide} == {1, 8}
+    assert {c.unroll for c in S.skinny_candidates(4096, S.SMS_H100, 4096, "Q4_K")} == {1}
+    assert T.config_for(576, 1536, "Q4_1") in S.skinny_candidates(576, S.SMS_H100, 1536, "Q4_1", small=True)
+
+
 @pytest.mark.gpu
 def test_gpu_small_shape_configs():
     """SmolLM2's shapes (``qkv`` 960 x 576, ``down`` 576 x 1536, Q4_1), bfloat16 ``x``: the default

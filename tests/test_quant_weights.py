@@ -322,3 +322,38 @@ def test_qwen3_quantized_equals_dequantized(tmp_path):
     assert mq.layers[0]["qkv"].qtype.name == "Q8_0" and isinstance(mq.layers[0]["q_norm"], torch.Tensor)
     tokens = [(31 * i + 5) % mq.cfg.vocab_size for i in range(8)]
     assert rel(_forward(mq, tokens), _forward(mb, tokens)) <= 1e-5
+
+
+def _tool(name: str):
+    import importlib
+    import os
+    import sys
+
+    tools = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    return importlib.import_module(name)
+
+
+def test_quant_diag_measures_and_smoke(tmp_path):
+    """tools/quant_diag.py (the GPU diagnostic of the quantized engine's greedy divergence): its
+    measures on known inputs (matched prefixes and the first divergence; per-position logit errors
+    and argmax agreement), and the CPU smoke run end to end (a tiny Q4_1 file, every engine, the
+    teacher-forced comparison and the per-site linear timing with its site labels)."""
+    import json
+
+    D = _tool("quant_diag")
+    m = D.matched([[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 9, 4], [5, 6, 7, 8]])
+    assert (m["matched"], m["of"], m["per_prompt"], m["first"]) == (6, 8, [2, 4], (0, 2, 3, 9))
+    ref = [torch.tensor([[3.0, 1.0, 0.0], [0.0, 2.0, 1.5]])]
+    e = D.logit_errors([torch.tensor([[3.0, 1.0, 0.0], [0.0, 1.0, 1.5]])], ref)
+    assert e["positions"] == 2 and e["disagreements"] == 1 and e["argmax_agree"] == 0.5
+    assert e["rel_max"] == pytest.approx(1.0 / 2.5) and e["ref_margin_at_disagreements_median"] == pytest.approx(0.5)
+    out = tmp_path / "diag.json"
+    assert D.main(["--smoke", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert set(res["matched"]) >= {"quantized vs bf16", "quantized-round vs bf16", "quantized vs float32", "bf16 vs float32"}
+    assert res["matched"]["quantized vs bf16"]["of"] == 2 * 6
+    assert res["teacher_forced"]["quantized vs float32"]["positions"] == 2 * 6
+    sites = res["sites"]["quantized"]["sites"]
+    assert {k: v["calls_per_step"] for k, v in sites.items()} == {"qkv": 2, "o": 2, "gate_up": 2, "down": 2, "lm_head": 1}
