@@ -320,7 +320,9 @@ def graph_us(fn, calls: int, reps: int = 10) -> float:
 def site_configs(model) -> dict:
     """Per site of the quantized model, ``kernels.quant.triton.linear`` alone at ``M = 1`` over
     the model's layer weights (every layer once per graph; the LM head 8 times) at the default
-    config, the old rule (no unrolling) and split-``K`` configs that fit: microseconds per call."""
+    config, the old rule (no unrolling) and up to two split-``K`` configs that fit (``BLOCK_N``
+    16, the largest unroll): microseconds per call (``tools/sweep_quant.py --smollm`` tries many
+    more, on random weights)."""
     from kernels.quant import QuantizedWeight
     from kernels.quant import triton as QT
 
@@ -339,10 +341,10 @@ def site_configs(model) -> dict:
             old = QT.config_for(n, k, qt)
         cands = {"default": default, "old rule": old}
         nb = k // ws[0].block_elems
-        for sk in (2, 3, 4, 6):
-            if nb % sk == 0 and -(-n // 16) * sk <= 4 * 132:
-                u = max(d for d in (1, 2, 3, 4, 6, 8) if (nb // sk) % d == 0)
-                cands[f"split_k={sk}"] = QT.Config(16, 4, 2, u, sk)
+        splits = [sk for sk in (2, 3, 4, 6) if nb % sk == 0 and -(-n // 16) * sk <= 4 * 132][:2]
+        for sk in splits:                   # each a compile: two per site at most
+            u = max(d for d in (1, 2, 3, 4, 6, 8) if (nb // sk) % d == 0)
+            cands[f"split_k={sk}"] = QT.Config(16, 4, 2, u, sk)
         row = {"type": qt.name, "n": n, "k": k, "weights": len(ws), "configs": {}}
         for name, cfg in cands.items():
             try:
@@ -443,7 +445,8 @@ def run(args) -> dict:
             from bench.gpu import profile_step
 
             res["families"] = {name: profile_step(engines[name], 1) for name in ("quantized", "bf16")}
-            res["site_configs"] = site_configs(models["quantized"])
+            if not args.no_configs:
+                res["site_configs"] = site_configs(models["quantized"])
         phases["profile"] = time.perf_counter() - t
     phases["total"] = time.perf_counter() - t_all
     return res
@@ -492,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"), help="activations of quantized and bf16")
     p.add_argument("--profile-steps", type=int, default=8, help="eager AR steps timed per linear site")
     p.add_argument("--no-profile", action="store_true", help="skip the step-time part")
+    p.add_argument("--no-configs", action="store_true", help="skip the per-site config timings (their compiles)")
     p.add_argument("--smoke", action="store_true", help="CPU self-test: a tiny Q4_1 file, 2 prompts x 6 tokens")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as d:
