@@ -296,8 +296,9 @@ def test_quantized_weights_engine_against_bf16(smollm_path, smollm_gpu, smollm_t
     file_bytes = sum(g.load_raw(n).data.numel() for n in g.tensor_names())
     assert weight_bytes(mq) <= 1.05 * file_bytes < weight_bytes(smollm_gpu[torch.bfloat16]) / 2
     s = Sampling.checked(temperature, 40 if temperature else 0, 0.9 if temperature else 0.0, seed=11)
-    on, _ = _engines(mq, feature_layers=[1, 7, 14])
     prompts = [smollm_tokenizer.encode(t) for t in PROMPTS[:8]]
+    # speculative_streams decodes the 8 prompts at once: a slot each (batched verifies of up to 4 rows)
+    on, _ = _engines(mq, feature_layers=[1, 7, 14], max_sessions=len(prompts))
     n = 128 if temperature == 0 else 40
     ar = [ar_stream(on, "a", p, s, n)[0] for p in prompts]
     if temperature == 0:

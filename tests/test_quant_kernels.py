@@ -165,7 +165,44 @@ def test_triton_bad_arguments_and_empty():
     with pytest.raises(ValueError):
         T.Config(24)
     assert T.linear(torch.zeros(0, 32, device=DEV), w).shape == (0, 4)
-    assert T.config_for(576, 576, "Q4_1") == T.config_for(576, 576, "Q4_K")
+    with pytest.raises(ValueError):
+        T.Config(16, unroll=0)
+    with pytest.raises(ValueError):
+        T.Config(16, split_k=0)
+    with pytest.raises(ValueError, match="does not fit"):                 # 1 block of K: no room for 2
+        T.linear(torch.zeros(2, 32, device=DEV), w, config=T.Config(16, unroll=2))
+
+
+def test_skinny_unroll_and_split_k():
+    """The small-shape configs (SmolLM2: ``K`` = 576 / 1536): the rule unrolls the legacy types'
+    ``K`` loop (6 blocks of 576, 8 of 1536; fewer for wide ``BLOCK_N``; the k-quants not at all)
+    and never splits ``K``; ``unroll`` gives the bits of ``unroll=1`` (the groups accumulate in the
+    same order); ``split_k`` (partials, then their ordered sum) stays within float32 summation
+    order of the reference, its rows independent of ``M``; ``round_weights`` is the product with
+    the weights rounded to ``x``'s dtype (float16 here: the interpreter's bfloat16 dot is broken)."""
+    from kernels.quant import triton as T
+
+    assert [(c.block_n, c.unroll, c.split_k) for c in (T.config_for(960, 576, "Q4_1"), T.config_for(576, 1536, "Q4_1"),
+                                                      T.config_for(49152, 576, "Q8_0"), T.config_for(4096, 4096, "Q4_K"))] \
+        == [(16, 6, 1), (16, 8, 1), (64, 2, 1), (16, 1, 1)]
+    assert all(T.config_for(n, k, q).fits(k, q) for n in (16, 5000, 20000) for k in (32, 96, 224, 576, 1536)
+               for q in ("Q4_0", "Q8_0"))
+    rng = np.random.default_rng(5)
+    n, k = 40, 192                                                        # 6 legacy blocks, 2 programs of 32
+    raw = quantized_bytes(rng, "Q4_1", n, k)
+    w = qweight(raw, "Q4_1", n, k)
+    wf = torch.from_numpy(gguf.quants.dequantize(raw, GGMLQuantizationType.Q4_1).reshape(n, k)).to(DEV)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(6)).to(DEV)
+    want = x @ wf.T
+    base = T.linear(x, w, config=T.Config(32))
+    assert torch.equal(T.linear(x, w, config=T.Config(32, unroll=3)), base)
+    split = T.linear(x, w, config=T.Config(32, unroll=2, split_k=3))
+    assert rel(split, want) <= 1e-5 and rel(base, want) <= 1e-5
+    assert torch.equal(T.linear(x[2:3], w, config=T.Config(32, unroll=2, split_k=3))[0], split[2])
+    xh = x.half()
+    got = T.linear(xh, w, torch.float32, config=T.Config(32, split_k=2), round_weights=True)
+    rounded = xh.float() @ wf.half().float().T
+    assert rel(got, rounded) <= 1e-6 < rel(T.linear(xh, w, torch.float32, config=T.Config(32)), rounded)
 
 
 @pytest.mark.parametrize("name", LEGACY + KQUANTS)
@@ -370,6 +407,60 @@ def test_gpu_against_reference_and_rows_bit_identical(name, dtype):
             assert torch.equal(T.linear(x[:m], w), y[:m]), (name, n, k, m)
         for i in (0, 1, 15, 16, 17, 40, 63):
             assert torch.equal(T.linear(x[i:i + 1], w)[0], y[i]), (name, n, k, i)
+
+
+def test_sweep_smollm_candidates():
+    """tools/sweep_quant.py --smollm's candidates (no kernel runs): SmolLM2's five skinny cases,
+    every candidate runnable on its weight (``Config.fits``), unrolled and split-``K`` ones among
+    them (split only where ``N / BLOCK_N`` is under one program per SM: not the LM head), no
+    duplicates; the default sweep keeps one unrolled variant per grid point and no split."""
+    import os
+    import sys
+
+    from kernels.quant import triton as T
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    import sweep_quant as S
+
+    assert [(n, k) for _, n, k in S.SMOLLM_CASES] == [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+    for name, n, k in S.SMOLLM_CASES:
+        cs = S.skinny_candidates(n, S.SMS_H100, k, name, small=True)
+        assert cs and len(set(cs)) == len(cs) and all(c.fits(k, name) for c in cs), (name, n, k)
+        assert any(c.unroll > 1 for c in cs)
+        assert any(c.split_k > 1 for c in cs) == (n < 49152), (name, n, k)
+    wide = S.skinny_candidates(4096, S.SMS_H100, 4096, "Q8_0")
+    assert {c.split_k for c in wide} == {1} and {c.unroll for c in wide} == {1, 8}
+    assert {c.unroll for c in S.skinny_candidates(4096, S.SMS_H100, 4096, "Q4_K")} == {1}
+    assert T.config_for(576, 1536, "Q4_1") in S.skinny_candidates(576, S.SMS_H100, 1536, "Q4_1", small=True)
+
+
+@pytest.mark.gpu
+def test_gpu_small_shape_configs():
+    """SmolLM2's shapes (``qkv`` 960 x 576, ``down`` 576 x 1536, Q4_1), bfloat16 ``x``: the default
+    rule's unrolled loop gives the bits of ``unroll=1``; a split-``K`` config is within 1e-3 of
+    gguf-py + float32 and its rows have the bits of a 1-row call; ``round_weights`` equals the
+    product with bfloat16-rounded weights (the ``--weights bf16`` path's values)."""
+    from kernels.quant import triton as T
+
+    rng = np.random.default_rng(12)
+    gen = torch.Generator().manual_seed(13)
+    for n, k in ((960, 576), (576, 1536)):
+        raw = random_bytes(rng, "Q4_1", n, k)
+        w = qweight(raw, "Q4_1", n, k, "cuda")
+        wf = torch.from_numpy(gguf.quants.dequantize(raw, GGMLQuantizationType.Q4_1).reshape(n, k)).cuda()
+        x = (torch.randn(64, k, generator=gen) * 3).to("cuda", torch.bfloat16)
+        want = x.float() @ wf.T
+        rule = T.config_for(n, k, "Q4_1")
+        assert rule.unroll > 1
+        assert torch.equal(T.linear(x, w, torch.float32), T.linear(x, w, torch.float32, config=T.Config(rule.block_n)))
+        cfg = T.Config(16, 4, 2, unroll=3 if k == 576 else 4, split_k=3 if k == 576 else 4)
+        y = T.linear(x, w, config=cfg)
+        assert rel(T.linear(x, w, torch.float32, config=cfg), want) <= 1e-3
+        for i in (0, 17, 63):
+            assert torch.equal(T.linear(x[i:i + 1], w, config=cfg)[0], y[i]), (n, k, i)
+        assert torch.equal(T.linear(x[:16], w, config=cfg), y[:16])
+        rounded = x.float() @ wf.to(torch.bfloat16).float().T
+        assert rel(T.linear(x, w, torch.float32, round_weights=True), rounded) <= 1e-5
 
 
 @pytest.mark.gpu

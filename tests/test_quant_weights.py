@@ -7,9 +7,11 @@ projections (``attn_q`` / ``attn_k`` in Q4_K beside ``attn_v`` in Q8_0, so ``qkv
 :class:`~kernels.quant.PackedWeight`), a Q4_K tied embedding / LM head, F32 norms and one TQ2_0
 tensor (a type without a kernel: dequantized at load with a warning).
 
-"Triton" below means the quantized linear's GPU dispatch forced on the CPU (``kernels.quant.impl``
-patched to the Triton module): the skinny kernel in Triton's interpreter for at most 64 rows, the
-dequantize-then-matmul path beyond. Tolerances: float32 activations, so the kernel's dots are
+"Triton" below means the quantized linear's GPU dispatch (fixture ``triton_quant``): on a CPU
+machine forced onto CPU tensors (``kernels.quant.impl`` patched to the Triton module: the skinny
+kernel in Triton's interpreter for at most 64 rows, the tiled path beyond); on a CUDA machine the
+compiled kernels, the tensors and models moved to the GPU (CPU tensors must not reach compiled
+Triton). Tolerances: float32 activations, so the kernel's dots are
 IEEE float32 and differ from the reference (dequantize + float32 matmul) only in summation
 order: 1e-3 relative for single products (the issue's bound), 1e-4 relative (Frobenius) for the
 whole model's logits; the reference dispatch (the CPU path) gives the dequantized model's logits
@@ -51,15 +53,20 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.fixture
-def triton_quant(monkeypatch):
-    """The quantized linear's CUDA dispatch on CPU tensors (the interpreter), with 128 output
-    features per program (the interpreter's time is per program: 6x faster than the GPU rule's
-    16 at these sizes; the config never depends on ``M``, so the rows' results are unaffected),
-    and 128 x 128 tiles on the tiled path (over 64 rows; the float32 rule's 32 x 32 tiles take
-    ~5x longer here)."""
+def triton_quant(monkeypatch) -> torch.device:
+    """The device on which the quantized linear's Triton dispatch runs, returned. With CUDA:
+    ``cuda`` (compiled kernels at their default configs; CUDA tensors take the Triton dispatch by
+    themselves, and CPU tensors must never reach compiled Triton). Without: ``cpu``, the dispatch
+    forced onto CPU tensors (the interpreter), with 128 output features per program (the
+    interpreter's time is per program: 6x faster than the GPU rule's 16 at these sizes; the config
+    never depends on ``M``, so the rows' results are unaffected), and 128 x 128 tiles on the tiled
+    path (over 64 rows; the float32 rule's 32 x 32 tiles take ~5x longer here)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
     monkeypatch.setattr(kernels.quant, "impl", lambda package, *t: QT)
     monkeypatch.setattr(QT, "config_for", lambda n, k, qtype: QT.Config(128))
     monkeypatch.setattr(QT, "tiled_config_for", lambda n, k, qtype, dtype=None: QT.TiledConfig(128, 128, 4, 1))
+    return torch.device("cpu")
 
 
 def qweights(gen: torch.Generator):
@@ -99,18 +106,18 @@ def test_linear_on_quantized_and_packed_weights(rows, path, request):
     """``kernels.linear.linear`` on a QuantizedWeight / PackedWeight = gguf-py-equal dequantization
     followed by a float32 matmul, relative error <= 1e-3 (the skinny kernel for <= 64 rows, the
     dequantize-then-matmul path beyond, the float32 reference on the CPU)."""
-    if path == "triton":
-        request.getfixturevalue("triton_quant")
+    dev = request.getfixturevalue("triton_quant") if path == "triton" else torch.device("cpu")
     gen = torch.Generator().manual_seed(rows)
     w, q = qweights(gen)
     x = torch.randn(rows, 256, generator=gen)
     for weight in (q["q4k_a"], q["q8"], q["q40"], pack_rows([q["q4k_a"], q["q8"], w["c"], q["q40"]])):
         dense = torch.cat([p if isinstance(p, torch.Tensor) else R.dequantize(p) for p in getattr(weight, "parts", [weight])])
         want = F.linear(x.double(), dense.double())
-        got = linear(x, weight)
-        assert got.shape == (rows, weight.shape[0]) and got.dtype == torch.float32
-        assert rel(got, want) <= 1e-3, type(weight).__name__
-        assert linear(x, weight, torch.float64).dtype == torch.float64
+        on = weight.to(dev)
+        got = linear(x.to(dev), on)
+        assert got.shape == (rows, weight.shape[0]) and got.dtype == torch.float32 and got.device.type == dev.type
+        assert rel(got.cpu(), want) <= 1e-3, type(weight).__name__
+        assert linear(x.to(dev), on, torch.float64).dtype == torch.float64
 
 
 def test_embedding_dequantizes_only_the_rows_looked_up():
@@ -173,34 +180,45 @@ def test_loader_keeps_supported_blocks_and_warns_once(tiny_q, caplog):
 
 
 def _forward(model, tokens):
-    n = len(tokens)
-    mask = torch.ones(n, n, dtype=torch.bool).tril()
-    return model.forward(torch.tensor(tokens), torch.arange(n), mask, model.new_cache(128)).logits
+    """float32 logits (on the CPU) of a prefill of ``tokens`` on a fresh cache, on the model's device."""
+    n, dev = len(tokens), model.device
+    mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+    return model.forward(torch.tensor(tokens, device=dev), torch.arange(n, device=dev), mask,
+                         model.new_cache(128)).logits.cpu()
 
 
-def test_whole_model_logits_match_the_dequantized_model(models, request):
+def _models_on(models, tiny_q, dev: torch.device):
+    """``(quantized, dequantized at load)`` of the tiny file on ``dev`` (the module's CPU pair on the CPU)."""
+    if dev.type == "cpu":
+        return models
+    return load_model(tiny_q, device=dev, weights="quantized"), load_model(tiny_q, device=dev, weights="bf16")
+
+
+def test_whole_model_logits_match_the_dequantized_model(models, tiny_q, request):
     """Prefills of 7 and 70 tokens (the skinny path and the many-rows path): the quantized model's
     logits against the model dequantized at load, with the CPU dispatch (1e-5) and the Triton
-    dispatch (1e-4 relative, float32 summation order), and the same greedy choices."""
+    dispatch (1e-4 relative, float32 summation order; the compiled kernels on CUDA where there is
+    one, both models on it), and the same greedy choices."""
     mq, mb = models
     for n in (7, 70):
         tokens = [(37 * i + 11) % mq.cfg.vocab_size for i in range(n)]
         want = _forward(mb, tokens)
         assert rel(_forward(mq, tokens), want) <= 1e-5                  # layer 0's qkv is a PackedWeight
-    request.getfixturevalue("triton_quant")
+    tq, tb = _models_on(models, tiny_q, request.getfixturevalue("triton_quant"))
     for n in (7, 70):
         tokens = [(37 * i + 11) % mq.cfg.vocab_size for i in range(n)]
-        got, want = _forward(mq, tokens), _forward(mb, tokens)
+        got, want = _forward(tq, tokens), _forward(tb, tokens)
         assert rel(got, want) <= 1e-4, n
         assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-def test_batched_engine_greedy_tokens_equal(models, request):
+def test_batched_engine_greedy_tokens_equal(models, tiny_q, request):
     """The batched engine (its real step code, eagerly, padded to buckets) on the quantized model:
     greedy target-only decoding gives the dequantized model's tokens and speculative decoding with
     oracle trees (packed weights over several rows, the quantized embedding and LM head in the
-    pooled step) gives the same, with the CPU dispatch; then a short decode with the Triton
-    dispatch (the interpreter: 4 tokens of one prompt) gives the same tokens."""
+    pooled step) gives the same, with the CPU dispatch; then a decode with the Triton dispatch
+    gives the same tokens (on CUDA: the quantized model on the GPU, every prompt; on the CPU: the
+    interpreter, 4 tokens of one prompt)."""
     from target_service.batched_engine import BatchedEngine
     from target_service.engine import Sampling
     from tests.test_batched_engine import ar_stream, speculative_streams
@@ -216,8 +234,12 @@ def test_batched_engine_greedy_tokens_equal(models, request):
     assert got == want
     spec, _ = speculative_streams(eq, prompts, s, got, 12, layers=[])
     assert spec == got
-    request.getfixturevalue("triton_quant")
-    assert ar_stream(eq, "t", prompts[0], s, 4, layers=[])[0] == want[0][:4]
+    dev = request.getfixturevalue("triton_quant")
+    if dev.type == "cpu":
+        assert ar_stream(eq, "t", prompts[0], s, 4, layers=[])[0] == want[0][:4]
+        return
+    eg = BatchedEngine(_models_on(models, tiny_q, dev)[0], cuda_graphs=False, **kw)
+    assert [ar_stream(eg, "t", p, s, 12, layers=[])[0] for p in prompts] == want
 
 
 def test_smollm2_q4_1_quantized_equals_dequantized_at_load(smollm_path, smollm_model):
@@ -300,3 +322,38 @@ def test_qwen3_quantized_equals_dequantized(tmp_path):
     assert mq.layers[0]["qkv"].qtype.name == "Q8_0" and isinstance(mq.layers[0]["q_norm"], torch.Tensor)
     tokens = [(31 * i + 5) % mq.cfg.vocab_size for i in range(8)]
     assert rel(_forward(mq, tokens), _forward(mb, tokens)) <= 1e-5
+
+
+def _tool(name: str):
+    import importlib
+    import os
+    import sys
+
+    tools = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    return importlib.import_module(name)
+
+
+def test_quant_diag_measures_and_smoke(tmp_path):
+    """tools/quant_diag.py (the GPU diagnostic of the quantized engine's greedy divergence): its
+    measures on known inputs (matched prefixes and the first divergence; per-position logit errors
+    and argmax agreement), and the CPU smoke run end to end (a tiny Q4_1 file, every engine, the
+    teacher-forced comparison and the per-site linear timing with its site labels)."""
+    import json
+
+    D = _tool("quant_diag")
+    m = D.matched([[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 9, 4], [5, 6, 7, 8]])
+    assert (m["matched"], m["of"], m["per_prompt"], m["first"]) == (6, 8, [2, 4], (0, 2, 3, 9))
+    ref = [torch.tensor([[3.0, 1.0, 0.0], [0.0, 2.0, 1.5]])]
+    e = D.logit_errors([torch.tensor([[3.0, 1.0, 0.0], [0.0, 1.0, 1.5]])], ref)
+    assert e["positions"] == 2 and e["disagreements"] == 1 and e["argmax_agree"] == 0.5
+    assert e["rel_max"] == pytest.approx(1.0 / 2.5) and e["ref_margin_at_disagreements_median"] == pytest.approx(0.5)
+    out = tmp_path / "diag.json"
+    assert D.main(["--smoke", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert set(res["matched"]) >= {"quantized vs bf16", "quantized-round vs bf16", "quantized vs float32", "bf16 vs float32"}
+    assert res["matched"]["quantized vs bf16"]["of"] == 2 * 6
+    assert res["teacher_forced"]["quantized vs float32"]["positions"] == 2 * 6
+    sites = res["sites"]["quantized"]["sites"]
+    assert {k: v["calls_per_step"] for k, v in sites.items()} == {"qkv": 2, "o": 2, "gate_up": 2, "down": 2, "lm_head": 1}

@@ -19,8 +19,12 @@
 #   models  (SKIP_MODELS=1 skips): per model of $MODELS, the bf16 file with --weights bf16 (the
 #           reference; BF16_REF=0 skips it) and each $QUANTS file with --weights quantized, each then
 #           llama-bench; waits up to WAIT_S (default 300) s for a file the prep has not finished
-#   sweep   (SWEEP=1 runs it): tools/sweep_quant.py (skinny configs of Q4_K / Q8_0 / Q6_K at decode
-#           shapes, tiled configs at prefill-512) -> $OUT/sweep-quant.{txt,json}; SWEEP_BUDGET (300 s)
+#   diag    (DIAG=1 runs it): tools/quant_diag.py on SmolLM2 (greedy streams of the quantized, rounded,
+#           bf16 and float32 engines, teacher-forced logit errors, per-linear step times)
+#           -> $OUT/quant-diag.{txt,json}
+#   sweep   (SWEEP=1 runs it): tools/sweep_quant.py $SWEEP_ARGS (default: skinny configs of Q4_K / Q8_0 /
+#           Q6_K at decode shapes, tiled configs at prefill-512; SWEEP_ARGS=--smollm: SmolLM2's shapes)
+#           -> $OUT/sweep-quant.{txt,json}; SWEEP_BUDGET (360 s)
 #   report  always: bench/quant_report.py over everything measured so far -> $OUT/QUANT.md, with the
 #           results (JSON) and logs as $OUT/quant.tgz
 #
@@ -201,7 +205,7 @@ maybe_drop_bf16() {
 }
 
 main() {
-  phase "start: MODELS='$MODELS' QUANTS='$QUANTS' SKIP_TESTS=${SKIP_TESTS:-} SKIP_SMOLLM=${SKIP_SMOLLM:-} SKIP_MODELS=${SKIP_MODELS:-} SWEEP=${SWEEP:-}"
+  phase "start: MODELS='$MODELS' QUANTS='$QUANTS' SKIP_TESTS=${SKIP_TESTS:-} SKIP_SMOLLM=${SKIP_SMOLLM:-} SKIP_MODELS=${SKIP_MODELS:-} DIAG=${DIAG:-} SWEEP=${SWEEP:-} SWEEP_ARGS=${SWEEP_ARGS:-}"
   install_wheels
   nvidia-smi -L | tee "$OUT/device.txt"
   df -h /tmp | tail -1 | tee -a "$OUT/device.txt"
@@ -250,10 +254,17 @@ main() {
     done
   fi
 
+  if [ -n "${DIAG:-}" ] && room "the diagnostic"; then
+    phase "diag"
+    timeout $(($(left) - 15)) python3 tools/quant_diag.py --model "$smol" --out "$OUT/quant-diag.json" 2>&1 \
+      | tee "$OUT/quant-diag.txt" | tail -60
+  fi
+
   if [ -n "${SWEEP:-}" ] && room "the sweep"; then
     phase "sweep"
     local b=${SWEEP_BUDGET:-360}; [ "$b" -gt $(($(left) - 60)) ] && b=$(($(left) - 60))
-    timeout $(($(left) - 15)) python3 tools/sweep_quant.py --budget-s "$b" --out "$OUT/sweep-quant.json" 2>&1 \
+    # shellcheck disable=SC2086
+    timeout $(($(left) - 15)) python3 tools/sweep_quant.py ${SWEEP_ARGS:-} --budget-s "$b" --out "$OUT/sweep-quant.json" 2>&1 \
       | tee "$OUT/sweep-quant.txt" | tail -40
   fi
 

@@ -7,8 +7,10 @@ Usage (on the GPU machine, from the repository root; ``tools/gpu_quant.sh`` runs
 
     python tools/sweep_quant.py --out sweep-quant.json                 # defaults below, ~3-5 min
     python tools/sweep_quant.py --types Q4_K --skinny-only --budget-s 120
+    python tools/sweep_quant.py --smollm --out sweep-smollm.json       # SmolLM2-135M's shapes, ~2-4 min
     python tools/sweep_quant.py --dry-run                              # the candidates, no GPU
     python tools/sweep_quant.py --smoke                                # CPU self-test (interpreter)
+    python tools/sweep_quant.py --smollm --smoke                       # the same with unroll / split-K candidates
 
 What it measures (bfloat16 activations, the engine's dtype):
 
@@ -16,7 +18,17 @@ What it measures (bfloat16 activations, the engine's dtype):
   Q8_0) x ``--shapes`` (default the 9B's: ``N x K`` = 4096 x 4096, 12288 x 4096 (per half of
   ``gate_up``), 4096 x 12288 (``down``), 8192 x 4096) x ``M`` in ``--rows`` (default 1, 16):
   every ``Config(BLOCK_N, num_warps, num_stages)`` of ``BLOCK_N`` {16, 32, 64, 128} x warps {2, 4,
-  8} x stages {1, 2, 3, 4} that leaves at least one program per SM, plus the current default.
+  8} x stages {1, 2, 3} that leaves at least half a program per SM (``BLOCK_N`` 16 always), plus
+  the current default; for the legacy types also the largest ``unroll`` (blocks of ``K`` per loop
+  iteration) that fits.
+* **--smollm**: SmolLM2-135M-Instruct Q4_1's decode shapes instead (skinny only, ``M`` 1 and 16):
+  Q4_1 ``qkv`` 960 x 576, ``o`` 576 x 576, ``gate_up`` 3072 x 576, ``down`` 576 x 1536 and the Q8_0
+  tied LM head 49152 x 576; candidates ``BLOCK_N`` {16, 32, 64} x warps {2, 4} x stages {1, 2} x
+  every ``split_k`` (programs over ``K``; only where ``N / BLOCK_N`` is under one program per SM)
+  and ``unroll`` in {1, 2, 3, 4, 6, 8} that divide ``K``'s blocks (``BLOCK_N * 32 * unroll`` <=
+  8192). At these sizes a call is latency-bound
+  (``kernels/quant/triton.py``, "Small shapes"), so each graph holds as many calls as weight
+  copies (2x L2), every call reading a cold copy, as in a step over the whole model.
   Per candidate: microseconds per call and GB/s of the weight's bytes (what a decode step reads).
   Baselines: the bf16 skinny kernel of ``kernels/linear`` on a bf16 weight of the same shape (the
   ``--weights bf16`` path) and a device-to-device copy of the quantized bytes (``copy GB/s``: read
@@ -71,6 +83,11 @@ F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": 
               "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 SMS_H100 = 132
 L2_BYTES = 50 * 2**20
+#: split_k and unroll values tried (those dividing the weight's blocks of K)
+SPLITS = (1, 2, 3, 4, 6, 8)
+UNROLLS = (1, 2, 3, 4, 6, 8)
+#: SmolLM2-135M-Instruct Q4_1's skinny cases (type, N, K): qkv, o, gate_up, down; the Q8_0 tied LM head
+SMOLLM_CASES = [("Q4_1", 960, 576), ("Q4_1", 576, 576), ("Q4_1", 3072, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576)]
 
 
 def parse_shapes(s: str) -> list[tuple[int, int]]:
@@ -96,13 +113,28 @@ def random_weight(name: str, n: int, k: int, device, seed: int = 0):
     return QuantizedWeight(raw.reshape(n, -1).contiguous(), name, (n, k))
 
 
-def skinny_candidates(n: int, sms: int) -> list:
-    """Skinny configs for ``N`` output features: every grid point leaving >= ``sms / 2`` programs
-    at ``M = 1`` (``BLOCK_N`` 16 always); :func:`sweep` adds the default."""
-    from kernels.quant.triton import Config
+def skinny_candidates(n: int, sms: int, k: int | None = None, qtype: str = "Q4_K", small: bool = False) -> list:
+    """Skinny configs for an ``[N, K]`` weight of ``qtype`` (module docstring): ``BLOCK_N`` x warps x
+    stages leaving >= ``sms / 2`` programs at ``M = 1`` (``BLOCK_N`` 16 always), times ``unroll``
+    for the legacy types (1 and the largest that fits; ``small``: every one) and, ``small`` only,
+    ``split_k`` where ``N / BLOCK_N`` < ``sms``, both dividing ``K``'s blocks (``small`` has a
+    smaller ``BLOCK_N`` x warps x stages grid). ``k`` None: ``unroll`` and ``split_k`` 1 only.
+    :func:`sweep` adds the default."""
+    from kernels.quant.triton import MAX_UNROLLED, Config
+    from kernels.quant.weight import block_geometry
 
-    out = [Config(bn, w, s) for bn in SKINNY_BN for w in SKINNY_WARPS for s in SKINNY_STAGES
-           if bn == 16 or -(-n // bn) >= sms // 2]
+    qk = block_geometry(qtype)[0]
+    nb = k // qk if k else 1
+    bns, warps, stages = ((16, 32, 64), (2, 4), (1, 2)) if small else (SKINNY_BN, SKINNY_WARPS, SKINNY_STAGES)
+    out = []
+    for bn in bns:
+        progs = -(-n // bn)
+        for sk in (s for s in SPLITS if nb % s == 0 and (s == 1 or (small and progs < sms))):
+            if not (bn == 16 and sk == 1) and progs * sk < sms // 2:
+                continue
+            fit = [u for u in UNROLLS if (nb // sk) % u == 0 and bn * 32 * u <= 2 * MAX_UNROLLED] if qk == 32 else [1]
+            unrolls = fit if small else sorted({1, max(fit)})
+            out += [Config(bn, w, st, u, sk) for u in unrolls for w in warps for st in stages]
     return out
 
 
@@ -126,8 +158,8 @@ def _warm_worker(items: list[tuple]) -> int:
         qk, bs = block_geometry(name)
         try:
             if kind == "skinny":
-                bn, w, s = cfg
-                const = T.kernel_constants(name, torch.bfloat16, T.BLOCK_M, bn, False, False)
+                bn, w, s, unroll, split_k = cfg
+                const = T.kernel_constants(name, torch.bfloat16, T.BLOCK_M, bn, False, False, unroll, split_k)
             else:
                 bm, bn, w, s, dq, split = cfg
                 const = T.kernel_constants(name, torch.bfloat16, bm, bn, dq, True if split is None else split)
@@ -163,13 +195,15 @@ class Timer:
     def __init__(self, device, calls: int, reps: int, warmup: int = 3):
         self.device, self.calls, self.reps, self.warmup = device, calls, reps, warmup
 
-    def __call__(self, fn) -> float:
+    def __call__(self, fn, calls: int | None = None) -> float:
+        """``calls`` (default the timer's): calls per graph (``i`` = 0 .. calls - 1)."""
+        calls = calls or self.calls
         fn(0)                                   # compile, allocate
         if self.device.type != "cuda":
             t = time.perf_counter()
-            for i in range(self.calls):
+            for i in range(calls):
                 fn(i)
-            return (time.perf_counter() - t) / self.calls * 1e6
+            return (time.perf_counter() - t) / calls * 1e6
         torch.cuda.synchronize()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -179,7 +213,7 @@ class Timer:
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for i in range(self.calls):
+            for i in range(calls):
                 fn(i)
         for _ in range(self.warmup):
             graph.replay()
@@ -191,7 +225,7 @@ class Timer:
             graph.replay()
             b.record()
             b.synchronize()
-            times.append(a.elapsed_time(b) * 1e3 / self.calls)
+            times.append(a.elapsed_time(b) * 1e3 / calls)
         del graph
         return statistics.median(times)
 
@@ -234,55 +268,65 @@ def sweep(args) -> dict:
         return 1 if device.type != "cuda" else max(2, math.ceil(2 * L2_BYTES / max(nbytes, 1)))
 
     timer = Timer(device, args.calls, args.reps)
+    cases = [] if args.tiled_only else skinny_cases(args)
     if device.type == "cuda":
         items = []
+        for name, n, k in cases:
+            items += [("skinny", name, n, k, dataclasses.astuple(c))
+                      for c in skinny_candidates(n, sms, k, name, args.smollm) + [T.config_for(n, k, name)]]
         for name in args.types:
-            for n, k in ([] if args.tiled_only else args.shapes):
-                items += [("skinny", name, n, k, dataclasses.astuple(c)) for c in skinny_candidates(n, sms) + [T.config_for(n, k, name)]]
             for n, k in ([] if args.skinny_only else args.prefill_shapes):
                 d = T.tiled_config_for(n, k, name)
                 items += [("tiled", name, n, k, dataclasses.astuple(c))
                           for c in tiled_candidates() + [d, dataclasses.replace(d, split=False)]]
         precompile(sorted(set(items)), args.jobs)
     # ---------------------------------------------------------------------- skinny (decode, verify)
-    for name in args.types:
-        for n, k in ([] if args.tiled_only else args.shapes):
-            w0 = random_weight(name, n, k, device)
-            ws = copies(name, n, k, n_copies(w0.nbytes))
-            wb = [torch.randn(n, k, generator=gen).to(device, torch.bfloat16) for _ in range(n_copies(n * k * 2))]
-            src = [w.data for w in ws]
-            dst = torch.empty_like(src[0])
-            copy_us = timer(lambda i: dst.copy_(src[i % len(src)]))
-            default = T.config_for(n, k, name)
-            cands = skinny_candidates(n, sms) if not args.smoke else [default, T.Config(32, 4, 2)]
-            if default not in cands:
-                cands.append(default)
-            for m in args.rows:
-                x = torch.randn(m, k, generator=gen).to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-                xb = x.to(torch.bfloat16)
-                entry = {"type": name, "n": n, "k": k, "m": m, "weight_bytes": w0.nbytes,
-                         "copy_us": copy_us, "copy_GBps": w0.nbytes / copy_us / 1e3, "configs": []}
-                if device.type == "cuda":
-                    us = timer(lambda i: LT.linear(xb, wb[i % len(wb)]))
-                    entry["bf16_skinny_us"] = us
-                for cfg in cands:
-                    if budget.spent():
-                        budget.skipped.append(f"skinny {name} {n}x{k} M={m} {cfg}")
-                        continue
-                    try:
-                        us = timer(lambda i: T.linear(x, ws[i % len(ws)], config=cfg))
-                    except Exception as e:  # noqa: BLE001 - a config that does not compile is a result
-                        entry["configs"].append({"config": dataclasses.asdict(cfg), "error": repr(e)[:200]})
-                        continue
-                    entry["configs"].append({"config": dataclasses.asdict(cfg), "us": us, "GBps": w0.nbytes / us / 1e3,
-                                             "default": cfg == default})
-                ok = [c for c in entry["configs"] if "us" in c]
-                if ok:
-                    best = min(ok, key=lambda c: c["us"])
-                    y = T.linear(x, w0, torch.float32, config=T.Config(**best["config"]))
-                    entry["best_rel_err"] = rel(y, R.linear(x, w0, torch.float32))
-                res["skinny"].append(entry)
-                print_skinny(entry, args.top)
+    for name, n, k in cases:
+        w0 = random_weight(name, n, k, device)
+        ws = copies(name, n, k, n_copies(w0.nbytes))
+        wb = [torch.randn(n, k, generator=gen).to(device, torch.bfloat16) for _ in range(n_copies(n * k * 2))]
+        src = [w.data for w in ws]
+        dst = torch.empty_like(src[0])
+        calls = max(args.calls, len(ws)) if args.smollm else args.calls   # every call on a cold copy
+        copy_us = timer(lambda i: dst.copy_(src[i % len(src)]), calls)
+        default = T.config_for(n, k, name)
+        if args.smoke:
+            cands = [default, T.Config(32, 4, 2)] + [c for c in (T.Config(16, 4, 2, 2, 2),) if c.fits(k, name)]
+        else:
+            cands = skinny_candidates(n, sms, k, name, args.smollm)
+        if default not in cands:
+            cands.append(default)
+        for m in args.rows:
+            x = torch.randn(m, k, generator=gen).to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+            xb = x.to(torch.bfloat16)
+            entry = {"type": name, "n": n, "k": k, "m": m, "weight_bytes": w0.nbytes,
+                     "copy_us": copy_us, "copy_GBps": w0.nbytes / copy_us / 1e3, "configs": []}
+            if device.type == "cuda":
+                us = timer(lambda i: LT.linear(xb, wb[i % len(wb)]), calls)
+                entry["bf16_skinny_us"] = us
+            for cfg in cands:
+                if budget.spent():
+                    budget.skipped.append(f"skinny {name} {n}x{k} M={m} {cfg}")
+                    continue
+                try:
+                    us = timer(lambda i: T.linear(x, ws[i % len(ws)], config=cfg), calls)
+                except Exception as e:  # noqa: BLE001 - a config that does not compile is a result
+                    entry["configs"].append({"config": dataclasses.asdict(cfg), "error": repr(e)[:200]})
+                    continue
+                entry["configs"].append({"config": dataclasses.asdict(cfg), "us": us, "GBps": w0.nbytes / us / 1e3,
+                                         "default": cfg == default})
+            ok = [c for c in entry["configs"] if "us" in c]
+            if ok:
+                best = min(ok, key=lambda c: c["us"])
+                y = T.linear(x, w0, torch.float32, config=T.Config(**best["config"]))
+                entry["best_rel_err"] = rel(y, R.linear(x, w0, torch.float32))
+                d = next((c for c in ok if c.get("default")), None)
+                if d is not None and d["config"] != best["config"] and best["config"]["split_k"] == 1 \
+                        and best["config"]["block_n"] == d["config"]["block_n"]:
+                    # same BLOCK_N, no split: the same arithmetic, so the same bits as the default
+                    entry["best_bits_equal_default"] = bool(torch.equal(y, T.linear(x, w0, torch.float32)))
+            res["skinny"].append(entry)
+            print_skinny(entry, args.top)
     # ---------------------------------------------------------------------- tiled (prefill)
     for name in args.types:
         for n, k in ([] if args.skinny_only else args.prefill_shapes):
@@ -329,7 +373,8 @@ def _cfg(c: dict) -> str:
     if "block_m" in d:
         mode = "dequant" + ("" if d["split"] is None else f" split={d['split']}") if d["dequant"] else "factored"
         return f"BM={d['block_m']} BN={d['block_n']} w={d['num_warps']} s={d['num_stages']} {mode}"
-    return f"BN={d['block_n']} w={d['num_warps']} s={d['num_stages']}"
+    return (f"BN={d['block_n']} w={d['num_warps']} s={d['num_stages']} unroll={d.get('unroll', 1)} "
+            f"split_k={d.get('split_k', 1)}")
 
 
 def print_skinny(e: dict, top: int) -> None:
@@ -384,6 +429,13 @@ def summary(res: dict) -> list[str]:
     return L
 
 
+def skinny_cases(args) -> list[tuple[str, int, int]]:
+    """The skinny ``(type, N, K)`` cases: ``--smollm``'s list, else ``--types`` x ``--shapes``."""
+    if args.smollm:
+        return list(SMOLLM_CASES)
+    return [(name, n, k) for name in args.types for n, k in args.shapes]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--types", default="Q4_K,Q8_0,Q6_K", help="GGUF types, comma-separated")
@@ -401,20 +453,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="JSON of every timing")
     p.add_argument("--dry-run", action="store_true", help="print the candidates and exit")
     p.add_argument("--smoke", action="store_true", help="CPU self-test under the Triton interpreter (tiny shapes)")
+    p.add_argument("--smollm", action="store_true",
+                   help="SmolLM2-135M Q4_1's decode shapes (Q4_1 qkv, o, gate_up, down; Q8_0 LM head), skinny only, "
+                        "with unroll and split-K candidates")
     args = p.parse_args(argv)
     args.types = [t.strip() for t in args.types.split(",") if t.strip()]
     args.rows = [int(v) for v in args.rows.split(",")]
     args.shapes = parse_shapes(args.shapes)
     args.prefill_shapes = parse_shapes(args.prefill_shapes)
+    if args.smollm:
+        args.skinny_only = True
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        args.types = args.types[:1]
+        args.types = ["Q4_1"] if args.smollm else args.types[:1]
+        args.smollm = False
         args.shapes, args.rows, args.prefill_shapes, args.prefill_rows = [(64, 256)], [1], [(64, 256)], 72
         args.calls, args.reps = 1, 1
     if args.dry_run:
-        for n, k in args.shapes:
-            print(f"skinny {n}x{k}: {len(skinny_candidates(n, SMS_H100))} candidates per type and M")
-        print(f"tiled: {len(tiled_candidates()) + 2} candidates per type and shape")
+        for name, n, k in ([] if args.tiled_only else skinny_cases(args)):
+            print(f"skinny {name} {n}x{k}: {len(skinny_candidates(n, SMS_H100, k, name, args.smollm))} candidates per M")
+        if not args.skinny_only:
+            print(f"tiled: {len(tiled_candidates()) + 2} candidates per type and shape")
         return 0
     res = sweep(args)
     if args.out:

@@ -48,15 +48,29 @@ reasons), for the skinny path: the launch configuration is a function of ``(N, K
 decode. The tiled path (over 64 rows) has other arithmetic, as cuBLAS above 64 rows has for the
 float weights.
 
+**Small shapes** (SmolLM2: ``K`` = 576 or 1536, ``N`` = 576 ... 3072): a program's ``K`` loop
+is a serial chain of memory round trips (the byte gathers do not look software-pipelined), so a
+decode-sized call would cost about (blocks of ``K``) x (one memory latency) whatever its bytes; the
+first GPU run (benchmarks/gpu/quant/run1) measured 2.9 ms per SmolLM2 AR step against 1.0 for bf16
+weights. :attr:`Config.unroll` issues the loads of several blocks per iteration (bit for bit the
+same result) and :attr:`Config.split_k` spreads ``K`` over more programs (a deterministic second
+pass adds the partials): :func:`config_for` unrolls the legacy types; ``tools/sweep_quant.py
+--smollm`` times both at SmolLM2's shapes.
+
 **Not yet tuned** (correctness first; ``tools/sweep_quant.py`` times candidate configs on a GPU):
 every byte is gathered with a computed offset (two nibbles of a byte are two loads, served by L1),
-scales are read per group, there is no split-K and no vectorised block loads; the tiled path's
-dots are one group (16 or 32 elements of ``K``) deep.
+scales are read per group, no vectorised block loads; the tiled path's dots are one group (16 or
+32 elements of ``K``) deep.
+
+**Diagnostic rounding** (:data:`ROUND_WEIGHTS`, ``DFLASH_QUANT_ROUND_W=1``, off by default): each
+dequantized weight rounded to ``x``'s dtype before its product, as the ``--weights bf16`` path
+holds it, so ``tools/quant_diag.py`` can tell the bf16 engine's rounding from a kernel error.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import triton
@@ -83,24 +97,74 @@ class Config:
         block_n: output features per program (power of two, >= 16).
         num_warps: warps per program (power of two <= 32).
         num_stages: software-pipelining depth (>= 1).
+        unroll: quantization blocks per iteration of the ``K`` loop, unrolled (>= 1): the loads of
+            ``unroll`` blocks are issued before the first of their dots waits, so a program's serial
+            chain of memory round trips is ``K / QK / unroll`` long instead of ``K / QK``. The
+            groups are accumulated in the same order whatever ``unroll`` is: results are bit for
+            bit those of ``unroll=1``. ``K / QK`` must be a multiple of ``unroll * split_k``.
+        split_k: programs over ``K`` per output block (>= 1). Each writes the float32 partial sum
+            of its ``K / split_k`` range to a scratch ``[split_k, M, N]``; a second kernel adds the
+            partials in the order ``0 .. split_k - 1`` and rounds once to the output dtype
+            (deterministic, and a row's bits still never depend on ``M``; the float32 summation
+            order differs from ``split_k=1``). More programs for a small ``N`` (SmolLM2's 576
+            features are 36 programs of 16 on 132 SMs) at the cost of a second launch.
+
+    Raises:
+        ValueError: a field out of range.
     """
 
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
+    unroll: int = 1
+    split_k: int = 1
 
     def __post_init__(self):
         pow2 = is_pow2
         if not (pow2(self.block_n) and self.block_n >= 16 and pow2(self.num_warps) and self.num_warps <= 32
-                and isinstance(self.num_stages, int) and self.num_stages >= 1):
+                and isinstance(self.num_stages, int) and self.num_stages >= 1
+                and isinstance(self.unroll, int) and self.unroll >= 1
+                and isinstance(self.split_k, int) and self.split_k >= 1):
             raise ValueError(f"invalid quantized linear config {self}: BLOCK_N a power of two >= 16, "
-                             "num_warps a power of two <= 32, num_stages >= 1")
+                             "num_warps a power of two <= 32, num_stages >= 1, unroll >= 1, split_k >= 1")
+
+    def fits(self, k: int, qtype) -> bool:
+        """Whether the config can run a weight of ``K`` columns of ``qtype``: ``K / QK`` blocks a
+        multiple of ``unroll * split_k``."""
+        qk = GGML_QUANT_SIZES[as_qtype(qtype)][0]
+        return k % qk == 0 and (k // qk) % (self.unroll * self.split_k) == 0
+
+
+#: the most elements of codes one program holds per iteration of the skinny loop
+#: (``BLOCK_N * 32 * unroll``): 16 features x 8 legacy blocks, 32 x 4, 64 x 2
+MAX_UNROLLED = 4096
+
+
+def _largest_divisor(n: int, cap: int) -> int:
+    """The largest divisor of ``n`` that is <= ``cap`` (1 for ``n`` <= 1)."""
+    return max((d for d in range(1, max(1, min(cap, n)) + 1) if n % d == 0), default=1)
 
 
 def config_for(n: int, k: int, qtype) -> Config:
     """The launch config of an ``[N, K]`` weight of ``qtype``: ``BLOCK_N`` 16 / 32 / 64 for ``N`` <=
-    4096 / <= 16384 / larger, 4 warps, 2 stages (an untuned rule). Never depends on ``M``."""
-    return Config(16 if n <= 4096 else (32 if n <= 16384 else 64), 4, 2)
+    4096 / <= 16384 / larger, 4 warps, 2 stages, no split over ``K``; the legacy types (one
+    32-element group per block) unroll the ``K`` loop by the largest divisor of ``K / 32`` that
+    keeps ``BLOCK_N * 32 * unroll`` <= :data:`MAX_UNROLLED` (SmolLM2's ``K`` = 576: 6 blocks,
+    1536: 8), the k-quants (8 or 16 groups per block, already unrolled) by 1. An untuned rule
+    (``tools/sweep_quant.py --smollm`` measures others); never depends on ``M``."""
+    qt = as_qtype(qtype)
+    qk = GGML_QUANT_SIZES[qt][0]
+    bn = 16 if n <= 4096 else (32 if n <= 16384 else 64)
+    unroll = _largest_divisor(k // qk, MAX_UNROLLED // (bn * 32)) if qk == 32 else 1
+    return Config(bn, 4, 2, unroll, 1)
+
+
+#: Diagnostic only (``tools/quant_diag.py``): every dequantized weight rounded to ``x``'s dtype
+#: before its product, as the ``--weights bf16`` path holds it (the skinny path runs the tiled
+#: path's dequantize-then-dot arithmetic; the tiled path drops its ``split`` correction). Off by
+#: default: the kernels' products are exact. Read once at import from ``DFLASH_QUANT_ROUND_W=1``;
+#: the diagnostic sets it directly.
+ROUND_WEIGHTS = os.environ.get("DFLASH_QUANT_ROUND_W", "") == "1"
 
 
 @triton.jit
@@ -233,10 +297,13 @@ def _group(acc, x_ptr, rm, mm, sxm, k0, q, scale, bias, HAS_BIAS: tl.constexpr, 
 def _qlinear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
                     QTYPE: tl.constexpr, QK: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DEQUANT: tl.constexpr, SPLIT: tl.constexpr,
-                    IEEE: tl.constexpr):
-    """``y = x @ dequant(w)^T``, one quantization block of ``K`` per iteration, its ``QK // G``
-    groups unrolled (module docstring); the skinny path (``DEQUANT`` off, ``BLOCK_M`` 16) and the
-    tiled one (``DEQUANT`` on, large tiles) differ only in :func:`_group`."""
+                    IEEE: tl.constexpr, UNROLL: tl.constexpr, SPLIT_K: tl.constexpr):
+    """``y = x @ dequant(w)^T``, ``UNROLL`` quantization blocks of ``K`` per iteration (each
+    block's ``QK // G`` groups unrolled; the groups accumulate in ``K`` order whatever ``UNROLL``
+    is), over the ``K / SPLIT_K`` range of program ``(.., program_id(1))``; with ``SPLIT_K`` > 1
+    ``y_ptr`` is the float32 scratch ``[SPLIT_K, M, N]`` of partial sums (:func:`_split_sum_kernel`
+    adds them). The skinny path (``DEQUANT`` off, ``BLOCK_M`` 16) and the tiled one (``DEQUANT``
+    on, large tiles) differ only in :func:`_group` (module docstring)."""
     num_m = tl.cdiv(M, BLOCK_M)
     pid = tl.program_id(0)
     rn = (pid // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -245,13 +312,31 @@ def _qlinear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
     # rows past N read row N - 1 (valid bytes, outputs discarded at the store): no masks on the weight
     row = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * swn          # [BLOCK_N] pointers
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for b in range(0, K // QK):
-        blk = row + b * BS                                          # [BLOCK_N]: this block of each row
-        d, m = _head(blk, QTYPE, HAS_BIAS)
-        for s in tl.static_range(QK // G):
-            q, scale, bias = _codes(blk, s, d, m, QTYPE, G)
-            acc = _group(acc, x_ptr, rm, mm, sxm, b * QK + s * G, q, scale, bias, HAS_BIAS, G, DEQUANT, SPLIT, IEEE)
+    nb = K // QK // SPLIT_K                                         # blocks of this program's K range
+    b0 = tl.program_id(1) * nb
+    for b in range(b0, b0 + nb, UNROLL):
+        for u in tl.static_range(UNROLL):
+            blk = row + (b + u) * BS                                # [BLOCK_N]: this block of each row
+            d, m = _head(blk, QTYPE, HAS_BIAS)
+            for s in tl.static_range(QK // G):
+                q, scale, bias = _codes(blk, s, d, m, QTYPE, G)
+                acc = _group(acc, x_ptr, rm, mm, sxm, (b + u) * QK + s * G, q, scale, bias, HAS_BIAS, G, DEQUANT, SPLIT,
+                             IEEE)
+    if SPLIT_K > 1:
+        y_ptr += tl.program_id(1).to(tl.int64) * M * sym
     tl.store(y_ptr + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & (rn < N)[None, :])
+
+
+@triton.jit
+def _split_sum_kernel(p_ptr, y_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """``y[i] = p[0, i] + p[1, i] + ... + p[SPLIT_K - 1, i]`` in that order (float32), rounded
+    once to ``y``'s dtype: the partial sums ``[SPLIT_K, M * N]`` of a split-``K`` launch."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < MN
+    acc = tl.load(p_ptr + i, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(p_ptr + s * MN + i, mask=mask, other=0.0)
+    tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _check(x: torch.Tensor, weight: QuantizedWeight) -> None:
@@ -266,7 +351,7 @@ def _check(x: torch.Tensor, weight: QuantizedWeight) -> None:
 
 
 def linear(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | None = None,
-           config: Config | None = None) -> torch.Tensor:
+           config: Config | None = None, round_weights: bool | None = None) -> torch.Tensor:
     """Triton version of :func:`kernels.quant.reference.linear` for at most :data:`MAX_ROWS` rows
     (the skinny path).
 
@@ -275,13 +360,17 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | No
         weight: a :class:`QuantizedWeight` ``[N, K]`` on ``x``'s device.
         out_dtype: dtype of ``y`` (default ``x``'s); the float32 accumulator is rounded once to it.
         config: launch config (default :func:`config_for`; benchmarks and tests only).
+        round_weights: each dequantized weight rounded to ``x``'s dtype before its product (the
+            values the ``--weights bf16`` path holds; diagnostics only); default
+            :data:`ROUND_WEIGHTS` (off).
 
     Returns:
         ``[..., N]``.
 
     Raises:
         ValueError: more than :data:`MAX_ROWS` rows, ``K`` mismatch, ``x`` not float16 / bfloat16 /
-            float32, or ``x`` and the weight on different devices.
+            float32, ``x`` and the weight on different devices, or a ``config`` whose ``unroll *
+            split_k`` does not divide ``K``'s blocks (:meth:`Config.fits`).
         TypeError: ``weight`` is not a :class:`QuantizedWeight`.
     """
     _check(x, weight)
@@ -290,8 +379,20 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | No
     m = x2.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
     cfg = config or config_for(n, k, weight.qtype)
+    if not cfg.fits(k, weight.qtype):
+        raise ValueError(f"config {cfg} does not fit a {weight.qtype.name} weight of K = {k}: "
+                         f"K / {weight.block_elems} blocks must be a multiple of unroll * split_k")
+    rw = ROUND_WEIGHTS if round_weights is None else bool(round_weights)
     if m and n and k:
-        _launch(x2, weight, y, m, n, k, BLOCK_M, cfg.block_n, cfg.num_warps, cfg.num_stages, False, False)
+        if cfg.split_k > 1:
+            part = torch.empty(cfg.split_k, m, n, device=x.device, dtype=torch.float32)
+            _launch(x2, weight, part, m, n, k, BLOCK_M, cfg.block_n, cfg.num_warps, cfg.num_stages, rw, False,
+                    cfg.unroll, cfg.split_k)
+            block = 1024
+            _split_sum_kernel[(triton.cdiv(m * n, block),)](part, y, m * n, SPLIT_K=cfg.split_k, BLOCK=block,
+                                                            num_warps=4)
+        else:
+            _launch(x2, weight, y, m, n, k, BLOCK_M, cfg.block_n, cfg.num_warps, cfg.num_stages, rw, False, cfg.unroll)
     elif m and n:
         y.zero_()
     return y.reshape(*x.shape[:-1], n)
@@ -379,7 +480,7 @@ def linear_tiled(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtyp
     m = x2.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
     cfg = config or tiled_config_for(n, k, weight.qtype, x2.dtype)
-    split = cfg.split if cfg.split is not None else x2.dtype == torch.bfloat16
+    split = (cfg.split if cfg.split is not None else x2.dtype == torch.bfloat16) and not ROUND_WEIGHTS
     if m and n and k:
         _launch(x2, weight, y, m, n, k, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.dequant, split)
     elif m and n:
@@ -391,18 +492,21 @@ def linear_tiled(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtyp
 _BIASED = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")
 
 
-def kernel_constants(qtype, x_dtype: torch.dtype, block_m: int, block_n: int, dequant: bool, split: bool) -> dict:
+def kernel_constants(qtype, x_dtype: torch.dtype, block_m: int, block_n: int, dequant: bool, split: bool,
+                     unroll: int = 1, split_k: int = 1) -> dict:
     """The ``tl.constexpr`` arguments of :func:`_qlinear_kernel` for a weight of ``qtype`` and ``x``
     of ``x_dtype`` (what a launch passes; ``tools/sweep_quant.py`` precompiles with them)."""
     qt = as_qtype(qtype)
     qk, bs = GGML_QUANT_SIZES[qt]
     return dict(QTYPE=int(qt), QK=qk, BS=bs, G=16 if qt.name == "Q6_K" else 32, HAS_BIAS=qt.name in _BIASED,
                 BLOCK_M=block_m, BLOCK_N=block_n, DEQUANT=bool(dequant),
-                SPLIT=bool(split) and x_dtype != torch.float32, IEEE=x_dtype == torch.float32)
+                SPLIT=bool(split) and x_dtype != torch.float32, IEEE=x_dtype == torch.float32,
+                UNROLL=int(unroll), SPLIT_K=int(split_k))
 
 
-def _launch(x2, weight: QuantizedWeight, y, m, n, k, block_m, block_n, num_warps, num_stages, dequant, split) -> None:
-    _qlinear_kernel[(triton.cdiv(n, block_n) * triton.cdiv(m, block_m),)](
-        x2, weight.data, y, m, n, k, x2.stride(0), weight.data.stride(0), y.stride(0),
-        **kernel_constants(weight.qtype, x2.dtype, block_m, block_n, dequant, split),
+def _launch(x2, weight: QuantizedWeight, y, m, n, k, block_m, block_n, num_warps, num_stages, dequant, split,
+            unroll: int = 1, split_k: int = 1) -> None:
+    _qlinear_kernel[(triton.cdiv(n, block_n) * triton.cdiv(m, block_m), split_k)](
+        x2, weight.data, y, m, n, k, x2.stride(0), weight.data.stride(0), y.stride(-2),
+        **kernel_constants(weight.qtype, x2.dtype, block_m, block_n, dequant, split, unroll, split_k),
         num_warps=num_warps, num_stages=num_stages)
