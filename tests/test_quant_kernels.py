@@ -184,7 +184,7 @@ def test_skinny_unroll_and_split_k():
 
     assert [(c.block_n, c.unroll, c.split_k) for c in (T.config_for(960, 576, "Q4_1"), T.config_for(576, 1536, "Q4_1"),
                                                       T.config_for(49152, 576, "Q8_0"), T.config_for(4096, 4096, "Q4_K"))] \
-        == [(16, 6, 1), (16, 8, 1), (64, 2, 1), (16, 1, 1)]
+        == [(16, 6, 3), (16, 8, 3), (64, 2, 1), (16, 1, 1)]
     assert all(T.config_for(n, k, q).fits(k, q) for n in (16, 5000, 20000) for k in (32, 96, 224, 576, 1536)
                for q in ("Q4_0", "Q8_0"))
     rng = np.random.default_rng(5)

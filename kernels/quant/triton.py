@@ -147,16 +147,24 @@ def _largest_divisor(n: int, cap: int) -> int:
 
 def config_for(n: int, k: int, qtype) -> Config:
     """The launch config of an ``[N, K]`` weight of ``qtype``: ``BLOCK_N`` 16 / 32 / 64 for ``N`` <=
-    4096 / <= 16384 / larger, 4 warps, 2 stages, no split over ``K``; the legacy types (one
-    32-element group per block) unroll the ``K`` loop by the largest divisor of ``K / 32`` that
-    keeps ``BLOCK_N * 32 * unroll`` <= :data:`MAX_UNROLLED` (SmolLM2's ``K`` = 576: 6 blocks,
-    1536: 8), the k-quants (8 or 16 groups per block, already unrolled) by 1. An untuned rule
-    (``tools/sweep_quant.py --smollm`` measures others); never depends on ``M``."""
+    4096 / <= 16384 / larger, 4 warps, 2 stages. The legacy types (one 32-element group per block)
+    split ``K`` over 3 programs for ``N`` <= 1024 and 2 for ``N`` <= 3072 where the blocks divide
+    (few output blocks leave SMs idle: measured on an H100 at SmolLM2's shapes, one replayed
+    graph of 30 weights, ``tools/quant_diag.py``: Q4_1 960x576 9.5 -> 6.6 us, 576x576 9.6 -> 5.5,
+    576x1536 22.4 -> 9.9, 3072x576 13.1 -> 11.4 with 2; ``benchmarks/gpu/quant/run2``), and unroll
+    each program's ``K`` loop by the largest divisor of its blocks that keeps ``BLOCK_N * 32 *
+    unroll`` <= :data:`MAX_UNROLLED`; the k-quants (8 or 16 groups per block, already unrolled)
+    neither split nor unroll. A rule, not a tuned table; never depends on ``M`` (the split's
+    partials are added in a fixed order, so a row's bits do not either)."""
     qt = as_qtype(qtype)
     qk = GGML_QUANT_SIZES[qt][0]
     bn = 16 if n <= 4096 else (32 if n <= 16384 else 64)
-    unroll = _largest_divisor(k // qk, MAX_UNROLLED // (bn * 32)) if qk == 32 else 1
-    return Config(bn, 4, 2, unroll, 1)
+    if qk != 32:
+        return Config(bn, 4, 2, 1, 1)
+    blocks = k // qk
+    split = next((s for s in ((3, 2) if n <= 1024 else (2,) if n <= 3072 else ()) if blocks % s == 0 and blocks // s >= 4), 1)
+    unroll = _largest_divisor(blocks // split, MAX_UNROLLED // (bn * 32))
+    return Config(bn, 4, 2, unroll, split)
 
 
 #: Diagnostic only (``tools/quant_diag.py``): every dequantized weight rounded to ``x``'s dtype
