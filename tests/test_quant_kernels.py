@@ -437,7 +437,7 @@ def test_sweep_smollm_candidates():
 @pytest.mark.gpu
 def test_gpu_small_shape_configs():
     """SmolLM2's shapes (``qkv`` 960 x 576, ``down`` 576 x 1536, Q4_1), bfloat16 ``x``: the default
-    rule's unrolled loop gives the bits of ``unroll=1``; a split-``K`` config is within 1e-3 of
+    rule's unrolled loop gives the bits of ``unroll=1`` with the same split over ``K``; a split-``K`` config is within 1e-3 of
     gguf-py + float32 and its rows have the bits of a 1-row call; ``round_weights`` equals the
     product with bfloat16-rounded weights (the ``--weights bf16`` path's values)."""
     from kernels.quant import triton as T
@@ -452,7 +452,8 @@ def test_gpu_small_shape_configs():
         want = x.float() @ wf.T
         rule = T.config_for(n, k, "Q4_1")
         assert rule.unroll > 1
-        assert torch.equal(T.linear(x, w, torch.float32), T.linear(x, w, torch.float32, config=T.Config(rule.block_n)))
+        same_split = T.Config(rule.block_n, split_k=rule.split_k)          # unroll 1, the rule's split over K
+        assert torch.equal(T.linear(x, w, torch.float32), T.linear(x, w, torch.float32, config=same_split))
         cfg = T.Config(16, 4, 2, unroll=3 if k == 576 else 4, split_k=3 if k == 576 else 4)
         y = T.linear(x, w, config=cfg)
         assert rel(T.linear(x, w, torch.float32, config=cfg), want) <= 1e-3
