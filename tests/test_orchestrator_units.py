@@ -33,6 +33,27 @@ def test_text_stream_stops_before_the_stop_string(smollm_tokenizer, stop):
     assert stream.stopped and out == text[:cut]
 
 
+@pytest.mark.parametrize("stop", [[], ["\n"], ["界!", "x **"], ["2  #", "2"]])
+def test_text_stream_incremental_equals_decoding_everything(smollm_tokenizer, stop):
+    """Decoding only the new ids (the default) gives exactly the deltas of decoding every id at
+    every push, also where a character's bytes are split across tokens and pushes."""
+    import random
+
+    text = "Grüße, 世界! 😀 def f(x):\n    return x ** 2  # done 🎉🎉 ünïcödé"
+    ids = smollm_tokenizer.encode(text)
+    ids += [b for ch in "€😀" for b in smollm_tokenizer.encode(ch)] + ids   # byte tokens too
+    rng = random.Random(0)
+    for _ in range(20):
+        a, b = TextStream(smollm_tokenizer.decode, stop), TextStream(smollm_tokenizer.decode, stop, incremental=False)
+        i = 0
+        while i < len(ids) and not b.stopped:
+            n = rng.randint(1, 4)
+            assert a.push(ids[i:i + n]) == b.push(ids[i:i + n])
+            assert a.stopped == b.stopped
+            i += n
+        assert a.finish() == b.finish()
+
+
 def test_text_stream_holds_back_a_possible_stop_prefix():
     pieces = {1: "ab", 2: "c<", 3: "/s", 4: "x"}
     stream = TextStream(lambda ids: "".join(pieces[i] for i in ids), ["</s>"])
