@@ -150,6 +150,7 @@ class Request:
     history_complete: bool = True   # history holds every committed row (else no resync)
     sent: int = 0                   # history entries the drafter has
     t_first: float = 0.0
+    flush_at: float = 0.0           # its tokens are handed to the handler from then on (stream_interval)
     enqueued: float = dataclasses.field(default_factory=time.monotonic)
     closed: bool = False            # the handler is done with it (finished, cancelled, failed)
     ended: bool = False             # the scheduler sent its last event
@@ -266,6 +267,9 @@ class Scheduler:
         draft_policy: ``always`` (a tick drafts whenever the drafter is up) or ``measured`` (when
             that is faster at its batch size, as measured: :class:`orchestrator.policy.DraftPolicy`;
             experimental, docs/ARCHITECTURE.md "When to draft").
+        stream_interval_ms: most milliseconds a request's tokens are held before they go to its
+            handler (:meth:`_flush_events`), so the tokens of the ticks within it are streamed as
+            one message; a request's first tokens and its end are never held. 0: every tick's.
     """
 
     def __init__(self, target: TargetPeer, draft: DraftPeer, *, max_sessions: int,
@@ -276,7 +280,8 @@ class Scheduler:
                  draft_deadline_min_ms: float = OrchestratorConfig.draft_deadline_min_ms,
                  draft_deadline_ms: float = OrchestratorConfig.draft_deadline_ms,
                  draft_deadline_row_us: float = OrchestratorConfig.draft_deadline_row_us,
-                 draft_policy: str = OrchestratorConfig.draft_policy):
+                 draft_policy: str = OrchestratorConfig.draft_policy,
+                 stream_interval_ms: float = OrchestratorConfig.stream_interval_ms):
         self.target = target
         self.draft = draft
         self.info = target.info()
@@ -285,13 +290,18 @@ class Scheduler:
         self.step_nodes = max(1, int(step_nodes or OrchestratorConfig.auto_step_nodes(self.info.device)))
         self.step_timeout = step_timeout
         self.history_bytes = history_bytes
+        self.stream_interval = max(0.0, float(stream_interval_ms)) / 1e3
         self._lock = threading.Lock()
+        self._flush_lock = threading.Lock()
         self._wake = threading.Event()
         self._queue: collections.deque[Request] = collections.deque()
         self._prefilling: list[tuple[Request, grpc.Future]] = []
         self._active: list[Request] = []
         # (request, event) emitted and not yet handed to its handler (_emit, _end, _flush_events)
         self._pending: collections.deque[tuple[Request, Tokens | Failure]] = collections.deque()
+        # with stream_interval: events held until their request's flush_at, and the earliest of those
+        self._held_events: dict[Request, list[Tokens | Failure]] = {}
+        self._next_due = float("inf")
         self._slot_wait_until = 0.0
         self._releasing = {"target": 0, "draft": 0}  # sessions whose Release is unanswered: slots not free yet
         self._verify: StreamCall | None = None
@@ -442,20 +452,58 @@ class Scheduler:
             if hand_over:
                 self._flush_events()
 
-    def _flush_events(self) -> None:
+    def _flush_events(self, force: bool = False) -> None:
         """Hand the tokens emitted so far to their handlers (:meth:`_emit` defers them to here).
 
         Called once the next exchange's request is on its way (its ``on_sent``), so the handler
         threads these wake (detokenising, streaming to the client) run while this thread waits
         for the reply instead of taking the GIL when the reply arrives; also before anything
-        else reaches a handler (:meth:`_end`) and before the loop idles."""
+        else reaches a handler (:meth:`_end`) and before the loop idles (``force``).
+
+        With ``stream_interval``, a request's events wait here until its ``flush_at`` (the
+        interval after its last hand-over; its first event is due at once, and so is everything
+        once it has ended), then all go together: its handler sends them as one message
+        (``force``: every event now)."""
         pending = self._pending
-        while pending:
-            try:
+        interval = self.stream_interval
+        if not interval:
+            while pending:
+                try:
+                    req, event = pending.popleft()
+                except IndexError:
+                    return
+                req.events.put(event)
+            return
+        if not pending and not self._held_events:
+            return
+        with self._flush_lock:   # (a handler's close may flush too: a request's events stay in order)
+            now = time.monotonic()
+            held, handed = self._held_events, []
+            scan = force or self._next_due <= now
+            while pending:
                 req, event = pending.popleft()
-            except IndexError:
-                return
-            req.events.put(event)
+                waiting = held.get(req)
+                if waiting is not None:
+                    waiting.append(event)
+                    scan = scan or req.ended
+                elif force or req.ended or req.flush_at <= now:
+                    req.events.put(event)
+                    handed.append(req)
+                else:
+                    held[req] = [event]
+                    self._next_due = min(self._next_due, req.flush_at)
+            if held and scan:
+                self._next_due = float("inf")
+                for req in list(held):
+                    if force or req.ended or req.flush_at <= now:
+                        for event in held.pop(req):
+                            req.events.put(event)
+                        handed.append(req)
+                    else:
+                        self._next_due = min(self._next_due, req.flush_at)
+            until = now + interval
+            for req in handed:
+                req.flush_at = until
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -465,7 +513,7 @@ class Scheduler:
                 self._collect_prefills()
                 batch = [r for r in self._active if not r.closed]
                 if not batch:
-                    self._flush_events()
+                    self._flush_events(force=True)
                     metrics.flush()   # the last ticks' notes, before idling (metrics: FLUSH_INTERVAL_S)
                     self._wake.wait(0.05 if self._prefilling or self._queue else 1.0)
                     self._wake.clear()
@@ -477,7 +525,7 @@ class Scheduler:
                     self._end(r, Failure(grpc.StatusCode.INTERNAL, f"orchestrator error: {type(e).__name__}: {e}", Reason.INTERNAL))
                     r.closed = True
         # shutting down
-        self._flush_events()
+        self._flush_events(force=True)
         with self._lock:
             waiting = list(self._queue) + [r for r, _ in self._prefilling] + self._active
             self._queue.clear()
