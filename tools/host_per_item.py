@@ -288,7 +288,7 @@ def serve_draft(local_hop: bool) -> None:
     _control(engine.clock)
 
 
-def serve_orchestrator(target: str, draft: str, local_hop: bool) -> None:
+def serve_orchestrator(target: str, draft: str, local_hop: bool, stream_interval_ms: float) -> None:
     """As ``python -m orchestrator --target TARGET --draft DRAFT`` (CUDA defaults: the target says cuda:0)."""
     import uuid
 
@@ -313,7 +313,7 @@ def serve_orchestrator(target: str, draft: str, local_hop: bool) -> None:
     info = tpeer.info()
     cfg = OrchestratorConfig(target=target, draft=draft).resolved(info.device, info.max_sessions, info.max_context)
     sched = Scheduler(tpeer, dpeer, max_sessions=cfg.max_sessions, max_queue=cfg.max_queue, step_nodes=cfg.step_nodes,
-                      step_timeout=cfg.step_timeout, history_bytes=cfg.history_bytes)
+                      step_timeout=cfg.step_timeout, history_bytes=cfg.history_bytes, stream_interval_ms=stream_interval_ms)
     servicer = GenerationServicer(tpeer, dpeer, GGUFTokenizer.from_gguf(default_model_path()), cfg.max_tokens,
                                   default_tree(cfg), sched)
 
@@ -373,8 +373,8 @@ class Service:
             self.proc.kill()
 
 
-async def _clients(port: int, n: int, tokens: int, spec: bool) -> int:
-    """``n`` Generate streams of ``tokens`` tokens at once; returns the tokens received."""
+async def _clients(port: int, n: int, tokens: int, spec: bool) -> tuple[int, int]:
+    """``n`` Generate streams of ``tokens`` tokens at once; returns the tokens and messages received."""
     import grpc
 
     from dflash_grpc.transport import GRPC_OPTIONS
@@ -385,13 +385,15 @@ async def _clients(port: int, n: int, tokens: int, spec: bool) -> int:
         req = generation_pb2.GenerateRequest(prompt="def fibonacci(n):", max_tokens=tokens, ignore_eos=True)
         req.speculative.enabled = spec
 
-        async def one() -> int:
-            got = 0
+        async def one() -> tuple[int, int]:
+            got = msgs = 0
             async for msg in stub.Generate(req, timeout=600):
                 got += len(msg.token_ids)
-            return got
+                msgs += 1
+            return got, msgs
 
-        return sum(await asyncio.gather(*(one() for _ in range(n))))
+        done = await asyncio.gather(*(one() for _ in range(n)))
+        return sum(g for g, _ in done), sum(m for _, m in done)
 
 
 def run_level(services: dict[str, Service], orch: Service, n: int, tokens: int, spec: bool, want_threads: bool,
@@ -407,7 +409,7 @@ def run_level(services: dict[str, Service], orch: Service, n: int, tokens: int, 
         time.sleep(1.0)
     before = {k: (s.ask(), s.threads() if want_threads else {}) for k, s in services.items()}
     t0 = time.perf_counter()
-    got = asyncio.run(_clients(orch.port, n, tokens, spec))
+    got, msgs = asyncio.run(_clients(orch.port, n, tokens, spec))
     wall = time.perf_counter() - t0
     after = {k: (s.ask(), s.threads() if want_threads else {}) for k, s in services.items()}
     for p in spies:
@@ -418,7 +420,7 @@ def run_level(services: dict[str, Service], orch: Service, n: int, tokens: int, 
     if got != n * tokens:
         raise RuntimeError(f"{n} streams received {got} tokens, not {n * tokens}")
     row = {"streams": n, "mode": "spec" if spec else "ar", "tok_s": got / wall, "wall_s": wall, "ticks": ticks,
-           "items": items, "ms_tick": wall / max(ticks, 1) * 1e3, "fallbacks": o1["fallbacks"] - o0["fallbacks"]}
+           "items": items, "ms_tick": wall / max(ticks, 1) * 1e3, "msgs_item": msgs / max(items, 1), "fallbacks": o1["fallbacks"] - o0["fallbacks"]}
     for k in services:
         cpu = after[k][0]["cpu_s"] - before[k][0]["cpu_s"]
         eng = after[k][0]["engine_s"] - before[k][0]["engine_s"]
@@ -441,6 +443,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--no-local-hop", action="store_true", help="gRPC between the services (default: the same-host hop)")
+    ap.add_argument("--stream-interval-ms", type=float, default=0.0,
+                    help="the orchestrator's --stream-interval-ms (tokens held up to this long go out as one message)")
     ap.add_argument("--threads", action="store_true", help="CPU per item split by thread name")
     ap.add_argument("--py-spy", default=None, metavar="DIR", help="py-spy record -f raw of each service per level")
     ap.add_argument("--json", default=None, metavar="FILE", help="every row as JSON lines")
@@ -453,21 +457,22 @@ def main() -> int:
         elif args.role == "draft":
             serve_draft(hop)
         else:
-            serve_orchestrator(args.target, args.draft, hop)
+            serve_orchestrator(args.target, args.draft, hop, args.stream_interval_ms)
         return 0
 
     flag = [] if hop else ["--no-local-hop"]
     target = Service("target", flag)
     draft = Service("draft", flag)
-    orch = Service("orchestrator", [*flag, "--target", f"127.0.0.1:{target.port}", "--draft", f"127.0.0.1:{draft.port}"])
+    orch = Service("orchestrator", [*flag, "--stream-interval-ms", str(args.stream_interval_ms), "--target", f"127.0.0.1:{target.port}", "--draft", f"127.0.0.1:{draft.port}"])
     services = {"orchestrator": orch, "target": target, "draft": draft}
     rows = []
     try:
         asyncio.run(_clients(orch.port, 2, 8, True))   # warm-up: streams opened, imports done
         print(f"# host_per_item: {args.tokens} tokens per stream, {'same-host hop' if hop else 'gRPC'} between services, "
+              f"stream interval {args.stream_interval_ms:g} ms, "
               f"{os.cpu_count()} CPUs; us/item = service CPU (less its fake engine's) / items verified", flush=True)
         print(f"{'mode':5} {'streams':>7} {'rep':>3} {'tok/s':>8} {'ms/tick':>8} {'items/tick':>10} "
-              f"{'orch us/item':>12} {'target us/item':>14} {'draft us/item':>13}", flush=True)
+              f"{'msgs/item':>9} {'orch us/item':>12} {'target us/item':>14} {'draft us/item':>13}", flush=True)
         for mode in args.modes.split(","):
             for n in (int(x) for x in args.streams.split(",")):
                 for rep in range(args.repeats):
@@ -476,7 +481,7 @@ def main() -> int:
                     row["rep"] = rep
                     rows.append(row)
                     print(f"{mode:5} {n:7d} {rep:3d} {row['tok_s']:8.0f} {row['ms_tick']:8.2f} "
-                          f"{row['items'] / max(row['ticks'], 1):10.1f} {row['orchestrator_us']:12.1f} "
+                          f"{row['items'] / max(row['ticks'], 1):10.1f} {row['msgs_item']:9.2f} {row['orchestrator_us']:12.1f} "
                           f"{row['target_us']:14.1f} {row['draft_us']:13.1f}", flush=True)
                     if args.threads:
                         for k in services:
