@@ -65,11 +65,14 @@ import time
 
 import grpc
 
+from dflash_grpc.columns import COLUMNAR, ColumnsError, Rows
 from dflash_grpc.transport import reason_of
 from dflash_grpc.v1 import common_pb2, draft_pb2, generation_pb2, target_pb2
 from orchestrator import metrics
 from orchestrator.config import OrchestratorConfig
-from orchestrator.peers import DraftDeadline, DraftPeer, ExchangeTimeout, StreamCall, TargetPeer, drafter_mismatch, status_code
+from orchestrator.messages import ProposeItems, join_rows, propose_results, verify_request, verify_results
+from orchestrator.peers import (DraftDeadline, DraftPeer, ExchangeTimeout, StreamCall, StreamError, TargetPeer,
+                                drafter_mismatch, status_code)
 from orchestrator.policy import PLAIN, DraftPolicy
 from orchestrator.stats import AcceptanceStats
 from runtime.errors import Reason
@@ -145,7 +148,7 @@ class Request:
     on_drafter: bool = False        # the drafter may hold a session for it (under draft_id)
     draft_gen: int = 0              # generation of its drafter session (draft_id); bumped to re-create it
     draft_synced: bool = False      # the drafter holds rows [0, L) of it
-    history: list = dataclasses.field(default_factory=list)  # committed rows' features, in order
+    history: list = dataclasses.field(default_factory=list)  # committed rows' features (Rows), in order
     history_bytes: int = 0
     history_complete: bool = True   # history holds every committed row (else no resync)
     sent: int = 0                   # history entries the drafter has
@@ -661,13 +664,18 @@ class Scheduler:
             self._slot_wait_until = time.monotonic() + 0.25
         metrics.set_active_sessions(self._held())
 
-    def _keep(self, req: Request, features: common_pb2.Tensor) -> None:
-        """Append the rows of ``features`` (just committed) to the request's history."""
-        n = len(features.data)   # (each read of the field is a copy: read once)
-        if not n:
+    def _keep(self, req: Request, features: Rows | common_pb2.Tensor | None) -> None:
+        """Append the rows of ``features`` (just committed: :class:`~dflash_grpc.columns.Rows`, or
+        a wire tensor) to the request's history, as bytes of their own (not a view of the reply
+        that carried them, which holds every item's rows)."""
+        if features is not None and not isinstance(features, Rows):
+            features = Rows.of_tensor(features)
+        if features is None or not features.rows:
             return
+        if not isinstance(features.data, bytes):
+            features = features._replace(data=bytes(features.data))
         req.history.append(features)
-        req.history_bytes += n
+        req.history_bytes += len(features.data)
         while req.history_bytes > self.history_bytes and req.sent > 0:
             # rows the drafter already has: drop them; a resync is no longer possible
             req.history_bytes -= len(req.history[0].data)
@@ -714,22 +722,27 @@ class Scheduler:
         if drafter is not None:
             trees, draft_s, resync_rows = self._propose_trees(batch, drafter)
         t1 = time.perf_counter()
-        # built in place (items added to the request, trees extended): no message built and copied in
-        request = target_pb2.VerifyRequest()
-        add = request.items.add
+        sids, sizes, tokens, parents = [], [], [], []
         for i, r in enumerate(batch):
-            tree = add(session_id=r.session_id).tree
+            sids.append(r.session_id)
             drafted = trees.get(i)
             if drafted is None:
-                tree.tokens.append(r.root)
-                tree.parents.append(-1)
+                sizes.append(1)
+                tokens.append(r.root)
+                parents.append(-1)
             else:
-                tree.tokens.extend(drafted[0])
-                tree.parents.extend(drafted[1])
+                sizes.append(len(drafted[0]))
+                tokens += drafted[0]
+                parents += drafted[1]
+        request = verify_request(COLUMNAR in self.info.features, sids, sizes, tokens, parents)
         try:
             if self._verify is None:
                 self._verify = self.target.verify_stream(None)
             reply = self._verify.exchange(request, self.step_timeout, self._flush_events)
+            try:
+                results = verify_results(reply, len(batch))
+            except ColumnsError as e:   # as a reply that does not decode: the stream is over (_verify_failed)
+                raise StreamError(grpc.StatusCode.INTERNAL, f"the reply's columns do not fit together: {e}") from None
         except grpc.RpcError as e:
             self._verify_failed(batch, e)
             return
@@ -740,23 +753,23 @@ class Scheduler:
         compute_s, device_s = reply.compute_s, reply.device_s
         steps = []   # (draft nodes, depth, accepted) of each verified item: the metrics, once per tick
         emitted = 0
-        for i, (r, res) in enumerate(zip(batch, reply.results)):
+        for i, (r, res) in enumerate(zip(batch, results)):
             stats = r.stats
             stats.verify_time_s += verify_s
             stats.verify_compute_s += compute_s
             stats.verify_device_s += device_s
             status = res.status
-            if status.code:
+            if status is not None:
                 self._verify_item_failed(r, status_code(status.code), status.message, status.reason)
                 continue
             drafted = trees.get(i)
             nodes, depth = (len(drafted[0]) - 1, drafted[2]) if drafted is not None else (0, 0)
-            tokens = res.accepted_tokens[:]
+            tokens = res.accepted
             k = len(tokens)
             stats.record_step(depth, nodes, k)
             steps.append((nodes, depth, k))
             emitted += k + 1
-            r.root, r.length = res.bonus_token, res.committed_length
+            r.root, r.length = res.bonus, res.length
             if r.speculative:
                 self._keep(r, res.features)
             tokens.append(r.root)
@@ -789,8 +802,7 @@ class Scheduler:
         with self._lock:
             room = ((drafter.model.max_sessions or 10**9) - sum(r.on_drafter for r in self._active)
                     - self._releasing["draft"] - len(self._draft_stale))
-        request = draft_pb2.ProposeRequest()
-        add = request.items.add
+        items = ProposeItems()
         who: list[tuple[int, int]] = []   # (batch index, max_depth) of each item
         extra_rows = 0  # feature rows beyond a step's worth (new or re-created sessions)
         max_context, n, step_nodes = self.info.max_context, len(batch), self.step_nodes
@@ -812,25 +824,17 @@ class Scheduler:
                 room -= 1
             if not r.draft_synced:
                 r.sent = 0  # (re-)create the drafter's session from the whole history
-            # built in place (added to the request, the features copied in once)
-            item = add(session_id=r.draft_id, root_token=r.root, committed_length=r.length)
-            parts = r.history[r.sent:]
-            # (history entries are never empty: _keep; one entry, the common case, is copied as is)
-            features = parts[0] if len(parts) == 1 else join_features(parts)
-            if features is not None:
-                if features.shape[0] > block:
-                    extra_rows += features.shape[0] - block
-                item.features.CopyFrom(features)
-            tree = item.tree
-            tree.top_k = top_k
-            if budget:
-                tree.max_depth, tree.budget = max_depth, nodes
-            else:
-                tree.max_depth = max_depth = nodes
-            tree.SetInParent()   # present even when every field is 0, as before
+            # (history entries are never empty: _keep; one entry, the common case, is sent as is)
+            features = join_rows(r.history[r.sent:])
+            if features is not None and features.rows > block:
+                extra_rows += features.rows - block
+            if not budget:
+                max_depth = nodes   # a chain of that length
+            items.add(r.draft_id, r.root, r.length, nodes if budget else 0, top_k, max_depth, features)
             who.append((i, max_depth))
         if not who:
             return {}, 0.0, extra_rows
+        request = items.request(COLUMNAR in drafter.model.features)
         timeout = self.deadline.timeout(len(who), extra_rows)
         if timeout is not None:
             metrics.set_draft_deadline(timeout)
@@ -839,6 +843,10 @@ class Scheduler:
             if self._propose is None:
                 self._propose = self.draft.propose_stream(None)
             reply = self._propose.exchange(request, timeout, self._flush_events)
+            try:
+                results = propose_results(reply, len(who))
+            except ColumnsError as e:   # as a reply that does not decode: the stream is over
+                raise StreamError(grpc.StatusCode.INTERNAL, f"the reply's columns do not fit together: {e}") from None
         except grpc.RpcError as e:
             self._draft_failed([batch[i] for i, _ in who], e)
             return {}, time.perf_counter() - t0, extra_rows
@@ -851,14 +859,14 @@ class Scheduler:
             self.deadline.observe(draft_s, len(who))
         trees = {}
         compute_s, device_s = reply.compute_s, reply.device_s
-        for (i, max_depth), res in zip(who, reply.results):
+        for (i, max_depth), res in zip(who, results):
             r = batch[i]
             r.on_drafter = True
             r.stats.draft_time_s += draft_s
             r.stats.draft_compute_s += compute_s
             r.stats.draft_device_s += device_s
             status = res.status
-            if status.code:
+            if status is not None:
                 log.warning("drafter refused an item; this step goes on without a tree",
                             extra={"session": r.session_id, "code": status_code(status.code).name,
                                    "reason": status.reason, "error": status.message[:200]})
@@ -871,9 +879,8 @@ class Scheduler:
                 continue
             r.draft_synced = True
             r.sent = len(r.history)
-            tree = res.tree
             try:
-                tokens, parents, depth = fit_tree(tree.tokens[:], tree.parents[:], max_depth, width_cap)
+                tokens, parents, depth = fit_tree(res.tokens, res.parents, max_depth, width_cap)
             except TreeError as e:
                 log.warning("drafter sent a malformed tree; this step goes on without a tree",
                             extra={"session": r.session_id, "error": str(e)[:200]})
