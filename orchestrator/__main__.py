@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     tls = serving.server_tls_from_args(args, p)
     serving.set_client_tls(serving.peer_tls_from_args(args, p))  # channels to the target and draft services
     serving.setup_logging(cfg.log_level)
+    serving.tune_malloc()   # large messages every tick: reuse their memory
     token = serving.auth_token_from_args(args, p)
     if token is not None:  # before the peers open their channels
         serving.add_client_metadata([(serving.AUTH_METADATA_KEY, serving.bearer(token))])

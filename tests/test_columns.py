@@ -259,3 +259,14 @@ def test_propose_items_fall_back_to_items_when_widths_differ():
     req = batch.request(True)
     assert not req.HasField("columns") and [list(i.features.shape) for i in req.items] == [[1, 2], [1, 3]]
 
+
+
+def test_tune_malloc_applies_on_glibc_and_can_be_turned_off(monkeypatch):
+    """The services' processes let glibc reuse the memory of large messages (serving.tune_malloc)."""
+    import platform
+
+    monkeypatch.setenv("DFLASH_NO_MALLOC_TUNING", "1")
+    assert serving.tune_malloc() is False
+    monkeypatch.delenv("DFLASH_NO_MALLOC_TUNING")
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert serving.tune_malloc() is True

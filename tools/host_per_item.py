@@ -373,27 +373,40 @@ class Service:
             self.proc.kill()
 
 
-async def _clients(port: int, n: int, tokens: int, spec: bool) -> tuple[int, int]:
-    """``n`` Generate streams of ``tokens`` tokens at once; returns the tokens and messages received."""
+async def _clients(port: int, n: int, tokens: int, spec: bool, on_started, on_first_done) -> dict:
+    """``n`` Generate streams of ``tokens`` tokens at once; ``on_started()`` runs once every stream
+    has had its first message, ``on_first_done()`` when the first stream ends (the steady window:
+    every stream decoding). Returns the tokens and messages received, and the messages of the
+    window."""
     import grpc
 
     from dflash_grpc.transport import GRPC_OPTIONS
     from dflash_grpc.v1 import generation_pb2, generation_pb2_grpc
 
+    state = {"started": 0, "done": 0, "msgs": 0, "window_msgs": 0, "tokens": 0}
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as ch:
         stub = generation_pb2_grpc.GenerationServiceStub(ch)
         req = generation_pb2.GenerateRequest(prompt="def fibonacci(n):", max_tokens=tokens, ignore_eos=True)
         req.speculative.enabled = spec
 
-        async def one() -> tuple[int, int]:
-            got = msgs = 0
+        async def one() -> None:
+            first = True
             async for msg in stub.Generate(req, timeout=600):
-                got += len(msg.token_ids)
-                msgs += 1
-            return got, msgs
+                state["tokens"] += len(msg.token_ids)
+                state["msgs"] += 1
+                if state["started"] == n and not state["done"]:
+                    state["window_msgs"] += 1
+                if first:
+                    first = False
+                    state["started"] += 1
+                    if state["started"] == n:
+                        on_started()
+            state["done"] += 1
+            if state["done"] == 1:
+                on_first_done()
 
-        done = await asyncio.gather(*(one() for _ in range(n)))
-        return sum(g for g, _ in done), sum(m for _, m in done)
+        await asyncio.gather(*(one() for _ in range(n)))
+    return state
 
 
 def run_level(services: dict[str, Service], orch: Service, n: int, tokens: int, spec: bool, want_threads: bool,
@@ -407,28 +420,46 @@ def run_level(services: dict[str, Service], orch: Service, n: int, tokens: int, 
                                            "-o", os.path.join(spy_dir, f"{name}-{tag}.txt")],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         time.sleep(1.0)
-    before = {k: (s.ask(), s.threads() if want_threads else {}) for k, s in services.items()}
+
+    def snap() -> dict:
+        return {k: (s.ask(), s.threads() if want_threads else {}, time.perf_counter()) for k, s in services.items()}
+
+    marks = {}
+    before = snap()
     t0 = time.perf_counter()
-    got, msgs = asyncio.run(_clients(orch.port, n, tokens, spec))
+    state = asyncio.run(_clients(orch.port, n, tokens, spec, lambda: marks.setdefault("start", snap()),
+                                 lambda: marks.setdefault("end", snap())))
     wall = time.perf_counter() - t0
-    after = {k: (s.ask(), s.threads() if want_threads else {}) for k, s in services.items()}
+    after = snap()
     for p in spies:
         p.send_signal(2)
         p.wait(30)
-    o0, o1 = before["orchestrator"][0], after["orchestrator"][0]
-    ticks, items = o1["ticks"] - o0["ticks"], o1["items"] - o0["items"]
-    if got != n * tokens:
-        raise RuntimeError(f"{n} streams received {got} tokens, not {n * tokens}")
-    row = {"streams": n, "mode": "spec" if spec else "ar", "tok_s": got / wall, "wall_s": wall, "ticks": ticks,
-           "items": items, "ms_tick": wall / max(ticks, 1) * 1e3, "msgs_item": msgs / max(items, 1), "fallbacks": o1["fallbacks"] - o0["fallbacks"]}
+    if state["tokens"] != n * tokens:
+        raise RuntimeError(f"{n} streams received {state['tokens']} tokens, not {n * tokens}")
+
+    def counts(a, b):
+        o0, o1 = a["orchestrator"][0], b["orchestrator"][0]
+        return o1["ticks"] - o0["ticks"], o1["items"] - o0["items"]
+
+    ticks, items = counts(before, after)
+    row = {"streams": n, "mode": "spec" if spec else "ar", "tok_s": state["tokens"] / wall, "wall_s": wall,
+           "ticks": ticks, "items": items, "msgs_item_run": state["msgs"] / max(items, 1),
+           "fallbacks": after["orchestrator"][0]["fallbacks"] - before["orchestrator"][0]["fallbacks"]}
+    # the steady window (every stream decoding); the whole run (prefills, first and last messages too)
+    start, end = marks.get("start", before), marks.get("end", after)
+    wticks, witems = counts(start, end)
+    row.update(window_ticks=wticks, window_items=witems, items_tick=witems / max(wticks, 1),
+               ms_tick=(end["orchestrator"][2] - start["orchestrator"][2]) / max(wticks, 1) * 1e3,
+               msgs_item=state["window_msgs"] / max(witems, 1))
     for k in services:
-        cpu = after[k][0]["cpu_s"] - before[k][0]["cpu_s"]
-        eng = after[k][0]["engine_s"] - before[k][0]["engine_s"]
-        row[f"{k}_us"] = (cpu - eng) / max(items, 1) * 1e6
-        row[f"{k}_engine_us"] = eng / max(items, 1) * 1e6
+        for suffix, (a, b, m) in (("", (start, end, witems)), ("_run", (before, after, items))):
+            cpu = b[k][0]["cpu_s"] - a[k][0]["cpu_s"]
+            eng = b[k][0]["engine_s"] - a[k][0]["engine_s"]
+            row[f"{k}_us{suffix}"] = (cpu - eng) / max(m, 1) * 1e6
+            row[f"{k}_engine_us{suffix}"] = eng / max(m, 1) * 1e6
         if want_threads:
-            t0s, t1s = before[k][1], after[k][1]
-            row[f"{k}_threads"] = {name: round((t1s.get(name, 0) - t0s.get(name, 0)) / max(items, 1) * 1e6, 1)
+            t0s, t1s = start[k][1], end[k][1]
+            row[f"{k}_threads"] = {name: round((t1s.get(name, 0) - t0s.get(name, 0)) / max(witems, 1) * 1e6, 1)
                                    for name in t1s if t1s.get(name, 0) - t0s.get(name, 0) > 1e-4}
     return row
 
@@ -452,6 +483,9 @@ def main() -> int:
     hop = not args.no_local_hop
     if args.role:
         _name_threads()
+        from dflash_grpc import serving
+
+        serving.tune_malloc()   # as each service's main does
         if args.role == "target":
             serve_target(hop)
         elif args.role == "draft":
@@ -467,12 +501,14 @@ def main() -> int:
     services = {"orchestrator": orch, "target": target, "draft": draft}
     rows = []
     try:
-        asyncio.run(_clients(orch.port, 2, 8, True))   # warm-up: streams opened, imports done
+        asyncio.run(_clients(orch.port, 2, 8, True, lambda: None, lambda: None))   # warm-up: streams opened, imports done
         print(f"# host_per_item: {args.tokens} tokens per stream, {'same-host hop' if hop else 'gRPC'} between services, "
               f"stream interval {args.stream_interval_ms:g} ms, "
               f"{os.cpu_count()} CPUs; us/item = service CPU (less its fake engine's) / items verified", flush=True)
-        print(f"{'mode':5} {'streams':>7} {'rep':>3} {'tok/s':>8} {'ms/tick':>8} {'items/tick':>10} "
-              f"{'msgs/item':>9} {'orch us/item':>12} {'target us/item':>14} {'draft us/item':>13}", flush=True)
+        print(f"{'':21} {'steady window: every stream decoding':^66} | {'whole run':^20}")
+        print(f"{'mode':5} {'streams':>7} {'rep':>3} {'tok/s':>7} {'ms/tick':>8} {'items/tick':>10} "
+              f"{'msgs/item':>9} {'orch us':>8} {'target us':>9} {'draft us':>8} | {'orch':>6} {'target':>6} {'draft':>6}",
+              flush=True)
         for mode in args.modes.split(","):
             for n in (int(x) for x in args.streams.split(",")):
                 for rep in range(args.repeats):
@@ -480,9 +516,10 @@ def main() -> int:
                                     f"{mode}-{n}-{rep}")
                     row["rep"] = rep
                     rows.append(row)
-                    print(f"{mode:5} {n:7d} {rep:3d} {row['tok_s']:8.0f} {row['ms_tick']:8.2f} "
-                          f"{row['items'] / max(row['ticks'], 1):10.1f} {row['msgs_item']:9.2f} {row['orchestrator_us']:12.1f} "
-                          f"{row['target_us']:14.1f} {row['draft_us']:13.1f}", flush=True)
+                    print(f"{mode:5} {n:7d} {rep:3d} {row['tok_s']:7.0f} {row['ms_tick']:8.2f} {row['items_tick']:10.1f} "
+                          f"{row['msgs_item']:9.2f} {row['orchestrator_us']:8.1f} {row['target_us']:9.1f} "
+                          f"{row['draft_us']:8.1f} | {row['orchestrator_us_run']:6.1f} {row['target_us_run']:6.1f} "
+                          f"{row['draft_us_run']:6.1f}", flush=True)
                     if args.threads:
                         for k in services:
                             print(f"      {k}: " + ", ".join(f"{name} {v}" for name, v in
