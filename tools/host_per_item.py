@@ -312,8 +312,9 @@ def serve_orchestrator(target: str, draft: str, local_hop: bool, stream_interval
     dpeer = DraftPeer(draft)
     info = tpeer.info()
     cfg = OrchestratorConfig(target=target, draft=draft).resolved(info.device, info.max_sessions, info.max_context)
+    extra = {"stream_interval_ms": stream_interval_ms} if stream_interval_ms else {}   # (older checkouts: none)
     sched = Scheduler(tpeer, dpeer, max_sessions=cfg.max_sessions, max_queue=cfg.max_queue, step_nodes=cfg.step_nodes,
-                      step_timeout=cfg.step_timeout, history_bytes=cfg.history_bytes, stream_interval_ms=stream_interval_ms)
+                      step_timeout=cfg.step_timeout, history_bytes=cfg.history_bytes, **extra)
     servicer = GenerationServicer(tpeer, dpeer, GGUFTokenizer.from_gguf(default_model_path()), cfg.max_tokens,
                                   default_tree(cfg), sched)
 
@@ -402,7 +403,7 @@ async def _clients(port: int, n: int, tokens: int, spec: bool, on_started, on_fi
                     if state["started"] == n:
                         on_started()
             state["done"] += 1
-            if state["done"] == 1:
+            if state["done"] == 1 and state["started"] == n:   # (else no window: some stream had not begun)
                 on_first_done()
 
         await asyncio.gather(*(one() for _ in range(n)))
@@ -446,7 +447,7 @@ def run_level(services: dict[str, Service], orch: Service, n: int, tokens: int, 
            "ticks": ticks, "items": items, "msgs_item_run": state["msgs"] / max(items, 1),
            "fallbacks": after["orchestrator"][0]["fallbacks"] - before["orchestrator"][0]["fallbacks"]}
     # the steady window (every stream decoding); the whole run (prefills, first and last messages too)
-    start, end = marks.get("start", before), marks.get("end", after)
+    start, end = (marks["start"], marks["end"]) if "end" in marks else (before, after)
     wticks, witems = counts(start, end)
     row.update(window_ticks=wticks, window_items=witems, items_tick=witems / max(wticks, 1),
                ms_tick=(end["orchestrator"][2] - start["orchestrator"][2]) / max(wticks, 1) * 1e3,
@@ -485,7 +486,8 @@ def main() -> int:
         _name_threads()
         from dflash_grpc import serving
 
-        serving.tune_malloc()   # as each service's main does
+        if hasattr(serving, "tune_malloc"):   # as each service's main does (older checkouts: none)
+            serving.tune_malloc()
         if args.role == "target":
             serve_target(hop)
         elif args.role == "draft":
