@@ -153,6 +153,7 @@ class Request:
     history_complete: bool = True   # history holds every committed row (else no resync)
     sent: int = 0                   # history entries the drafter has
     t_first: float = 0.0
+    tree_params: tuple | None = None   # (budget, top_k, max_depth or a large number) of ``tree``, once read
     flush_at: float = 0.0           # its tokens are handed to the handler from then on (stream_interval)
     enqueued: float = dataclasses.field(default_factory=time.monotonic)
     closed: bool = False            # the handler is done with it (finished, cancelled, failed)
@@ -683,18 +684,21 @@ class Scheduler:
             req.sent -= 1
             req.history_complete = False
 
-    def _emit(self, req: Request, tokens: list[int], finish: str | None = None) -> None:
-        """Send ``tokens`` to the handler, cut at EOS and ``max_tokens`` (which end the request)."""
-        for i, tok in enumerate(tokens):
-            if tok in req.eos:
-                tokens, finish = tokens[:i], FINISH_EOS
-                break
+    def _emit(self, req: Request, tokens: list[int], finish: str | None = None, now: float | None = None) -> None:
+        """Send ``tokens`` to the handler, cut at EOS and ``max_tokens`` (which end the request);
+        ``now``: ``time.monotonic()`` of the tick (None: read here)."""
+        eos = req.eos
+        if eos and not eos.isdisjoint(tokens):
+            for i, tok in enumerate(tokens):
+                if tok in eos:
+                    tokens, finish = tokens[:i], FINISH_EOS
+                    break
         room = req.max_tokens - req.emitted
         if len(tokens) >= room:
             tokens = tokens[:room]
             finish = finish or FINISH_LENGTH
         req.emitted += len(tokens)
-        req.stats.decode_time_s = time.monotonic() - req.t_first
+        req.stats.decode_time_s = (time.monotonic() if now is None else now) - req.t_first
         if finish is not None:
             self._end(req, Tokens(tokens, finish), hand_over=False)
             req.closed = True
@@ -753,6 +757,7 @@ class Scheduler:
         compute_s, device_s = reply.compute_s, reply.device_s
         steps = []   # (draft nodes, depth, accepted) of each verified item: the metrics, once per tick
         emitted = 0
+        now = time.monotonic()
         for i, (r, res) in enumerate(zip(batch, results)):
             stats = r.stats
             stats.verify_time_s += verify_s
@@ -773,7 +778,7 @@ class Scheduler:
             if r.speculative:
                 self._keep(r, res.features)
             tokens.append(r.root)
-            self._emit(r, tokens)
+            self._emit(r, tokens, now=now)
         if steps:
             metrics.observe_verify_batch(steps)
         self.ticks += 1
@@ -806,16 +811,24 @@ class Scheduler:
         who: list[tuple[int, int]] = []   # (batch index, max_depth) of each item
         extra_rows = 0  # feature rows beyond a step's worth (new or re-created sessions)
         max_context, n, step_nodes = self.info.max_context, len(batch), self.step_nodes
+        shares: dict[tuple[int, int], int] = {}   # adaptive_budget of this tick, by (want, min_nodes)
         for i, r in enumerate(batch):
             if not r.speculative or (not r.draft_synced and not r.history_complete):
                 continue  # not drafting, or the drafter lost this session and its history was dropped
-            asked = r.tree   # (a message: each field read once)
-            budget, top_k = asked.budget, asked.top_k
-            max_depth = min(block - 1, max_context - r.length - 1, r.max_tokens - r.emitted - 1, depth_cap,
-                            asked.max_depth or 10**9)
+            asked = r.tree_params
+            if asked is None:   # (the message's fields, read once per request)
+                t = r.tree
+                asked = r.tree_params = (t.budget, t.top_k, t.max_depth or 10**9)
+            budget, top_k, asked_depth = asked
+            max_depth = min(block - 1, max_context - r.length - 1, r.max_tokens - r.emitted - 1, depth_cap, asked_depth)
             # a tree's node budget, or a chain's length, within this request's share of the tick
-            nodes = adaptive_budget(n, step_nodes, want=budget or max_depth,
-                                    min_nodes=2 if budget else 1) if max_depth > 0 else 0
+            if max_depth > 0:
+                key = (budget or max_depth, 2 if budget else 1)
+                nodes = shares.get(key)
+                if nodes is None:
+                    nodes = shares[key] = adaptive_budget(n, step_nodes, want=key[0], min_nodes=key[1])
+            else:
+                nodes = 0
             if not nodes:
                 continue
             if not r.on_drafter:
