@@ -465,6 +465,38 @@ def run_level(services: dict[str, Service], orch: Service, n: int, tokens: int, 
     return row
 
 
+def summarize(specs: list[str]) -> None:
+    """Print median [min, max] of each service's us/item per mode and level, for each ``LABEL=GLOB``
+    of ``--json`` files (one file per repeat), labels side by side."""
+    import glob
+
+    rows: dict[str, list[dict]] = {}
+    for spec in specs:
+        label, _, pattern = spec.partition("=")
+        rows[label] = [json.loads(line) for path in sorted(glob.glob(pattern)) for line in open(path) if line.strip()]
+
+    def cell(rs: list[dict], key: str) -> str:
+        xs = [r[key] for r in rs if key in r]
+        return f"{statistics.median(xs):.1f} [{min(xs):.1f}, {max(xs):.1f}]" if xs else "-"
+
+    levels = sorted({(r["mode"], r["streams"]) for rs in rows.values() for r in rs}, key=lambda x: (x[0], x[1]))
+    for window, suffix in (("steady window (every stream decoding)", ""), ("whole run", "_run")):
+        print(f"\n## host us per item per tick, {window}: median [min, max] of {', '.join(f'{k}: {len(v)} rows' for k, v in rows.items())}")
+        for svc in ("orchestrator", "target", "draft"):
+            print(f"\n{svc}\n| mode | streams | " + " | ".join(rows) + " |\n|---|---|" + "---|" * len(rows))
+            for mode, n in levels:
+                print(f"| {mode} | {n} | " + " | ".join(cell([r for r in rs if r["mode"] == mode and r["streams"] == n],
+                                                          f"{svc}_us{suffix}") for rs in rows.values()) + " |")
+    print("\n## tokens/s and messages per item (steady window)\n| mode | streams | "
+          + " | ".join(f"{k} tok/s | {k} msgs/item" for k in rows) + " |\n|---|---|" + "---|---|" * len(rows))
+    for mode, n in levels:
+        cells = []
+        for rs in rows.values():
+            sel = [r for r in rs if r["mode"] == mode and r["streams"] == n]
+            cells += [cell(sel, "tok_s"), cell(sel, "msgs_item")]
+        print(f"| {mode} | {n} | " + " | ".join(cells) + " |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--role", choices=("target", "draft", "orchestrator"), help=argparse.SUPPRESS)
@@ -480,7 +512,12 @@ def main() -> int:
     ap.add_argument("--threads", action="store_true", help="CPU per item split by thread name")
     ap.add_argument("--py-spy", default=None, metavar="DIR", help="py-spy record -f raw of each service per level")
     ap.add_argument("--json", default=None, metavar="FILE", help="every row as JSON lines")
+    ap.add_argument("--summary", nargs="+", metavar="LABEL=GLOB",
+                    help="no run: median [min, max] per level of the --json files of each label (repeats, checkouts)")
     args = ap.parse_args()
+    if args.summary:
+        summarize(args.summary)
+        return 0
     hop = not args.no_local_hop
     if args.role:
         _name_threads()
