@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run ``python -m draft_service`` with ``argv`` (default: ``sys.argv[1:]``) until stopped."""
     from dflash_grpc.serving import (auth_token_from_args, local_endpoint, make_server, serve_forever,
-                                     server_tls_from_args, setup_logging, streams_in_flight)
+                                     server_tls_from_args, setup_logging, streams_in_flight, tune_malloc)
     from runtime.step_loop import wait_drained
 
     ap = build_parser()
@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     tls = server_tls_from_args(args, ap)  # before loading: a bad flag fails at once
 
     setup_logging(cfg.log_level)
+    tune_malloc()   # large messages every tick: reuse their memory
     token = auth_token_from_args(args, ap, warn_open=True)  # before loading: a bad file fails at once
 
     from dflash_grpc.v1 import draft_pb2_grpc

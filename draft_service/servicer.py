@@ -34,6 +34,11 @@ not created) and every other item alone:
   caller's ``dflash-owner`` metadata differs from the one that opened it; :mod:`runtime.owners`);
 * ``INTERNAL``: anything unexpected (reason ``INTERNAL``, logged).
 
+A Propose message comes per item (``items``) or as columns (``columns``, listed as "columnar"
+in the Info features: :mod:`dflash_grpc.columns`), answered the same way (a columnar one with
+the refused items by index and the trees as columns). Columns that do not fit together (their
+lengths, the feature tensor's shape, dtype or bytes) end the stream INVALID_ARGUMENT.
+
 Owners: a session is the caller's that opened it (its first Propose); a Release naming another
 owner's session skips it. Every call, a Propose stream for its whole life, holds the caller's
 lease (:meth:`runtime.step_loop.StepLoop.enter`).
@@ -49,6 +54,7 @@ from typing import Iterable, Iterator
 import grpc
 import torch
 
+from dflash_grpc.columns import COLUMNAR, ColumnsError, fill_trees, unpack_i32
 from dflash_grpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from dflash_grpc.wire import WireError, tensor_from_proto
 from draft_service.config import DraftConfig
@@ -57,7 +63,7 @@ from draft_service.drafter import DFlashDrafter
 from draft_service.gguf_io import load_drafter
 from runtime.errors import InvalidArgument, Reason
 from runtime.owners import Owner, caller
-from runtime.status import batch_reply
+from runtime.status import abort_with, batch_reply, item_status
 from runtime.step_loop import StepLoop, run_items
 
 logger = logging.getLogger(__name__)
@@ -65,7 +71,7 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 #: Capabilities advertised in ``ModelInfo.features``.
-FEATURES = ("chain", "tree")
+FEATURES = ("chain", "tree", COLUMNAR)
 
 #: ``max_context`` of the batched engine when neither the caller nor the target gives one.
 DEFAULT_BATCHED_CONTEXT = DraftConfig.BATCHED_CONTEXT_CAP
@@ -102,6 +108,70 @@ def decode_item(item: draft_pb2.ProposeItem) -> DraftItem:
                 raise InvalidArgument(f"features: {e}", reason=Reason.INVALID_FEATURES) from None
     t = item.tree   # (message fields read as Python ints already)
     return DraftItem(session_id, features, item.root_token, item.committed_length, t.budget, t.top_k, t.max_depth)
+
+
+def propose_columns(columns: draft_pb2.ProposeColumns) -> list[DraftItem]:
+    """The engine items of a columnar Propose message (each item's feature rows a view of one
+    tensor decoded from the message; an item of 0 rows has None). An empty session id is left
+    for :func:`check_session` to refuse, for that item only.
+
+    Raises:
+        ColumnsError: columns that do not fit together (lengths, the features' rows, dtype, shape
+            or bytes).
+    """
+    sids = columns.session_ids[:]
+    n = len(sids)
+    roots = unpack_i32(columns.root_tokens, n, "root_tokens")
+    lengths = unpack_i32(columns.committed_lengths, n, "committed_lengths")
+    budgets = unpack_i32(columns.budgets, n, "budgets")
+    top_ks = unpack_i32(columns.top_ks, n, "top_ks")
+    depths = unpack_i32(columns.max_depths, n, "max_depths")
+    fc = columns.features
+    rows = unpack_i32(fc.rows, n, "features.rows") if fc.rows or fc.HasField("rows_data") else [0] * n
+    if rows and min(rows) < 0:
+        raise ColumnsError("features.rows: a negative row count")
+    feats: list = [None] * n
+    total = sum(rows)
+    if total:
+        try:
+            t = tensor_from_proto(fc.rows_data)
+        except WireError as e:
+            raise ColumnsError(f"features: {e}") from None
+        if t.dim() != 2 or t.shape[0] != total:
+            raise ColumnsError(f"features: a tensor of shape {tuple(t.shape)} for {total} rows")
+        parts = iter(torch.split(t, [r for r in rows if r]))
+        feats = [next(parts) if r else None for r in rows]
+    return [DraftItem(*x) for x in zip(sids, feats, roots, lengths, budgets, top_ks, depths)]
+
+
+def check_session(item: DraftItem) -> DraftItem:
+    """``item`` itself, if its session id is not empty.
+
+    Raises:
+        InvalidArgument: an empty session id.
+    """
+    if not item.session_id:
+        raise InvalidArgument("empty session_id")
+    return item
+
+
+def propose_columns_response(outs, done) -> draft_pb2.ProposeResponse:
+    """The ``ProposeResponse`` of a columnar request: the refused items by index (a tree of 0
+    nodes each), every tree as columns, and the batch's timing ``done``."""
+    response = draft_pb2.ProposeResponse(compute_s=done.compute_s, batch_items=done.batch_items, queue_s=done.queue_s,
+                                         device_s=done.device_s)
+    sizes, tokens, parents = [], [], []
+    for i, out in enumerate(outs):
+        if isinstance(out, BaseException):
+            response.refused.add(index=i).status.CopyFrom(item_status(out))
+            sizes.append(0)
+            continue
+        sizes.append(len(out.tokens))
+        tokens += out.tokens
+        parents += out.parents
+    fill_trees(response.trees, sizes, tokens, parents)
+    response.trees.SetInParent()
+    return response
 
 
 def _fill_propose(r: draft_pb2.ProposeResult, out) -> None:
@@ -247,8 +317,11 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         scope = self.loop.enter(owner)   # the open stream holds the owner's lease
         context.add_callback(scope.close)
         with scope:
-            for request in request_iterator:
-                yield self.propose(request, owner)
+            try:
+                for request in request_iterator:
+                    yield self.propose(request, owner)
+            except ColumnsError as e:
+                abort_with(context, InvalidArgument(f"malformed columns: {e}"))
 
     def Release(self, request: common_pb2.ReleaseRequest, context: grpc.ServicerContext) -> common_pb2.ReleaseResponse:
         owner = caller(context)
@@ -287,7 +360,14 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
     def propose(self, request: draft_pb2.ProposeRequest, owner: Owner | None = None) -> draft_pb2.ProposeResponse:
         """One result per item, in order; the items that decode go to the engine as one batch
         (for ``owner``: an item naming another owner's session is refused, ``NOT_OWNER``; None:
-        unchecked)."""
+        unchecked). A columnar request is answered as columns.
+
+        Raises:
+            ColumnsError: a columnar request whose columns do not fit together.
+        """
+        if request.HasField("columns"):
+            outs, done = run_items(self.loop, propose_columns(request.columns), check_session, owner)
+            return propose_columns_response(outs, done)
         items = request.items
         outs, done = run_items(self.loop, items, decode_item, owner)
         return batch_reply(draft_pb2.ProposeResponse, items, outs, done, _fill_propose)

@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     tls = serving.server_tls_from_args(args, p)
     serving.set_client_tls(serving.peer_tls_from_args(args, p))  # channels to the target and draft services
     serving.setup_logging(cfg.log_level)
+    serving.tune_malloc()   # large messages every tick: reuse their memory
     token = serving.auth_token_from_args(args, p)
     if token is not None:  # before the peers open their channels
         serving.add_client_metadata([(serving.AUTH_METADATA_KEY, serving.bearer(token))])
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
                           step_timeout=cfg.step_timeout, history_bytes=cfg.history_bytes,
                           draft_deadline_factor=cfg.draft_deadline_factor, draft_deadline_min_ms=cfg.draft_deadline_min_ms,
                           draft_deadline_ms=cfg.draft_deadline_ms, draft_deadline_row_us=cfg.draft_deadline_row_us,
-                          draft_policy=cfg.draft_policy)
+                          draft_policy=cfg.draft_policy, stream_interval_ms=cfg.stream_interval_ms)
     servicer = GenerationServicer(target, draft, tokenizer, cfg.max_tokens, default_tree(cfg), scheduler,
                                   max_prompt_chars=cfg.max_prompt_chars, max_request_bytes=cfg.max_request_bytes)
     if draft.state() is not None and drafter_mismatch(draft.state(), info) is not None:

@@ -113,6 +113,11 @@ class OrchestratorConfig:
     draft_deadline_row_us: float = setting(
         0.0, "more Propose deadline per feature row of a new or recreated drafter session (a prompt or a history) "
         f"(us; 0: {DRAFT_ROW_US_CUDA:g} for a CUDA drafter, {DRAFT_ROW_US_CPU:g} for a CPU one)")
+    stream_interval_ms: float = setting(
+        0.0, "most milliseconds a request's tokens wait to be streamed: tokens of the ticks within this interval go "
+        "out as one message (its first token and its end at once). Each message costs the orchestrator tens of "
+        "microseconds of host time, so under many streams a few milliseconds here cut its host time per token "
+        "several fold (tools/host_per_item.py); 0: every tick's tokens at once")
     draft_history_mib: float = setting(
         64.0, "feature history kept per request to resume drafting after a drafter restart (MiB)")
     max_prompt_chars: int = setting(

@@ -485,7 +485,7 @@ class LocalHopCall:
                 raise self._fail(StreamError(grpc.StatusCode.UNAVAILABLE, f"the local hop connection was lost: {e}")) from None
         if answer[:1] == REPLY:
             try:
-                return self._deserialize(answer[1:])
+                return self._deserialize(memoryview(answer)[1:])   # (no copy of the reply's bytes)
             except Exception as e:  # noqa: BLE001 - a reply that does not decode ends the stream
                 raise self._fail(StreamError(grpc.StatusCode.INTERNAL, f"the reply did not decode: {e}")) from None
         try:

@@ -65,11 +65,14 @@ import time
 
 import grpc
 
+from dflash_grpc.columns import COLUMNAR, ColumnsError, Rows
 from dflash_grpc.transport import reason_of
 from dflash_grpc.v1 import common_pb2, draft_pb2, generation_pb2, target_pb2
 from orchestrator import metrics
 from orchestrator.config import OrchestratorConfig
-from orchestrator.peers import DraftDeadline, DraftPeer, ExchangeTimeout, StreamCall, TargetPeer, drafter_mismatch, status_code
+from orchestrator.messages import ProposeItems, join_rows, propose_results, verify_request, verify_results
+from orchestrator.peers import (DraftDeadline, DraftPeer, ExchangeTimeout, StreamCall, StreamError, TargetPeer,
+                                drafter_mismatch, status_code)
 from orchestrator.policy import PLAIN, DraftPolicy
 from orchestrator.stats import AcceptanceStats
 from runtime.errors import Reason
@@ -145,11 +148,13 @@ class Request:
     on_drafter: bool = False        # the drafter may hold a session for it (under draft_id)
     draft_gen: int = 0              # generation of its drafter session (draft_id); bumped to re-create it
     draft_synced: bool = False      # the drafter holds rows [0, L) of it
-    history: list = dataclasses.field(default_factory=list)  # committed rows' features, in order
+    history: list = dataclasses.field(default_factory=list)  # committed rows' features (Rows), in order
     history_bytes: int = 0
     history_complete: bool = True   # history holds every committed row (else no resync)
     sent: int = 0                   # history entries the drafter has
     t_first: float = 0.0
+    tree_params: tuple | None = None   # (budget, top_k, max_depth or a large number) of ``tree``, once read
+    flush_at: float = 0.0           # its tokens are handed to the handler from then on (stream_interval)
     enqueued: float = dataclasses.field(default_factory=time.monotonic)
     closed: bool = False            # the handler is done with it (finished, cancelled, failed)
     ended: bool = False             # the scheduler sent its last event
@@ -266,6 +271,9 @@ class Scheduler:
         draft_policy: ``always`` (a tick drafts whenever the drafter is up) or ``measured`` (when
             that is faster at its batch size, as measured: :class:`orchestrator.policy.DraftPolicy`;
             experimental, docs/ARCHITECTURE.md "When to draft").
+        stream_interval_ms: most milliseconds a request's tokens are held before they go to its
+            handler (:meth:`_flush_events`), so the tokens of the ticks within it are streamed as
+            one message; a request's first tokens and its end are never held. 0: every tick's.
     """
 
     def __init__(self, target: TargetPeer, draft: DraftPeer, *, max_sessions: int,
@@ -276,7 +284,8 @@ class Scheduler:
                  draft_deadline_min_ms: float = OrchestratorConfig.draft_deadline_min_ms,
                  draft_deadline_ms: float = OrchestratorConfig.draft_deadline_ms,
                  draft_deadline_row_us: float = OrchestratorConfig.draft_deadline_row_us,
-                 draft_policy: str = OrchestratorConfig.draft_policy):
+                 draft_policy: str = OrchestratorConfig.draft_policy,
+                 stream_interval_ms: float = OrchestratorConfig.stream_interval_ms):
         self.target = target
         self.draft = draft
         self.info = target.info()
@@ -285,13 +294,18 @@ class Scheduler:
         self.step_nodes = max(1, int(step_nodes or OrchestratorConfig.auto_step_nodes(self.info.device)))
         self.step_timeout = step_timeout
         self.history_bytes = history_bytes
+        self.stream_interval = max(0.0, float(stream_interval_ms)) / 1e3
         self._lock = threading.Lock()
+        self._flush_lock = threading.Lock()
         self._wake = threading.Event()
         self._queue: collections.deque[Request] = collections.deque()
         self._prefilling: list[tuple[Request, grpc.Future]] = []
         self._active: list[Request] = []
         # (request, event) emitted and not yet handed to its handler (_emit, _end, _flush_events)
         self._pending: collections.deque[tuple[Request, Tokens | Failure]] = collections.deque()
+        # with stream_interval: events held until their request's flush_at, and the earliest of those
+        self._held_events: dict[Request, list[Tokens | Failure]] = {}
+        self._next_due = float("inf")
         self._slot_wait_until = 0.0
         self._releasing = {"target": 0, "draft": 0}  # sessions whose Release is unanswered: slots not free yet
         self._verify: StreamCall | None = None
@@ -442,20 +456,58 @@ class Scheduler:
             if hand_over:
                 self._flush_events()
 
-    def _flush_events(self) -> None:
+    def _flush_events(self, force: bool = False) -> None:
         """Hand the tokens emitted so far to their handlers (:meth:`_emit` defers them to here).
 
         Called once the next exchange's request is on its way (its ``on_sent``), so the handler
         threads these wake (detokenising, streaming to the client) run while this thread waits
         for the reply instead of taking the GIL when the reply arrives; also before anything
-        else reaches a handler (:meth:`_end`) and before the loop idles."""
+        else reaches a handler (:meth:`_end`) and before the loop idles (``force``).
+
+        With ``stream_interval``, a request's events wait here until its ``flush_at`` (the
+        interval after its last hand-over; its first event is due at once, and so is everything
+        once it has ended), then all go together: its handler sends them as one message
+        (``force``: every event now)."""
         pending = self._pending
-        while pending:
-            try:
+        interval = self.stream_interval
+        if not interval:
+            while pending:
+                try:
+                    req, event = pending.popleft()
+                except IndexError:
+                    return
+                req.events.put(event)
+            return
+        if not pending and not self._held_events:
+            return
+        with self._flush_lock:   # (a handler's close may flush too: a request's events stay in order)
+            now = time.monotonic()
+            held, handed = self._held_events, []
+            scan = force or self._next_due <= now
+            while pending:
                 req, event = pending.popleft()
-            except IndexError:
-                return
-            req.events.put(event)
+                waiting = held.get(req)
+                if waiting is not None:
+                    waiting.append(event)
+                    scan = scan or req.ended
+                elif force or req.ended or req.flush_at <= now:
+                    req.events.put(event)
+                    handed.append(req)
+                else:
+                    held[req] = [event]
+                    self._next_due = min(self._next_due, req.flush_at)
+            if held and scan:
+                self._next_due = float("inf")
+                for req in list(held):
+                    if force or req.ended or req.flush_at <= now:
+                        for event in held.pop(req):
+                            req.events.put(event)
+                        handed.append(req)
+                    else:
+                        self._next_due = min(self._next_due, req.flush_at)
+            until = now + interval
+            for req in handed:
+                req.flush_at = until
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -465,7 +517,7 @@ class Scheduler:
                 self._collect_prefills()
                 batch = [r for r in self._active if not r.closed]
                 if not batch:
-                    self._flush_events()
+                    self._flush_events(force=True)
                     metrics.flush()   # the last ticks' notes, before idling (metrics: FLUSH_INTERVAL_S)
                     self._wake.wait(0.05 if self._prefilling or self._queue else 1.0)
                     self._wake.clear()
@@ -477,7 +529,7 @@ class Scheduler:
                     self._end(r, Failure(grpc.StatusCode.INTERNAL, f"orchestrator error: {type(e).__name__}: {e}", Reason.INTERNAL))
                     r.closed = True
         # shutting down
-        self._flush_events()
+        self._flush_events(force=True)
         with self._lock:
             waiting = list(self._queue) + [r for r, _ in self._prefilling] + self._active
             self._queue.clear()
@@ -613,13 +665,18 @@ class Scheduler:
             self._slot_wait_until = time.monotonic() + 0.25
         metrics.set_active_sessions(self._held())
 
-    def _keep(self, req: Request, features: common_pb2.Tensor) -> None:
-        """Append the rows of ``features`` (just committed) to the request's history."""
-        n = len(features.data)   # (each read of the field is a copy: read once)
-        if not n:
+    def _keep(self, req: Request, features: Rows | common_pb2.Tensor | None) -> None:
+        """Append the rows of ``features`` (just committed: :class:`~dflash_grpc.columns.Rows`, or
+        a wire tensor) to the request's history, as bytes of their own (not a view of the reply
+        that carried them, which holds every item's rows)."""
+        if features is not None and not isinstance(features, Rows):
+            features = Rows.of_tensor(features)
+        if features is None or not features.rows:
             return
+        if not isinstance(features.data, bytes):
+            features = features._replace(data=bytes(features.data))
         req.history.append(features)
-        req.history_bytes += n
+        req.history_bytes += len(features.data)
         while req.history_bytes > self.history_bytes and req.sent > 0:
             # rows the drafter already has: drop them; a resync is no longer possible
             req.history_bytes -= len(req.history[0].data)
@@ -627,18 +684,21 @@ class Scheduler:
             req.sent -= 1
             req.history_complete = False
 
-    def _emit(self, req: Request, tokens: list[int], finish: str | None = None) -> None:
-        """Send ``tokens`` to the handler, cut at EOS and ``max_tokens`` (which end the request)."""
-        for i, tok in enumerate(tokens):
-            if tok in req.eos:
-                tokens, finish = tokens[:i], FINISH_EOS
-                break
+    def _emit(self, req: Request, tokens: list[int], finish: str | None = None, now: float | None = None) -> None:
+        """Send ``tokens`` to the handler, cut at EOS and ``max_tokens`` (which end the request);
+        ``now``: ``time.monotonic()`` of the tick (None: read here)."""
+        eos = req.eos
+        if eos and not eos.isdisjoint(tokens):
+            for i, tok in enumerate(tokens):
+                if tok in eos:
+                    tokens, finish = tokens[:i], FINISH_EOS
+                    break
         room = req.max_tokens - req.emitted
         if len(tokens) >= room:
             tokens = tokens[:room]
             finish = finish or FINISH_LENGTH
         req.emitted += len(tokens)
-        req.stats.decode_time_s = time.monotonic() - req.t_first
+        req.stats.decode_time_s = (time.monotonic() if now is None else now) - req.t_first
         if finish is not None:
             self._end(req, Tokens(tokens, finish), hand_over=False)
             req.closed = True
@@ -666,22 +726,27 @@ class Scheduler:
         if drafter is not None:
             trees, draft_s, resync_rows = self._propose_trees(batch, drafter)
         t1 = time.perf_counter()
-        # built in place (items added to the request, trees extended): no message built and copied in
-        request = target_pb2.VerifyRequest()
-        add = request.items.add
+        sids, sizes, tokens, parents = [], [], [], []
         for i, r in enumerate(batch):
-            tree = add(session_id=r.session_id).tree
+            sids.append(r.session_id)
             drafted = trees.get(i)
             if drafted is None:
-                tree.tokens.append(r.root)
-                tree.parents.append(-1)
+                sizes.append(1)
+                tokens.append(r.root)
+                parents.append(-1)
             else:
-                tree.tokens.extend(drafted[0])
-                tree.parents.extend(drafted[1])
+                sizes.append(len(drafted[0]))
+                tokens += drafted[0]
+                parents += drafted[1]
+        request = verify_request(COLUMNAR in self.info.features, sids, sizes, tokens, parents)
         try:
             if self._verify is None:
                 self._verify = self.target.verify_stream(None)
             reply = self._verify.exchange(request, self.step_timeout, self._flush_events)
+            try:
+                results = verify_results(reply, len(batch))
+            except ColumnsError as e:   # as a reply that does not decode: the stream is over (_verify_failed)
+                raise StreamError(grpc.StatusCode.INTERNAL, f"the reply's columns do not fit together: {e}") from None
         except grpc.RpcError as e:
             self._verify_failed(batch, e)
             return
@@ -692,27 +757,28 @@ class Scheduler:
         compute_s, device_s = reply.compute_s, reply.device_s
         steps = []   # (draft nodes, depth, accepted) of each verified item: the metrics, once per tick
         emitted = 0
-        for i, (r, res) in enumerate(zip(batch, reply.results)):
+        now = time.monotonic()
+        for i, (r, res) in enumerate(zip(batch, results)):
             stats = r.stats
             stats.verify_time_s += verify_s
             stats.verify_compute_s += compute_s
             stats.verify_device_s += device_s
             status = res.status
-            if status.code:
+            if status is not None:
                 self._verify_item_failed(r, status_code(status.code), status.message, status.reason)
                 continue
             drafted = trees.get(i)
             nodes, depth = (len(drafted[0]) - 1, drafted[2]) if drafted is not None else (0, 0)
-            tokens = res.accepted_tokens[:]
+            tokens = res.accepted
             k = len(tokens)
             stats.record_step(depth, nodes, k)
             steps.append((nodes, depth, k))
             emitted += k + 1
-            r.root, r.length = res.bonus_token, res.committed_length
+            r.root, r.length = res.bonus, res.length
             if r.speculative:
                 self._keep(r, res.features)
             tokens.append(r.root)
-            self._emit(r, tokens)
+            self._emit(r, tokens, now=now)
         if steps:
             metrics.observe_verify_batch(steps)
         self.ticks += 1
@@ -741,21 +807,28 @@ class Scheduler:
         with self._lock:
             room = ((drafter.model.max_sessions or 10**9) - sum(r.on_drafter for r in self._active)
                     - self._releasing["draft"] - len(self._draft_stale))
-        request = draft_pb2.ProposeRequest()
-        add = request.items.add
+        items = ProposeItems()
         who: list[tuple[int, int]] = []   # (batch index, max_depth) of each item
         extra_rows = 0  # feature rows beyond a step's worth (new or re-created sessions)
         max_context, n, step_nodes = self.info.max_context, len(batch), self.step_nodes
+        shares: dict[tuple[int, int], int] = {}   # adaptive_budget of this tick, by (want, min_nodes)
         for i, r in enumerate(batch):
             if not r.speculative or (not r.draft_synced and not r.history_complete):
                 continue  # not drafting, or the drafter lost this session and its history was dropped
-            asked = r.tree   # (a message: each field read once)
-            budget, top_k = asked.budget, asked.top_k
-            max_depth = min(block - 1, max_context - r.length - 1, r.max_tokens - r.emitted - 1, depth_cap,
-                            asked.max_depth or 10**9)
+            asked = r.tree_params
+            if asked is None:   # (the message's fields, read once per request)
+                t = r.tree
+                asked = r.tree_params = (t.budget, t.top_k, t.max_depth or 10**9)
+            budget, top_k, asked_depth = asked
+            max_depth = min(block - 1, max_context - r.length - 1, r.max_tokens - r.emitted - 1, depth_cap, asked_depth)
             # a tree's node budget, or a chain's length, within this request's share of the tick
-            nodes = adaptive_budget(n, step_nodes, want=budget or max_depth,
-                                    min_nodes=2 if budget else 1) if max_depth > 0 else 0
+            if max_depth > 0:
+                key = (budget or max_depth, 2 if budget else 1)
+                nodes = shares.get(key)
+                if nodes is None:
+                    nodes = shares[key] = adaptive_budget(n, step_nodes, want=key[0], min_nodes=key[1])
+            else:
+                nodes = 0
             if not nodes:
                 continue
             if not r.on_drafter:
@@ -764,25 +837,17 @@ class Scheduler:
                 room -= 1
             if not r.draft_synced:
                 r.sent = 0  # (re-)create the drafter's session from the whole history
-            # built in place (added to the request, the features copied in once)
-            item = add(session_id=r.draft_id, root_token=r.root, committed_length=r.length)
-            parts = r.history[r.sent:]
-            # (history entries are never empty: _keep; one entry, the common case, is copied as is)
-            features = parts[0] if len(parts) == 1 else join_features(parts)
-            if features is not None:
-                if features.shape[0] > block:
-                    extra_rows += features.shape[0] - block
-                item.features.CopyFrom(features)
-            tree = item.tree
-            tree.top_k = top_k
-            if budget:
-                tree.max_depth, tree.budget = max_depth, nodes
-            else:
-                tree.max_depth = max_depth = nodes
-            tree.SetInParent()   # present even when every field is 0, as before
+            # (history entries are never empty: _keep; one entry, the common case, is sent as is)
+            features = join_rows(r.history[r.sent:])
+            if features is not None and features.rows > block:
+                extra_rows += features.rows - block
+            if not budget:
+                max_depth = nodes   # a chain of that length
+            items.add(r.draft_id, r.root, r.length, nodes if budget else 0, top_k, max_depth, features)
             who.append((i, max_depth))
         if not who:
             return {}, 0.0, extra_rows
+        request = items.request(COLUMNAR in drafter.model.features)
         timeout = self.deadline.timeout(len(who), extra_rows)
         if timeout is not None:
             metrics.set_draft_deadline(timeout)
@@ -791,6 +856,10 @@ class Scheduler:
             if self._propose is None:
                 self._propose = self.draft.propose_stream(None)
             reply = self._propose.exchange(request, timeout, self._flush_events)
+            try:
+                results = propose_results(reply, len(who))
+            except ColumnsError as e:   # as a reply that does not decode: the stream is over
+                raise StreamError(grpc.StatusCode.INTERNAL, f"the reply's columns do not fit together: {e}") from None
         except grpc.RpcError as e:
             self._draft_failed([batch[i] for i, _ in who], e)
             return {}, time.perf_counter() - t0, extra_rows
@@ -803,14 +872,14 @@ class Scheduler:
             self.deadline.observe(draft_s, len(who))
         trees = {}
         compute_s, device_s = reply.compute_s, reply.device_s
-        for (i, max_depth), res in zip(who, reply.results):
+        for (i, max_depth), res in zip(who, results):
             r = batch[i]
             r.on_drafter = True
             r.stats.draft_time_s += draft_s
             r.stats.draft_compute_s += compute_s
             r.stats.draft_device_s += device_s
             status = res.status
-            if status.code:
+            if status is not None:
                 log.warning("drafter refused an item; this step goes on without a tree",
                             extra={"session": r.session_id, "code": status_code(status.code).name,
                                    "reason": status.reason, "error": status.message[:200]})
@@ -823,9 +892,8 @@ class Scheduler:
                 continue
             r.draft_synced = True
             r.sent = len(r.history)
-            tree = res.tree
             try:
-                tokens, parents, depth = fit_tree(tree.tokens[:], tree.parents[:], max_depth, width_cap)
+                tokens, parents, depth = fit_tree(res.tokens, res.parents, max_depth, width_cap)
             except TreeError as e:
                 log.warning("drafter sent a malformed tree; this step goes on without a tree",
                             extra={"session": r.session_id, "error": str(e)[:200]})

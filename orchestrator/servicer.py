@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
 import time
 import uuid
 
@@ -266,23 +267,42 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         text = TextStream(self.tokenizer.decode, list(request.stop))
         finish = generation_pb2.FINISH_REASON_LENGTH
         first = True
+        events = req.events
+        event = None   # taken from the queue and not handled yet
         try:
             while True:
-                event = req.events.get()
+                if event is None:
+                    event = events.get()
                 if isinstance(event, Failure):
                     metrics.REQUESTS.labels(outcome=event.code.name).inc()
                     if event.code == grpc.StatusCode.CANCELLED:
                         return
                     abort(context, event.code, event.message, str(event.reason))
-                stats.generated_tokens += len(event.tokens)
-                delta = text.push(event.tokens)
-                if event.finish in _FINISH:
-                    finish = _FINISH[event.finish]
-                if text.stopped:
-                    finish = generation_pb2.FINISH_REASON_STOP
-                done = event.finish is not None or text.stopped
-                if delta or event.tokens or first:
-                    yield generation_pb2.GenerateResponse(text=delta, token_ids=event.tokens, prompt_tokens=len(prompt) if first else 0)
+                # this event's tokens and those of every Tokens event queued behind it (ticks that
+                # came while the last message was being sent) go out as one message; each is pushed
+                # through the text stream on its own, as if sent alone
+                deltas, ids, done = [], [], False
+                while True:
+                    stats.generated_tokens += len(event.tokens)
+                    deltas.append(text.push(event.tokens))
+                    ids += event.tokens
+                    if event.finish in _FINISH:
+                        finish = _FINISH[event.finish]
+                    if text.stopped:
+                        finish = generation_pb2.FINISH_REASON_STOP
+                    done = event.finish is not None or text.stopped
+                    event = None
+                    if done:
+                        break
+                    try:
+                        event = events.get_nowait()
+                    except queue.Empty:
+                        break
+                    if isinstance(event, Failure):
+                        break   # handled after this message
+                delta = "".join(deltas)
+                if delta or ids or first:
+                    yield generation_pb2.GenerateResponse(text=delta, token_ids=ids, prompt_tokens=len(prompt) if first else 0)
                     first = False
                 if done:
                     break

@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = from_args(TargetConfig, args)
     tls = serving.server_tls_from_args(args, p)  # before loading: a bad flag fails at once
     serving.setup_logging(cfg.log_level)
+    serving.tune_malloc()   # large messages every tick: reuse their memory
     token = serving.auth_token_from_args(args, p, warn_open=True)
     servicer = build_servicer(cfg, progress=log.isEnabledFor(logging.INFO) or sys.stderr.isatty())
     loop, engine = servicer.loop, servicer.loop.engine

@@ -8,6 +8,11 @@ is RESOURCE_EXHAUSTED / ``OUT_OF_MEMORY``, anything else INTERNAL (logged). A un
 a Verify stream message each item gets its own ``ItemStatus`` (``code``, ``reason``,
 ``message``), so one bad item touches no other session.
 
+A Verify message comes per item (``items``) or as columns (``columns``, listed as "columnar" in
+the Info features: :mod:`dflash_grpc.columns`); a columnar one is answered as columns, with the
+refused items listed by index. Columns that do not fit together end the stream
+INVALID_ARGUMENT.
+
 Owners (:mod:`runtime.owners`): every call is made by the owner its metadata names (anonymous
 without it). A Prefill records the sessions it opens as the caller's; a Verify item or a Release
 naming another owner's session is refused for that item (PERMISSION_DENIED, reason
@@ -22,6 +27,7 @@ import logging
 import grpc
 import torch
 
+from dflash_grpc.columns import COLUMNAR, ColumnsError, pack_i32, read_trees
 from dflash_grpc.transport import MAX_MESSAGE_BYTES
 from dflash_grpc.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dflash_grpc.wire import fill_tensor, tensor_to_proto
@@ -33,7 +39,7 @@ from runtime.step_loop import StepLoop, run_items
 
 log = logging.getLogger(__name__)
 
-FEATURES = ["tree-verify", "sampling", "features-bf16", "chunked-prefill", "batched-verify"]
+FEATURES = ["tree-verify", "sampling", "features-bf16", "chunked-prefill", "batched-verify", COLUMNAR]
 
 def _decode_verify_item(item: target_pb2.VerifyItem) -> tuple[str, list[int], list[int]]:
     if not item.HasField("tree"):
@@ -78,6 +84,76 @@ def verify_response(items, outs, done) -> target_pb2.VerifyResponse:
     item, in order) and the batch's timing ``done`` (:class:`~runtime.step_loop.BatchResult`),
     built in place (:func:`runtime.status.batch_reply`)."""
     return batch_reply(target_pb2.VerifyResponse, items, outs, done, _fill_verify)
+
+
+class _Named:
+    """An item of a columnar request as :func:`runtime.status.batch_reply` reads it."""
+
+    __slots__ = ("session_id",)
+
+    def __init__(self, session_id: str):
+        self.session_id = session_id
+
+
+def _same(item):
+    return item
+
+
+def verify_columns(columns: target_pb2.VerifyColumns) -> list[tuple[str, list[int], list[int]]]:
+    """The engine items ``(session_id, tokens, parents)`` of a columnar Verify message.
+
+    Raises:
+        ColumnsError: columns that do not fit together.
+    """
+    sids = columns.session_ids[:]
+    return [(sid, tokens, parents) for sid, (tokens, parents) in zip(sids, read_trees(columns.trees, len(sids)))]
+
+
+def verify_columns_response(items, outs, done) -> target_pb2.VerifyResponse:
+    """The ``VerifyResponse`` answering a columnar request's ``items`` (engine items, in order)
+    with their outcomes ``outs`` and the batch's timing ``done``, as columns (the refused items by
+    index; every item's feature rows in one bf16 tensor). When the items' features differ in
+    width (sessions that asked for other layers), one tensor cannot hold them: the reply is then
+    per item (:func:`verify_response`), which a columnar client reads too."""
+    response = target_pb2.VerifyResponse(compute_s=done.compute_s, batch_items=done.batch_items, queue_s=done.queue_s,
+                                         device_s=done.device_s)
+    cols = response.columns
+    cols.SetInParent()
+    accepted, tokens, nodes, bonus, lengths, rows, feats = [], [], [], [], [], [], []
+    width = None
+    for i, out in enumerate(outs):
+        if isinstance(out, BaseException):
+            cols.refused.add(index=i).status.CopyFrom(item_status(out))
+            accepted.append(0)
+            bonus.append(0)
+            lengths.append(0)
+            rows.append(0)
+            continue
+        t = out.accepted_tokens
+        accepted.append(len(t))
+        tokens += t
+        nodes += out.accepted_nodes
+        bonus.append(out.bonus_token)
+        lengths.append(out.committed_length)
+        f = out.features
+        if f is None or not f.shape[0]:
+            rows.append(0)
+            continue
+        if width is None:
+            width = f.shape[1:]
+        elif f.shape[1:] != width:
+            return verify_response([_Named(sid) for sid, _, _ in items], outs, done)
+        rows.append(f.shape[0])
+        feats.append(f)
+    cols.accepted = pack_i32(accepted)
+    cols.accepted_tokens = pack_i32(tokens)
+    cols.accepted_nodes = pack_i32(nodes)
+    cols.bonus_tokens = pack_i32(bonus)
+    cols.committed_lengths = pack_i32(lengths)
+    cols.features.rows = pack_i32(rows)
+    if feats:
+        fill_tensor(cols.features.rows_data, feats[0] if len(feats) == 1 else torch.cat(feats), torch.bfloat16)
+    return response
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -159,10 +235,18 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         scope = self.loop.enter(owner)   # the open stream holds the owner's lease
         context.add_callback(scope.close)
         with scope:
-            yield from self._verify(request_iterator, owner)
+            try:
+                yield from self._verify(request_iterator, owner)
+            except ColumnsError as e:
+                abort_with(context, InvalidArgument(f"malformed columns: {e}"))
 
     def _verify(self, request_iterator, owner):
         for request in request_iterator:
+            if request.HasField("columns"):
+                items = verify_columns(request.columns)
+                outs, done = run_items(self.loop, items, _same, owner)
+                yield verify_columns_response(items, outs, done)
+                continue
             items = request.items
             outs, done = run_items(self.loop, items, _decode_verify_item, owner)
             yield verify_response(items, outs, done)

@@ -112,7 +112,7 @@ def test_info(served, files):
     m = info.model
     assert m.architecture == "qwen3" and m.block_size == 8 and m.vocab_size == tiny.vocab
     assert m.hidden_size == 64 and m.num_layers == 2 and m.max_sessions == MAX_SESSIONS
-    assert m.max_context == MAX_CONTEXT and m.device == "cpu" and list(m.features) == ["chain", "tree"]
+    assert m.max_context == MAX_CONTEXT and m.device == "cpu" and list(m.features) == ["chain", "tree", "columnar"]
     assert m.model_name == "dflash-random-llama" and m.model_fingerprint == file_sha256(drafter)
     target = GGUFFile(tiny.path)
     assert m.tokenizer_fingerprint == tokenizer_fingerprint(target)

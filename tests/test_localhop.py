@@ -241,3 +241,23 @@ def test_on_sent_runs_once_between_the_send_and_the_reply(hop):
             call.exchange(_request(), timeout=5.0, on_sent=lambda: marks.append(0.0))
         assert len(marks) == 3
     channel.close()
+
+
+@pytest.mark.parametrize("size", [0, 100, 16383, 16384, 1 << 20])
+def test_send_frame_is_one_frame_of_tag_and_data(size):
+    """A reply goes out as one ``recv_bytes`` frame of its tag and bytes, small or large (the
+    large ones are written without joining them first)."""
+    import socket
+    from multiprocessing.connection import Connection
+
+    from dflash_grpc.localhop import REPLY, send_frame
+
+    a, b = socket.socketpair()
+    sender, receiver = Connection(a.detach()), Connection(b.detach())
+    data = os.urandom(size)
+    done = threading.Thread(target=send_frame, args=(sender, REPLY, data))
+    done.start()
+    assert receiver.recv_bytes() == REPLY + data
+    done.join()
+    sender.close()
+    receiver.close()

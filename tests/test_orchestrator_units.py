@@ -33,6 +33,27 @@ def test_text_stream_stops_before_the_stop_string(smollm_tokenizer, stop):
     assert stream.stopped and out == text[:cut]
 
 
+@pytest.mark.parametrize("stop", [[], ["\n"], ["界!", "x **"], ["2  #", "2"]])
+def test_text_stream_incremental_equals_decoding_everything(smollm_tokenizer, stop):
+    """Decoding only the new ids (the default) gives exactly the deltas of decoding every id at
+    every push, also where a character's bytes are split across tokens and pushes."""
+    import random
+
+    text = "Grüße, 世界! 😀 def f(x):\n    return x ** 2  # done 🎉🎉 ünïcödé"
+    ids = smollm_tokenizer.encode(text)
+    ids += [b for ch in "€😀" for b in smollm_tokenizer.encode(ch)] + ids   # byte tokens too
+    rng = random.Random(0)
+    for _ in range(20):
+        a, b = TextStream(smollm_tokenizer.decode, stop), TextStream(smollm_tokenizer.decode, stop, incremental=False)
+        i = 0
+        while i < len(ids) and not b.stopped:
+            n = rng.randint(1, 4)
+            assert a.push(ids[i:i + n]) == b.push(ids[i:i + n])
+            assert a.stopped == b.stopped
+            i += n
+        assert a.finish() == b.finish()
+
+
 def test_text_stream_holds_back_a_possible_stop_prefix():
     pieces = {1: "ab", 2: "c<", 3: "/s", 4: "x"}
     stream = TextStream(lambda ids: "".join(pieces[i] for i in ids), ["</s>"])
@@ -146,3 +167,158 @@ def test_tokens_reach_the_handler_once_handed_over_and_before_any_end():
             b.events.get_nowait()
     finally:
         sched.stop(timeout=1.0, release_timeout=0.1)
+
+
+# ------------------------------------------------------------------------------------------------
+# streaming: events coalesced into messages (issue 23)
+
+
+class _Peer:
+    address = None
+    stub = None
+
+    def info(self):
+        from dflash_grpc.v1 import common_pb2
+
+        return common_pb2.ModelInfo(vocab_size=300, max_context=64, max_sessions=4, tokenizer_fingerprint="fp",
+                                    model_fingerprint="m", device="cpu")
+
+    def state(self):
+        return None
+
+
+class _ScriptedScheduler:
+    """Stands in for the scheduler: every submitted request finds ``events`` already queued."""
+
+    def __init__(self, events):
+        self.events = events
+
+    def submit(self, req):
+        for e in self.events:
+            req.events.put(e)
+
+    def close(self, req, why=None):
+        pass
+
+
+def _servicer(events):
+    from fixtures.fakes import FakeTokenizer
+    from orchestrator.servicer import GenerationServicer
+
+    return GenerationServicer(_Peer(), _Peer(), FakeTokenizer(), 16, None, _ScriptedScheduler(events))
+
+
+def test_generate_sends_the_events_queued_together_as_one_message():
+    from dflash_grpc.localhop import LocalContext
+    from dflash_grpc.v1 import generation_pb2
+    from orchestrator.scheduler import Tokens
+
+    svc = _servicer([Tokens([1]), Tokens([2, 3]), Tokens([4], "length")])
+    msgs = list(svc.Generate(generation_pb2.GenerateRequest(prompt="a", max_tokens=4), LocalContext()))
+    assert [list(m.token_ids) for m in msgs] == [[1, 2, 3, 4], []]
+    assert msgs[0].text == "xxxx" and msgs[0].prompt_tokens == 3
+    assert msgs[-1].finished and msgs[-1].finish_reason == generation_pb2.FINISH_REASON_LENGTH
+    assert msgs[-1].stats.generated_tokens == 4
+
+
+def test_generate_coalescing_keeps_each_push_and_stops_at_a_stop_string():
+    """Each event still goes through the text stream on its own: a stop string found in one
+    event ends the message there, later events' tokens are not sent."""
+    from dflash_grpc.localhop import LocalContext
+    from dflash_grpc.v1 import generation_pb2
+    from orchestrator.scheduler import Tokens
+
+    svc = _servicer([Tokens([1]), Tokens([2, 3]), Tokens([4, 5])])
+    svc.tokenizer.decode = lambda ids: "".join("ab<c"[i % 4] for i in ids)   # 1 2 3 -> "b<c", 4 5 -> "ab"
+    msgs = list(svc.Generate(generation_pb2.GenerateRequest(prompt="a", max_tokens=9, stop=["<c"]), LocalContext()))
+    assert [list(m.token_ids) for m in msgs] == [[1, 2, 3], []]
+    assert msgs[0].text == "b" and msgs[-1].finish_reason == generation_pb2.FINISH_REASON_STOP
+
+
+def test_generate_sends_the_tokens_before_a_failure_then_fails():
+    import grpc
+
+    from dflash_grpc.localhop import HopAborted, LocalContext
+    from dflash_grpc.v1 import generation_pb2
+    from orchestrator.scheduler import Failure, Tokens
+
+    svc = _servicer([Tokens([1]), Tokens([2]), Failure(grpc.StatusCode.UNAVAILABLE, "gone", "TARGET_UNAVAILABLE")])
+    gen = svc.Generate(generation_pb2.GenerateRequest(prompt="a", max_tokens=9), LocalContext())
+    assert list(next(gen).token_ids) == [1, 2]
+    with pytest.raises(HopAborted) as e:
+        next(gen)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE and e.value.reason == "TARGET_UNAVAILABLE"
+
+
+def _idle_scheduler(interval_ms):
+    """A scheduler whose thread is stopped, to drive its event hand-over by hand."""
+    from orchestrator.scheduler import Scheduler
+
+    sched = Scheduler(_Peer(), _Peer(), max_sessions=4, step_nodes=64, stream_interval_ms=interval_ms)
+    sched._stop.set()
+    sched._wake.set()
+    sched._thread.join()
+    return sched
+
+
+def _request(sid="r"):
+    from dflash_grpc.v1 import common_pb2, draft_pb2
+    from orchestrator.scheduler import Request
+
+    return Request(session_id=sid, prompt=[1], sampling=common_pb2.SamplingParams(), max_tokens=100,
+                   tree=draft_pb2.TreeParams(), speculative=False)
+
+
+def _drain(req):
+    out = []
+    while not req.events.empty():
+        out.append(req.events.get())
+    return out
+
+
+def test_stream_interval_holds_tokens_but_never_the_first_or_the_end():
+    import grpc
+
+    from orchestrator.scheduler import Failure, Tokens
+
+    sched = _idle_scheduler(60_000)   # a minute: nothing becomes due by time alone here
+    a, b = _request("a"), _request("b")
+    sched._pending.extend([(a, Tokens([1])), (b, Tokens([7]))])
+    sched._flush_events()
+    assert [e.tokens for e in _drain(a)] == [[1]] and [e.tokens for e in _drain(b)] == [[7]]   # first: at once
+    sched._pending.extend([(a, Tokens([2])), (b, Tokens([8])), (a, Tokens([3]))])
+    sched._flush_events()
+    assert _drain(a) == [] and _drain(b) == []                                                  # held
+    sched._pending.append((a, Tokens([4])))
+    sched._end(a, Failure(grpc.StatusCode.UNAVAILABLE, "gone"))                                  # an end: all, in order
+    got = _drain(a)
+    assert [e.tokens for e in got[:3]] == [[2], [3], [4]] and isinstance(got[3], Failure)
+    assert _drain(b) == []
+    b.flush_at = sched._next_due = 0.0                                                           # as if b's interval passed
+    sched._pending.append((b, Tokens([9])))
+    sched._flush_events()
+    assert [e.tokens for e in _drain(b)] == [[8], [9]]
+    sched._pending.append((b, Tokens([10], "length")))                                           # a finish: _emit ends it
+    sched._end(b, Tokens([11], "length"), hand_over=False)
+    sched._flush_events()
+    assert [e.tokens for e in _drain(b)] == [[10], [11]]
+
+
+def test_stream_interval_zero_hands_every_event_over_and_force_flushes():
+    from orchestrator.scheduler import Tokens
+
+    sched = _idle_scheduler(0)
+    a = _request()
+    for t in ([1], [2]):
+        sched._pending.append((a, Tokens(t)))
+        sched._flush_events()
+        assert [e.tokens for e in _drain(a)] == [t]
+    held = _idle_scheduler(60_000)
+    held._pending.append((a, Tokens([1])))
+    held._flush_events()
+    assert [e.tokens for e in _drain(a)] == [[1]]
+    held._pending.append((a, Tokens([2])))
+    held._flush_events()
+    assert _drain(a) == []
+    held._flush_events(force=True)   # the loop idles, or stops
+    assert [e.tokens for e in _drain(a)] == [[2]]

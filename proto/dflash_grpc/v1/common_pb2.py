@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64\x66lash_grpc/v1/common.proto\x12\x0e\x64\x66lash_grpc.v1\"K\n\x06Tensor\x12$\n\x05\x64type\x18\x01 \x01(\x0e\x32\x15.dflash_grpc.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\",\n\tTokenTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\";\n\nItemStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x97\x03\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x13\n\x0bmax_context\x18\x07 \x01(\x05\x12\x16\n\x0emax_tree_width\x18\x08 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\t \x01(\x05\x12\x13\n\x0bhidden_size\x18\n \x01(\x05\x12\x12\n\nnum_layers\x18\x0b \x01(\x05\x12\x10\n\x08\x66\x65\x61tures\x18\x0c \x03(\t\x12\x0e\n\x06\x64\x65vice\x18\r \x01(\t\x12\x16\n\x0emax_tree_depth\x18\x0e \x01(\x05\x12\x16\n\x0egraph_captures\x18\x0f \x01(\x05\x12\x12\n\nfree_slots\x18\x10 \x01(\x05\x12\x16\n\x0elocal_endpoint\x18\x11 \x01(\t\x12\x14\n\x0cweight_bytes\x18\x12 \x01(\x03\"%\n\x0eReleaseRequest\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05*L\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0e\n\nDTYPE_BF16\x10\x01\x12\r\n\tDTYPE_F16\x10\x02\x12\r\n\tDTYPE_F32\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64\x66lash_grpc/v1/common.proto\x12\x0e\x64\x66lash_grpc.v1\"K\n\x06Tensor\x12$\n\x05\x64type\x18\x01 \x01(\x0e\x32\x15.dflash_grpc.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\",\n\tTokenTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\";\n\nItemStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"=\n\x0bTreeColumns\x12\r\n\x05sizes\x18\x01 \x01(\x0c\x12\x0e\n\x06tokens\x18\x02 \x01(\x0c\x12\x0f\n\x07parents\x18\x03 \x01(\x0c\"I\n\x0e\x46\x65\x61tureColumns\x12\x0c\n\x04rows\x18\x01 \x01(\x0c\x12)\n\trows_data\x18\x02 \x01(\x0b\x32\x16.dflash_grpc.v1.Tensor\"J\n\rIndexedStatus\x12\r\n\x05index\x18\x01 \x01(\x05\x12*\n\x06status\x18\x02 \x01(\x0b\x32\x1a.dflash_grpc.v1.ItemStatus\"\x97\x03\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x13\n\x0bmax_context\x18\x07 \x01(\x05\x12\x16\n\x0emax_tree_width\x18\x08 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\t \x01(\x05\x12\x13\n\x0bhidden_size\x18\n \x01(\x05\x12\x12\n\nnum_layers\x18\x0b \x01(\x05\x12\x10\n\x08\x66\x65\x61tures\x18\x0c \x03(\t\x12\x0e\n\x06\x64\x65vice\x18\r \x01(\t\x12\x16\n\x0emax_tree_depth\x18\x0e \x01(\x05\x12\x16\n\x0egraph_captures\x18\x0f \x01(\x05\x12\x12\n\nfree_slots\x18\x10 \x01(\x05\x12\x16\n\x0elocal_endpoint\x18\x11 \x01(\t\x12\x14\n\x0cweight_bytes\x18\x12 \x01(\x03\"%\n\x0eReleaseRequest\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05*L\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0e\n\nDTYPE_BF16\x10\x01\x12\r\n\tDTYPE_F16\x10\x02\x12\r\n\tDTYPE_F32\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dflash_grpc.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=814
-  _globals['_DTYPE']._serialized_end=890
+  _globals['_DTYPE']._serialized_start=1028
+  _globals['_DTYPE']._serialized_end=1104
   _globals['_TENSOR']._serialized_start=47
   _globals['_TENSOR']._serialized_end=122
   _globals['_TOKENTREE']._serialized_start=124
@@ -41,10 +41,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_end=265
   _globals['_ITEMSTATUS']._serialized_start=267
   _globals['_ITEMSTATUS']._serialized_end=326
-  _globals['_MODELINFO']._serialized_start=329
-  _globals['_MODELINFO']._serialized_end=736
-  _globals['_RELEASEREQUEST']._serialized_start=738
-  _globals['_RELEASEREQUEST']._serialized_end=775
-  _globals['_RELEASERESPONSE']._serialized_start=777
-  _globals['_RELEASERESPONSE']._serialized_end=812
+  _globals['_TREECOLUMNS']._serialized_start=328
+  _globals['_TREECOLUMNS']._serialized_end=389
+  _globals['_FEATURECOLUMNS']._serialized_start=391
+  _globals['_FEATURECOLUMNS']._serialized_end=464
+  _globals['_INDEXEDSTATUS']._serialized_start=466
+  _globals['_INDEXEDSTATUS']._serialized_end=540
+  _globals['_MODELINFO']._serialized_start=543
+  _globals['_MODELINFO']._serialized_end=950
+  _globals['_RELEASEREQUEST']._serialized_start=952
+  _globals['_RELEASEREQUEST']._serialized_end=989
+  _globals['_RELEASERESPONSE']._serialized_start=991
+  _globals['_RELEASERESPONSE']._serialized_end=1026
 # @@protoc_insertion_point(module_scope)

@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -57,6 +57,32 @@ class ItemStatus(_message.Message):
     message: str
     reason: str
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class TreeColumns(_message.Message):
+    __slots__ = ("sizes", "tokens", "parents")
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    sizes: bytes
+    tokens: bytes
+    parents: bytes
+    def __init__(self, sizes: _Optional[bytes] = ..., tokens: _Optional[bytes] = ..., parents: _Optional[bytes] = ...) -> None: ...
+
+class FeatureColumns(_message.Message):
+    __slots__ = ("rows", "rows_data")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_DATA_FIELD_NUMBER: _ClassVar[int]
+    rows: bytes
+    rows_data: Tensor
+    def __init__(self, rows: _Optional[bytes] = ..., rows_data: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class IndexedStatus(_message.Message):
+    __slots__ = ("index", "status")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    status: ItemStatus
+    def __init__(self, index: _Optional[int] = ..., status: _Optional[_Union[ItemStatus, _Mapping]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("model_name", "architecture", "vocab_size", "tokenizer_fingerprint", "model_fingerprint", "block_size", "max_context", "max_tree_width", "max_sessions", "hidden_size", "num_layers", "features", "device", "max_tree_depth", "graph_captures", "free_slots", "local_endpoint", "weight_bytes")

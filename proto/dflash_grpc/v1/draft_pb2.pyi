@@ -48,10 +48,30 @@ class ProposeItem(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., root_token: _Optional[int] = ..., committed_length: _Optional[int] = ..., tree: _Optional[_Union[TreeParams, _Mapping]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("items",)
+    __slots__ = ("items", "columns")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[ProposeItem]
-    def __init__(self, items: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ...) -> None: ...
+    columns: ProposeColumns
+    def __init__(self, items: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ..., columns: _Optional[_Union[ProposeColumns, _Mapping]] = ...) -> None: ...
+
+class ProposeColumns(_message.Message):
+    __slots__ = ("session_ids", "root_tokens", "committed_lengths", "budgets", "top_ks", "max_depths", "features")
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    ROOT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    BUDGETS_FIELD_NUMBER: _ClassVar[int]
+    TOP_KS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DEPTHS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    root_tokens: bytes
+    committed_lengths: bytes
+    budgets: bytes
+    top_ks: bytes
+    max_depths: bytes
+    features: _common_pb2.FeatureColumns
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ..., root_tokens: _Optional[bytes] = ..., committed_lengths: _Optional[bytes] = ..., budgets: _Optional[bytes] = ..., top_ks: _Optional[bytes] = ..., max_depths: _Optional[bytes] = ..., features: _Optional[_Union[_common_pb2.FeatureColumns, _Mapping]] = ...) -> None: ...
 
 class ProposeResult(_message.Message):
     __slots__ = ("session_id", "status", "tree")
@@ -64,15 +84,19 @@ class ProposeResult(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.ItemStatus, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("results", "compute_s", "batch_items", "queue_s", "device_s")
+    __slots__ = ("results", "compute_s", "batch_items", "queue_s", "device_s", "refused", "trees")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     BATCH_ITEMS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     DEVICE_S_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    TREES_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[ProposeResult]
     compute_s: float
     batch_items: int
     queue_s: float
     device_s: float
-    def __init__(self, results: _Optional[_Iterable[_Union[ProposeResult, _Mapping]]] = ..., compute_s: _Optional[float] = ..., batch_items: _Optional[int] = ..., queue_s: _Optional[float] = ..., device_s: _Optional[float] = ...) -> None: ...
+    refused: _containers.RepeatedCompositeFieldContainer[_common_pb2.IndexedStatus]
+    trees: _common_pb2.TreeColumns
+    def __init__(self, results: _Optional[_Iterable[_Union[ProposeResult, _Mapping]]] = ..., compute_s: _Optional[float] = ..., batch_items: _Optional[int] = ..., queue_s: _Optional[float] = ..., device_s: _Optional[float] = ..., refused: _Optional[_Iterable[_Union[_common_pb2.IndexedStatus, _Mapping]]] = ..., trees: _Optional[_Union[_common_pb2.TreeColumns, _Mapping]] = ...) -> None: ...

@@ -56,10 +56,20 @@ class VerifyItem(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("items",)
+    __slots__ = ("items", "columns")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[VerifyItem]
-    def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ...) -> None: ...
+    columns: VerifyColumns
+    def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ..., columns: _Optional[_Union[VerifyColumns, _Mapping]] = ...) -> None: ...
+
+class VerifyColumns(_message.Message):
+    __slots__ = ("session_ids", "trees")
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    TREES_FIELD_NUMBER: _ClassVar[int]
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    trees: _common_pb2.TreeColumns
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ..., trees: _Optional[_Union[_common_pb2.TreeColumns, _Mapping]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
     __slots__ = ("session_id", "status", "accepted_tokens", "accepted_nodes", "bonus_token", "committed_length", "features")
@@ -80,15 +90,35 @@ class VerifyResult(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.ItemStatus, _Mapping]] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., committed_length: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("results", "compute_s", "batch_items", "queue_s", "device_s")
+    __slots__ = ("results", "compute_s", "batch_items", "queue_s", "device_s", "columns")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     BATCH_ITEMS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     DEVICE_S_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[VerifyResult]
     compute_s: float
     batch_items: int
     queue_s: float
     device_s: float
-    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ..., compute_s: _Optional[float] = ..., batch_items: _Optional[int] = ..., queue_s: _Optional[float] = ..., device_s: _Optional[float] = ...) -> None: ...
+    columns: VerifyResultColumns
+    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ..., compute_s: _Optional[float] = ..., batch_items: _Optional[int] = ..., queue_s: _Optional[float] = ..., device_s: _Optional[float] = ..., columns: _Optional[_Union[VerifyResultColumns, _Mapping]] = ...) -> None: ...
+
+class VerifyResultColumns(_message.Message):
+    __slots__ = ("refused", "accepted", "accepted_tokens", "accepted_nodes", "bonus_tokens", "committed_lengths", "features")
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
+    BONUS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    refused: _containers.RepeatedCompositeFieldContainer[_common_pb2.IndexedStatus]
+    accepted: bytes
+    accepted_tokens: bytes
+    accepted_nodes: bytes
+    bonus_tokens: bytes
+    committed_lengths: bytes
+    features: _common_pb2.FeatureColumns
+    def __init__(self, refused: _Optional[_Iterable[_Union[_common_pb2.IndexedStatus, _Mapping]]] = ..., accepted: _Optional[bytes] = ..., accepted_tokens: _Optional[bytes] = ..., accepted_nodes: _Optional[bytes] = ..., bonus_tokens: _Optional[bytes] = ..., committed_lengths: _Optional[bytes] = ..., features: _Optional[_Union[_common_pb2.FeatureColumns, _Mapping]] = ...) -> None: ...

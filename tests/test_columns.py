@@ -1,0 +1,272 @@
+"""The columnar form of the Verify and Propose messages (``dflash_grpc.columns``, issue 23).
+
+* The codec: int32 columns, trees and feature rows round-trip; columns that do not fit together
+  raise ``ColumnsError``.
+* The target (both engines) and the draft service over gRPC answer the same batch the same way
+  whether it comes per item or as columns (tokens, nodes, bonus, lengths, features, trees, and
+  each refused item's code and reason); malformed columns end the stream INVALID_ARGUMENT and the
+  server serves the next one.
+* The orchestrator's side (``orchestrator.messages``) writes either form and reads either reply.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from dflash_grpc import columns as C
+from dflash_grpc import serving
+from dflash_grpc.transport import GRPC_OPTIONS, reason_of
+from dflash_grpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from dflash_grpc.wire import tensor_to_proto
+from orchestrator.messages import ProposeItems, propose_results, verify_request, verify_results
+
+VOCAB = 300
+CONTEXT = 32
+IA = grpc.StatusCode.INVALID_ARGUMENT
+
+
+# ------------------------------------------------------------------------------------------------
+# the codec
+
+
+def test_int32_columns_round_trip_and_check_their_length():
+    values = [0, -1, 7, 2**31 - 1, -2**31]
+    assert C.unpack_i32(C.pack_i32(values)) == values
+    assert C.pack_i32([1]) == b"\x01\x00\x00\x00"   # little-endian
+    with pytest.raises(C.ColumnsError):
+        C.unpack_i32(b"\x00" * 5)
+    with pytest.raises(C.ColumnsError):
+        C.unpack_i32(C.pack_i32([1, 2]), 3)
+
+
+def test_trees_round_trip_and_sizes_must_add_up():
+    msg = common_pb2.TreeColumns()
+    C.fill_trees(msg, [2, 0, 1], [5, 6, 7], [-1, 0, -1])
+    assert C.read_trees(msg, 3) == [([5, 6], [-1, 0]), ([], []), ([7], [-1])]
+    for sizes, tokens, parents, count in (([2, 2], [5, 6, 7], [-1, 0, -1], 2),    # sizes past the tokens
+                                          ([1], [5, 6], [-1, 0], 1),                # tokens left over
+                                          ([1], [5], [-1, 0], 1),                   # parents differ
+                                          ([-1, 2], [5], [-1], 2),                  # negative size
+                                          ([1], [5], [-1], 2)):                     # another item count
+        bad = common_pb2.TreeColumns(sizes=C.pack_i32(sizes), tokens=C.pack_i32(tokens), parents=C.pack_i32(parents))
+        with pytest.raises(C.ColumnsError):
+            C.read_trees(bad, count)
+
+
+def test_feature_rows_round_trip_and_must_fit_their_tensor():
+    a = C.Rows(common_pb2.DTYPE_BF16, 3, 2, bytes(range(12)))
+    b = C.Rows(common_pb2.DTYPE_BF16, 3, 1, bytes(range(12, 18)))
+    msg = common_pb2.FeatureColumns()
+    assert C.fill_features(msg, [a, None, b])
+    got = C.read_features(msg, 3)
+    assert got[1] is None and [(r.rows, bytes(r.data)) for r in (got[0], got[2])] == [(2, a.data), (1, b.data)]
+    assert not C.fill_features(common_pb2.FeatureColumns(), [a, C.Rows(common_pb2.DTYPE_BF16, 4, 1, bytes(8))])
+    empty = common_pb2.FeatureColumns()
+    assert C.fill_features(empty, [None, None]) and C.read_features(empty, 2) == [None, None]
+    for mutate in (lambda m: setattr(m.rows_data, "data", m.rows_data.data[:-1]),       # bytes short
+                   lambda m: m.rows_data.shape.__setitem__(0, 4),                        # rows differ
+                   lambda m: setattr(m.rows_data, "dtype", 99),                          # unknown dtype
+                   lambda m: setattr(m, "rows", C.pack_i32([2, 1]))):                    # another item count
+        bad = common_pb2.FeatureColumns()
+        bad.CopyFrom(msg)
+        mutate(bad)
+        with pytest.raises(C.ColumnsError):
+            C.read_features(bad, 3)
+
+
+def test_refused_indices_must_be_in_range_once_and_not_ok():
+    ok = [common_pb2.IndexedStatus(index=1, status=common_pb2.ItemStatus(code=5, reason="SESSION_NOT_FOUND"))]
+    assert C.index_statuses(ok, 2)[1].reason == "SESSION_NOT_FOUND"
+    for bad in ([common_pb2.IndexedStatus(index=2, status=common_pb2.ItemStatus(code=5))],
+                [common_pb2.IndexedStatus(index=0, status=common_pb2.ItemStatus(code=0))],
+                ok + ok):
+        with pytest.raises(C.ColumnsError):
+            C.index_statuses(bad, 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# the services over gRPC
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from draft_service.init_random import write_random_drafter
+    from fixtures.tiny_models import write_tiny_llama
+
+    d = tmp_path_factory.mktemp("columns")
+    target = write_tiny_llama(d / "target.gguf", vocab=VOCAB, seed=3)
+    drafter = d / "drafter.gguf"
+    write_random_drafter(target.path, drafter, block_size=4, num_target_layers=2, layers=1, dtype="f32", seed=1)
+    return str(target.path), str(drafter)
+
+
+def _serve(add):
+    server, _, port = serving.make_server(add, "127.0.0.1:0", max_workers=4)
+    return server, grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
+
+
+@pytest.fixture(params=["reference", "batched"])
+def target(request, tiny):
+    from runtime.step_loop import StepLoop
+    from target_service.__main__ import build_engine
+    from target_service.servicer import TargetServicer
+
+    engine, info = build_engine(tiny[0], max_sessions=4, max_context=CONTEXT, max_tree_width=8, max_tree_depth=8,
+                                engine=request.param)
+    loop = StepLoop(engine, name="columns-target")
+    servicer = TargetServicer(loop, info)
+
+    def add(server):
+        target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
+        return ["dflash_grpc.v1.TargetService"]
+
+    server, channel = _serve(add)
+    try:
+        yield target_pb2_grpc.TargetServiceStub(channel), servicer
+    finally:
+        channel.close()
+        server.stop(None)
+        loop.stop()
+
+
+def _prefill(stub, sid, prompt, layers=(0, 1)):
+    item = target_pb2.PrefillItem(session_id=sid, prompt_tokens=prompt, feature_layer_ids=list(layers))
+    return stub.Prefill(target_pb2.PrefillRequest(items=[item]), timeout=60).results[0]
+
+
+def _refused(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as ei:
+        call()
+    return ei.value.code(), reason_of(ei.value)
+
+
+def _verify(stub, columnar, sids, trees):
+    req = verify_request(columnar, sids, [len(t) for t, _ in trees], [x for t, _ in trees for x in t],
+                         [x for _, p in trees for x in p])
+    (reply,) = stub.Verify(iter([req]), timeout=60)
+    assert reply.HasField("columns") == columnar
+    return [(r.status.code if r.status else 0, r.status.reason if r.status else "", r.accepted, r.bonus, r.length,
+             bytes(r.features.data) if r.features is not None else b"") for r in verify_results(reply, len(sids))]
+
+
+def test_target_answers_columns_as_it_answers_items(target):
+    """Sessions of the same prompts verify the same trees, per item and as columns, step after
+    step: every answer and feature byte is the same; refused items keep their code and reason."""
+    stub, servicer = target
+    assert C.COLUMNAR in servicer.info.features
+    roots = {}
+    for form in ("i", "c"):
+        roots[form] = [_prefill(stub, f"{form}0", [1, 2, 3]).first_token,
+                       _prefill(stub, f"{form}1", [4, 5], layers=()).first_token]   # no features
+    assert roots["i"] == roots["c"]
+    for step in range(3):
+        got = {}
+        for form in ("i", "c"):
+            r0, r1 = roots[form]
+            trees = [([r0, (r0 + 1) % VOCAB, 7], [-1, 0, 1]),
+                     ([(r1 + 1) % VOCAB], [-1]),                  # not the session's root
+                     ([1], [-1]),                                 # no such session
+                     ([r0, 1], [-1, 5])]                          # malformed, and session 0 again
+            got[form] = _verify(stub, form == "c", [f"{form}0", f"{form}1", "nope", f"{form}0"], trees)
+        assert got["i"] == got["c"], step
+        codes = [g[:2] for g in got["c"]]
+        assert codes[0] == (0, "") and codes[1] == (IA.value[0], "INVALID_TREE")
+        assert codes[2] == (grpc.StatusCode.NOT_FOUND.value[0], "SESSION_NOT_FOUND") and codes[3][0] == IA.value[0]
+        assert got["c"][0][5], "the accepted item's features travel"
+        for form in ("i", "c"):
+            roots[form][0] = got[form][0][3]
+
+
+def test_target_refuses_malformed_columns_and_serves_on(target):
+    stub, _ = target
+    root = _prefill(stub, "m", [1, 2]).first_token
+    bad = target_pb2.VerifyRequest()
+    bad.columns.session_ids.append("m")
+    C.fill_trees(bad.columns.trees, [2], [root], [-1])            # sizes past the tokens
+    assert _refused(lambda: list(stub.Verify(iter([bad]), timeout=30))) == (IA, "INVALID_ARGUMENT")
+    assert _verify(stub, True, ["m"], [([root], [-1])])[0][:2] == (0, "")
+
+
+@pytest.fixture()
+def drafter(tiny):
+    from draft_service.servicer import SERVICE_NAME, DraftServiceServicer
+
+    servicer = DraftServiceServicer.from_paths(tiny[1], tiny[0], max_sessions=4, max_context=16)
+
+    def add(server):
+        draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
+        return [SERVICE_NAME]
+
+    server, channel = _serve(add)
+    try:
+        yield draft_pb2_grpc.DraftServiceStub(channel), servicer
+    finally:
+        channel.close()
+        server.stop(None)
+        servicer.close()
+
+
+def _propose(stub, columnar, items):
+    batch = ProposeItems()
+    for it in items:
+        batch.add(*it)
+    (reply,) = stub.Propose(iter([batch.request(columnar)]), timeout=60)
+    assert reply.HasField("trees") == columnar
+    return [(r.status.code if r.status else 0, r.status.reason if r.status else "", r.tokens, r.parents)
+            for r in propose_results(reply, len(items))]
+
+
+def test_drafter_answers_columns_as_it_answers_items(drafter):
+    stub, servicer = drafter
+    assert C.COLUMNAR in servicer.info().model.features
+    width = servicer.config.feature_size
+    torch.manual_seed(0)
+    rows = [C.Rows.of_tensor(tensor_to_proto(torch.randn(n, width).to(torch.bfloat16))) for n in (3, 1, 2)]
+    for form in ("i", "c"):
+        cases = [
+            [(f"{form}a", 5, 3, 0, 0, 3, rows[0]), (f"{form}b", 6, 1, 6, 3, 3, rows[1])],   # chain; tree
+            [(f"{form}a", 7, 5, 6, 3, 0, rows[2]), (f"{form}b", 8, 9, 0, 0, 2, rows[0]),    # length mismatch
+             ("", 1, 3, 0, 0, 0, rows[0]), (f"{form}c", VOCAB + 1, 3, 0, 0, 0, rows[0])],   # empty id; bad root
+        ]
+        got = [_propose(stub, form == "c", case) for case in cases]
+        if form == "i":
+            want = got
+            continue
+        assert got == want
+        assert [g[:2] for g in got[1]] == [(0, ""), (grpc.StatusCode.FAILED_PRECONDITION.value[0], "LENGTH_MISMATCH"),
+                                           (IA.value[0], "INVALID_ARGUMENT"), (IA.value[0], "INVALID_TOKEN")]
+        assert got[0][1][2] and len(got[0][0][2]) == 4   # a tree; a chain of 3 + the root
+
+
+def test_drafter_refuses_malformed_columns_and_serves_on(drafter):
+    stub, servicer = drafter
+    width = servicer.config.feature_size
+    good = ProposeItems()
+    good.add("x", 1, 2, 0, 0, 0, C.Rows.of_tensor(tensor_to_proto(torch.randn(2, width).to(torch.bfloat16))))
+    bad = good.request(True)
+    bad.columns.features.rows = C.pack_i32([3])                   # rows past the tensor's
+    assert _refused(lambda: list(stub.Propose(iter([bad]), timeout=30))) == (IA, "INVALID_ARGUMENT")
+    (reply,) = stub.Propose(iter([good.request(True)]), timeout=60)
+    assert not reply.refused and propose_results(reply, 1)[0].status is None
+
+
+def test_propose_items_fall_back_to_items_when_widths_differ():
+    batch = ProposeItems()
+    batch.add("a", 1, 1, 0, 0, 0, C.Rows(common_pb2.DTYPE_BF16, 2, 1, bytes(4)))
+    batch.add("b", 1, 1, 0, 0, 0, C.Rows(common_pb2.DTYPE_BF16, 3, 1, bytes(6)))
+    req = batch.request(True)
+    assert not req.HasField("columns") and [list(i.features.shape) for i in req.items] == [[1, 2], [1, 3]]
+
+
+
+def test_tune_malloc_applies_on_glibc_and_can_be_turned_off(monkeypatch):
+    """The services' processes let glibc reuse the memory of large messages (serving.tune_malloc)."""
+    import platform
+
+    monkeypatch.setenv("DFLASH_NO_MALLOC_TUNING", "1")
+    assert serving.tune_malloc() is False
+    monkeypatch.delenv("DFLASH_NO_MALLOC_TUNING")
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert serving.tune_malloc() is True

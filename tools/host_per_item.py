@@ -1,0 +1,587 @@
+"""Host time per item per tick of each service, on the CPU, with instant fake engines (issue 23, goal 3).
+
+    python tools/host_per_item.py [--streams 1,16,64] [--modes ar,spec] [--tokens 128] [--repeats 1]
+                                  [--no-local-hop] [--py-spy DIR] [--out FILE]
+
+Four processes, as in production: the target service, the draft service and the orchestrator,
+each its own process built the way its ``__main__`` builds it (the real servicers, step loops,
+``make_server`` with its interceptors, the same-host hop unless ``--no-local-hop``, the real
+scheduler and ``GenerationServicer`` with the default model's real tokenizer), and this process
+as the clients (grpc.aio Generate streams, one event loop). Only the engines are fakes, and
+instant: the target's accepts the first ``ACCEPT`` nodes of a tree's leading chain (the fake
+drafter's trees begin with a chain) and returns their features as the batched engine does
+(a ``[k + 1, layers x hidden]`` bf16 CPU tensor, SmolLM2's 5 x 576); the drafter's answers
+each item with a tree of the asked size. Each engine times itself (``time.thread_time``) and
+that time is subtracted: what is left is the service's own host work.
+
+Per level (streams) and mode (``ar``: plain decoding, ``spec``: the default tree), every stream
+generates ``--tokens`` tokens (``ignore_eos``); per service the CPU seconds of its process
+(``time.process_time()``, every thread: handlers, step loop, grpc's own threads) over the level, less
+its fake engine's, divided by the items the ticks carried (the orchestrator's
+``SchedulerStatus``: ticks x mean batch), is ``us/item`` (one Verify item, and one Propose item
+when drafting, per stream per tick). ``tok/s`` and ``ms/tick`` are wall-clock figures on this
+machine (all four processes share its cores: a bound, not the GPU host's). ``--threads`` adds
+the CPU split by thread (``/proc/PID/task/*/schedstat``). ``--py-spy DIR`` records each service
+with ``py-spy record -f raw`` for every level (all threads; flame-graph input).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+sys.path[:0] = [".", "proto"]
+
+ACCEPT = 3                  # draft tokens the fake target accepts per tree (at most the chain's depth)
+HIDDEN, LAYERS = 576, (1, 8, 14, 20, 27)   # SmolLM2-135M and its shipped drafter's feature layers
+VOCAB = 49152
+BLOCK = 16
+MAX_SESSIONS = 256
+
+
+# ---------------------------------------------------------------------------------------------
+# thread names (so /proc shows what each thread is)
+
+def _name_threads() -> None:
+    """Give every Python thread of this process its name at the OS level (15 characters)."""
+    import ctypes
+    import threading
+
+    try:
+        libc = ctypes.CDLL(None)
+    except OSError:
+        return
+    inner = threading.Thread._bootstrap_inner
+
+    def named(self):
+        name = self.name
+        if name.startswith("ThreadPoolExecutor"):
+            name = "pool-worker"
+        elif name.startswith("Thread-") and "(" in name:
+            name = name[name.index("(") + 1:].rstrip(")")
+        try:
+            libc.prctl(15, name[:15].encode(), 0, 0, 0)   # PR_SET_NAME
+        except Exception:  # noqa: BLE001
+            pass
+        return inner(self)
+
+    threading.Thread._bootstrap_inner = named
+
+
+# ---------------------------------------------------------------------------------------------
+# fake engines (instant; each times itself)
+
+class _Clock:
+    """Thread CPU seconds spent inside an engine's methods."""
+
+    def __init__(self):
+        self.s = 0.0
+
+
+class InstantTarget:
+    """A target engine for :class:`runtime.step_loop.StepLoop` that answers at once."""
+
+    def __init__(self):
+        import torch
+        from types import SimpleNamespace
+
+        self.cfg = SimpleNamespace(hidden_size=HIDDEN, vocab_size=VOCAB)
+        self.max_sessions, self.max_context = MAX_SESSIONS, 8192
+        self.max_tree_width, self.max_tree_depth = 64, 32
+        self.sessions: dict[str, list] = {}     # id -> [length, feature columns or 0]
+        self.clock = _Clock()
+        self._feats = torch.randn(4096, len(LAYERS) * HIDDEN).to(torch.bfloat16)
+        self._nodes = [list(range(k + 1)) for k in range(ACCEPT + 1)]
+
+    def start_prefill(self, session_id, prompt, sampling, feature_layers):
+        from runtime.errors import InvalidArgument, Reason, ResourceExhausted
+        from target_service.engine import PrefillJob
+
+        t0 = time.thread_time()
+        try:
+            if session_id in self.sessions:
+                raise InvalidArgument(f"session {session_id!r} already exists", reason=Reason.SESSION_EXISTS)
+            if len(self.sessions) >= self.max_sessions:
+                raise ResourceExhausted("no free slot", reason=Reason.NO_FREE_SLOT)
+            self.sessions[session_id] = [0, len(feature_layers) * HIDDEN]
+            return PrefillJob(session_id, list(prompt), sampling, list(feature_layers))
+        finally:
+            self.clock.s += time.thread_time() - t0
+
+    def run_prefill(self, job, budget):
+        from target_service.engine import PrefillOutcome
+
+        t0 = time.thread_time()
+        s = self.sessions.get(job.session_id)
+        if s is None:
+            return 0
+        n = len(job.prompt)
+        s[0] = n
+        feats = self._feats[:n, :s[1]].clone() if s[1] else None
+        job.outcome = PrefillOutcome(7 + n % 100, n, feats)
+        self.clock.s += time.thread_time() - t0
+        return n
+
+    def verify_batch(self, items):
+        from runtime.errors import SessionNotFound
+        from target_service.engine import VerifyOutcome
+
+        t0 = time.thread_time()
+        out = []
+        sessions, feats, nodes_of = self.sessions, self._feats, self._nodes
+        for sid, tokens, parents in items:
+            s = sessions.get(sid)
+            if s is None:
+                out.append(SessionNotFound(f"unknown session {sid!r}"))
+                continue
+            k = 0   # the leading chain: node i's parent is i - 1
+            while k < ACCEPT and k + 1 < len(parents) and parents[k + 1] == k:
+                k += 1
+            s[0] += k + 1
+            out.append(VerifyOutcome(nodes_of[k], tokens[1:k + 1], 100 + s[0] % 1000, s[0],
+                                     feats[:k + 1, :s[1]].clone() if s[1] else None))
+        self.clock.s += time.thread_time() - t0
+        return out
+
+    def release(self, session_ids):
+        return sum(self.sessions.pop(sid, None) is not None for sid in session_ids)
+
+
+class InstantDrafter:
+    """A drafter engine for :class:`draft_service.servicer.DraftServiceServicer` that answers at once:
+    a tree of ``budget + 1`` nodes (a chain of ``max_depth``: DDTree's shape does not matter here)
+    starting with a chain of ``ACCEPT + 1`` nodes."""
+
+    def __init__(self, target_fingerprint: str):
+        from types import SimpleNamespace
+
+        self.drafter = SimpleNamespace(
+            config=SimpleNamespace(vocab_size=VOCAB, block_size=BLOCK, hidden_size=HIDDEN, num_layers=3,
+                                   target_fingerprint=target_fingerprint, target_layer_ids=list(LAYERS),
+                                   mask_token_id=16),
+            device="cuda:0")
+        self.max_sessions, self.max_context = MAX_SESSIONS, 8192
+        self.sessions: dict[str, int] = {}
+        self.clock = _Clock()
+        self._parents: dict[tuple[int, int], list[int]] = {}
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_sessions - len(self.sessions)
+
+    def session_length(self, sid):
+        return self.sessions.get(sid)
+
+    def release(self, session_ids):
+        return sum(self.sessions.pop(sid, None) is not None for sid in session_ids)
+
+    def _shape(self, nodes: int, depth: int) -> list[int]:
+        key = (nodes, depth)
+        p = self._parents.get(key)
+        if p is None:
+            chain = min(depth, nodes - 1)
+            p = [-1] + list(range(chain)) + [min(i % 3, chain - 1) for i in range(nodes - 1 - chain)]
+            self._parents[key] = p
+        return p
+
+    def propose_batch(self, items):
+        from draft_service.batched import ProposeOutcome
+        from runtime.errors import FailedPrecondition, Reason, ResourceExhausted
+
+        t0 = time.thread_time()
+        out = []
+        sessions = self.sessions
+        for it in items:
+            rows = it.features.shape[0] if it.features is not None else 0
+            held = sessions.get(it.session_id)
+            if held is None and len(sessions) >= self.max_sessions:
+                out.append(ResourceExhausted("no free slot", reason=Reason.NO_FREE_SLOT))
+                continue
+            if it.committed_length != (held or 0) + rows:
+                out.append(FailedPrecondition("length mismatch", reason=Reason.LENGTH_MISMATCH))
+                continue
+            sessions[it.session_id] = it.committed_length
+            depth = it.max_depth or BLOCK - 1
+            nodes = it.budget + 1 if it.budget > 1 and it.top_k > 1 else depth + 1
+            parents = self._shape(nodes, depth)
+            root = it.root_token
+            out.append(ProposeOutcome([root] + [(root + i) % VOCAB for i in range(1, nodes)], parents, it.committed_length))
+        self.clock.s += time.thread_time() - t0
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the service processes
+
+def _control(engine_clock: _Clock | None, extra=None):
+    """Serve ``engine`` (the fake engine's CPU seconds so far) and ``profile`` on stdin/stdout lines."""
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "engine":
+            print(json.dumps({"engine_s": engine_clock.s if engine_clock else 0.0, "cpu_s": time.process_time(),
+                              **(extra() if extra else {})}), flush=True)
+        elif cmd == "quit":
+            break
+    os._exit(0)
+
+
+def serve_target(local_hop: bool) -> None:
+    from dflash_grpc import serving
+    from dflash_grpc.v1 import common_pb2, target_pb2_grpc
+    from runtime.config import worker_threads
+    from runtime.fingerprint import tokenizer_fingerprint
+    from runtime.gguf_loader import open_gguf
+    from runtime.defaults import default_model_path
+    from runtime.owners import Owners
+    from runtime.step_loop import StepLoop
+    from target_service.servicer import FEATURES, TargetServicer
+
+    engine = InstantTarget()
+    info = common_pb2.ModelInfo(model_name="instant", architecture="llama", vocab_size=VOCAB,
+                                tokenizer_fingerprint=tokenizer_fingerprint(open_gguf(default_model_path())),
+                                model_fingerprint="instant-target", max_context=engine.max_context,
+                                max_tree_width=engine.max_tree_width, max_tree_depth=engine.max_tree_depth,
+                                max_sessions=engine.max_sessions, hidden_size=HIDDEN, num_layers=30,
+                                features=list(FEATURES), device="cuda:0")
+    servicer = TargetServicer(StepLoop(engine, name="target", owners=Owners()), info)
+
+    def add(server):
+        target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
+        return ["dflash_grpc.v1.TargetService"]
+
+    server, _, port = serving.make_server(add, "127.0.0.1:0", max_workers=worker_threads(0, engine.max_sessions),
+                                          local_hop=local_hop)
+    servicer.info.local_endpoint = serving.local_endpoint(server)
+    print(json.dumps({"port": port}), flush=True)
+    _control(engine.clock)
+
+
+def serve_draft(local_hop: bool) -> None:
+    from dflash_grpc import serving
+    from dflash_grpc.v1 import draft_pb2_grpc
+    from draft_service.servicer import SERVICE_NAME, DraftServiceServicer
+    from runtime.config import worker_threads
+    from runtime.fingerprint import tokenizer_fingerprint
+    from runtime.gguf_loader import open_gguf
+    from runtime.defaults import default_model_path
+
+    engine = InstantDrafter("instant-target")
+    servicer = DraftServiceServicer(engine, model_name="instant-drafter", model_fingerprint="instant-drafter",
+                                    tokenizer_fingerprint=tokenizer_fingerprint(open_gguf(default_model_path())))
+
+    def add(server):
+        draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
+        return [SERVICE_NAME]
+
+    server, _, port = serving.make_server(add, "127.0.0.1:0", max_workers=worker_threads(0, engine.max_sessions),
+                                          local_hop=local_hop)
+    servicer.local_endpoint = serving.local_endpoint(server)
+    print(json.dumps({"port": port}), flush=True)
+    _control(engine.clock)
+
+
+def serve_orchestrator(target: str, draft: str, local_hop: bool, stream_interval_ms: float) -> None:
+    """As ``python -m orchestrator --target TARGET --draft DRAFT`` (CUDA defaults: the target says cuda:0)."""
+    import uuid
+
+    from dflash_grpc import serving
+    from dflash_grpc.v1 import generation_pb2_grpc
+    from orchestrator import peers
+    from orchestrator.config import OrchestratorConfig
+    from orchestrator.peers import DraftPeer, TargetPeer
+    from orchestrator.scheduler import Scheduler
+    from orchestrator.servicer import GenerationServicer, default_tree
+    from runtime.config import worker_threads
+    from runtime.defaults import default_model_path
+    from runtime.owners import EPOCH_KEY, OWNER_KEY
+    from runtime.tokenizer import GGUFTokenizer
+
+    sys.setswitchinterval(0.001)
+    serving.add_client_metadata([(OWNER_KEY, f"orchestrator@pid{os.getpid()}"), (EPOCH_KEY, uuid.uuid4().hex)])
+    peers.LOCAL_HOP = local_hop
+    tpeer = TargetPeer(target)
+    tpeer.wait_info(30)
+    dpeer = DraftPeer(draft)
+    info = tpeer.info()
+    cfg = OrchestratorConfig(target=target, draft=draft).resolved(info.device, info.max_sessions, info.max_context)
+    extra = {"stream_interval_ms": stream_interval_ms} if stream_interval_ms else {}   # (older checkouts: none)
+    sched = Scheduler(tpeer, dpeer, max_sessions=cfg.max_sessions, max_queue=cfg.max_queue, step_nodes=cfg.step_nodes,
+                      step_timeout=cfg.step_timeout, history_bytes=cfg.history_bytes, **extra)
+    servicer = GenerationServicer(tpeer, dpeer, GGUFTokenizer.from_gguf(default_model_path()), cfg.max_tokens,
+                                  default_tree(cfg), sched)
+
+    def add(server):
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+        return ["dflash_grpc.v1.GenerationService"]
+
+    server, _, port = serving.make_server(add, "127.0.0.1:0", max_workers=worker_threads(0, cfg.max_sessions + cfg.max_queue),
+                                          max_receive_bytes=cfg.max_request_bytes)
+    print(json.dumps({"port": port}), flush=True)
+    _control(None, lambda: {"ticks": sched.ticks, "items": sched.batched_items, "fallbacks": sched.fallbacks})
+
+
+# ---------------------------------------------------------------------------------------------
+# the driver (and the clients)
+
+class Service:
+    """A service process of this tool, with its control pipe."""
+
+    def __init__(self, name: str, args: list[str]):
+        self.name = name
+        self.proc = subprocess.Popen([sys.executable, __file__, "--role", name, *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{name} failed to start")
+        self.port = json.loads(line)["port"]
+
+    def ask(self) -> dict:
+        self.proc.stdin.write("engine\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def threads(self) -> dict[str, float]:
+        """CPU seconds per thread name (live threads; ``/proc/PID/task/*/schedstat``)."""
+        out: dict[str, float] = defaultdict(float)
+        base = f"/proc/{self.proc.pid}/task"
+        for tid in os.listdir(base):
+            try:
+                with open(f"{base}/{tid}/comm") as f:
+                    name = re.sub(r"[-_]?\d+$", "", f.read().strip()) or "?"
+                with open(f"{base}/{tid}/schedstat") as f:
+                    out[name] += int(f.read().split()[0]) / 1e9
+            except OSError:
+                continue
+        return out
+
+    def stop(self) -> None:
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+async def _clients(port: int, n: int, tokens: int, spec: bool, on_started, on_first_done) -> dict:
+    """``n`` Generate streams of ``tokens`` tokens at once; ``on_started()`` runs once every stream
+    has had its first message, ``on_first_done()`` when the first stream ends (the steady window:
+    every stream decoding). Returns the tokens and messages received, and the messages of the
+    window."""
+    import grpc
+
+    from dflash_grpc.transport import GRPC_OPTIONS
+    from dflash_grpc.v1 import generation_pb2, generation_pb2_grpc
+
+    state = {"started": 0, "done": 0, "msgs": 0, "window_msgs": 0, "tokens": 0}
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as ch:
+        stub = generation_pb2_grpc.GenerationServiceStub(ch)
+        req = generation_pb2.GenerateRequest(prompt="def fibonacci(n):", max_tokens=tokens, ignore_eos=True)
+        req.speculative.enabled = spec
+
+        async def one() -> None:
+            first = True
+            async for msg in stub.Generate(req, timeout=600):
+                state["tokens"] += len(msg.token_ids)
+                state["msgs"] += 1
+                if state["started"] == n and not state["done"]:
+                    state["window_msgs"] += 1
+                if first:
+                    first = False
+                    state["started"] += 1
+                    if state["started"] == n:
+                        on_started()
+            state["done"] += 1
+            if state["done"] == 1 and state["started"] == n:   # (else no window: some stream had not begun)
+                on_first_done()
+
+        await asyncio.gather(*(one() for _ in range(n)))
+    return state
+
+
+def run_level(services: dict[str, Service], orch: Service, n: int, tokens: int, spec: bool, want_threads: bool,
+              spy_dir: str | None, tag: str) -> dict:
+    spies = []
+    if spy_dir:
+        os.makedirs(spy_dir, exist_ok=True)
+        for name, s in services.items():
+            spies.append(subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "-f", "raw", "--gil",
+                                           "-r", "500", "--nonblocking", "-p", str(s.proc.pid),
+                                           "-o", os.path.join(spy_dir, f"{name}-{tag}.txt")],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        time.sleep(1.0)
+
+    def snap() -> dict:
+        return {k: (s.ask(), s.threads() if want_threads else {}, time.perf_counter()) for k, s in services.items()}
+
+    marks = {}
+    before = snap()
+    t0 = time.perf_counter()
+    state = asyncio.run(_clients(orch.port, n, tokens, spec, lambda: marks.setdefault("start", snap()),
+                                 lambda: marks.setdefault("end", snap())))
+    wall = time.perf_counter() - t0
+    after = snap()
+    for p in spies:
+        p.send_signal(2)
+        p.wait(30)
+    if state["tokens"] != n * tokens:
+        raise RuntimeError(f"{n} streams received {state['tokens']} tokens, not {n * tokens}")
+
+    def counts(a, b):
+        o0, o1 = a["orchestrator"][0], b["orchestrator"][0]
+        return o1["ticks"] - o0["ticks"], o1["items"] - o0["items"]
+
+    ticks, items = counts(before, after)
+    row = {"streams": n, "mode": "spec" if spec else "ar", "tok_s": state["tokens"] / wall, "wall_s": wall,
+           "ticks": ticks, "items": items, "msgs_item_run": state["msgs"] / max(items, 1),
+           "fallbacks": after["orchestrator"][0]["fallbacks"] - before["orchestrator"][0]["fallbacks"]}
+    # the steady window (every stream decoding); the whole run (prefills, first and last messages too)
+    start, end = (marks["start"], marks["end"]) if "end" in marks else (before, after)
+    wticks, witems = counts(start, end)
+    row.update(window_ticks=wticks, window_items=witems, items_tick=witems / max(wticks, 1),
+               ms_tick=(end["orchestrator"][2] - start["orchestrator"][2]) / max(wticks, 1) * 1e3,
+               msgs_item=state["window_msgs"] / max(witems, 1))
+    for k in services:
+        for suffix, (a, b, m) in (("", (start, end, witems)), ("_run", (before, after, items))):
+            cpu = b[k][0]["cpu_s"] - a[k][0]["cpu_s"]
+            eng = b[k][0]["engine_s"] - a[k][0]["engine_s"]
+            row[f"{k}_us{suffix}"] = (cpu - eng) / max(m, 1) * 1e6
+            row[f"{k}_engine_us{suffix}"] = eng / max(m, 1) * 1e6
+        if want_threads:
+            t0s, t1s = start[k][1], end[k][1]
+            row[f"{k}_threads"] = {name: round((t1s.get(name, 0) - t0s.get(name, 0)) / max(witems, 1) * 1e6, 1)
+                                   for name in t1s if t1s.get(name, 0) - t0s.get(name, 0) > 1e-4}
+    return row
+
+
+def summarize(specs: list[str]) -> None:
+    """Print median [min, max] of each service's us/item per mode and level, for each ``LABEL=GLOB``
+    of ``--json`` files (one file per repeat), labels side by side."""
+    import glob
+
+    rows: dict[str, list[dict]] = {}
+    for spec in specs:
+        label, _, pattern = spec.partition("=")
+        rows[label] = [json.loads(line) for path in sorted(glob.glob(pattern)) for line in open(path) if line.strip()]
+
+    def cell(rs: list[dict], key: str) -> str:
+        xs = [r[key] for r in rs if key in r]
+        return f"{statistics.median(xs):.1f} [{min(xs):.1f}, {max(xs):.1f}]" if xs else "-"
+
+    levels = sorted({(r["mode"], r["streams"]) for rs in rows.values() for r in rs}, key=lambda x: (x[0], x[1]))
+    for window, suffix in (("steady window (every stream decoding)", ""), ("whole run", "_run")):
+        print(f"\n## host us per item per tick, {window}: median [min, max] of {', '.join(f'{k}: {len(v)} rows' for k, v in rows.items())}")
+        for svc in ("orchestrator", "target", "draft"):
+            print(f"\n{svc}\n| mode | streams | " + " | ".join(rows) + " |\n|---|---|" + "---|" * len(rows))
+            for mode, n in levels:
+                print(f"| {mode} | {n} | " + " | ".join(cell([r for r in rs if r["mode"] == mode and r["streams"] == n],
+                                                          f"{svc}_us{suffix}") for rs in rows.values()) + " |")
+    print("\n## tokens/s and messages per item (steady window)\n| mode | streams | "
+          + " | ".join(f"{k} tok/s | {k} msgs/item" for k in rows) + " |\n|---|---|" + "---|---|" * len(rows))
+    for mode, n in levels:
+        cells = []
+        for rs in rows.values():
+            sel = [r for r in rs if r["mode"] == mode and r["streams"] == n]
+            cells += [cell(sel, "tok_s"), cell(sel, "msgs_item")]
+        print(f"| {mode} | {n} | " + " | ".join(cells) + " |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--role", choices=("target", "draft", "orchestrator"), help=argparse.SUPPRESS)
+    ap.add_argument("--target", help=argparse.SUPPRESS)
+    ap.add_argument("--draft", help=argparse.SUPPRESS)
+    ap.add_argument("--streams", default="1,16,64")
+    ap.add_argument("--modes", default="ar,spec")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--no-local-hop", action="store_true", help="gRPC between the services (default: the same-host hop)")
+    ap.add_argument("--stream-interval-ms", type=float, default=0.0,
+                    help="the orchestrator's --stream-interval-ms (tokens held up to this long go out as one message)")
+    ap.add_argument("--threads", action="store_true", help="CPU per item split by thread name")
+    ap.add_argument("--py-spy", default=None, metavar="DIR", help="py-spy record -f raw of each service per level")
+    ap.add_argument("--json", default=None, metavar="FILE", help="every row as JSON lines")
+    ap.add_argument("--summary", nargs="+", metavar="LABEL=GLOB",
+                    help="no run: median [min, max] per level of the --json files of each label (repeats, checkouts)")
+    args = ap.parse_args()
+    if args.summary:
+        summarize(args.summary)
+        return 0
+    hop = not args.no_local_hop
+    if args.role:
+        _name_threads()
+        from dflash_grpc import serving
+
+        if hasattr(serving, "tune_malloc"):   # as each service's main does (older checkouts: none)
+            serving.tune_malloc()
+        if args.role == "target":
+            serve_target(hop)
+        elif args.role == "draft":
+            serve_draft(hop)
+        else:
+            serve_orchestrator(args.target, args.draft, hop, args.stream_interval_ms)
+        return 0
+
+    flag = [] if hop else ["--no-local-hop"]
+    target = Service("target", flag)
+    draft = Service("draft", flag)
+    orch = Service("orchestrator", [*flag, "--stream-interval-ms", str(args.stream_interval_ms), "--target", f"127.0.0.1:{target.port}", "--draft", f"127.0.0.1:{draft.port}"])
+    services = {"orchestrator": orch, "target": target, "draft": draft}
+    rows = []
+    try:
+        asyncio.run(_clients(orch.port, 2, 8, True, lambda: None, lambda: None))   # warm-up: streams opened, imports done
+        print(f"# host_per_item: {args.tokens} tokens per stream, {'same-host hop' if hop else 'gRPC'} between services, "
+              f"stream interval {args.stream_interval_ms:g} ms, "
+              f"{os.cpu_count()} CPUs; us/item = service CPU (less its fake engine's) / items verified", flush=True)
+        print(f"{'':21} {'steady window: every stream decoding':^66} | {'whole run':^20}")
+        print(f"{'mode':5} {'streams':>7} {'rep':>3} {'tok/s':>7} {'ms/tick':>8} {'items/tick':>10} "
+              f"{'msgs/item':>9} {'orch us':>8} {'target us':>9} {'draft us':>8} | {'orch':>6} {'target':>6} {'draft':>6}",
+              flush=True)
+        for mode in args.modes.split(","):
+            for n in (int(x) for x in args.streams.split(",")):
+                for rep in range(args.repeats):
+                    row = run_level(services, orch, n, args.tokens, mode == "spec", args.threads, args.py_spy,
+                                    f"{mode}-{n}-{rep}")
+                    row["rep"] = rep
+                    rows.append(row)
+                    print(f"{mode:5} {n:7d} {rep:3d} {row['tok_s']:7.0f} {row['ms_tick']:8.2f} {row['items_tick']:10.1f} "
+                          f"{row['msgs_item']:9.2f} {row['orchestrator_us']:8.1f} {row['target_us']:9.1f} "
+                          f"{row['draft_us']:8.1f} | {row['orchestrator_us_run']:6.1f} {row['target_us_run']:6.1f} "
+                          f"{row['draft_us_run']:6.1f}", flush=True)
+                    if args.threads:
+                        for k in services:
+                            print(f"      {k}: " + ", ".join(f"{name} {v}" for name, v in
+                                                          sorted(row[f"{k}_threads"].items(), key=lambda x: -x[1])),
+                                  flush=True)
+        if args.repeats > 1:
+            print("\n# median [min, max] over repeats")
+            for mode in args.modes.split(","):
+                for n in (int(x) for x in args.streams.split(",")):
+                    rs = [r for r in rows if r["mode"] == mode and r["streams"] == n]
+                    cell = lambda key: (f"{statistics.median(r[key] for r in rs):.1f} "
+                                        f"[{min(r[key] for r in rs):.1f}, {max(r[key] for r in rs):.1f}]")
+                    print(f"{mode:5} {n:7d}  tok/s {cell('tok_s')}  orch {cell('orchestrator_us')}  "
+                          f"target {cell('target_us')}  draft {cell('draft_us')}", flush=True)
+    finally:
+        for s in (orch, draft, target):
+            s.stop()
+    if args.json:
+        with open(args.json, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
