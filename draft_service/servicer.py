@@ -139,7 +139,8 @@ def propose_columns(columns: draft_pb2.ProposeColumns) -> list[DraftItem]:
             raise ColumnsError(f"features: {e}") from None
         if t.dim() != 2 or t.shape[0] != total:
             raise ColumnsError(f"features: a tensor of shape {tuple(t.shape)} for {total} rows")
-        parts = iter(torch.split(t, [r for r in rows if r]))
+        nonzero = [r for r in rows if r]
+        parts = iter(torch.split(t, nonzero) if len(nonzero) > 1 else (t,))
         feats = [next(parts) if r else None for r in rows]
     return [DraftItem(*x) for x in zip(sids, feats, roots, lengths, budgets, top_ks, depths)]
 

@@ -270,3 +270,61 @@ def test_tune_malloc_applies_on_glibc_and_can_be_turned_off(monkeypatch):
     monkeypatch.delenv("DFLASH_NO_MALLOC_TUNING")
     if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
         assert serving.tune_malloc() is True
+
+
+def test_orchestrator_batches_as_columns_and_stays_lossless(tiny_llama, tiny_drafter, monkeypatch):
+    """Six speculative streams at once against the real services: the ticks go as columns (both
+    exchanges), and every stream's tokens are its plain (non-speculative) decoding's."""
+    import threading
+    import uuid
+
+    from dflash_grpc.v1 import generation_pb2, generation_pb2_grpc
+    from orchestrator import messages, scheduler
+    from runtime.owners import EPOCH_KEY, OWNER_KEY
+    from tests.conftest import draft_in_process, orchestrator_in_process, target_in_process
+
+    forms = {"verify": set(), "propose": set()}
+    verify_request, request = messages.verify_request, messages.ProposeItems.request
+
+    def spy_verify(columnar, *a):
+        forms["verify"].add(columnar)
+        return verify_request(columnar, *a)
+
+    def spy_propose(self, columnar):
+        forms["propose"].add(columnar)
+        return request(self, columnar)
+
+    monkeypatch.setattr(scheduler, "verify_request", spy_verify)
+    monkeypatch.setattr(messages.ProposeItems, "request", spy_propose)
+    prompts = [[1 + i, 7, 3 + 2 * i] for i in range(6)]
+    md = [(OWNER_KEY, "columns-orchestrator"), (EPOCH_KEY, uuid.uuid4().hex)]
+    with target_in_process(tiny_llama.path, max_sessions=8, max_context=128) as tport, \
+            draft_in_process(tiny_drafter, tiny_llama.path, max_sessions=8, max_context=128) as (_, dport), \
+            orchestrator_in_process(tiny_llama.path, tport, dport, max_sessions=8, max_tokens=24, metadata=md) as (_, oport), \
+            grpc.insecure_channel(f"127.0.0.1:{oport}", options=GRPC_OPTIONS) as ch:
+        stub = generation_pb2_grpc.GenerationServiceStub(ch)
+
+        def run(prompt, spec):
+            req = generation_pb2.GenerateRequest(prompt_tokens=generation_pb2.PromptTokens(ids=prompt), max_tokens=24,
+                                                 ignore_eos=True)
+            req.speculative.enabled = spec
+            return [t for m in stub.Generate(req, timeout=120) for t in m.token_ids]
+
+        def all_at_once(spec):
+            out = [None] * len(prompts)
+            barrier = threading.Barrier(len(prompts))
+
+            def one(i):
+                barrier.wait()
+                out[i] = run(prompts[i], spec)
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            return out
+
+        plain = [run(p, False) for p in prompts]
+        assert all_at_once(True) == plain
+    assert True in forms["verify"] and True in forms["propose"], forms

@@ -1,28 +1,35 @@
 """Host time per item per tick of each service, on the CPU, with instant fake engines (issue 23, goal 3).
 
     python tools/host_per_item.py [--streams 1,16,64] [--modes ar,spec] [--tokens 128] [--repeats 1]
-                                  [--no-local-hop] [--py-spy DIR] [--out FILE]
+                                  [--stream-interval-ms MS] [--no-local-hop] [--threads]
+                                  [--py-spy DIR] [--json FILE]
+    python tools/host_per_item.py --summary LABEL=GLOB [LABEL=GLOB ...]   # median [min, max] of --json runs
 
 Four processes, as in production: the target service, the draft service and the orchestrator,
 each its own process built the way its ``__main__`` builds it (the real servicers, step loops,
 ``make_server`` with its interceptors, the same-host hop unless ``--no-local-hop``, the real
-scheduler and ``GenerationServicer`` with the default model's real tokenizer), and this process
-as the clients (grpc.aio Generate streams, one event loop). Only the engines are fakes, and
-instant: the target's accepts the first ``ACCEPT`` nodes of a tree's leading chain (the fake
-drafter's trees begin with a chain) and returns their features as the batched engine does
-(a ``[k + 1, layers x hidden]`` bf16 CPU tensor, SmolLM2's 5 x 576); the drafter's answers
-each item with a tree of the asked size. Each engine times itself (``time.thread_time``) and
-that time is subtracted: what is left is the service's own host work.
+scheduler and ``GenerationServicer`` with the default model's real tokenizer, the services'
+``serving.tune_malloc``), and this process as the clients (grpc.aio Generate streams, one event
+loop: their CPU is not counted). Only the engines are fakes, and instant: the target's accepts
+the first ``ACCEPT`` nodes of a tree's leading chain (the fake drafter's trees begin with a
+chain) and returns their features as the batched engine does (a ``[k + 1, layers x hidden]``
+bf16 CPU tensor, SmolLM2's 5 x 576); the drafter's answers each item with a tree of the asked
+size. Each engine times itself (``time.thread_time``) and that time is subtracted: what is left
+is the service's own host work.
 
 Per level (streams) and mode (``ar``: plain decoding, ``spec``: the default tree), every stream
-generates ``--tokens`` tokens (``ignore_eos``); per service the CPU seconds of its process
-(``time.process_time()``, every thread: handlers, step loop, grpc's own threads) over the level, less
-its fake engine's, divided by the items the ticks carried (the orchestrator's
-``SchedulerStatus``: ticks x mean batch), is ``us/item`` (one Verify item, and one Propose item
-when drafting, per stream per tick). ``tok/s`` and ``ms/tick`` are wall-clock figures on this
-machine (all four processes share its cores: a bound, not the GPU host's). ``--threads`` adds
-the CPU split by thread (``/proc/PID/task/*/schedstat``). ``--py-spy DIR`` records each service
-with ``py-spy record -f raw`` for every level (all threads; flame-graph input).
+generates ``--tokens`` tokens (``ignore_eos``). Per service, ``us`` is the CPU seconds of its
+process (``time.process_time()``: every thread, handlers, step loop, grpc's own threads) less its
+fake engine's, divided by the items the ticks carried (the orchestrator's ticks x batch): one
+Verify item, and one Propose item when drafting, per stream per tick. The main figures cover the
+steady window, from the moment every stream has had its first message to the end of the first
+stream (every stream decoding); "whole run" adds each request's start and end (Generate, Prefill,
+Release, the last messages). ``tok/s`` and ``ms/tick`` are wall-clock figures on this machine (all
+four processes share its cores: a bound, not the GPU host's). ``msgs/item``: Generate messages per
+item (below 1 where ticks were coalesced into one message). ``--threads`` adds the CPU split by
+thread name (``/proc/PID/task/*/schedstat``, fake engines included); ``--py-spy DIR`` records each
+service with ``py-spy record -f raw --gil`` per level. Runs on older checkouts too (for
+before/after: copy this file into one).
 """
 
 from __future__ import annotations
@@ -449,6 +456,10 @@ def run_level(services: dict[str, Service], orch: Service, n: int, tokens: int, 
     # the steady window (every stream decoding); the whole run (prefills, first and last messages too)
     start, end = (marks["start"], marks["end"]) if "end" in marks else (before, after)
     wticks, witems = counts(start, end)
+    if witems < items / 4:   # the streams began too far apart for a steady window: the whole run
+        start, end = before, after
+        wticks, witems = counts(start, end)
+    row["window"] = start is not before
     row.update(window_ticks=wticks, window_items=witems, items_tick=witems / max(wticks, 1),
                ms_tick=(end["orchestrator"][2] - start["orchestrator"][2]) / max(wticks, 1) * 1e3,
                msgs_item=state["window_msgs"] / max(witems, 1))
