@@ -51,7 +51,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import re
 from typing import Any, Callable, Mapping, Sequence
 
