@@ -25,10 +25,11 @@ import collections
 import re
 import sys
 
-#: innermost frames that mean "this thread waits for something else" (not host work)
-IDLE = re.compile(r"^(Condition\.wait|Event\.wait|_wait_once|wait \(grpc|Thread\._wait_for_tstate_lock|"
-                  r"select|poll|_poll|recv_bytes|_recv|Queue\.get|get \(queue|sleep|_worker \(concurrent|"
-                  r"_run_channel_spin_thread|channel_spin|_serve \(grpc|accept|BaseSelector|epoll)")
+#: innermost frames that mean "this thread waits for something else" (not host work): the frame's
+#: function (its last dotted part, e.g. ``_PollLikeSelector.select`` -> ``select``), or its module
+IDLE = re.compile(r"(^|\.)(wait|_wait_once|_wait_for_tstate_lock|select|poll|_poll|recv_bytes|_recv|sleep|accept|"
+                  r"_run_channel_spin_thread|channel_spin) \(|^(get|Queue\.get) \(.*queue\.py|"
+                  r"^_worker \(concurrent|^_serve \(grpc")
 
 
 def _service(cmd: str) -> str:
