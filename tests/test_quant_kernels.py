@@ -22,6 +22,8 @@ across ``M`` on a GPU (``pytest -m gpu``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -174,9 +176,10 @@ def test_triton_bad_arguments_and_empty():
 
 
 def test_skinny_unroll_and_split_k():
-    """The small-shape configs (SmolLM2: ``K`` = 576 / 1536): the rule unrolls the legacy types'
-    ``K`` loop (6 blocks of 576, 8 of 1536; fewer for wide ``BLOCK_N``; the k-quants not at all)
-    and never splits ``K``; ``unroll`` gives the bits of ``unroll=1`` (the groups accumulate in the
+    """The rule's configs: ``BLOCK_N`` 32, no unroll, ``K`` split until the launch has ~1024
+    programs, each with at least 192 elements of ``K`` (legacy) or 512 (k-quants): SmolLM2's Q4_1
+    960 x 576 over 3, 576 x 1536 over 8, its 49152-row LM head not at all, a 9B Q4_K 4096 x 4096
+    over 8; ``unroll`` gives the bits of ``unroll=1`` (the groups accumulate in the
     same order); ``split_k`` (partials, then their ordered sum) stays within float32 summation
     order of the reference, its rows independent of ``M``; ``round_weights`` is the product with
     the weights rounded to ``x``'s dtype (float16 here: the interpreter's bfloat16 dot is broken)."""
@@ -184,7 +187,7 @@ def test_skinny_unroll_and_split_k():
 
     assert [(c.block_n, c.unroll, c.split_k) for c in (T.config_for(960, 576, "Q4_1"), T.config_for(576, 1536, "Q4_1"),
                                                       T.config_for(49152, 576, "Q8_0"), T.config_for(4096, 4096, "Q4_K"))] \
-        == [(16, 6, 3), (16, 8, 3), (64, 2, 1), (16, 1, 1)]
+        == [(32, 1, 3), (32, 1, 8), (32, 1, 1), (32, 1, 8)]
     assert all(T.config_for(n, k, q).fits(k, q) for n in (16, 5000, 20000) for k in (32, 96, 224, 576, 1536)
                for q in ("Q4_0", "Q8_0"))
     rng = np.random.default_rng(5)
@@ -417,8 +420,6 @@ def test_sweep_smollm_candidates():
     import os
     import sys
 
-    from kernels.quant import triton as T
-
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
     import sweep_quant as S
 
@@ -431,13 +432,12 @@ def test_sweep_smollm_candidates():
     wide = S.skinny_candidates(4096, S.SMS_H100, 4096, "Q8_0")
     assert {c.split_k for c in wide} == {1} and {c.unroll for c in wide} == {1, 8}
     assert {c.unroll for c in S.skinny_candidates(4096, S.SMS_H100, 4096, "Q4_K")} == {1}
-    assert T.config_for(576, 1536, "Q4_1") in S.skinny_candidates(576, S.SMS_H100, 1536, "Q4_1", small=True)
 
 
 @pytest.mark.gpu
 def test_gpu_small_shape_configs():
     """SmolLM2's shapes (``qkv`` 960 x 576, ``down`` 576 x 1536, Q4_1), bfloat16 ``x``: the default
-    rule's unrolled loop gives the bits of ``unroll=1`` with the same split over ``K``; a split-``K`` config is within 1e-3 of
+    rule's config, its loop unrolled, gives the same bits (same split over ``K``); a split-``K`` config is within 1e-3 of
     gguf-py + float32 and its rows have the bits of a 1-row call; ``round_weights`` equals the
     product with bfloat16-rounded weights (the ``--weights bf16`` path's values)."""
     from kernels.quant import triton as T
@@ -451,9 +451,9 @@ def test_gpu_small_shape_configs():
         x = (torch.randn(64, k, generator=gen) * 3).to("cuda", torch.bfloat16)
         want = x.float() @ wf.T
         rule = T.config_for(n, k, "Q4_1")
-        assert rule.unroll > 1
-        same_split = T.Config(rule.block_n, split_k=rule.split_k)          # unroll 1, the rule's split over K
-        assert torch.equal(T.linear(x, w, torch.float32), T.linear(x, w, torch.float32, config=same_split))
+        assert rule.unroll == 1 and rule.split_k > 1
+        unrolled = dataclasses.replace(rule, unroll=3)                      # the rule's split over K, unrolled
+        assert torch.equal(T.linear(x, w, torch.float32), T.linear(x, w, torch.float32, config=unrolled))
         cfg = T.Config(16, 4, 2, unroll=3 if k == 576 else 4, split_k=3 if k == 576 else 4)
         y = T.linear(x, w, config=cfg)
         assert rel(T.linear(x, w, torch.float32, config=cfg), want) <= 1e-3

@@ -54,8 +54,9 @@ decode-sized call would cost about (blocks of ``K``) x (one memory latency) what
 first GPU run (benchmarks/gpu/quant/run1) measured 2.9 ms per SmolLM2 AR step against 1.0 for bf16
 weights. :attr:`Config.unroll` issues the loads of several blocks per iteration (bit for bit the
 same result) and :attr:`Config.split_k` spreads ``K`` over more programs (a deterministic second
-pass adds the partials): :func:`config_for` unrolls the legacy types; ``tools/sweep_quant.py
---smollm`` times both at SmolLM2's shapes.
+pass adds the partials): :func:`config_for` splits ``K`` until a launch has ~1024 programs;
+``tools/sweep_quant.py --smollm`` times both at SmolLM2's shapes, ``tools/quant_config_ab.py`` the
+rule against the previous one.
 
 **Not yet tuned** (correctness first; ``tools/sweep_quant.py`` times candidate configs on a GPU):
 every byte is gathered with a computed offset (two nibbles of a byte are two loads, served by L1),
@@ -145,26 +146,34 @@ def _largest_divisor(n: int, cap: int) -> int:
     return max((d for d in range(1, max(1, min(cap, n)) + 1) if n % d == 0), default=1)
 
 
+#: programs per launch :func:`config_for` aims at (output blocks x splits over ``K``): ~8 per SM of an H100
+TARGET_PROGRAMS = 1024
+#: the fewest elements of ``K`` a split-``K`` program walks: legacy types (32-element blocks), k-quants
+MIN_SPLIT_ELEMS = {32: 192, 256: 512}
+#: the most programs over ``K`` per output block
+MAX_SPLIT_K = 16
+
+
 def config_for(n: int, k: int, qtype) -> Config:
-    """The launch config of an ``[N, K]`` weight of ``qtype``: ``BLOCK_N`` 16 / 32 / 64 for ``N`` <=
-    4096 / <= 16384 / larger, 4 warps, 2 stages. The legacy types (one 32-element group per block)
-    split ``K`` over 3 programs for ``N`` <= 1024 and 2 for ``N`` <= 3072 where the blocks divide
-    (few output blocks leave SMs idle: measured on an H100 at SmolLM2's shapes, one replayed
-    graph of 30 weights, ``tools/quant_diag.py``: Q4_1 960x576 9.5 -> 6.6 us, 576x576 9.6 -> 5.5,
-    576x1536 22.4 -> 9.9, 3072x576 13.1 -> 11.4 with 2; ``benchmarks/gpu/quant/run2``), and unroll
-    each program's ``K`` loop by the largest divisor of its blocks that keeps ``BLOCK_N * 32 *
-    unroll`` <= :data:`MAX_UNROLLED`; the k-quants (8 or 16 groups per block, already unrolled)
-    neither split nor unroll. A rule, not a tuned table; never depends on ``M`` (the split's
-    partials are added in a fixed order, so a row's bits do not either)."""
+    """The launch config of an ``[N, K]`` weight of ``qtype``: ``BLOCK_N`` 32 (16 below 32 features),
+    4 warps, 3 stages, no unroll, and ``K`` split over the fewest programs ``s`` that bring the launch
+    to :data:`TARGET_PROGRAMS` (``ceil(N / BLOCK_N) * s``), where ``s`` divides ``K``'s blocks, is at
+    most :data:`MAX_SPLIT_K` and leaves each program at least :data:`MIN_SPLIT_ELEMS` of ``K`` (the
+    largest such ``s`` when none reaches the target). A decode-sized call is latency-bound: one
+    program walks its ``K`` range serially, so the launch needs many programs in flight (measured on
+    an H200 with :data:`BIAS_DOT`, ``tools/quant_config_ab.py``, ``benchmarks/gpu/quant/run5``: Q4_K
+    4096 x 4096 70.8 -> 21.2 us, 4096 x 12288 206 -> 50 us; Q8_0 4096 x 4096 71 -> 22 us; SmolLM2's
+    Q4_1 3072 x 576 11.8 -> 7.4 us; still 1.5-2.4x the bf16 kernel on a bf16 weight of the shape). Never depends on ``M`` (the split's partials are added in a fixed order, so a
+    row's bits do not either)."""
     qt = as_qtype(qtype)
     qk = GGML_QUANT_SIZES[qt][0]
-    bn = 16 if n <= 4096 else (32 if n <= 16384 else 64)
-    if qk != 32:
-        return Config(bn, 4, 2, 1, 1)
+    bn = 32 if n >= 32 else 16
     blocks = k // qk
-    split = next((s for s in ((3, 2) if n <= 1024 else (2,) if n <= 3072 else ()) if blocks % s == 0 and blocks // s >= 4), 1)
-    unroll = _largest_divisor(blocks // split, MAX_UNROLLED // (bn * 32))
-    return Config(bn, 4, 2, unroll, split)
+    outs = -(-n // bn)
+    floor = MIN_SPLIT_ELEMS.get(qk, 512)
+    fits = [s for s in range(1, MAX_SPLIT_K + 1) if blocks % s == 0 and (s == 1 or k // s >= floor)]
+    split = next((s for s in fits if outs * s >= TARGET_PROGRAMS), fits[-1])
+    return Config(bn, 4, 3, 1, split)
 
 
 #: Diagnostic only (``tools/quant_diag.py``): every dequantized weight rounded to ``x``'s dtype
@@ -173,6 +182,13 @@ def config_for(n: int, k: int, qtype) -> Config:
 #: default: the kernels' products are exact. Read once at import from ``DFLASH_QUANT_ROUND_W=1``;
 #: the diagnostic sets it directly.
 ROUND_WEIGHTS = os.environ.get("DFLASH_QUANT_ROUND_W", "") == "1"
+
+#: The skinny path's sums of ``x`` over a group (the min / dmin term of Q4_1, Q5_1, Q4_K, Q5_K) as
+#: a dot with ones on the tensor cores (every column of the product is the row sum) instead of a
+#: cross-thread reduction per group: Q4_K 4096 x 4096 at M=1 26.3 -> 19.3 us on an H200 (same
+#: config; ``benchmarks/gpu/quant/run5``). Exact products, float32 sums: the same tolerance, and a
+#: row's bits still never depend on ``M``. False: the reduction (kept for A/B runs).
+BIAS_DOT = True
 
 
 @triton.jit
@@ -264,7 +280,8 @@ def _codes(blk, s: tl.constexpr, d, m, QTYPE: tl.constexpr, G: tl.constexpr):
 
 @triton.jit
 def _group(acc, x_ptr, rm, mm, sxm, k0, q, scale, bias, HAS_BIAS: tl.constexpr, G: tl.constexpr,
-           DEQUANT: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
+           DEQUANT: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr = 16,
+           BIAS_DOT: tl.constexpr = False):
     """One group into the accumulator ``[BLOCK_M, BLOCK_N]``.
 
     ``DEQUANT`` off (the skinny path): ``acc += scale * dot(x[:, k0:k0+G], q^T) (+ bias *
@@ -297,7 +314,15 @@ def _group(acc, x_ptr, rm, mm, sxm, k0, q, scale, bias, HAS_BIAS: tl.constexpr, 
             part = tl.dot(x, qt)
         acc += part * scale[None, :]
         if HAS_BIAS:
-            acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * bias[None, :]
+            if BIAS_DOT:   # the group's row sums of x on the tensor cores, as every column of a dot with ones
+                ones = tl.full([G, BLOCK_N], 1.0, x_ptr.dtype.element_ty)
+                if IEEE:
+                    xs = tl.dot(x, ones, input_precision="ieee")
+                else:
+                    xs = tl.dot(x, ones)
+                acc += xs * bias[None, :]
+            else:
+                acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * bias[None, :]
     return acc
 
 
@@ -305,7 +330,7 @@ def _group(acc, x_ptr, rm, mm, sxm, k0, q, scale, bias, HAS_BIAS: tl.constexpr, 
 def _qlinear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
                     QTYPE: tl.constexpr, QK: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DEQUANT: tl.constexpr, SPLIT: tl.constexpr,
-                    IEEE: tl.constexpr, UNROLL: tl.constexpr, SPLIT_K: tl.constexpr):
+                    IEEE: tl.constexpr, UNROLL: tl.constexpr, SPLIT_K: tl.constexpr, BIAS_DOT: tl.constexpr = False):
     """``y = x @ dequant(w)^T``, ``UNROLL`` quantization blocks of ``K`` per iteration (each
     block's ``QK // G`` groups unrolled; the groups accumulate in ``K`` order whatever ``UNROLL``
     is), over the ``K / SPLIT_K`` range of program ``(.., program_id(1))``; with ``SPLIT_K`` > 1
@@ -329,7 +354,7 @@ def _qlinear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
             for s in tl.static_range(QK // G):
                 q, scale, bias = _codes(blk, s, d, m, QTYPE, G)
                 acc = _group(acc, x_ptr, rm, mm, sxm, (b + u) * QK + s * G, q, scale, bias, HAS_BIAS, G, DEQUANT, SPLIT,
-                             IEEE)
+                             IEEE, BLOCK_N, BIAS_DOT)
     if SPLIT_K > 1:
         y_ptr += tl.program_id(1).to(tl.int64) * M * sym
     tl.store(y_ptr + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & (rn < N)[None, :])
@@ -509,7 +534,7 @@ def kernel_constants(qtype, x_dtype: torch.dtype, block_m: int, block_n: int, de
     return dict(QTYPE=int(qt), QK=qk, BS=bs, G=16 if qt.name == "Q6_K" else 32, HAS_BIAS=qt.name in _BIASED,
                 BLOCK_M=block_m, BLOCK_N=block_n, DEQUANT=bool(dequant),
                 SPLIT=bool(split) and x_dtype != torch.float32, IEEE=x_dtype == torch.float32,
-                UNROLL=int(unroll), SPLIT_K=int(split_k))
+                UNROLL=int(unroll), SPLIT_K=int(split_k), BIAS_DOT=bool(BIAS_DOT) and not dequant)
 
 
 def _launch(x2, weight: QuantizedWeight, y, m, n, k, block_m, block_n, num_warps, num_stages, dequant, split,
