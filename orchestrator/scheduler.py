@@ -325,6 +325,7 @@ class Scheduler:
         self._draft_stale: collections.deque[str] = collections.deque(maxlen=STALE_IDS)
         self._stale_retry_at = 0.0
         self.deadline_misses = 0
+        self._drafter_slots_noted = 0   # the drafter's session count last warned about (fewer than ours)
         self._stop = threading.Event()
         self._draining = False   # drain(): admit nothing new
         self.ticks = 0
@@ -810,8 +811,14 @@ class Scheduler:
             max_ms, row_us = OrchestratorConfig.draft_deadline_for(self._deadline_device, *self._deadline_ask)
             self.deadline.max_s, self.deadline.row_s = max_ms / 1e3, row_us / 1e6
         # the drafter's slots: sessions it holds for us, those being released, then new ones
+        slots = drafter.model.max_sessions
+        if slots and slots < self.max_sessions and slots != self._drafter_slots_noted:
+            self._drafter_slots_noted = slots
+            log.warning("the drafter holds fewer sessions than the orchestrator runs: requests beyond its slots decode "
+                        "plainly (give the draft service the target's --max-sessions)",
+                        extra={"drafter_sessions": slots, "max_sessions": self.max_sessions})
         with self._lock:
-            room = ((drafter.model.max_sessions or 10**9) - sum(r.on_drafter for r in self._active)
+            room = ((slots or 10**9) - sum(r.on_drafter for r in self._active)
                     - self._releasing["draft"] - len(self._draft_stale))
         items = ProposeItems()
         who: list[tuple[int, int]] = []   # (batch index, max_depth) of each item
