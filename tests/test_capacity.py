@@ -260,3 +260,58 @@ def test_bench_gives_the_services_the_sessions_of_its_largest_level():
     assert bench_session_args(levels, "cuda", [], ["--max-sessions=200"], []) == (
         ["--max-sessions=200"], ["--max-sessions", "256"])
     assert bench_session_args([], "cuda", [], [], []) == ([], [])
+
+
+def test_one_propose_carries_a_bounded_amount_of_history(monkeypatch):
+    """Past ``RESYNC_BYTES`` of history rows in one Propose, the other new drafter sessions wait
+    for a later tick (decoding plainly now); the first always goes, and a synced request's step
+    rows are never held back."""
+    from dflash_grpc.columns import Rows
+    from dflash_grpc.v1 import common_pb2, draft_pb2
+    from orchestrator import scheduler as sched_mod
+    from orchestrator.scheduler import Request, Scheduler
+
+    class Target:
+        def info(self):
+            return common_pb2.ModelInfo(device="cuda:0", max_sessions=256, max_context=4096, max_tree_width=16)
+
+    class NoDraft:
+        address = None
+
+    class Sent(Exception):
+        pass
+
+    class Call:
+        broken = False
+
+        def exchange(self, request, timeout, flush):
+            self.request = request
+            raise Sent
+
+        def close(self):
+            pass
+
+    def request(name, rows, synced):
+        r = Request(session_id=name, prompt=[1], sampling=common_pb2.SamplingParams(), max_tokens=100,
+                    tree=draft_pb2.TreeParams(budget=3, top_k=2))
+        r.root, r.length, r.on_target = 5, 40, True
+        r.history = [Rows(common_pb2.DTYPE_F16, 8, rows, bytes(rows * 16))]
+        r.on_drafter = r.draft_synced = synced
+        return r
+
+    monkeypatch.setattr(sched_mod, "RESYNC_BYTES", 1000)
+    sched = Scheduler(Target(), NoDraft(), max_sessions=256)
+    try:
+        sched._propose = call = Call()
+        batch = [request("new1", 40, False), request("new2", 40, False), request("step", 4, True),
+                 request("new3", 20, False)]
+        sched._active = list(batch)
+        drafter = draft_pb2.DrafterInfo(model=common_pb2.ModelInfo(max_sessions=256, block_size=16, device="cuda:0"))
+        with pytest.raises(Sent):
+            sched._propose_trees(batch, drafter)
+        sent = [it.session_id for it in call.request.items] or list(call.request.columns.session_ids)
+        # 640 bytes go; 640 more would pass 1000: new2 waits; the step rows go; new3's 320 fit
+        assert sent == ["new1", "step", "new3"]
+    finally:
+        sched._active, sched._propose = [], None   # nothing to release on the fake peers
+        sched.stop(timeout=1.0, release_timeout=0.1)
