@@ -203,7 +203,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None)
     p.add_argument("--concurrency", default=None, metavar="N,N,...",
                    help="also sweep load: N concurrent streams per level (e.g. 1,4,16), autoregressive and speculative "
-                   "(default tree); aggregate and per-stream tokens/s")
+                   "(default tree); aggregate and per-stream tokens/s. The target and draft services it starts get "
+                   "--max-sessions of the largest level when that passes their default (64 on CUDA), so 128 or 256 "
+                   "streams run at once; a --max-sessions given here or in --target-args / --draft-args wins")
     p.add_argument("--requests-per-stream", type=int, default=1, help="--concurrency: requests each stream runs in turn (default %(default)s)")
     p.add_argument("--png", default=None, metavar="PATH",
                    help="write a PNG: acceptance by draft position, tokens/s against concurrency (needs matplotlib)")
@@ -527,6 +529,40 @@ def _demo(args: argparse.Namespace, extra: list[str], task_id: str, prompt: str,
     return 0
 
 
+def _has_flag(argv: Sequence[str], flag: str) -> bool:
+    """Whether ``argv`` gives ``flag`` (``--flag V`` or ``--flag=V``)."""
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def bench_session_args(levels: Sequence[int], device: str | None, extra: Sequence[str], target_args: Sequence[str],
+                       draft_args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The target's and the draft service's flags for a ``bench --concurrency`` sweep of ``levels``
+    streams: each service gets ``--max-sessions`` of the largest level when that is more than its
+    default session count (the target's on ``device``: ``TargetConfig.MAX_SESSIONS_CUDA`` on
+    CUDA, ``MAX_SESSIONS_CPU`` elsewhere; the drafter's ``DraftConfig.max_sessions``), so every
+    level runs all of its streams at once (a 128- or 256-stream level, none queued past 64, and
+    every one of them drafting); the orchestrator's ``--max-sessions`` 0 follows the target's.
+    A ``--max-sessions`` the user gave wins: among ``extra`` (every service's flags) it is left
+    alone for all, in ``target_args`` / ``draft_args`` for that service.
+
+    Returns:
+        ``(target_args, draft_args)``, the given ones with the flag put in front where added.
+    """
+    from draft_service.config import DraftConfig
+    from target_service.config import TargetConfig
+
+    target_args, draft_args = list(target_args), list(draft_args)
+    if not levels or _has_flag(extra, "--max-sessions"):
+        return target_args, draft_args
+    n = max(levels)
+    target_default = TargetConfig().resolved(device or TargetConfig.device).max_sessions
+    if n > target_default and not _has_flag(target_args, "--max-sessions"):
+        target_args = ["--max-sessions", str(n), *target_args]
+    if n > DraftConfig.max_sessions and not _has_flag(draft_args, "--max-sessions"):
+        draft_args = ["--max-sessions", str(n), *draft_args]
+    return target_args, draft_args
+
+
 def _cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
     from bench.serving import (BenchConfig, dump_json, format_concurrency, format_table, parse_levels, require_matplotlib,
                               run_bench, run_concurrency, write_png)
@@ -564,10 +600,11 @@ def _cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
         result = measure(args.address)
     else:
         model, drafter = _model_paths(args)
+        target_args, draft_args = bench_session_args(levels, args.device, extra, shlex.split(args.target_args),
+                                                     shlex.split(args.draft_args))
         with _auth_token_file(args) as token_file:
             services = dflash_services(model, drafter, ports=free_ports(3), device=args.device, log_level=args.log_level,
-                                       extra=extra, target_args=shlex.split(args.target_args),
-                                       draft_args=shlex.split(args.draft_args),
+                                       extra=extra, target_args=target_args, draft_args=draft_args,
                                        orchestrator_args=shlex.split(args.orchestrator_args), auth_token_file=token_file,
                                        colocate=args.colocate)
             with _sigterm_interrupts(), _running(ServiceGroup(services, grace=args.grace)) as group:

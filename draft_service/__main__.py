@@ -90,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     log.info("drafter ready", extra={"engine": type(servicer.engine).__name__, "graph_captures": servicer.engine.captures,
-                                     "max_sessions": servicer.max_sessions, "seconds": round(time.monotonic() - t0, 2)})
+                                     "max_sessions": servicer.max_sessions, "asked": cfg.max_sessions,
+                                     "batch_buckets": list(getattr(servicer.engine, "batch_buckets", ())),
+                                     "seconds": round(time.monotonic() - t0, 2)})
     servicer.loop.idle_timeout = cfg.session_idle_timeout  # read by the loop thread at each look
     servicer.loop.owners.lease_s = cfg.lease_s
 

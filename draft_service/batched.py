@@ -39,7 +39,8 @@ rows its earlier items appended).
 * one device-to-host copy of the ``[batch, B-1, K]`` log-prob + token table per step, then the
   tree of each item on the host (:func:`draft_service.tree.build_tree` on the table: the same tree
   as from the logits);
-* on CUDA fixed shapes: batches padded to a batch bucket (1, 2, 4, ... 64), ``append_rows`` (``A``,
+* on CUDA fixed shapes: batches padded to a batch bucket (by default the powers of two below the
+  session slots, then the slot count: 1, 2, 4, ... 64 for 64 slots), ``append_rows`` (``A``,
   default the block size: a verify commits at most ``B`` rows) feature rows per session and step;
   rows beyond ``A`` (the first call carries the whole prompt, or after a fallback) are appended
   eagerly in chunks before the step. Per-step values (slots, held rows, row counts, roots) are
@@ -71,13 +72,11 @@ from draft_service.tree import TopK, build_tree
 from kernels import attention as attn_ops
 from kernels.attention import default_splits, split_buckets, splits_for
 from runtime.errors import EngineError, FailedPrecondition, InvalidArgument, Reason, ResourceExhausted
-from runtime.graphs import GraphSet, StepGraph, bucket_for, capped_buckets, slots_for_budget
+from runtime.graphs import GraphSet, StepGraph, batch_buckets_for, bucket_for, capped_buckets, slots_for_budget
 from runtime.pool import PoolShape, StatePool
 
 log = logging.getLogger(__name__)
 
-#: Default batch buckets on CUDA: a step of ``n`` sessions runs in the smallest that holds it.
-BATCH_BUCKETS = DraftConfig.batch_buckets
 #: Default number of candidates per depth in the step's top-K table (requests asking more are cut to it).
 DEFAULT_MAX_TOP_K = DraftConfig.max_top_k
 
@@ -439,7 +438,8 @@ class BatchedDrafter:
             ``max_sessions`` slots need).
         cuda_graphs: capture and replay each bucket's step as a CUDA graph (CUDA only).
         batch_buckets: step batch sizes on CUDA (a batch is padded to the smallest that holds it;
-            larger batches are split into steps).
+            larger batches are split into steps); None (or empty): :func:`runtime.config.batch_buckets_for`
+            the slots granted (every session the pool holds fits one step).
         append_rows: ``A``, new context rows per session carried by the step (default: the block
             size); a session sending more has the excess appended eagerly first.
         max_top_k: ``K``, candidates per depth in the step's table; tree requests with a larger
@@ -457,7 +457,7 @@ class BatchedDrafter:
 
     def __init__(self, drafter: DFlashDrafter, max_sessions: int = DraftConfig.max_sessions,
                  max_context: int = DraftConfig.BATCHED_CONTEXT_CAP, memory_budget: int | None = None,
-                 cuda_graphs: bool = DraftConfig.cuda_graphs, batch_buckets: Sequence[int] = BATCH_BUCKETS,
+                 cuda_graphs: bool = DraftConfig.cuda_graphs, batch_buckets: Sequence[int] | None = DraftConfig.batch_buckets,
                  append_rows: int | None = None, max_top_k: int = DEFAULT_MAX_TOP_K,
                  prefill_chunk: int = DraftConfig.prefill_chunk, pad_batches: bool | None = None,
                  fused: bool | None = None):
@@ -476,11 +476,12 @@ class BatchedDrafter:
         self.append_rows = int(append_rows or c.block_size)
         self.k = int(max(1, min(max_top_k, c.vocab_size)))
         self.prefill_chunk = max(1, int(prefill_chunk))
-        self.batch_buckets = tuple(sorted({int(b) for b in batch_buckets if b >= 1})) or (1,)
         shape = PoolShape(tuple(range(c.num_layers)), (), c.num_kv_heads, c.head_dim,
                           self.max_context + max(c.block_size, self.append_rows))
         self.max_sessions = slots_for_budget(memory_budget, shape.slot_bytes(self.dtype), max_sessions,
                                              what="drafter session")
+        self.batch_buckets = tuple(sorted({int(b) for b in batch_buckets or () if b >= 1})) or \
+            batch_buckets_for(self.max_sessions)
         self.pool = StatePool(shape, self.max_sessions, self.device, self.dtype)
         #: the fused step's packed weights and rotary table, or None (the reference step)
         self.fused = FusedDrafter(drafter, shape.rows) if (self.cuda if fused is None else fused) else None
@@ -688,5 +689,5 @@ class BatchedDrafter:
             self.eager_rows += f.shape[0]
 
 
-__all__ = ["BATCH_BUCKETS", "BatchedDrafter", "DraftItem", "ProposeOutcome", "ReferenceDrafterEngine",
+__all__ = ["BatchedDrafter", "DraftItem", "ProposeOutcome", "ReferenceDrafterEngine",
            "all_finite", "check_item", "draft_step", "write_context", "MAX_TREE_BUDGET"]

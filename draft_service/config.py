@@ -9,7 +9,7 @@ import dataclasses
 from typing import ClassVar
 
 from dflash_grpc.defaults import DEFAULT_HOST, DRAFT_PORT
-from runtime.config import BATCH_BUCKETS, session_lifetime_settings, setting
+from runtime.config import session_lifetime_settings, setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +24,8 @@ class DraftConfig:
     Device-dependent defaults are ``auto`` / ``None``: :meth:`resolved()` decides ``dtype`` (bf16 on
     CUDA, f32 on the CPU) and ``engine`` (batched on CUDA, reference on the CPU); ``max_context``
     None is the target's context length, which the batched engine (its pool is allocated at start)
-    caps at :attr:`BATCHED_CONTEXT_CAP`.
+    caps at :attr:`BATCHED_CONTEXT_CAP`; ``batch_buckets`` None follows the session slots granted
+    (:func:`runtime.config.batch_buckets_for`).
     """
 
     #: the batched engine's ``max_context`` when ``max_context`` is None: at most this many rows
@@ -50,11 +51,16 @@ class DraftConfig:
                                      "(off: its plain-PyTorch reference, for bisecting a numerical difference)")
     gpu_memory_bytes: int | None = setting(
         None, "batched engine: bytes for the context pool (fewer session slots if it holds fewer than --max-sessions)")
-    batch_buckets: tuple[int, ...] = setting(BATCH_BUCKETS, "batched engine: batch sizes steps are padded to")
+    batch_buckets: tuple[int, ...] | None = setting(
+        None, "batched engine: batch sizes steps are padded to (default: the powers of two below the session slots, "
+        "then the slot count: 1,2,4,...,64 for 64 slots, ...,128,256 for 256)")
     max_top_k: int = setting(8, "batched engine: candidates per depth in the step's top-K table "
                                 "(larger top_k requests are cut to it)")
     prefill_chunk: int = setting(512, "batched engine: most context rows per eager append (the rows beyond what one step carries)")
-    max_sessions: int = setting(64, "most concurrent sessions (the batched engine may hold fewer: --gpu-memory-bytes)")
+    max_sessions: int = setting(
+        64, "most concurrent sessions (the batched engine may hold fewer: --gpu-memory-bytes; logged, and Info reports "
+        "the real number); give the target's --max-sessions to draft for every session (the orchestrator decodes "
+        "the requests beyond the drafter's sessions plainly)")
     max_context: int | None = setting(
         None, f"rows per session (default: the target's context length; the batched engine caps that default "
         f"at {BATCHED_CONTEXT_CAP})")

@@ -282,7 +282,7 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         if engine == "batched":
             ctx = max_context if max_context else min(target_context or DEFAULT_BATCHED_CONTEXT, DEFAULT_BATCHED_CONTEXT)
             eng = BatchedDrafter(drafter, max_sessions=max_sessions, max_context=ctx, memory_budget=memory_budget,
-                                 cuda_graphs=cuda_graphs, batch_buckets=batch_buckets or DraftConfig.batch_buckets,
+                                 cuda_graphs=cuda_graphs, batch_buckets=batch_buckets or None,
                                  max_top_k=max_top_k or DraftConfig.max_top_k, prefill_chunk=prefill_chunk,
                                  fused=None if fused_step else False)
             eng.capture(progress=progress)

@@ -103,7 +103,11 @@ def main(argv: list[str] | None = None) -> None:
     draft = DraftPeer(cfg.draft)
     tokenizer = GGUFTokenizer.from_gguf(cfg.model or default_model_path())
     info = target.info()
+    asked = cfg.max_sessions
     cfg = cfg.resolved(info.device, info.max_sessions, info.max_context)
+    if asked > cfg.max_sessions:
+        log.warning("the target holds fewer sessions than --max-sessions: that many requests decode at once, the "
+                    "rest queue", extra={"asked": asked, "max_sessions": cfg.max_sessions, "max_queue": cfg.max_queue})
     scheduler = Scheduler(target, draft, max_sessions=cfg.max_sessions, max_queue=cfg.max_queue, step_nodes=cfg.step_nodes,
                           step_timeout=cfg.step_timeout, history_bytes=cfg.history_bytes,
                           draft_deadline_factor=cfg.draft_deadline_factor, draft_deadline_min_ms=cfg.draft_deadline_min_ms,

@@ -89,6 +89,14 @@ COLUMNS_FROM = 4
 
 #: most drafter session ids kept for a later release (older ones are left to the drafter's idle reaper)
 STALE_IDS = 4096
+#: most bytes of feature rows beyond a step's worth (new, re-created or lagging drafter sessions: a prompt
+#: or a history) that one Propose carries; the first such item always goes, the others past it decode
+#: plainly this tick and go at a later one. Under a hundred or more streams every session may need its
+#: history at once (drafting resumes as the batch shrinks, or after a drafter failure: 128 histories of
+#: 230 rows of the shipped SmolLM2 pair's 5760-byte rows are 170 MB), which would stall the tick on the
+#: drafter's eager appends and could pass the message limit (``dflash_grpc.transport.MAX_MESSAGE_BYTES``),
+#: failing every time it is retried
+RESYNC_BYTES = 32 << 20
 #: a Release that failed with one of these may not have reached the service: it is sent again later
 _TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
               grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -325,6 +333,7 @@ class Scheduler:
         self._draft_stale: collections.deque[str] = collections.deque(maxlen=STALE_IDS)
         self._stale_retry_at = 0.0
         self.deadline_misses = 0
+        self._drafter_slots_noted = 0   # the drafter's session count last warned about (fewer than ours)
         self._stop = threading.Event()
         self._draining = False   # drain(): admit nothing new
         self.ticks = 0
@@ -810,12 +819,19 @@ class Scheduler:
             max_ms, row_us = OrchestratorConfig.draft_deadline_for(self._deadline_device, *self._deadline_ask)
             self.deadline.max_s, self.deadline.row_s = max_ms / 1e3, row_us / 1e6
         # the drafter's slots: sessions it holds for us, those being released, then new ones
+        slots = drafter.model.max_sessions
+        if slots and slots < self.max_sessions and slots != self._drafter_slots_noted:
+            self._drafter_slots_noted = slots
+            log.warning("the drafter holds fewer sessions than the orchestrator runs: requests beyond its slots decode "
+                        "plainly (give the draft service the target's --max-sessions)",
+                        extra={"drafter_sessions": slots, "max_sessions": self.max_sessions})
         with self._lock:
-            room = ((drafter.model.max_sessions or 10**9) - sum(r.on_drafter for r in self._active)
+            room = ((slots or 10**9) - sum(r.on_drafter for r in self._active)
                     - self._releasing["draft"] - len(self._draft_stale))
         items = ProposeItems()
         who: list[tuple[int, int]] = []   # (batch index, max_depth) of each item
         extra_rows = 0  # feature rows beyond a step's worth (new or re-created sessions)
+        extra_bytes = 0  # their bytes (RESYNC_BYTES)
         max_context, n, step_nodes = self.info.max_context, len(batch), self.step_nodes
         shares: dict[tuple[int, int], int] = {}   # adaptive_budget of this tick, by (want, min_nodes)
         for i, r in enumerate(batch):
@@ -846,6 +862,11 @@ class Scheduler:
             # (history entries are never empty: _keep; one entry, the common case, is sent as is)
             features = join_rows(r.history[r.sent:])
             if features is not None and features.rows > block:
+                nbytes = memoryview(features.data).nbytes
+                if extra_bytes and extra_bytes + nbytes > RESYNC_BYTES:
+                    room += not r.on_drafter
+                    continue  # this Propose carries enough history: this request drafts at a later tick
+                extra_bytes += nbytes
                 extra_rows += features.rows - block
             if not budget:
                 max_depth = nodes   # a chain of that length

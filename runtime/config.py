@@ -29,10 +29,27 @@ from typing import Any, Callable, NamedTuple
 #: gRPC worker threads a service keeps beyond one per open stream when ``--max-workers`` is unset
 STREAM_HEADROOM = 16
 
-#: Default batch buckets of both batched engines (docs/ARCHITECTURE.md, "The GPU path"): a step of
-#: ``n`` rows (sessions) runs in the smallest that holds it. Defined here, torch-free, so the
-#: services' configs hold it; :mod:`runtime.graphs` re-exports it.
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+def batch_buckets_for(max_sessions: int) -> tuple[int, ...]:
+    """The batch buckets of a batched engine of ``max_sessions`` session slots when none are
+    configured (docs/ARCHITECTURE.md, "The GPU path"): the powers of two below ``max_sessions``,
+    then ``max_sessions`` itself, so that a step of every session the pool holds runs in one
+    bucket: ``(1, 2, 4, ..., 64)`` for 64 slots, ``(..., 64, 128, 256)`` for 256, ``(..., 64, 128,
+    130)`` for 130. A step of ``n`` rows (sessions) runs in the smallest bucket that holds it.
+
+    Raises:
+        ValueError: ``max_sessions < 1``.
+    """
+    n = int(max_sessions)
+    if n < 1:
+        raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+    return tuple(1 << i for i in range(n.bit_length()) if 1 << i < n) + (n,)
+
+
+#: The batch buckets of an engine of 64 session slots (the GPU target's default): what
+#: :func:`batch_buckets_for` gives for 64. Defined here, torch-free; :mod:`runtime.graphs`
+#: re-exports it.
+BATCH_BUCKETS = batch_buckets_for(64)
 
 
 def setting(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None,

@@ -29,7 +29,7 @@ from typing import Callable, Hashable, Iterable, Iterator, Sequence
 import torch
 
 from runtime.device_time import add_device_seconds
-from runtime.config import BATCH_BUCKETS  # noqa: F401 (the one definition, torch-free; re-exported)
+from runtime.config import BATCH_BUCKETS, batch_buckets_for  # noqa: F401 (defined torch-free; re-exported)
 from runtime.errors import ResourceExhausted
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,9 @@ def capped_buckets(buckets: Sequence[int], n: int) -> list[int]:
 
 def slots_for_budget(budget: int | None, slot_bytes: int, max_sessions: int, what: str = "session") -> int:
     """Session slots a pool may hold: ``max_sessions``, fewer when ``budget`` bytes do not hold
-    them and the spare slot (``budget // slot_bytes - 1``).
+    them and the spare slot (``budget // slot_bytes - 1``). A cut is logged (a warning naming
+    the slots asked and granted, the budget and a slot's bytes), so the real number is never a
+    surprise; the engines report it (``max_sessions``, the services' ``Info``).
 
     Args:
         budget: bytes for the pool, spare slot included; ``None`` = no limit.
@@ -78,6 +80,10 @@ def slots_for_budget(budget: int | None, slot_bytes: int, max_sessions: int, wha
         if slots < 1:
             raise ResourceExhausted(f"a memory budget of {budget} bytes holds no {what} slot "
                                     f"({slot_bytes} bytes each, plus one spare)")
+        if slots < max_sessions:
+            log.warning("the memory budget holds fewer slots than max_sessions asks: the pool holds the granted number",
+                        extra={"what": what, "asked": int(max_sessions), "granted": slots, "budget_bytes": int(budget),
+                               "slot_bytes": int(slot_bytes)})
     return slots
 
 
@@ -247,4 +253,5 @@ class GraphSet:
         return had
 
 
-__all__ = ["BATCH_BUCKETS", "GraphSet", "StepGraph", "bucket_for", "capped_buckets", "slots_for_budget"]
+__all__ = ["BATCH_BUCKETS", "GraphSet", "StepGraph", "batch_buckets_for", "bucket_for", "capped_buckets",
+           "slots_for_budget"]

@@ -43,13 +43,16 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def pool_budget(device: torch.device, fraction: float | None, nbytes: int | None, reserve: int) -> int | None:
     """Bytes the state pool may take: ``nbytes`` if given, else ``fraction`` of the device's
     memory minus what is allocated now (the weights) and ``reserve`` (step scratch and graph
-    pools); ``None`` on the CPU without ``nbytes``."""
+    pools), and never more than the device has free now minus ``reserve`` (another process on
+    the GPU, e.g. the draft service, keeps its memory); ``None`` on the CPU without ``nbytes``.
+    The engine holds ``min(--max-sessions, budget / slot bytes - 1)`` slots
+    (:func:`runtime.graphs.slots_for_budget`, which logs a cut)."""
     if nbytes:
         return int(nbytes)
     if device.type != "cuda" or fraction is None:
         return None
-    total = torch.cuda.get_device_properties(device).total_memory
-    return int(fraction * total - torch.cuda.memory_allocated(device) - reserve)
+    free, total = torch.cuda.mem_get_info(device)
+    return int(min(fraction * total - torch.cuda.memory_allocated(device), free) - reserve)
 
 
 def build_engine(model_path: str, config: TargetConfig | None = None, *, progress: bool = False, **settings):
@@ -62,7 +65,7 @@ def build_engine(model_path: str, config: TargetConfig | None = None, *, progres
             defaults are decided by :meth:`TargetConfig.resolved`: ``engine`` ``auto`` is batched on
             CUDA and the reference on the CPU, ``dtype`` ``auto`` bfloat16 on CUDA and float32 on
             the CPU, ``weights`` ``auto`` bf16 (quantized is opt-in), ``max_sessions`` None 64 on CUDA and 8 on the CPU (the batched engine may hold
-            fewer if the memory budget is smaller).
+            fewer if the memory budget is smaller: logged, and ``ModelInfo.max_sessions`` is the real number).
         progress: show a progress bar while loading weights and capturing graphs.
 
     Raises:
@@ -82,12 +85,15 @@ def build_engine(model_path: str, config: TargetConfig | None = None, *, progres
         from target_service.batched_engine import BatchedEngine
 
         reserve = cfg.max_step_tokens * model.cfg.vocab_size * 16 + (1 << 30)
+        budget = pool_budget(dev, cfg.gpu_memory_fraction, cfg.gpu_memory_bytes, reserve)
         eng = BatchedEngine(model, max_sessions=max_sessions, max_context=max_context, max_tree_width=max_tree_width,
-                            max_tree_depth=max_tree_depth, feature_layers=cfg.feature_layers,
-                            memory_budget=pool_budget(dev, cfg.gpu_memory_fraction, cfg.gpu_memory_bytes, reserve),
-                            cuda_graphs=cfg.cuda_graphs, batch_buckets=cfg.batch_buckets or TargetConfig.batch_buckets,
+                            max_tree_depth=max_tree_depth, feature_layers=cfg.feature_layers, memory_budget=budget,
+                            cuda_graphs=cfg.cuda_graphs, batch_buckets=cfg.batch_buckets or None,
                             width_buckets=cfg.width_buckets or TargetConfig.width_buckets,
                             max_step_tokens=cfg.max_step_tokens, prefill_chunk=cfg.prefill_chunk)
+        log.info("state pool", extra={"max_sessions": eng.max_sessions, "asked": max_sessions,
+                                      "slot_bytes": eng.slot_bytes, "budget_bytes": budget,
+                                      "batch_buckets": list(eng.batch_buckets)})
         t0 = time.monotonic()
         n = eng.capture(progress=progress)
         log.info("steps ready", extra={"buckets": n, "graph_captures": eng.captures, "seconds": round(time.monotonic() - t0, 2)})

@@ -28,7 +28,7 @@ from kernels.attention import default_splits, split_buckets, splits_for
 from target_service.config import TargetConfig
 from target_service.engine import PrefillJob, PrefillOutcome, Sampling, VerifyOutcome, check_prompt
 from runtime.errors import EngineError, InvalidArgument, Reason, ResourceExhausted, SessionNotFound
-from runtime.graphs import GraphSet, StepGraph, bucket_for, capped_buckets, slots_for_budget
+from runtime.graphs import GraphSet, StepGraph, batch_buckets_for, bucket_for, capped_buckets, slots_for_budget
 from target_service.models.layers import rope_table
 from runtime.pool import PoolShape, StatePool
 from target_service.pooled import StepLayout, StepTensors, prefill_step, run_step
@@ -36,9 +36,9 @@ from runtime.tree import TreeError, analyze_tree
 
 log = logging.getLogger(__name__)
 
-#: Default buckets (docs/ARCHITECTURE.md, "The GPU path"): a step of B trees of at most W nodes runs in the
-#: smallest bucket that holds it (:class:`TargetConfig` holds the numbers).
-BATCH_BUCKETS = TargetConfig.batch_buckets
+#: Default width buckets (docs/ARCHITECTURE.md, "The GPU path"): a step of B trees of at most W nodes runs in
+#: the smallest (batch, width) bucket that holds it (:class:`TargetConfig` holds the numbers); the default
+#: batch buckets follow the session slots (:func:`runtime.config.batch_buckets_for`).
 WIDTH_BUCKETS = TargetConfig.width_buckets
 
 
@@ -137,8 +137,11 @@ class BatchedEngine:
         memory_budget: bytes for the pool, spare slot included (``None``: whatever
             ``max_sessions`` needs).
         cuda_graphs: capture and replay steps as CUDA graphs (CUDA only).
-        batch_buckets, width_buckets: step shapes on CUDA (padded to the smallest that fits).
-        max_step_tokens: most nodes of one step (``B x W``); larger batches are split into steps.
+        batch_buckets, width_buckets: step shapes on CUDA (padded to the smallest that fits);
+            ``batch_buckets`` None (or empty): :func:`runtime.config.batch_buckets_for` the slots
+            granted (every session the pool holds fits one bucket).
+        max_step_tokens: most nodes of one step (``B x W``, buckets); a batch whose bucketed
+            shape would exceed it is split into steps, and only shapes within it are built.
         prefill_chunk: most prompt tokens per prefill forward.
         pad_to_buckets: pad steps to the buckets (default: on CUDA only; tests turn it on on the
             CPU to check that padding is inert).
@@ -150,7 +153,7 @@ class BatchedEngine:
     def __init__(self, model, max_sessions: int = TargetConfig.MAX_SESSIONS_CPU, max_context: int = TargetConfig.max_context,
                  max_tree_width: int = TargetConfig.max_tree_width, max_tree_depth: int = TargetConfig.max_tree_depth,
                  feature_layers: list[int] | tuple[int, ...] = (), memory_budget: int | None = None,
-                 cuda_graphs: bool = TargetConfig.cuda_graphs, batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
+                 cuda_graphs: bool = TargetConfig.cuda_graphs, batch_buckets: tuple[int, ...] | None = TargetConfig.batch_buckets,
                  width_buckets: tuple[int, ...] = WIDTH_BUCKETS, max_step_tokens: int = TargetConfig.max_step_tokens,
                  prefill_chunk: int = TargetConfig.prefill_chunk, pad_to_buckets: bool | None = None):
         self.model, self.cfg = model, model.cfg
@@ -164,9 +167,12 @@ class BatchedEngine:
         self.cuda_graphs = cuda_graphs and self.cuda
         self.pad = self.cuda if pad_to_buckets is None else pad_to_buckets
         self.width_buckets = tuple(sorted({w for w in width_buckets if w < self.max_tree_width} | {self.max_tree_width}))
-        self.batch_buckets = tuple(sorted(set(batch_buckets)))
         shape = PoolShape.of(self.cfg, self.max_context, self.max_tree_width)
-        self.max_sessions = slots_for_budget(memory_budget, shape.slot_bytes(self.dtype), max_sessions)
+        #: bytes of one session slot of the pool
+        self.slot_bytes = shape.slot_bytes(self.dtype)
+        self.max_sessions = slots_for_budget(memory_budget, self.slot_bytes, max_sessions)
+        self.batch_buckets = tuple(sorted({int(b) for b in batch_buckets if b >= 1})) if batch_buckets else \
+            batch_buckets_for(self.max_sessions)
         self.pool = StatePool(shape, self.max_sessions, self.device, self.dtype)
         self.conv_kernel = shape.conv[0] + 1 if shape.conv else None
         self.rope = rope_table(self.max_context + self.max_tree_width + 1, self.cfg.rope_dim, self.cfg.rope_theta, self.device)
@@ -219,8 +225,11 @@ class BatchedEngine:
 
     def buckets(self) -> list[tuple[int, int]]:
         """The (batch, width) step shapes this engine captures: every pair within
-        ``max_step_tokens`` nodes and ``max_sessions`` rows (batch buckets past the session count
-        are not needed)."""
+        ``max_step_tokens`` nodes (any width at batch 1) and ``max_sessions`` rows (batch buckets
+        past the session count are not needed). So the count stays bounded as the batch buckets
+        grow: a batch bucket ``B`` adds only the widths ``W <= max_step_tokens / B`` (256 sessions
+        and 1024 step tokens: widths 1 and 4 at ``B = 256``, 1, 4 and 8 at ``B = 128``), and
+        :meth:`_plan` never runs a step outside these shapes."""
         rows = capped_buckets(self.batch_buckets, self.max_sessions)
         return [(b, w) for b in rows for w in self.width_buckets if b * w <= self.max_step_tokens or b == 1]
 
@@ -392,7 +401,9 @@ class BatchedEngine:
         return results
 
     def _plan(self, ready: list) -> list[list]:
-        """Split the ready items into steps that fit a bucket and ``max_step_tokens``."""
+        """Split the ready items (in order) into steps whose bucketed shape ``(batch bucket,
+        width bucket)`` holds at most ``max_step_tokens`` nodes (one of :meth:`buckets`; any width
+        alone) and whose rows fit the largest batch bucket."""
         groups, cur, width = [], [], 0
         max_rows = self.batch_buckets[-1] if self.pad else len(ready) or 1
         for item in ready:

@@ -9,7 +9,7 @@ import dataclasses
 from typing import ClassVar
 
 from dflash_grpc.defaults import DEFAULT_HOST, TARGET_PORT
-from runtime.config import BATCH_BUCKETS, session_lifetime_settings, setting
+from runtime.config import session_lifetime_settings, setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +27,9 @@ class TargetConfig:
     ``dtype`` (bfloat16 on CUDA, float32 on the CPU), ``engine`` (batched on CUDA, reference on the
     CPU), ``weights`` (bf16 on every device until the quantized path has run on a GPU: issue 19),
     ``max_sessions``
-    (:attr:`MAX_SESSIONS_CUDA` / :attr:`MAX_SESSIONS_CPU`).
+    (:attr:`MAX_SESSIONS_CUDA` / :attr:`MAX_SESSIONS_CPU`). ``batch_buckets`` None is decided by the
+    batched engine from the session slots the memory budget grants
+    (:func:`runtime.config.batch_buckets_for`).
     """
 
     #: ``max_sessions`` None resolves to this on a CUDA device ...
@@ -55,12 +57,13 @@ class TargetConfig:
         choices=WEIGHTS)
     max_sessions: int | None = setting(
         None, f"session slots (default {MAX_SESSIONS_CUDA} on CUDA, {MAX_SESSIONS_CPU} on the CPU; "
-        "the batched engine holds fewer if the memory budget is smaller)")
+        "the batched engine holds fewer if the memory budget is smaller: logged, and Info reports the real number)")
     max_context: int = setting(4096, "most tokens per session (capped at the model's context length)")
     max_tree_width: int = setting(64, "most nodes per verified tree (at most 64)")
     max_tree_depth: int = setting(32, "deepest node of a verified tree")
     gpu_memory_fraction: float | None = setting(
-        0.85, "share of the GPU's memory for weights + state pool + step scratch (batched engine)")
+        0.85, "share of the GPU's memory for weights + state pool + step scratch (batched engine); the pool also "
+        "leaves the step scratch free of what the device has free at start (other processes)")
     gpu_memory_bytes: int | None = setting(None, "bytes for the state pool (overrides the fraction)")
     local_hop: bool = setting(True, "also serve Verify on a Unix socket for an orchestrator on this host (the same checks: "
                                     "docs/ARCHITECTURE.md, 'The same-host hop')")
@@ -68,7 +71,10 @@ class TargetConfig:
     feature_layers: tuple[int, ...] = setting(
         (), "target layers tapped for the drafter (e.g. 1,8,14); sessions asking for others extend the set "
         "(graphs are recaptured)")
-    batch_buckets: tuple[int, ...] = setting(BATCH_BUCKETS, "batched engine: batch sizes steps are padded to")
+    batch_buckets: tuple[int, ...] | None = setting(
+        None, "batched engine: batch sizes steps are padded to (default: the powers of two below the session slots, "
+        "then the slot count: 1,2,4,...,64 for 64 slots, ...,128,256 for 256; a bucket B is captured only with the "
+        "widths W of B x W <= --max-step-tokens)")
     width_buckets: tuple[int, ...] = setting((1, 4, 8, 16, 32, 64), "batched engine: tree widths steps are padded to")
     max_step_tokens: int = setting(1024, "most tree nodes in one batched step")
     prefill_chunk: int = setting(512, "batched engine: most prompt tokens per prefill forward")

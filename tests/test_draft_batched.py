@@ -328,7 +328,8 @@ def test_memory_budget(drafter):
     assert batched(drafter, max_sessions=64, memory_budget=5 * slot_bytes).max_sessions == 4   # + the spare
     with pytest.raises(ResourceExhausted):
         batched(drafter, memory_budget=slot_bytes)
-    assert eng.buckets() == [1, 2, 4, 8, 16, 32, 64] and batched(drafter, max_sessions=5).buckets() == [1, 2, 4, 8]
+    assert eng.buckets() == [1, 2, 4, 8, 16, 32, 64] and batched(drafter, max_sessions=5).buckets() == [1, 2, 4, 5]
+    assert batched(drafter, max_sessions=5, batch_buckets=(1, 2, 4, 8, 16)).buckets() == [1, 2, 4, 8]   # given: capped
 
 
 def test_servicer_runs_either_engine(files, drafter):

@@ -37,7 +37,9 @@
 #                                          # llama-quantize'd files -> $OUT/QUANT.md (tools/gpu_quant.sh: phases, env)
 #   bash tools/gpu_run.sh concurrency      # the three services with the shipped SmolLM2 pair: aggregate
 #                                          # tok/s at 1-64 concurrent streams, AR vs speculative
-#                                          # -> $OUT/concurrency.{txt,json} (PNG: made from the JSON locally)
+#                                          # -> $OUT/concurrency.{txt,json} (PNG: made from the JSON locally);
+#                                          # CONCURRENCY=1,4,8,16,32,64,128,256 adds 128 and 256 streams (the
+#                                          # bench gives the target and draft services --max-sessions 256)
 #   bash tools/gpu_run.sh http             # issue 24: aiperf against our HTTP front door (speculative, AR) and
 #                                          # llama-server, 1/8/32 streams -> $OUT/HTTP.md, http.tgz (tools/gpu_http.sh)
 #
@@ -204,6 +206,10 @@ cmd_bench() {
 }
 
 cmd_concurrency() {
+  # CONCURRENCY (default 1,4,16,32,64): any levels, e.g. 1,4,8,16,32,64,128,256. `client.cli bench`
+  # starts the target and draft services with --max-sessions of the largest level when it passes
+  # their default of 64 (bench_session_args), so every stream of a level runs at once, in batch
+  # buckets up to that level (runtime.config.batch_buckets_for); the orchestrator follows the target.
   install_wheels
   local smol; smol=$(smollm) || exit 1
   nvidia-smi -L | tee "$OUT/device.txt"

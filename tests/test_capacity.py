@@ -1,0 +1,317 @@
+"""Capacity (issue 23, goal 4): more than 64 sessions batched end to end.
+
+* the batch buckets follow the session slots (``runtime.config.batch_buckets_for``) in both batched
+  engines, so a step of more than 64 sessions runs in one bucket (128, 130, 256) instead of being
+  split at 64, and gives the tokens (trees) of one session decoded alone;
+* the target's steps never exceed ``max_step_tokens`` (a big batch bucket is built only with the
+  widths it can hold, and a batch of wide trees is split);
+* the pool grants ``max_sessions`` or fewer with a warning, and the engine reports the real number;
+  the target's budget also respects the memory the device has free;
+* the orchestrator follows the target's slots and warns when the drafter holds fewer;
+* ``dflash-grpc bench --concurrency ...,256`` starts the services with ``--max-sessions 256``.
+
+CPU, tiny models (tests/conftest.py), eager steps padded to the buckets as on a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from runtime.config import BATCH_BUCKETS, batch_buckets_for
+from runtime.sampling import Sampling
+
+GREEDY = Sampling.checked(0.0, 0, 0.0, 0)
+
+
+# ------------------------------------------------------------------------------------------------ buckets
+
+
+def test_batch_buckets_follow_the_session_slots():
+    assert batch_buckets_for(64) == BATCH_BUCKETS == (1, 2, 4, 8, 16, 32, 64)
+    assert batch_buckets_for(256) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert batch_buckets_for(130) == (1, 2, 4, 8, 16, 32, 64, 128, 130)
+    assert batch_buckets_for(100) == (1, 2, 4, 8, 16, 32, 64, 100)
+    assert batch_buckets_for(1) == (1,) and batch_buckets_for(3) == (1, 2, 3)
+    with pytest.raises(ValueError):
+        batch_buckets_for(0)
+
+
+def test_configs_leave_the_buckets_to_the_slots():
+    from draft_service.config import DraftConfig
+    from orchestrator.config import OrchestratorConfig
+    from runtime.config import worker_threads
+    from target_service.config import TargetConfig
+
+    assert TargetConfig().batch_buckets is None and DraftConfig().batch_buckets is None
+    # the orchestrator runs as many requests as the target holds, 256 more may wait, and its
+    # gRPC pool holds a thread for each of them
+    cfg = OrchestratorConfig(target="x").resolved("cuda:0", 256, 4096)
+    assert (cfg.max_sessions, cfg.max_queue) == (256, 256)
+    assert worker_threads(cfg.max_workers, cfg.max_sessions + cfg.max_queue) >= 512
+    assert worker_threads(None, 256) > 256   # the target's and drafter's: a thread per stream and more
+
+
+# ------------------------------------------------------------------------------------------------ target
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_llama):
+    from target_service.models import load_model
+
+    return load_model(tiny_llama.path)
+
+
+def _engine(model, **kw):
+    from target_service.batched_engine import BatchedEngine
+
+    kw.setdefault("max_context", 24)
+    kw.setdefault("max_tree_width", 8)
+    kw.setdefault("max_tree_depth", 6)
+    kw.setdefault("width_buckets", (1, 4, 8))
+    return BatchedEngine(model, **kw)
+
+
+def test_target_steps_past_64_sessions_run_in_one_bucket(tiny_model):
+    """130 slots: the buckets end 64, 128, 130; a tick of 130 sessions is one step in the 130
+    bucket, one of 70 one step padded to 128; every session's tokens are those of target-only
+    decoding of its prompt alone (the reference engine)."""
+    from target_service.engine import TargetEngine
+
+    eng = _engine(tiny_model, max_sessions=130, pad_to_buckets=True)
+    assert eng.batch_buckets == (1, 2, 4, 8, 16, 32, 64, 128, 130)
+    assert {(128, 8), (130, 4)} <= set(eng.buckets()) and (130, 8) not in eng.buckets()   # 1040 > 1024 nodes
+    vocab = eng.cfg.vocab_size
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(2, 5))] for _ in range(130)]
+    n = 6
+    ref = TargetEngine(tiny_model, max_sessions=1, max_context=24, max_tree_width=8, max_tree_depth=6)
+    want = []
+    for p in prompts:
+        toks = [ref.prefill("r", p, GREEDY, []).first_token]
+        while len(toks) < n:
+            toks.append(ref.verify("r", [toks[-1]], [-1]).bonus_token)
+        ref.release(["r"])
+        want.append(toks)
+
+    got = [[eng.prefill(f"s{i}", p, GREEDY, []).first_token] for i, p in enumerate(prompts)]
+    for _ in range(2):   # plain ticks of all 130: one step each, in the 130 bucket
+        steps = eng.steps
+        outs = eng.verify_batch([(f"s{i}", [g[-1]], [-1]) for i, g in enumerate(got)])
+        assert eng.steps == steps + 1
+        for g, o in zip(got, outs):
+            g.append(o.bonus_token)
+    eng.release([f"s{i}" for i in range(70, 130)])
+    live = got[:70]
+    while min(len(g) for g in live) < n:   # 70 sessions with chains of the truth: one step in (128, 4)
+        steps = eng.steps
+        items = [(f"s{i}", [g[-1], *want[i][len(g) : len(g) + 2]], [-1, 0, 1][: 1 + len(want[i][len(g) : len(g) + 2])])
+                 for i, g in enumerate(live)]
+        outs = eng.verify_batch(items)
+        assert eng.steps == steps + 1
+        for g, o in zip(live, outs):
+            g += o.accepted_tokens + [o.bonus_token]
+    assert {(130, 1), (128, 4)} <= {(b, w) for b, w, _ in eng._runners}
+    assert max(b for b, _, _ in eng._runners) == 130
+    assert [g[:n] for g in got[:70]] == want[:70] and got[70:] == [w[:3] for w in want[70:]]
+    eng.release([f"s{i}" for i in range(70)])
+    assert eng.pool.free == 130
+
+
+@pytest.mark.parametrize("sessions,step_tokens,width,rows", [
+    (256, 1024, 1, [256]), (256, 1024, 4, [256]), (256, 1024, 8, [128, 128]), (256, 1024, 16, [64] * 4),
+    (130, 256, 5, [32] * 4 + [2]), (130, 1024, 3, [130]),
+])
+def test_target_is_never_asked_for_a_step_it_cannot_hold(tiny_model, sessions, step_tokens, width, rows):
+    """A batch is split so that every step's bucketed shape is one the engine builds (within
+    ``max_step_tokens`` nodes): 256 trees of 16 nodes (4096 nodes) run as four steps of 64."""
+    eng = _engine(tiny_model, max_sessions=sessions, max_tree_width=16, width_buckets=(1, 4, 8, 16),
+                  max_step_tokens=step_tokens, pad_to_buckets=True, max_context=8)
+    items = [(i, None, [0] * width) for i in range(sessions)]
+    groups = eng._plan(items)
+    assert [len(g) for g in groups] == rows
+    shapes = set(eng.buckets())
+    for g in groups:
+        b, w = eng._bucket(len(g), eng.batch_buckets), eng._bucket(width, eng.width_buckets)
+        assert (b, w) in shapes and b * w <= step_tokens
+
+
+def test_target_pool_grants_what_the_budget_holds(tiny_model, caplog):
+    """256 slots asked, a budget of 100 (plus the spare): 100 granted, logged, buckets from 100."""
+    probe = _engine(tiny_model, max_sessions=1)
+    caplog.set_level(logging.WARNING, logger="runtime.graphs")
+    eng = _engine(tiny_model, max_sessions=256, memory_budget=probe.slot_bytes * 101 + 7)
+    assert eng.max_sessions == eng.pool.free == 100
+    assert eng.batch_buckets == (1, 2, 4, 8, 16, 32, 64, 100)
+    rec = [r for r in caplog.records if r.name == "runtime.graphs"]
+    assert len(rec) == 1 and (rec[0].asked, rec[0].granted) == (256, 100)
+    caplog.clear()
+    assert _engine(tiny_model, max_sessions=256, memory_budget=probe.slot_bytes * 257).max_sessions == 256
+    assert not [r for r in caplog.records if r.name == "runtime.graphs"]   # granted in full: no warning
+
+
+def test_target_budget_respects_free_memory(monkeypatch):
+    """The pool's budget is the fraction of the device's memory less the weights, and never more
+    than the device has free (another process on the GPU), less the scratch reserve."""
+    from target_service.__main__ import pool_budget
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 * gib)
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * gib, 80 * gib))
+    assert pool_budget(cuda, 0.5, None, 2 * gib) == 37 * gib          # 40 - 1 (weights) - 2
+    assert pool_budget(cuda, 0.9, None, 2 * gib) == 58 * gib          # free 60 - 2, under 72 - 1 - 2
+    assert pool_budget(cuda, 0.9, 5 * gib, 2 * gib) == 5 * gib        # --gpu-memory-bytes wins
+    assert pool_budget(torch.device("cpu"), 0.9, None, 2 * gib) is None
+
+
+# ------------------------------------------------------------------------------------------------ drafter
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_llama, tiny_drafter):
+    from draft_service.gguf_io import load_drafter
+
+    return load_drafter(tiny_drafter, tiny_llama.path)
+
+
+def test_drafter_steps_past_64_sessions_run_in_one_bucket(drafter, caplog):
+    """130 drafter slots: buckets up to 128, 130; 70 sessions propose in one step padded to 128,
+    each tree that of the session alone (the reference engine); a budget cut is logged."""
+    from draft_service.batched import BatchedDrafter, DraftItem, ReferenceDrafterEngine
+
+    eng = BatchedDrafter(drafter, max_sessions=130, max_context=32, prefill_chunk=8, pad_batches=True)
+    assert eng.batch_buckets == (1, 2, 4, 8, 16, 32, 64, 128, 130) and eng.buckets()[-2:] == [128, 130]
+    c = drafter.config
+    g = torch.Generator().manual_seed(3)
+    rng = random.Random(3)
+    ref = ReferenceDrafterEngine(drafter, max_sessions=70, max_context=32)
+    held = [0] * 70
+    for step in range(2):
+        batch = []
+        for i in range(70):
+            rows = rng.randint(1, c.block_size)
+            held[i] += rows
+            batch.append(DraftItem(f"d{i}", torch.randn(rows, c.feature_size, generator=g), rng.randrange(c.vocab_size),
+                                   held[i], *[(0, 0, 0), (6, 3, 0), (4, 1, 0)][i % 3]))
+        steps = eng.steps
+        got = eng.propose_batch(batch)
+        assert eng.steps == steps + 1   # one step for the 70 sessions
+        want = ref.propose_batch(batch)
+        assert [(o.tokens, o.parents) for o in got] == [(o.tokens, o.parents) for o in want]
+    assert {b for b, _, _ in eng.graphs} == {128}
+    caplog.set_level(logging.WARNING, logger="runtime.graphs")
+    slot = eng.pool.shape.slot_bytes(eng.dtype)
+    cut = BatchedDrafter(drafter, max_sessions=256, max_context=32, memory_budget=slot * 41)
+    assert cut.max_sessions == 40 and cut.batch_buckets == (1, 2, 4, 8, 16, 32, 40)
+    assert [(r.what, r.asked, r.granted) for r in caplog.records if r.name == "runtime.graphs"] == [
+        ("drafter session", 256, 40)]
+
+
+# ------------------------------------------------------------------------------------------------ orchestrator
+
+
+def test_orchestrator_warns_once_when_the_drafter_holds_fewer_sessions(caplog):
+    """A drafter of 64 sessions under an orchestrator of 256: one warning (requests past its
+    slots decode plainly), not one per tick; none for a drafter as large as the orchestrator."""
+    from dflash_grpc.v1 import common_pb2, draft_pb2
+    from orchestrator.scheduler import Scheduler
+
+    class Target:
+        def info(self):
+            return common_pb2.ModelInfo(device="cuda:0", max_sessions=256, max_context=64, max_tree_width=16)
+
+    class NoDraft:
+        address = None
+
+    sched = Scheduler(Target(), NoDraft(), max_sessions=256)
+    try:
+        caplog.set_level(logging.WARNING, logger="orchestrator.scheduler")
+
+        def drafter(n):
+            return draft_pb2.DrafterInfo(model=common_pb2.ModelInfo(max_sessions=n, block_size=16, device="cuda:0"))
+
+        for _ in range(3):
+            assert sched._propose_trees([], drafter(64))[0] == {}
+        sched._propose_trees([], drafter(256))
+        warned = [r for r in caplog.records if "drafter holds fewer" in r.getMessage()]
+        assert [(r.drafter_sessions, r.max_sessions) for r in warned] == [(64, 256)]
+    finally:
+        sched.stop(timeout=1.0, release_timeout=0.1)
+
+
+# ------------------------------------------------------------------------------------------------ bench
+
+
+def test_bench_gives_the_services_the_sessions_of_its_largest_level():
+    from client.cli import bench_session_args
+
+    levels = [1, 4, 8, 16, 32, 64, 128, 256]
+    assert bench_session_args(levels, "cuda", [], [], []) == (["--max-sessions", "256"], ["--max-sessions", "256"])
+    # at most 64 streams on CUDA: the services' defaults stand (the graphs of earlier runs)
+    assert bench_session_args([1, 4, 64], "cuda:0", [], ["--x"], []) == (["--x"], [])
+    # the CPU target holds 8 by default, the drafter 64
+    assert bench_session_args([1, 16], None, [], [], []) == (["--max-sessions", "16"], [])
+    # the user's flag wins: for every service, or for one
+    assert bench_session_args(levels, "cuda", ["--max-sessions", "300"], [], []) == ([], [])
+    assert bench_session_args(levels, "cuda", [], ["--max-sessions=200"], []) == (
+        ["--max-sessions=200"], ["--max-sessions", "256"])
+    assert bench_session_args([], "cuda", [], [], []) == ([], [])
+
+
+def test_one_propose_carries_a_bounded_amount_of_history(monkeypatch):
+    """Past ``RESYNC_BYTES`` of history rows in one Propose, the other new drafter sessions wait
+    for a later tick (decoding plainly now); the first always goes, and a synced request's step
+    rows are never held back."""
+    from dflash_grpc.columns import Rows
+    from dflash_grpc.v1 import common_pb2, draft_pb2
+    from orchestrator import scheduler as sched_mod
+    from orchestrator.scheduler import Request, Scheduler
+
+    class Target:
+        def info(self):
+            return common_pb2.ModelInfo(device="cuda:0", max_sessions=256, max_context=4096, max_tree_width=16)
+
+    class NoDraft:
+        address = None
+
+    class Sent(Exception):
+        pass
+
+    class Call:
+        broken = False
+
+        def exchange(self, request, timeout, flush):
+            self.request = request
+            raise Sent
+
+        def close(self):
+            pass
+
+    def request(name, rows, synced):
+        r = Request(session_id=name, prompt=[1], sampling=common_pb2.SamplingParams(), max_tokens=100,
+                    tree=draft_pb2.TreeParams(budget=3, top_k=2))
+        r.root, r.length, r.on_target = 5, 40, True
+        r.history = [Rows(common_pb2.DTYPE_F16, 8, rows, bytes(rows * 16))]
+        r.on_drafter = r.draft_synced = synced
+        return r
+
+    monkeypatch.setattr(sched_mod, "RESYNC_BYTES", 1000)
+    sched = Scheduler(Target(), NoDraft(), max_sessions=256)
+    try:
+        sched._propose = call = Call()
+        batch = [request("new1", 40, False), request("new2", 40, False), request("step", 4, True),
+                 request("new3", 20, False)]
+        sched._active = list(batch)
+        drafter = draft_pb2.DrafterInfo(model=common_pb2.ModelInfo(max_sessions=256, block_size=16, device="cuda:0"))
+        with pytest.raises(Sent):
+            sched._propose_trees(batch, drafter)
+        sent = [it.session_id for it in call.request.items] or list(call.request.columns.session_ids)
+        # 640 bytes go; 640 more would pass 1000: new2 waits; the step rows go; new3's 320 fit
+        assert sent == ["new1", "step", "new3"]
+    finally:
+        sched._active, sched._propose = [], None   # nothing to release on the fake peers
+        sched.stop(timeout=1.0, release_timeout=0.1)
