@@ -99,8 +99,9 @@ def run_bench(address: str, prompts: Sequence[str], configs: Sequence[BenchConfi
     """Run every prompt under every configuration against a running orchestrator.
 
     Returns:
-        ``{"configs": {name: merged stats + "lossless": bool}, "prompts": n, "max_tokens": m}``;
-        ``lossless`` compares each completion's token ids with the ``ar`` run of the same prompt.
+        ``{"configs": {name: merged stats + "lossless": bool}, "prompts": n, "max_tokens": m,
+        "reference_tokens": [the ar run's token ids per prompt]}``; ``lossless`` compares each
+        completion's token ids with the ``ar`` run of the same prompt.
     """
     if not configs or configs[0].name != "ar":
         configs = [BenchConfig.parse("ar"), *[c for c in configs if c.name != "ar"]]
@@ -121,6 +122,7 @@ def run_bench(address: str, prompts: Sequence[str], configs: Sequence[BenchConfi
                 if progress:
                     progress(cfg.name, i + 1, len(prompts))
             out["configs"][cfg.name] = {**_merge(stats), "lossless": same, "wall_s": time.monotonic() - t0}
+    out["reference_tokens"] = reference
     return out
 
 
@@ -162,40 +164,113 @@ def parse_levels(text: str) -> list[int]:
     return levels
 
 
-def _run_level(address: str, prompts: Sequence[str], n: int, requests_per_stream: int, request: GenerateRequest,
-               timeout: float | None) -> dict[str, Any]:
-    """N streams at once, each ``requests_per_stream`` requests in turn; stream j's r-th request
-    is ``request`` with prompt ``(j * requests_per_stream + r) % len(prompts)``."""
-    barrier = threading.Barrier(n + 1)
-    tokens = [0] * n
-    seconds = [0.0] * n
-    errors: list[str] = []
-    clients = [Client(address, timeout=timeout) for _ in range(n)]  # one channel per stream
+#: streams a client process of the load sweep runs (threads, one channel each): at many streams the
+#: client's own Python (one message per stream per tick) would otherwise be what limits the level
+STREAMS_PER_PROCESS = 16
 
-    def stream(j: int) -> None:
+
+def _percentile(values: list[float], q: float) -> float | None:
+    """The ``q``-th percentile (0..100, nearest rank) of ``values``; None when empty."""
+    if not values:
+        return None
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, int(round(q / 100 * len(v) + 0.5)) - 1))]
+
+
+def _streams(address: str, jobs: list[tuple[int, list[str]]], request: GenerateRequest, timeout: float | None,
+             barrier) -> list[dict[str, Any]]:
+    """Run one client stream per ``(stream index, prompts)`` job, each on its own thread and channel,
+    its prompts in turn, all starting at ``barrier``. Per stream: ``tokens`` (generated), ``seconds``
+    (wall, first request's start to last one's end), ``itl`` (seconds per token between consecutive
+    chunks of a request: a chunk of ``k`` tokens ``g`` seconds after the previous adds ``k`` samples
+    ``g / k``; a request's first chunk is its time to first token, not counted), ``outputs`` (each
+    request's token ids, in order) and ``errors``."""
+    out = [{"stream": j, "tokens": 0, "seconds": 0.0, "itl": [], "outputs": [], "errors": []} for j, _ in jobs]
+    clients = [Client(address, timeout=timeout) for _ in jobs]
+
+    def stream(slot: int) -> None:
+        rec, prompts = out[slot], jobs[slot][1]
         barrier.wait()
         t0 = time.monotonic()
-        for r in range(requests_per_stream):
-            prompt = prompts[(j * requests_per_stream + r) % len(prompts)]
+        for prompt in prompts:
+            ids: list[int] = []
+            last = None
             try:
-                tokens[j] += len(clients[j].generate(prompt, request=request).token_ids)
+                for chunk in clients[slot].stream(prompt, request=request):
+                    now = time.monotonic()
+                    if chunk.token_ids:
+                        if last is not None:
+                            rec["itl"].extend([(now - last) / len(chunk.token_ids)] * len(chunk.token_ids))
+                        last = now
+                        ids.extend(chunk.token_ids)
             except DFlashError as e:
-                errors.append(str(e))
-        seconds[j] = time.monotonic() - t0
+                rec["errors"].append(str(e))
+                ids = None
+            rec["outputs"].append(ids)
+            rec["tokens"] += len(ids or [])
+        rec["seconds"] = time.monotonic() - t0
 
-    threads = [threading.Thread(target=stream, args=(j,), daemon=True) for j in range(n)]
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(len(jobs))]
     try:
         for t in threads:
             t.start()
-        barrier.wait()
-        t0 = time.monotonic()
         for t in threads:
             t.join()
-        wall = time.monotonic() - t0
     finally:
         for c in clients:
             c.close()
-    per_stream = [k / s if s > 0 else 0.0 for k, s in zip(tokens, seconds)]
+    return out
+
+
+def _streams_process(args) -> list[dict[str, Any]]:
+    """:func:`_streams` in a client process of the sweep (``multiprocessing`` target)."""
+    address, jobs, request, timeout, barrier = args
+    return _streams(address, jobs, request, timeout, barrier)
+
+
+def _run_level(address: str, prompts: Sequence[str], n: int, requests_per_stream: int, request: GenerateRequest,
+               timeout: float | None, reference: dict[str, list[int]] | None = None) -> dict[str, Any]:
+    """N streams at once, each ``requests_per_stream`` requests in turn; stream j's r-th request
+    is ``request`` with prompt ``(j * requests_per_stream + r) % len(prompts)``. Up to
+    :data:`STREAMS_PER_PROCESS` streams run in this process; more are spread over client
+    processes of that many streams each (``spawn``), so the client's own host work does not
+    limit the level. ``reference``: prompt -> the token ids the request must give (the
+    single-stream AR run, temperature 0): ``mismatches`` counts the requests that differ."""
+    jobs = [(j, [prompts[(j * requests_per_stream + r) % len(prompts)] for r in range(requests_per_stream)])
+            for j in range(n)]
+    if n <= STREAMS_PER_PROCESS:
+        barrier = threading.Barrier(n + 1)
+        done: list[list[dict[str, Any]]] = []
+        runner = threading.Thread(target=lambda: done.append(_streams(address, jobs, request, timeout, barrier)), daemon=True)
+        runner.start()
+        barrier.wait()
+        t0 = time.monotonic()
+        runner.join()
+        wall = time.monotonic() - t0
+        recs = done[0] if done else []
+    else:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        groups = [jobs[i:i + STREAMS_PER_PROCESS] for i in range(0, n, STREAMS_PER_PROCESS)]
+        with ctx.Manager() as manager:
+            barrier = manager.Barrier(n + 1)
+            with ctx.Pool(len(groups)) as pool:
+                pending = pool.map_async(_streams_process, [(address, g, request, timeout, barrier) for g in groups])
+                barrier.wait()
+                t0 = time.monotonic()
+                parts = pending.get()
+                wall = time.monotonic() - t0
+        recs = [r for part in parts for r in part]
+    recs.sort(key=lambda r: r["stream"])
+    tokens = [r["tokens"] for r in recs]
+    per_stream = [r["tokens"] / r["seconds"] if r["seconds"] > 0 else 0.0 for r in recs]
+    errors = [e for r in recs for e in r["errors"]]
+    itl = [x for r in recs for x in r["itl"]]
+    mismatches = None
+    if reference is not None:
+        mismatches = sum(1 for (_, ps), r in zip(jobs, recs) for p, ids in zip(ps, r["outputs"])
+                         if ids is not None and p in reference and ids != reference[p])
     return {
         "concurrency": n,
         "requests": n * requests_per_stream,
@@ -205,6 +280,9 @@ def _run_level(address: str, prompts: Sequence[str], n: int, requests_per_stream
         "per_stream_tokens_per_second": per_stream,
         "mean_stream_tokens_per_second": sum(per_stream) / n,
         "min_stream_tokens_per_second": min(per_stream),
+        "itl_p50_ms": None if not itl else _percentile(itl, 50) * 1e3,
+        "itl_p99_ms": None if not itl else _percentile(itl, 99) * 1e3,
+        "mismatches": mismatches,
         "errors": len(errors),
         "first_error": errors[0] if errors else None,
     }
@@ -213,15 +291,22 @@ def _run_level(address: str, prompts: Sequence[str], n: int, requests_per_stream
 def run_concurrency(address: str, prompts: Sequence[str], levels: Sequence[int], max_tokens: int,
                     timeout: float | None = None, requests_per_stream: int = 1,
                     modes: dict[str, dict[str, Any]] | None = None,
-                    progress: Callable[[str, int], None] | None = None) -> dict[str, Any]:
+                    progress: Callable[[str, int], None] | None = None,
+                    reference: dict[str, list[int]] | None = None) -> dict[str, Any]:
     """The load sweep against a running orchestrator: every level of every mode (temperature 0).
+
+    Args:
+        reference: prompt -> its single-stream AR token ids (:func:`run_bench`'s
+            ``reference_tokens``); each level then counts the requests whose tokens differ
+            (``mismatches``: lossless under load when 0). None: not checked.
 
     Returns:
         ``{"levels": [...], "max_tokens": m, "requests_per_stream": r, "modes": {mode: [per level:
         concurrency, requests, generated_tokens, wall_s, aggregate_tokens_per_second,
-        per_stream_tokens_per_second, mean/min_stream_tokens_per_second, errors, first_error]}}``.
-        A failed request counts as an error of its level (e.g. RESOURCE_EXHAUSTED past the
-        server's session slots) and adds no tokens.
+        per_stream_tokens_per_second, mean/min_stream_tokens_per_second, itl_p50_ms, itl_p99_ms
+        (inter-token latency over every streamed token but a request's first), mismatches,
+        errors, first_error]}}``. A failed request counts as an error of its level (e.g.
+        RESOURCE_EXHAUSTED past the server's session slots) and adds no tokens.
     """
     if not prompts:
         raise ValueError("no prompts")
@@ -233,19 +318,27 @@ def run_concurrency(address: str, prompts: Sequence[str], levels: Sequence[int],
         for n in levels:
             if progress:
                 progress(name, n)
-            rows.append(_run_level(address, prompts, n, requests_per_stream, request, timeout))
+            rows.append(_run_level(address, prompts, n, requests_per_stream, request, timeout, reference))
     return out
 
 
 def format_concurrency(result: dict[str, Any]) -> str:
     """The load sweep as a fixed-width text table (one row per mode and level)."""
     lines = [f"concurrency sweep: up to {result['max_tokens']} new tokens, {result['requests_per_stream']} request(s) per stream",
-             f"{'mode':<6} {'streams':>7} {'tok/s':>9} {'per stream':>10} {'min':>7} {'tokens':>7} {'wall s':>7} {'errors':>6}"]
+             f"{'mode':<6} {'streams':>7} {'tok/s':>9} {'per stream':>10} {'min':>7} {'ITL p50':>8} {'ITL p99':>8} "
+             f"{'tokens':>7} {'wall s':>7} {'errors':>6} {'lossless':>8}"]
+
+    def ms(v):
+        return "-" if v is None else f"{v:.2f}"
+
     for name, rows in result["modes"].items():
         for r in rows:
+            mism = r.get("mismatches")
+            lossless = "-" if mism is None else ("yes" if mism == 0 else f"NO ({mism})")
             lines.append(f"{name:<6} {r['concurrency']:>7} {r['aggregate_tokens_per_second']:>9.1f} "
                          f"{r['mean_stream_tokens_per_second']:>10.1f} {r['min_stream_tokens_per_second']:>7.1f} "
-                         f"{r['generated_tokens']:>7} {r['wall_s']:>7.2f} {r['errors']:>6}")
+                         f"{ms(r.get('itl_p50_ms')):>8} {ms(r.get('itl_p99_ms')):>8} "
+                         f"{r['generated_tokens']:>7} {r['wall_s']:>7.2f} {r['errors']:>6} {lossless:>8}")
     return "\n".join(lines)
 
 

@@ -588,7 +588,8 @@ def _cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
         if levels:
             result["concurrency"] = run_concurrency(
                 address, prompts, levels, args.max_tokens, args.timeout, args.requests_per_stream,
-                progress=lambda name, n: print(f"\rconcurrency {name}: {n} streams   ", end="", file=err, flush=True))
+                progress=lambda name, n: print(f"\rconcurrency {name}: {n} streams   ", end="", file=err, flush=True),
+                reference=dict(zip(prompts, result["reference_tokens"])))
             print(file=err)
         return result
 

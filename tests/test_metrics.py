@@ -363,24 +363,43 @@ def test_cli_stats_watch(fake, capsys):
 # bench: concurrency sweep and PNG
 
 
-def test_run_concurrency(fake):
+def test_run_concurrency(fake, monkeypatch):
+    import bench.serving as serving_bench
+
     assert parse_levels("1, 4,16") == [1, 4, 16]
     for bad in ("0", "a", ""):
         with pytest.raises(ValueError):
             parse_levels(bad)
     fake.requests.clear()
-    res = run_concurrency(fake.address, ["p0", "p1"], [1, 3], max_tokens=5, requests_per_stream=2)
+    first = {}
+    with Client(fake.address) as c:
+        for p in ("p0", "p1"):
+            first[p] = c.generate(p, max_tokens=5).token_ids
+    fake.requests.clear()
+    # the fake's tokens do not depend on the request: a reference with one wrong prompt is 1 mismatch per request of it
+    wrong = {"p0": first["p0"], "p1": [t + 1 for t in first["p1"]]}
+    res = run_concurrency(fake.address, ["p0", "p1"], [1, 3], max_tokens=5, requests_per_stream=2, reference=wrong)
     assert list(res["modes"]) == ["ar", "spec"] and res["levels"] == [1, 3]
     for rows in res["modes"].values():
         assert [r["concurrency"] for r in rows] == [1, 3]
         assert [r["generated_tokens"] for r in rows] == [10, 30] and all(r["errors"] == 0 for r in rows)
         assert all(r["aggregate_tokens_per_second"] > 0 and len(r["per_stream_tokens_per_second"]) == r["concurrency"] for r in rows)
+        assert [r["mismatches"] for r in rows] == [1, 3]   # stream j's requests: prompts 2j, 2j+1 (mod 2): one p1 each
+        assert all(r["itl_p50_ms"] is None or r["itl_p99_ms"] >= r["itl_p50_ms"] >= 0 for r in rows)
     assert len(fake.requests) == 2 * (2 + 6)
     spec = [r for r in fake.requests if r.speculative.enabled]
     assert len(spec) == 8 and {r.prompt for r in fake.requests} == {"p0", "p1"}
     json.dumps(res)
     table = format_concurrency(res)
     assert "spec" in table and "streams" in table
+    # more streams than a client process runs: spread over client processes, the same accounting
+    monkeypatch.setattr(serving_bench, "STREAMS_PER_PROCESS", 2)
+    fake.requests.clear()
+    res = run_concurrency(fake.address, ["p0", "p1"], [3], max_tokens=5, requests_per_stream=2, reference=wrong,
+                          modes={"ar": {"speculative": False}})
+    (row,) = res["modes"]["ar"]
+    assert row["generated_tokens"] == 30 and row["errors"] == 0 and row["mismatches"] == 3
+    assert len(row["per_stream_tokens_per_second"]) == 3 and len(fake.requests) == 6
 
 
 RESULT = {

@@ -206,16 +206,28 @@ cmd_bench() {
 }
 
 cmd_concurrency() {
-  # CONCURRENCY (default 1,4,16,32,64): any levels, e.g. 1,4,8,16,32,64,128,256. `client.cli bench`
-  # starts the target and draft services with --max-sessions of the largest level when it passes
-  # their default of 64 (bench_session_args), so every stream of a level runs at once, in batch
-  # buckets up to that level (runtime.config.batch_buckets_for); the orchestrator follows the target.
-  install_wheels
-  local smol; smol=$(smollm) || exit 1
-  nvidia-smi -L | tee "$OUT/device.txt"
+  # issue 23's sweep: llama-batched-bench on the same file first (when llama.cpp is built: `stage`
+  # with LLAMA_TARGETS naming llama-batched-bench), then ours (AR and the default tree at every level,
+  # each request checked against its single-stream AR tokens), then the table and the JSON
+  # (bench/concurrency_report.py; the PNG is drawn where matplotlib is). CONCURRENCY (default
+  # 1,4,16,32,64; 1,4,8,16,32,64,128,256 works: bench gives the services --max-sessions of the
+  # largest level), REQUESTS_PER_STREAM (2), LLAMA_NPL (default: CONCURRENCY), ORCH_ARGS.
+  local smol; smol=$(timed_start) || exit 1
+  local levels=${CONCURRENCY:-1,4,16,32,64}
+  local npl=${LLAMA_NPL:-$levels}
+  local maxn; maxn=$(echo "$npl" | tr ',' '\n' | sort -n | tail -1)
+  if [ -x $LL/build/bin/llama-batched-bench ]; then
+    $LL/build/bin/llama-batched-bench -m "$smol" -ngl 99 -fa on -c $(( (maxn * 256) + 1024 )) -npp 128 -ntg 128 \
+      -npl "$npl" 2>&1 | grep -E "^\||llama_batched_bench" | tee "$OUT/llama-batched.txt"
+  else
+    echo "llama-batched-bench not built (stage with LLAMA_TARGETS=\"... llama-batched-bench\"): no llama.cpp column" | tee "$OUT/llama-batched.txt"
+  fi
   python3 -m client.cli bench --device cuda --model "$smol" --prompts 16 --max-tokens 128 --configs ar,tree:16:4 \
-    --concurrency "${CONCURRENCY:-1,4,16,32,64}" --requests-per-stream "${REQUESTS_PER_STREAM:-2}" \
+    --concurrency "$levels" --requests-per-stream "${REQUESTS_PER_STREAM:-2}" \
     --orchestrator-args="${ORCH_ARGS:-}" --json "$OUT/concurrency.json" --out "$OUT/concurrency.txt"
+  python3 -m bench.concurrency_report "$OUT/concurrency.json" --llama "$OUT/llama-batched.txt" --out "$OUT/concurrency.md" \
+    $(python3 -c "import matplotlib" 2>/dev/null && echo --png "$OUT/concurrency.png")
+  cat "$OUT/concurrency.md"
 }
 
 timed_start() {

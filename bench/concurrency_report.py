@@ -1,0 +1,144 @@
+"""Issue 23's concurrency table and figure: our load sweep (``dflash-grpc bench --concurrency``
+JSON) beside ``llama-batched-bench``'s aggregate decode on the same file (its markdown table, S_TG).
+
+    python -m bench.concurrency_report CONCURRENCY.json [--llama LLAMA_BATCHED.txt] [--png OUT.png] [--out OUT.md]
+
+Per level: llama.cpp's S_TG (tokens/s of the decode phase, all sequences), our AR and speculative
+aggregate tokens/s (every stream's generated tokens / the level's wall time), each against
+llama.cpp and spec / AR, per-stream tokens/s, p50 / p99 inter-token latency and whether every
+request's tokens equal its single-stream AR reference (``mismatches``). The PNG: aggregate tokens/s
+against streams, both systems (needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import Any
+
+
+def parse_llama_batched(text: str) -> dict[int, float]:
+    """``{B: S_TG}`` from ``llama-batched-bench``'s markdown table (columns ``PP | TG | B | N_KV |
+    T_PP s | S_PP t/s | T_TG s | S_TG t/s | ...``). Rows that do not parse are skipped."""
+    out: dict[int, float] = {}
+    header: list[str] | None = None
+    for line in text.splitlines():
+        if not line.strip().startswith("|"):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if "S_TG t/s" in cells and "B" in cells:
+            header = cells
+            continue
+        if header is None or re.fullmatch(r"-+", cells[0] or "-"):
+            continue
+        try:
+            row = dict(zip(header, cells))
+            out[int(row["B"])] = float(row["S_TG t/s"])
+        except (KeyError, ValueError):
+            continue
+    return out
+
+
+def rows(sweep: dict[str, Any], llama: dict[int, float]) -> list[dict[str, Any]]:
+    """One dict per level of the sweep (``sweep``: the ``concurrency`` part of the bench JSON)."""
+    modes = sweep["modes"]
+    by = {name: {r["concurrency"]: r for r in rs} for name, rs in modes.items()}
+    out = []
+    for n in sweep["levels"]:
+        ar, sp = by.get("ar", {}).get(n), by.get("spec", {}).get(n)
+        out.append({"streams": n, "llama": llama.get(n), "ar": ar, "spec": sp})
+    return out
+
+
+def _f(v, fmt="{:,.0f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def _x(a, b) -> str:
+    return "-" if a is None or not b else f"{a / b:.2f}x"
+
+
+def markdown(sweep: dict[str, Any], llama: dict[int, float]) -> str:
+    """The table (markdown)."""
+    lines = ["| streams | llama.cpp batched (S_TG) | ours AR | AR / llama.cpp | ours spec | spec / llama.cpp | spec / AR "
+             "| per stream AR / spec | ITL p50 ms AR / spec | ITL p99 ms AR / spec | lossless AR / spec |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def agg(r):
+        return None if r is None else r["aggregate_tokens_per_second"]
+
+    def ok(r):
+        if r is None or r.get("mismatches") is None:
+            return "-"
+        return "yes" if r["mismatches"] == 0 and not r.get("errors") else f"NO ({r['mismatches']}, {r.get('errors', 0)} err)"
+
+    for row in rows(sweep, llama):
+        a, s, ll = row["ar"], row["spec"], row["llama"]
+        lines.append(
+            f"| {row['streams']} | {_f(ll)} | {_f(agg(a))} | {_x(agg(a), ll)} | {_f(agg(s))} | {_x(agg(s), ll)} | "
+            f"{_x(agg(s), agg(a))} | {_f(a and a['mean_stream_tokens_per_second'])} / "
+            f"{_f(s and s['mean_stream_tokens_per_second'])} | {_f(a and a.get('itl_p50_ms'), '{:.2f}')} / "
+            f"{_f(s and s.get('itl_p50_ms'), '{:.2f}')} | {_f(a and a.get('itl_p99_ms'), '{:.2f}')} / "
+            f"{_f(s and s.get('itl_p99_ms'), '{:.2f}')} | {ok(a)} / {ok(s)} |")
+    return "\n".join(lines)
+
+
+def write_png(sweep: dict[str, Any], llama: dict[int, float], path: str, title: str = "") -> None:
+    """Aggregate tokens/s against streams (log2 axis): llama-batched-bench, ours AR, ours spec.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    levels = sweep["levels"]
+    if llama:
+        xs = [n for n in levels if n in llama]
+        ax.plot(xs, [llama[n] for n in xs], marker="s", label="llama-batched-bench (S_TG)")
+    for name, label in (("ar", "ours, AR"), ("spec", "ours, speculative (default tree)")):
+        rs = sweep["modes"].get(name) or []
+        ax.plot([r["concurrency"] for r in rs], [r["aggregate_tokens_per_second"] for r in rs], marker="o", label=label)
+    if len(levels) > 1:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(levels, [str(n) for n in levels])
+    ax.set(title=title or "aggregate decode throughput", xlabel="concurrent streams", ylabel="tokens/s")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("json", help="dflash-grpc bench --json output with a --concurrency sweep")
+    p.add_argument("--llama", help="llama-batched-bench output (its markdown table)")
+    p.add_argument("--png", help="write the figure here (needs matplotlib)")
+    p.add_argument("--out", help="write the table here (default: stdout)")
+    p.add_argument("--title", default="")
+    a = p.parse_args(argv)
+    with open(a.json) as f:
+        data = json.load(f)
+    sweep = data.get("concurrency", data)
+    llama = {}
+    if a.llama:
+        with open(a.llama) as f:
+            llama = parse_llama_batched(f.read())
+    table = markdown(sweep, llama)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(table + "\n")
+    else:
+        print(table)
+    if a.png:
+        write_png(sweep, llama, a.png, a.title)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

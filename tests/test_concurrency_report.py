@@ -1,0 +1,46 @@
+"""bench/concurrency_report.py: llama-batched-bench's table parsed, the table and figure from a sweep."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.concurrency_report import main, markdown, parse_llama_batched
+
+LLAMA = """
+llama_batched_bench: n_kv_max = 32768, n_batch = 2048, n_ubatch = 512, flash_attn = 1
+
+|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+|   128 |    128 |    1 |    256 |    0.023 |  5477.81 |    0.146 |   875.41 |    0.170 |  1509.57 |
+|   128 |    128 |    4 |   1024 |    0.010 | 50542.94 |    0.187 |  2733.03 |    0.197 |  5185.65 |
+"""
+
+
+def _level(n, tok_s, mismatches):
+    return {"concurrency": n, "aggregate_tokens_per_second": tok_s, "mean_stream_tokens_per_second": tok_s / n,
+            "itl_p50_ms": 1.0, "itl_p99_ms": 2.5, "mismatches": mismatches, "errors": 0}
+
+
+SWEEP = {"levels": [1, 4], "modes": {"ar": [_level(1, 800.0, 0), _level(4, 2000.0, 0)],
+                                     "spec": [_level(1, 1200.0, 0), _level(4, 2733.03, 2)]}}
+
+
+def test_parse_and_table(tmp_path):
+    assert parse_llama_batched(LLAMA) == {1: 875.41, 4: 2733.03}
+    assert parse_llama_batched("no table") == {}
+    lines = markdown(SWEEP, parse_llama_batched(LLAMA)).splitlines()
+    assert lines[2].startswith("| 1 | 875 | 800 | 0.91x | 1,200 | 1.37x | 1.50x |") and lines[2].endswith("| yes / yes |")
+    assert lines[3].startswith("| 4 | 2,733 | 2,000 | 0.73x | 2,733 | 1.00x | 1.37x |") and "NO (2, 0 err)" in lines[3]
+    assert "| - |" in markdown(SWEEP, {}).splitlines()[2]   # no llama.cpp figures
+
+
+def test_cli_writes_table_and_png(tmp_path):
+    import json
+
+    pytest.importorskip("matplotlib")
+    (tmp_path / "c.json").write_text(json.dumps({"concurrency": SWEEP}))
+    (tmp_path / "l.txt").write_text(LLAMA)
+    assert main([str(tmp_path / "c.json"), "--llama", str(tmp_path / "l.txt"), "--png", str(tmp_path / "c.png"),
+                 "--out", str(tmp_path / "c.md")]) == 0
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "2,733" in (tmp_path / "c.md").read_text()
