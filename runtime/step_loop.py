@@ -78,8 +78,10 @@ class StepLoop:
     Args:
         engine: has a batch method (``verify_batch(items) -> list[result | EngineError]``) and, for prefills,
             ``start_prefill(...) -> job`` and ``run_prefill(job, budget) -> tokens done``
-            (``job.outcome`` set when finished), and ``release(ids)``.
-        prefill_budget: most prompt tokens prefilled per tick.
+            (``job.outcome`` set when finished), optionally ``next_prefill_tokens(job)`` (the
+            size of its next chunk, decided by the engine alone), and ``release(ids)``.
+        prefill_budget: most prompt tokens prefilled per tick (a chunk that would pass it waits
+            for the next tick, unless it is the tick's first).
         name: thread name prefix.
         batch_method: the engine method that runs a batch (``verify_batch`` for a target engine,
             ``propose_batch`` for a draft engine).
@@ -358,8 +360,13 @@ class StepLoop:
 
     def _run_prefills(self) -> None:
         budget = self.prefill_budget
+        size = getattr(self.engine, "next_prefill_tokens", None)
         while budget > 0 and self._prefills:
             job, fut, owner = self._prefills[0]
+            # a chunk's size is the engine's (the prompt's alone: batch-invariant bits); the budget
+            # only decides whether it runs this tick. The tick's first chunk always runs.
+            if size is not None and budget < self.prefill_budget and size(job) > budget:
+                break
             try:
                 n = self.engine.run_prefill(job, budget)
             except BaseException as e:  # noqa: BLE001

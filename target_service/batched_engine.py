@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from kernels.attention import default_splits, split_buckets, splits_for
+from kernels.linear import batch_invariant
 from target_service.config import TargetConfig
 from target_service.engine import PrefillJob, PrefillOutcome, Sampling, VerifyOutcome, check_prompt
 from runtime.errors import EngineError, InvalidArgument, Reason, ResourceExhausted, SessionNotFound
@@ -107,8 +108,11 @@ class _Runner(StepGraph):
         e = self.engine
         self.copy(self.dev, self.host)
         st = StepTensors.from_buffer(self.layout, self.dev, e.conv_kernel)
-        out = prefill_step(e.model, e.pool, st, e.rope, e.taps) if self.prefill else \
-            run_step(e.model, e.pool, st, e.rope, e.taps, self.splits, e.max_splits)
+        if self.prefill:
+            out = prefill_step(e.model, e.pool, st, e.rope, e.taps)
+        else:   # every row's bits independent of the step's rows (kernels.linear.batch_invariant)
+            with batch_invariant():
+                out = run_step(e.model, e.pool, st, e.rope, e.taps, self.splits, e.max_splits)
         self._dev_ints[: out.ints.shape[0]].copy_(out.ints)
         if self._dev_feats is not None:
             self._dev_feats.copy_(out.features)
@@ -304,18 +308,27 @@ class BatchedEngine:
         self.sessions[session_id] = PoolSession(session_id, slot, sampling, list(feature_layers))
         return PrefillJob(session_id, list(prompt), sampling, list(feature_layers), state=[])
 
+    def next_prefill_tokens(self, job: PrefillJob) -> int:
+        """The prompt tokens :meth:`run_prefill` commits next for ``job``: ``min(prefill_chunk,
+        tokens left)``, rounded down to a power of two when chunks replay as graphs. A function of
+        the prompt alone, never of the load: a prompt is cut into the same chunks (the same
+        GEMM shapes, so the same bits) whether it is prefilled alone or beside others, which
+        keeps a request's tokens equal to its single-stream run (issue 23)."""
+        n = max(1, min(self.prefill_chunk, len(job.prompt) - job.done))
+        return 1 << (n.bit_length() - 1) if self.prefill_buckets else n
+
     @torch.no_grad()
     def run_prefill(self, job: PrefillJob, budget: int) -> int:
-        """Commit the next chunk of ``job``'s prompt (at most ``min(budget, prefill_chunk)``
-        tokens); after the last chunk ``job.outcome`` holds the first token and the prompt's
-        features. Returns the tokens processed (0 if the session was released meanwhile)."""
+        """Commit the next chunk of ``job``'s prompt (:meth:`next_prefill_tokens` tokens; the
+        caller's ``budget`` decides whether it runs this tick, never its size); after the last
+        chunk ``job.outcome`` holds the first token and the prompt's features. Returns the tokens
+        processed (0 if the session was released meanwhile)."""
         s = self.sessions.get(job.session_id)
         if s is None:
             return 0
         start = job.done
-        n = max(1, min(budget, self.prefill_chunk, len(job.prompt) - start))
+        n = self.next_prefill_tokens(job)
         if self.prefill_buckets:                     # graphs: a captured chunk of exactly a power of two
-            n = 1 << (n.bit_length() - 1)
             runner = self._prefill_runner(n)
             v = runner.views
         else:                                        # eager: a chunk of any size

@@ -315,3 +315,36 @@ def test_one_propose_carries_a_bounded_amount_of_history(monkeypatch):
     finally:
         sched._active, sched._propose = [], None   # nothing to release on the fake peers
         sched.stop(timeout=1.0, release_timeout=0.1)
+
+
+def test_prefill_chunks_do_not_depend_on_the_load(tiny_model):
+    """A prompt is cut into the same chunks (so the same GEMM shapes and bits) whether it is
+    prefilled alone or beside others under a tick budget that is not a multiple of the chunk:
+    the chunk size is the engine's (``next_prefill_tokens``), the budget only decides when a chunk
+    runs. Before, a chunk took the budget's remainder (16 tokens of budget left -> a 16-token chunk
+    instead of 20), so under load a request's prompt ran other GEMM shapes than alone."""
+    from runtime.step_loop import StepLoop
+    from target_service.engine import Sampling
+
+    s = Sampling.checked(0.0, 0, 0.0, 0)
+    prompts = [[(7 * i + j) % 90 + 3 for j in range(23)] for i in range(3)]
+    alone = _engine(tiny_model, max_sessions=4, prefill_chunk=20)
+    want = [alone.prefill(f"a{i}", p, s, []).first_token for i, p in enumerate(prompts)]
+    eng = _engine(tiny_model, max_sessions=4, prefill_chunk=20)
+    chunks: dict[str, list[int]] = {}
+    run = eng.run_prefill
+
+    def recording(job, budget):
+        n = run(job, budget)
+        chunks.setdefault(job.session_id, []).append(n)
+        return n
+
+    eng.run_prefill = recording
+    loop = StepLoop(eng, prefill_budget=36)   # 20 + 16: the second chunk of a tick would have been cut to 16
+    try:
+        futs = [loop.submit_prefill(f"t{i}", p, s, []) for i, p in enumerate(prompts)]
+        got = [f.result(timeout=60).first_token for f in futs]
+    finally:
+        loop.stop()
+    assert chunks == {f"t{i}": [20, 3] for i in range(3)}
+    assert got == want

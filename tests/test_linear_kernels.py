@@ -67,6 +67,44 @@ def test_rows_bit_identical_across_m(dtype, config):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_wide_rows_bit_identical_to_one_row(dtype):
+    """``wide=True`` (the batch-invariant steps): past 64 rows the kernel runs 64 x 64 tiles
+    (``wide_config``: the config's ``BLOCK_K``, 4 warps) and each row still gets the bits of a
+    1-row call (on a GPU; within :data:`TOL` under the interpreter), and ``F.linear``'s value
+    within :data:`TOL`; without ``wide`` more than 64 rows is refused."""
+    gen = torch.Generator().manual_seed(4)
+    n, k = 80, 96
+    w = rand(gen, n, k, dtype=dtype)
+    x = rand(gen, 130, k, dtype=dtype)
+    bm, wide = T.wide_config(T.config_for(n, k, dtype), dtype)
+    assert bm == 64 and wide.block_n >= 64 and wide.block_k == T.config_for(n, k, dtype).block_k
+    y = T.linear(x, w, wide=True)
+    assert rel(y, R.linear(x, w)) < TOL[dtype]
+    for i in (0, 63, 64, 100, 129):
+        assert_bits_on_gpu(T.linear(x[i:i + 1], w)[0], y[i], TOL[dtype], i)
+    with pytest.raises(ValueError, match="at most 64"):
+        T.linear(x, w)
+
+
+def test_batch_invariant_dispatch(monkeypatch):
+    """``kernels.linear.linear`` past 64 rows: the reference (cuBLAS on a GPU) outside
+    ``batch_invariant``, the Triton kernel's wide tiles inside it (nested, per thread)."""
+    import kernels.linear as L
+
+    monkeypatch.setenv("DFLASH_KERNELS", "triton")
+    gen = torch.Generator().manual_seed(5)
+    w = rand(gen, 40, 32, dtype=torch.float16)
+    x = rand(gen, 70, 32, dtype=torch.float16)
+    assert not L.invariant()
+    assert torch.equal(L.linear(x, w), R.linear(x, w))
+    with L.batch_invariant():
+        with L.batch_invariant():
+            assert L.invariant()
+        assert L.invariant() and torch.equal(L.linear(x, w), T.linear(x, w, wide=True))
+    assert not L.invariant()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k", [(1, 40, 70), (16, 33, 512), (64, 48, 200)])
 def test_against_reference(dtype, m, n, k):
     gen = torch.Generator().manual_seed(m * n + k)

@@ -512,3 +512,31 @@ def test_gpu_real_tensors_and_prefill_path(smollm_path):
         for m in (1, 16):
             assert rel(T.linear(x[:m], w, torch.float32), x[:m].float() @ wf.T) <= 1e-3, (name, m)
         assert rel(Q.linear(x, w, torch.float32), x.float() @ wf.T) <= 1e-3, name
+
+
+def test_batch_invariant_rows_take_the_skinny_path(monkeypatch):
+    """``kernels.quant.linear`` past 64 rows: the tiled path outside ``batch_invariant`` (prefill),
+    the skinny path inside it (decode / verify steps), each row with a 1-row call's bits (on a
+    GPU; within 1e-3 under the interpreter) and within 1e-3 of gguf-py + float32."""
+    import kernels.linear as L
+    import kernels.quant as Q
+    from kernels.quant import triton as T
+
+    monkeypatch.setenv("DFLASH_KERNELS", "triton")
+    rng = np.random.default_rng(9)
+    n, k = 40, 64
+    raw = random_bytes(rng, "Q4_0", n, k)
+    w = qweight(raw, "Q4_0", n, k)
+    wf = torch.from_numpy(gguf.quants.dequantize(raw, GGMLQuantizationType.Q4_0).reshape(n, k)).to(DEV)
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(2)).to(DEV, torch.float16)
+    assert torch.equal(Q.linear(x, w, torch.float32), T.linear_tiled(x, w, torch.float32))
+    with L.batch_invariant():
+        y = Q.linear(x, w, torch.float32)
+    assert torch.equal(y, T.linear(x, w, torch.float32, wide=True))
+    assert rel(y, x.float() @ wf.T) <= 1e-3
+    for i in (0, 64, 69):
+        got = T.linear(x[i:i + 1], w, torch.float32)[0]
+        if DEV == "cuda":
+            assert torch.equal(got, y[i]), i
+        else:
+            assert rel(got, y[i]) <= 1e-3, i

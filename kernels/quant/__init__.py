@@ -13,8 +13,9 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | No
 
     Where :func:`kernels._select.impl` picks Triton (CUDA, or ``DFLASH_KERNELS=triton``): at most
     64 rows :func:`kernels.quant.triton.linear` (the skinny path: decode, verify, the LM head),
-    more rows :func:`kernels.quant.triton.linear_tiled` (the tiled path: prefill, large verify
-    batches). Elsewhere :func:`kernels.quant.reference.linear` (float32).
+    more rows :func:`kernels.quant.triton.linear_tiled` (the tiled path: prefill), except inside
+    :func:`kernels.linear.batch_invariant` (decode and verify steps), where any number of rows
+    takes the skinny path, whose rows have the bits of a 1-row call. Elsewhere :func:`kernels.quant.reference.linear` (float32).
 
     Raises:
         ValueError / TypeError: as the implementations (``K`` mismatch, not a ``QuantizedWeight``).
@@ -23,6 +24,10 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | No
     mod = impl("quant", x)
     if rows <= 64 or not hasattr(mod, "linear_tiled"):
         return mod.linear(x, weight, out_dtype)
+    from kernels.linear import invariant
+
+    if invariant():   # a decode / verify step of more than 64 rows: the skinny path's bits (kernels.linear.batch_invariant)
+        return mod.linear(x, weight, out_dtype, wide=True)
     return mod.linear_tiled(x, weight, out_dtype)
 
 

@@ -384,7 +384,7 @@ def _check(x: torch.Tensor, weight: QuantizedWeight) -> None:
 
 
 def linear(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | None = None,
-           config: Config | None = None, round_weights: bool | None = None) -> torch.Tensor:
+           config: Config | None = None, round_weights: bool | None = None, wide: bool = False) -> torch.Tensor:
     """Triton version of :func:`kernels.quant.reference.linear` for at most :data:`MAX_ROWS` rows
     (the skinny path).
 
@@ -396,6 +396,8 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | No
         round_weights: each dequantized weight rounded to ``x``'s dtype before its product (the
             values the ``--weights bf16`` path holds; diagnostics only); default
             :data:`ROUND_WEIGHTS` (off).
+        wide: take any number of rows (16 per program, as ever: the batch-invariant steps of
+            ``kernels.linear.batch_invariant``), not at most :data:`MAX_ROWS`.
 
     Returns:
         ``[..., N]``.
@@ -408,7 +410,7 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | No
     """
     _check(x, weight)
     n, k = weight.shape
-    x2 = skinny_rows(x, k)
+    x2 = skinny_rows(x, k, None if wide else MAX_ROWS)
     m = x2.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
     cfg = config or config_for(n, k, weight.qtype)
