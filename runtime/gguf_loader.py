@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import struct
+import sys
 from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
@@ -31,6 +32,52 @@ SUPPORTED_TYPES = (
 
 class GGUFError(ValueError):
     """A GGUF file is missing a key or tensor, or holds one of an unsupported type."""
+
+
+class _Reader(GGUFReader):
+    """``gguf.GGUFReader`` with a fast path for metadata arrays: the same fields, parts and
+    tensors, built ~50x faster for a large vocabulary.
+
+    The stock reader parses an array element by element, each through a slice of its
+    ``np.memmap`` (whose subclass hooks cost microseconds a call): SmolLM2's 49152 tokens, 48900
+    merges and 49152 token types took ~10 s of every process start on a 2-core machine. Here an
+    array of strings or fixed-size scalars is split with ``struct`` over plain ``ndarray`` views
+    of the same mapping; each element is still its own part (``ReaderField.parts``/``data``
+    exactly as the stock reader lays them out). Files in the other byte order take the stock path.
+    """
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        if (GGUFValueType(raw_type) != GGUFValueType.ARRAY or self.byte_order != "I"
+                or sys.byteorder != "little"):
+            return super()._get_field_parts(orig_offs, raw_type)
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        raw_itype = plain[orig_offs : orig_offs + 4].view(np.uint32)
+        alen = plain[orig_offs + 4 : orig_offs + 12].view(np.uint64)
+        itype, n = GGUFValueType(int(raw_itype[0])), int(alen[0])
+        offs = orig_offs + 12
+        parts: list[np.ndarray] = [raw_itype, alen]
+        if itype == GGUFValueType.STRING and n:
+            unpack = struct.Struct("<Q").unpack_from
+            mem = memoryview(plain)
+            for _ in range(n):
+                (length,) = unpack(mem, offs)
+                parts.append(plain[offs : offs + 8].view(np.uint64))
+                parts.append(plain[offs + 8 : offs + 8 + length])
+                offs += 8 + length
+            if offs > plain.shape[0]:
+                raise ValueError(f"string array at offset {orig_offs} runs past the end of the file")
+            return offs - orig_offs, parts, list(range(3, 2 * n + 2, 2)), [GGUFValueType.ARRAY, itype]
+        nptype = self.gguf_scalar_to_np.get(itype)
+        if nptype is None or n == 0:  # nested arrays; empty ones (types stay [ARRAY])
+            return super()._get_field_parts(orig_offs, raw_type)
+        size = np.dtype(nptype).itemsize
+        if offs + n * size > plain.shape[0]:
+            raise ValueError(f"array at offset {orig_offs} runs past the end of the file")
+        values = plain[offs : offs + n * size].view(nptype)
+        parts += [values[i : i + 1] for i in range(n)]
+        return 12 + n * size, parts, list(range(2, n + 2)), [GGUFValueType.ARRAY, itype]
 
 
 def _field_value(field: Any) -> Any:
@@ -94,7 +141,7 @@ class GGUFFile:
         if not os.path.exists(self.path):
             raise FileNotFoundError(self.path)
         try:
-            self._reader = GGUFReader(self.path, "r")
+            self._reader = _Reader(self.path, "r")
         except (ValueError, IndexError, struct.error) as e:  # bad magic, truncated header
             raise GGUFError(f"{self.path}: not a readable GGUF file: {e}") from e
         self.metadata: dict[str, Any] = {

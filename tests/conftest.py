@@ -90,18 +90,21 @@ def hf_smollm(smollm_path):
     transformers = pytest.importorskip("transformers")
     import gguf
 
-    # transformers parses the GGUF twice (config, then weights), each parse ~10 s of its ~35 s load
-    # on a 2-core box: the second call reuses the first reader (read-only, memory-mapped). What
-    # transformers reads from it is unchanged.
+    # transformers parses the GGUF twice (config, then weights), each parse of gguf.GGUFReader
+    # ~10 s of its ~35 s load on a 2-core box: both calls get one reader (read-only,
+    # memory-mapped), runtime.gguf_loader's, which builds the same fields and tensors as
+    # gguf.GGUFReader in under a second (tests/test_gguf_loader.py compares the two field by
+    # field). What transformers reads from it is unchanged; its tensors are gguf's own code.
+    from runtime.gguf_loader import _Reader
+
     readers = {}
 
     def reader(path, *args, **kw):
         key = (os.path.realpath(path), args, tuple(sorted(kw.items())))
         if key not in readers:
-            readers[key] = gguf_reader(path, *args, **kw)
+            readers[key] = _Reader(path, *args, **kw)
         return readers[key]
 
-    gguf_reader = gguf.GGUFReader
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gguf, "GGUFReader", reader)
         model = transformers.LlamaForCausalLM.from_pretrained(

@@ -479,3 +479,60 @@ def test_smollm2_tensors_match_reference(smollm_gguf, smollm_path, name):
     shape = (rows, info.shape[1]) if len(info.shape) == 2 else info.shape
     ref = reference_dequantize(raw, info.type_name, shape)
     np.testing.assert_array_equal(y[:rows].numpy() if len(info.shape) == 2 else y.numpy(), ref.astype(np.float32))
+
+
+def test_fast_reader_builds_the_stock_readers_fields(tmp_path):
+    """``GGUFFile``'s reader (fast metadata arrays) yields the fields, parts and tensors of
+    ``gguf.GGUFReader``, for arrays of strings (empty and multi-byte ones among them), of every
+    scalar type and of arrays, and a truncated string array (refused)."""
+    from runtime.gguf_loader import _Reader
+
+    V = GGUFValueType
+    rng = np.random.default_rng(0)
+    meta = {
+        "tokenizer.ggml.tokens": ["a", "", "Ġthe", "<|im_end|>", "é✓ü"] * 40,
+        "tokenizer.ggml.merges": [f"{i} {i + 1}" for i in range(150)],
+        "tokenizer.ggml.token_type": [1, 3, 6] * 50,
+        "x.nested": [[1, 2], [3]],
+        "x.name": "tiny",
+    }
+    for name, np_type in _Reader.gguf_scalar_to_np.items():
+        vals = rng.integers(0, 2, 7).astype(bool) if name == V.BOOL else rng.integers(-50, 100, 7).astype(np_type)
+        if np.dtype(np_type).kind == "u":
+            vals = np.abs(vals)
+        meta[f"x.arr.{name.name}"] = ([v.item() for v in vals], V.ARRAY)
+    path = str(tmp_path / "m.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    for key, value in meta.items():
+        if key.startswith("x.arr."):
+            writer.add_key_value(key, value[0], V.ARRAY, sub_type=V[key.rsplit(".", 1)[1]])
+        elif isinstance(value, tuple):
+            writer.add_key_value(key, value[0], value[1])
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_array(key, value)
+    writer.add_tensor("w", rng.standard_normal((4, 32)).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    stock, fast = gguf.GGUFReader(path), _Reader(path)
+    assert list(stock.fields) == list(fast.fields)
+    for k, a in stock.fields.items():
+        b = fast.fields[k]
+        assert (a.offset, a.name, a.types, a.data) == (b.offset, b.name, b.types, b.data), k
+        assert [(p.dtype, p.shape, p.tobytes()) for p in a.parts] == [(p.dtype, p.shape, p.tobytes()) for p in b.parts], k
+        assert a.contents() == b.contents(), k
+    assert fast.fields["tokenizer.ggml.tokens"].contents()[:5] == ["a", "", "Ġthe", "<|im_end|>", "é✓ü"]
+    assert stock.data_offset == fast.data_offset
+    assert [(t.name, t.data_offset, t.data.tobytes()) for t in stock.tensors] == [(t.name, t.data_offset, t.data.tobytes()) for t in fast.tensors]
+    assert GGUFFile(path).get("tokenizer.ggml.token_type") == [1, 3, 6] * 50
+
+    # a file cut inside the token strings: refused as unreadable, not a short vocabulary
+    cut = tmp_path / "cut.gguf"
+    raw = open(path, "rb").read()
+    cut.write_bytes(raw[: stock.fields["tokenizer.ggml.tokens"].offset + 200])
+    with pytest.raises(GGUFError, match="not a readable GGUF"):
+        GGUFFile(str(cut))

@@ -1,7 +1,8 @@
 """Serving many clients under ``dflash-grpc serve``, as users run it (issue: serving for real).
 
-* Load: 32 concurrent clients on loopback for ``DFLASH_LOAD_SECONDS`` (default 20 s; the issue's
-  "few minutes" with ``DFLASH_LOAD_SECONDS=180``) against 8 target slots: every stream equals its
+* Load: ``DFLASH_LOAD_CLIENTS`` concurrent clients (default 16: twice the slots) on loopback for
+  ``DFLASH_LOAD_SECONDS`` (default 20 s; the issue's "few minutes" with ``DFLASH_LOAD_SECONDS=180``
+  and 32 clients) against 8 target slots: every stream equals its
   own target-only reference at temperature 0; the queue absorbs the clients beyond the slots;
   sessions and slots back to zero at the end; the services' RSS flat over the second half.
 * Faults: the draft service killed under load (every stream completes, lossless, the fallback
@@ -35,7 +36,7 @@ from tests.conftest import PROMPTS
 pytestmark = pytest.mark.slow
 
 SLOTS = 8
-CLIENTS = 32
+CLIENTS = int(os.environ.get("DFLASH_LOAD_CLIENTS", "16"))
 N_TOKENS = 12
 LOAD_SECONDS = float(os.environ.get("DFLASH_LOAD_SECONDS", "20"))
 
@@ -109,7 +110,7 @@ def serve(smollm_path):
 
 
 #: tokens of the target-only references that the fault tests compare with (their first SLOTS prompts)
-FAULT_TOKENS = 24
+FAULT_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +134,7 @@ def _target_free_slots(serve: Serve) -> int:
                                                           metadata=[("authorization", serving.bearer(serve.token))]).free_slots
 
 
-def test_32_clients_lossless_and_nothing_leaks(serve, refs):
+def test_many_clients_lossless_and_nothing_leaks(serve, refs):
     errors: list[str] = []
     done = [0] * CLIENTS
     rss: list[tuple[float, int]] = []
@@ -170,7 +171,7 @@ def test_32_clients_lossless_and_nothing_leaks(serve, refs):
             t.join()
         assert not errors, errors[:5]
         assert min(done) >= 1, done
-        assert peak_queue > 0, "32 clients on 8 slots never queued"
+        assert peak_queue > 0, f"{CLIENTS} clients on {SLOTS} slots never queued"
         time.sleep(0.5)
         sched = c.info().scheduler
         assert sched.active_sessions == 0 and sched.queued_requests == 0
