@@ -77,8 +77,7 @@ def main() -> int:
             before = timer(lambda i: T.linear(x, ws[i % len(ws)], config=old), calls)
             T.BIAS_DOT = True
             after = timer(lambda i: T.linear(x, ws[i % len(ws)], config=new), calls)
-            ref = R.linear(x, w0, torch.float32).double()
-            err = float((T.linear(x, w0, torch.float32).double() - ref).norm() / ref.norm())
+            err = sq.rel(T.linear(x, w0, torch.float32), R.linear(x, w0, torch.float32))
             rows.append(dict(type=name, n=n, k=k, m=m, mib=w0.nbytes / 2**20, copy_us=copy, bf16_us=bf, previous_us=before,
                              now_us=after, previous=str(old), now=str(new), rel_err=err))
             print(f"| {name} | {n} x {k} | {m} | {w0.nbytes / 2**20:.2f} | {copy:.1f} | {bf:.1f} | {before:.1f} | "
