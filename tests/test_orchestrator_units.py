@@ -84,6 +84,32 @@ def test_stats_accounting_and_merge():
     assert list(p.accepted_per_position) == [2, 2, 1, 1]
 
 
+def test_stats_per_position_counts_equal_counting_each_position():
+    """record_step keeps one count per verify (the depth reached, the tokens accepted); the
+    per-position lists read from them equal counting every position of every draft, also merged,
+    and in the proto (the metrics' series: tests/test_metrics.py)."""
+    import random
+
+    rng = random.Random(5)
+    for _ in range(200):
+        steps = [(rng.randrange(0, 7), rng.choice((0, 0, 3, 9)), rng.randrange(0, 7)) for _ in range(rng.randrange(0, 12))]
+        s, acc, drafted = AcceptanceStats(), [], []
+        for depth, nodes, k in steps:
+            s.record_step(tree_depth=depth, draft_nodes=nodes, accepted=k)
+            if nodes:
+                for hist, n in ((drafted, depth), (acc, k)):
+                    hist.extend([0] * (n - len(hist)))
+                    for d in range(n):
+                        hist[d] += 1
+        assert (s.accepted_per_position, s.drafted_per_position) == (acc, drafted)
+        merged = AcceptanceStats()
+        merged.merge(s)
+        merged.merge(s)
+        assert merged.drafted_per_position == [2 * n for n in drafted]
+        p = merged.to_proto()
+        assert (list(p.accepted_per_position), list(p.drafted_per_position)) == ([2 * n for n in acc], [2 * n for n in drafted])
+
+
 def test_trim_tree_drops_deep_nodes_and_reindexes():
     tokens = [10, 11, 12, 13, 14, 15]
     parents = [-1, 0, 1, 0, 3, 4]   # depths 0 1 2 1 2 3
