@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-from dflash_grpc.columns import (ColumnsError, Rows, fill_features, fill_trees, index_statuses, pack_i32,
-                                 read_features, read_trees, unpack_i32)
+from dflash_grpc.columns import (ColumnsError, Rows, features_tail, fill_features, fill_trees, index_statuses,
+                                 pack_i32, read_features, read_trees, unpack_i32)
 from dflash_grpc.v1 import common_pb2, draft_pb2, target_pb2
+from runtime.tree import TreeError, tree_depths
 
 
 class Verified(NamedTuple):
@@ -37,14 +38,18 @@ class Proposed(NamedTuple):
 
 
 def verify_request(columnar: bool, sids: Sequence[str], sizes: Sequence[int], tokens: Sequence[int],
-                   parents: Sequence[int]) -> target_pb2.VerifyRequest:
+                   parents: Sequence[int], trees: common_pb2.TreeColumns | None = None) -> target_pb2.VerifyRequest:
     """One Verify message: item ``i`` verifies the tree of ``sizes[i]`` nodes (``tokens`` and
-    ``parents`` of all trees, in order) for session ``sids[i]``."""
+    ``parents`` of all trees, in order) for session ``sids[i]``; with ``trees`` (columnar only),
+    the trees of those columns instead (packed already: a Propose reply's, :class:`CheckedTrees`)."""
     request = target_pb2.VerifyRequest()
     if columnar:
         cols = request.columns
         cols.session_ids.extend(sids)
-        fill_trees(cols.trees, sizes, tokens, parents)
+        if trees is not None:
+            cols.trees.CopyFrom(trees)
+        else:
+            fill_trees(cols.trees, sizes, tokens, parents)
         cols.SetInParent()
         return request
     add, o = request.items.add, 0
@@ -90,6 +95,20 @@ def verify_results(reply: target_pb2.VerifyResponse, count: int) -> list[Verifie
     return out
 
 
+class Serialized:
+    """A request as its wire bytes, built here (:meth:`ProposeItems.request`): what a stream that
+    sends ``request.SerializeToString()`` sends (the same-host hop, ``DirectStreamCall``)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def SerializeToString(self) -> bytes:   # noqa: N802 - a protobuf message's name
+        """The wire bytes."""
+        return self.data
+
+
 class ProposeItems:
     """A Propose message being gathered, one item at a time (:meth:`add`), then written
     (:meth:`request`)."""
@@ -120,13 +139,15 @@ class ProposeItems:
     def __len__(self) -> int:
         return len(self.sids)
 
-    def request(self, columnar: bool) -> draft_pb2.ProposeRequest:
+    def request(self, columnar: bool, serialized: bool = False) -> draft_pb2.ProposeRequest | Serialized:
         """The Propose message: columns when ``columnar`` and every item's rows share one dtype
-        and width (one tensor holds them), else one message per item."""
+        and width (one tensor holds them), else one message per item. ``serialized``: the
+        columnar message as its wire bytes (:class:`Serialized`), the rows written straight from
+        their buffers (:func:`~dflash_grpc.columns.features_tail`: one copy of them, not three)."""
         request = draft_pb2.ProposeRequest()
         if columnar:
             cols = request.columns
-            if fill_features(cols.features, self.features):
+            if fill_features(cols.features, self.features, tensor=not serialized):
                 cols.session_ids.extend(self.sids)
                 cols.root_tokens = pack_i32(self.roots)
                 cols.committed_lengths = pack_i32(self.lengths)
@@ -134,6 +155,8 @@ class ProposeItems:
                 cols.top_ks = pack_i32(self.top_ks)
                 cols.max_depths = pack_i32(self.depths)
                 cols.SetInParent()
+                if serialized:
+                    return Serialized(b"".join([request.SerializeToString(), *features_tail((2, 7), self.features)]))
                 return request
             request = draft_pb2.ProposeRequest()
         add = request.items.add
@@ -173,6 +196,63 @@ def propose_results(reply: draft_pb2.ProposeResponse, count: int) -> list[Propos
     return [Proposed(refused.get(i), tokens, parents) for i, (tokens, parents) in enumerate(read_trees(reply.trees, count))]
 
 
+class CheckedTrees(NamedTuple):
+    """The trees of a columnar Propose reply, every one fit to verify as it came
+    (:meth:`TreeChecker.check`): the message's columns (``TreeColumns``), each tree's node count
+    and depth (its deepest node's)."""
+
+    columns: common_pb2.TreeColumns
+    sizes: list[int]
+    depths: list[int]
+
+
+class TreeChecker:
+    """Checks a batch of drafted trees at once, each distinct parent list once: the depth of a
+    well-formed parent list (:func:`runtime.tree.tree_depths`) is kept, by its packed bytes, for
+    the next tree of the same shape (the drafter's trees come in few shapes). At most ``limit``
+    shapes are kept (then the memory starts again)."""
+
+    def __init__(self, limit: int = 4096):
+        self.limit = limit
+        self._depth: dict[bytes, int] = {}
+
+    def check(self, trees: common_pb2.TreeColumns, roots: Sequence[int], max_depths: Sequence[int],
+              width_cap: int) -> CheckedTrees | None:
+        """The trees of ``trees`` when every one is fit to verify as it came: ``len(roots)``
+        trees, tree ``i`` well formed (:func:`runtime.tree.tree_depths`), rooted at ``roots[i]``,
+        no deeper than ``max_depths[i]``, of 1 to ``width_cap`` nodes. None when one is not (or
+        the columns do not fit together): the caller then reads the trees one by one
+        (:func:`propose_results`), trimming or refusing each as it must."""
+        raw_sizes, raw_tokens, raw_parents = trees.sizes, trees.tokens, trees.parents
+        count = len(roots)
+        if (len(raw_sizes) != 4 * count or len(raw_tokens) % 4 or len(raw_parents) != len(raw_tokens)
+                or not count):
+            return None
+        sizes = unpack_i32(raw_sizes)
+        if min(sizes) < 1 or max(sizes) > width_cap or 4 * sum(sizes) != len(raw_tokens):
+            return None
+        tokens = unpack_i32(raw_tokens)
+        known, depths, o = self._depth, [], 0
+        for n, root, max_depth in zip(sizes, roots, max_depths):
+            if tokens[o] != root:
+                return None
+            shape = raw_parents[4 * o:4 * (o + n)]
+            depth = known.get(shape)
+            if depth is None:
+                try:
+                    depth = max(tree_depths(unpack_i32(shape)))
+                except TreeError:
+                    return None
+                if len(known) >= self.limit:
+                    known.clear()
+                known[shape] = depth
+            if depth > max_depth:
+                return None
+            depths.append(depth)
+            o += n
+        return CheckedTrees(trees, sizes, depths)
+
+
 def join_rows(parts: Sequence[Rows]) -> Rows | None:
     """The rows of ``parts`` in order, as one entry (None if empty).
 
@@ -189,4 +269,4 @@ def join_rows(parts: Sequence[Rows]) -> Rows | None:
     return Rows(first.dtype, first.width, sum(p.rows for p in parts), b"".join(p.data for p in parts))
 
 
-__all__ = ["ProposeItems", "Proposed", "Verified", "join_rows", "propose_results", "verify_request", "verify_results"]
+__all__ = ["CheckedTrees", "ProposeItems", "Serialized", "TreeChecker", "Proposed", "Verified", "join_rows", "propose_results", "verify_request", "verify_results"]

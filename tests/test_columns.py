@@ -76,6 +76,71 @@ def test_feature_rows_round_trip_and_must_fit_their_tensor():
             C.read_features(bad, 3)
 
 
+def test_propose_as_wire_bytes_is_the_message_the_columns_make():
+    """ProposeItems.request(serialized=True): the rows written after the message's own bytes
+    (features_tail, straight from their buffers, views included) parse to the very message the
+    columnar request is; without rows, or of mixed widths, it is that request too."""
+    big = bytes(range(256)) * 600                                  # rows past a one-byte length
+    view = memoryview(big)
+    cases = [
+        [("a", 5, 9, 6, 3, 4, C.Rows(common_pb2.DTYPE_BF16, 64, 2, view[:256])), ("b", 6, 3, 0, 0, 2, None),
+         ("c", 7, 11, 15, 4, 15, C.Rows(common_pb2.DTYPE_BF16, 64, 1200, big[:153600]))],
+        [("a", 5, 9, 6, 3, 4, None), ("b", 6, 3, 0, 0, 2, None)],
+        [("a", 1, 1, 0, 0, 0, C.Rows(common_pb2.DTYPE_BF16, 2, 1, bytes(4))),
+         ("b", 1, 1, 0, 0, 0, C.Rows(common_pb2.DTYPE_BF16, 3, 1, bytes(6)))],
+    ]
+    for items in cases:
+        batch = ProposeItems()
+        for it in items:
+            batch.add(*it)
+        want = batch.request(True)
+        got = batch.request(True, True)
+        assert draft_pb2.ProposeRequest.FromString(got.SerializeToString()) == want
+
+
+def test_tree_checker_takes_a_batch_only_when_every_tree_fits_as_it_came():
+    """TreeChecker.check: a batch of drafted trees is taken as its columns exactly when the
+    per-item reading would keep every tree as it came (fit_tree leaves it whole, its root is the
+    request's); then each size and depth are fit_tree's. A shape seen before is checked again
+    from its cached depth (a second batch of the same trees gives the same answer)."""
+    import random
+
+    from orchestrator.messages import TreeChecker
+    from orchestrator.scheduler import fit_tree
+    from runtime.tree import TreeError
+
+    rng = random.Random(3)
+    checker = TreeChecker(limit=8)   # (small: the memory starts again within this test)
+    for _ in range(300):
+        trees, roots, depths = [], [], []
+        for _ in range(rng.randrange(1, 6)):
+            n = rng.randrange(0, 7)
+            parents = [-1] + [rng.randrange(0, i) for i in range(1, n)]
+            if n and rng.random() < 0.1:
+                parents[rng.randrange(n)] = rng.choice([-1, n, 0])        # maybe malformed
+            tokens = [rng.randrange(50) for _ in range(n)]
+            roots.append(tokens[0] if n and rng.random() < 0.95 else 99)
+            depths.append(rng.randrange(0, 6))
+            trees.append((tokens, parents))
+        msg = common_pb2.TreeColumns()
+        C.fill_trees(msg, [len(t) for t, _ in trees], [x for t, _ in trees for x in t], [x for _, p in trees for x in p])
+        whole = True
+        want = []
+        for (tokens, parents), root, depth in zip(trees, roots, depths):
+            try:
+                fit = fit_tree(tokens, parents, depth, 5)
+            except TreeError:
+                whole = False
+                continue
+            whole = whole and fit[:2] == (tokens, parents) and bool(tokens) and tokens[0] == root
+            want.append((len(tokens), fit[2]))
+        for _ in range(2):
+            got = checker.check(msg, roots, depths, 5)
+            assert (got is not None) == whole
+            if got is not None:
+                assert got.columns is msg and list(zip(got.sizes, got.depths)) == want
+
+
 def test_refused_indices_must_be_in_range_once_and_not_ok():
     ok = [common_pb2.IndexedStatus(index=1, status=common_pb2.ItemStatus(code=5, reason="SESSION_NOT_FOUND"))]
     assert C.index_statuses(ok, 2)[1].reason == "SESSION_NOT_FOUND"
@@ -290,9 +355,9 @@ def test_orchestrator_batches_as_columns_and_stays_lossless(tiny_llama, tiny_dra
         forms["verify"].add(columnar)
         return verify_request(columnar, *a)
 
-    def spy_propose(self, columnar):
+    def spy_propose(self, columnar, *a):
         forms["propose"].add(columnar)
-        return request(self, columnar)
+        return request(self, columnar, *a)
 
     monkeypatch.setattr(scheduler, "verify_request", spy_verify)
     monkeypatch.setattr(messages.ProposeItems, "request", spy_propose)

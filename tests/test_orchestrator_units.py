@@ -195,6 +195,59 @@ def test_tokens_reach_the_handler_once_handed_over_and_before_any_end():
         sched.stop(timeout=1.0, release_timeout=0.1)
 
 
+def test_history_keeps_views_for_a_few_ticks_and_stays_exact():
+    """Scheduler._keep holds a tick's rows as views of the reply that brought them, then copies
+    them out several ticks at once (_compact): whatever the drafter's state, the history joined
+    is every row kept, the part from ``sent`` on is what the drafter lacks, and no view is older
+    than KEEP_VIEWS ticks; past history_bytes the oldest entries the drafter has are dropped."""
+    import random
+
+    from dflash_grpc.columns import Rows
+    from dflash_grpc.v1 import common_pb2, draft_pb2
+    from orchestrator.scheduler import KEEP_VIEWS, Request, Scheduler
+
+    class Target:
+        def info(self):
+            return common_pb2.ModelInfo(device="cpu", max_sessions=4)
+
+    class NoDraft:
+        address = None
+
+    rng = random.Random(7)
+    sched = Scheduler(Target(), NoDraft(), max_sessions=2)
+    try:
+        for limit in (1 << 30, 40):
+            sched.history_bytes = limit
+            req = Request(session_id="r", prompt=[1], sampling=common_pb2.SamplingParams(), max_tokens=5,
+                          tree=draft_pb2.TreeParams())
+            sched._keep(req, Rows(1, 2, 3, bytes(12)))                   # a prefill's rows: bytes
+            rows, unsent = [bytes(12)], bytes(12)
+            for tick in range(60):
+                if rng.random() < 0.7:                                    # a Propose carried what it lacked
+                    assert b"".join(h.data for h in req.history[req.sent:]) == unsent
+                    req.sent, unsent = len(req.history), b""
+                elif rng.random() < 0.2:                                  # the drafter lost it: all again
+                    req.sent, unsent = 0, b"".join(h.data for h in req.history)
+                n = rng.randrange(0, 3)
+                reply = bytes(rng.randrange(256) for _ in range(4 * (n + 2)))
+                sched._keep(req, Rows(1, 2, n, memoryview(reply)[4:4 + 4 * n]) if n else None)
+                data = reply[4:4 + 4 * n]
+                if n:
+                    rows.append(data)
+                    unsent += data
+                views = [i for i, h in enumerate(req.history) if not isinstance(h.data, bytes)]
+                assert len(views) <= KEEP_VIEWS and all(i >= req.loose for i in views)
+                joined = b"".join(bytes(h.data) for h in req.history)
+                if limit > 1 << 20:
+                    assert joined == b"".join(rows)
+                else:
+                    assert req.history_bytes == len(joined) and b"".join(rows).endswith(joined)
+                    assert req.history_bytes <= limit or req.sent == 0
+                assert b"".join(bytes(h.data) for h in req.history[req.sent:]) == unsent
+    finally:
+        sched.stop(timeout=1.0, release_timeout=0.1)
+
+
 # ------------------------------------------------------------------------------------------------
 # streaming: events coalesced into messages (issue 23)
 
