@@ -297,6 +297,10 @@ class Scheduler:
         stream_interval_ms: most milliseconds a request's tokens are held before they go to its
             handler (:meth:`_flush_events`), so the tokens of the ticks within it are streamed as
             one message; a request's first tokens and its end are never held. 0: every tick's.
+        stream_hold_max_ms, stream_host_share: the adaptive hold (:meth:`_adapt_hold`): with
+            several requests in a tick, their tokens are held (as with ``stream_interval_ms``)
+            long enough that streaming takes at most ``stream_host_share`` of one core (its
+            messages' measured cost), at most ``stream_hold_max_ms``; either 0: never.
     """
 
     def __init__(self, target: TargetPeer, draft: DraftPeer, *, max_sessions: int,
@@ -308,7 +312,9 @@ class Scheduler:
                  draft_deadline_ms: float = OrchestratorConfig.draft_deadline_ms,
                  draft_deadline_row_us: float = OrchestratorConfig.draft_deadline_row_us,
                  draft_policy: str = OrchestratorConfig.draft_policy,
-                 stream_interval_ms: float = OrchestratorConfig.stream_interval_ms):
+                 stream_interval_ms: float = OrchestratorConfig.stream_interval_ms,
+                 stream_hold_max_ms: float = OrchestratorConfig.stream_hold_max_ms,
+                 stream_host_share: float = OrchestratorConfig.stream_host_share):
         self.target = target
         self.draft = draft
         self.info = target.info()
@@ -318,6 +324,10 @@ class Scheduler:
         self.step_timeout = step_timeout
         self.history_bytes = history_bytes
         self.stream_interval = max(0.0, float(stream_interval_ms)) / 1e3
+        self.hold_max = max(0.0, float(stream_hold_max_ms)) / 1e3
+        self.stream_share = max(0.0, float(stream_host_share))
+        self.hold = 0.0             # seconds a request's tokens are held now (_adapt_hold)
+        self.message_s = 0.0        # measured CPU seconds of one Generate message (note_message)
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._wake = threading.Event()
@@ -488,13 +498,13 @@ class Scheduler:
         for the reply instead of taking the GIL when the reply arrives; also before anything
         else reaches a handler (:meth:`_end`) and before the loop idles (``force``).
 
-        With ``stream_interval``, a request's events wait here until its ``flush_at`` (the
-        interval after its last hand-over; its first event is due at once, and so is everything
-        once it has ended), then all go together: its handler sends them as one message
-        (``force``: every event now)."""
+        With ``stream_interval`` (or the adaptive :attr:`hold`, the longer), a request's events
+        wait here until its ``flush_at`` (the interval after its last hand-over; its first event
+        is due at once, and so is everything once it has ended), then all go together: its
+        handler sends them as one message (``force``: every event now)."""
         pending = self._pending
-        interval = self.stream_interval
-        if not interval:
+        interval = max(self.stream_interval, self.hold)
+        if not interval and not self._held_events:
             while pending:
                 try:
                     req, event = pending.popleft()
@@ -837,6 +847,31 @@ class Scheduler:
         if mode is not None and (mode == PLAIN or (trees and not resync_rows)):
             self.policy.observe(len(batch), mode, emitted, tick_s)
         metrics.observe_tick(len(batch), draft_s, verify_s, tick_s - draft_s - verify_s)
+        self._adapt_hold(len(batch), tick_s)
+
+    def note_message(self, cpu_s: float) -> None:
+        """A handler sent one Generate message, which took its thread ``cpu_s`` seconds of CPU
+        (``time.thread_time``: detokenising, the message, grpc's send): :attr:`message_s`, a
+        moving average, is the measured cost of a message (:meth:`_adapt_hold`). Any thread."""
+        self.message_s += (cpu_s - self.message_s) * 0.05
+
+    def _adapt_hold(self, batch: int, tick_s: float) -> None:
+        """Coalesce streaming when it would cost the host more than ``stream_host_share`` of a
+        core (docs/ARCHITECTURE.md, "Serving many sessions"). Each Generate message costs the
+        orchestrator 100-200 us of host time on the CPU box (a handler thread's wake, the
+        message, grpc's send and its completion: tools/host_per_item.py), and the handler
+        threads share the GIL with the ticks. A request's tokens are therefore held (as with
+        ``stream_interval_ms``) for :attr:`hold` = ``batch x message_s / stream_host_share``
+        seconds at most ``stream_hold_max_ms``: the messages of a tick's requests then take at
+        most that share of the host's time, wherever ticks come faster than that; ticks slower
+        than the hold (the device's, or a few streams') stream every tick as before, as does a
+        tick of one request (its per-tick latency is kept)."""
+        hold = 0.0
+        if batch >= 2 and self.hold_max and self.stream_share:
+            hold = min(self.hold_max, batch * self.message_s / self.stream_share)
+            if hold < tick_s / 2:   # shorter than a tick: nothing would wait
+                hold = 0.0
+        self.hold = hold
 
     def _propose_trees(self, batch: list[Request], drafter: draft_pb2.DrafterInfo, columnar: bool = False
                        ) -> tuple[dict[int, tuple[list[int], list[int], int]] | CheckedTrees, float, int]:

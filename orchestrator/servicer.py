@@ -269,10 +269,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         first = True
         events = req.events
         event = None   # taken from the queue and not handled yet
+        note = getattr(self.scheduler, "note_message", None)   # (the CPU cost of each message, for its adaptive hold)
         try:
             while True:
                 if event is None:
                     event = events.get()
+                cpu = time.thread_time()
                 if isinstance(event, Failure):
                     metrics.REQUESTS.labels(outcome=event.code.name).inc()
                     if event.code == grpc.StatusCode.CANCELLED:
@@ -304,6 +306,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 if delta or ids or first:
                     yield generation_pb2.GenerateResponse(text=delta, token_ids=ids, prompt_tokens=len(prompt) if first else 0)
                     first = False
+                    if note is not None:   # (resumed by grpc once the message is sent: the send included)
+                        note(time.thread_time() - cpu)
                 if done:
                     break
         finally:

@@ -401,3 +401,68 @@ def test_stream_interval_zero_hands_every_event_over_and_force_flushes():
     assert _drain(a) == []
     held._flush_events(force=True)   # the loop idles, or stops
     assert [e.tokens for e in _drain(a)] == [[2]]
+
+
+def test_adaptive_hold_coalesces_only_where_messages_would_take_the_host():
+    """Scheduler._adapt_hold: with several requests per tick, tokens are held for batch x the
+    measured cost of a message / stream_host_share (capped by stream_hold_max_ms): never for a
+    single request, for ticks slower than twice that, or when turned off. Held events then go
+    out as with stream_interval_ms, and once the hold is gone they still leave in order."""
+    from orchestrator.scheduler import Scheduler, Tokens
+
+    sched = _idle_scheduler(0)   # the defaults: at most 50 ms, a quarter of a core
+    assert (sched.hold_max, sched.stream_share) == (0.05, 0.25)
+    for _ in range(300):
+        sched.note_message(200e-6)
+    assert sched.message_s == pytest.approx(200e-6, rel=0.01)
+    for batch, tick_s, want in ((1, 0.001, 0.0), (16, 0.002, 16 * 200e-6 / 0.25), (64, 0.002, 0.05), (16, 0.03, 0.0)):
+        sched._adapt_hold(batch, tick_s)
+        assert sched.hold == pytest.approx(want, rel=0.01), (batch, tick_s)
+    off = Scheduler(_Peer(), _Peer(), max_sessions=4, step_nodes=64, stream_hold_max_ms=0)
+    try:
+        off.message_s = 200e-6
+        off._adapt_hold(64, 0.002)
+        assert off.hold == 0.0
+    finally:
+        off.stop(timeout=1.0, release_timeout=0.1)
+
+    a = _request()
+    sched._adapt_hold(16, 0.002)
+    sched._pending.append((a, Tokens([1])))
+    sched._flush_events()
+    assert [e.tokens for e in _drain(a)] == [[1]]                    # the first at once
+    sched._pending.append((a, Tokens([2])))
+    sched._flush_events()
+    assert _drain(a) == []                                           # held
+    sched._adapt_hold(1, 0.002)                                      # one request left: no hold
+    assert sched.hold == 0.0
+    sched._pending.append((a, Tokens([3])))
+    sched._flush_events()
+    a.flush_at = sched._next_due = 0.0                               # (as if the old hold passed)
+    sched._flush_events()
+    assert [e.tokens for e in _drain(a)] == [[2], [3]]
+    sched._pending.append((a, Tokens([4])))
+    sched._flush_events()                                            # nothing held: at once again
+    assert [e.tokens for e in _drain(a)] == [[4]]
+
+
+def test_generate_tells_the_scheduler_each_message_cost():
+    """Each Generate message's CPU time (its thread's, the send included) reaches the scheduler
+    (note_message), once per message with tokens: what the adaptive hold is measured on."""
+    from dflash_grpc.localhop import LocalContext
+    from dflash_grpc.v1 import generation_pb2
+    from orchestrator.scheduler import Tokens
+
+    class Noting(_ScriptedScheduler):
+        noted: list = []
+
+        def note_message(self, cpu_s):
+            self.noted.append(cpu_s)
+
+    from fixtures.fakes import FakeTokenizer
+    from orchestrator.servicer import GenerationServicer
+
+    sched = Noting([Tokens([1]), Tokens([2], "length")])
+    svc = GenerationServicer(_Peer(), _Peer(), FakeTokenizer(), 16, None, sched)
+    msgs = list(svc.Generate(generation_pb2.GenerateRequest(prompt="a", max_tokens=2), LocalContext()))
+    assert len(msgs) == 2 and len(sched.noted) == 1 and sched.noted[0] >= 0.0
