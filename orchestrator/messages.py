@@ -9,10 +9,11 @@ scheduler's per-item work never touches a protobuf object.
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import NamedTuple, Sequence
 
-from dflash_grpc.columns import (ColumnsError, Rows, features_tail, fill_features, fill_trees, index_statuses,
-                                 pack_i32, read_features, read_trees, unpack_i32)
+from dflash_grpc.columns import (ColumnsError, Rows, varint, features_tail, fill_features, fill_trees,
+                                 index_statuses, pack_i32, read_features, read_trees, unpack_i32)
 from dflash_grpc.v1 import common_pb2, draft_pb2, target_pb2
 from runtime.tree import TreeError, tree_depths
 
@@ -67,46 +68,165 @@ def verify_results(reply: target_pb2.VerifyResponse, count: int) -> list[Verifie
     Raises:
         ColumnsError: columns that do not fit together.
     """
+    refused, accepted, bonus, lengths, feats = verify_columns(reply, count)
+    return [Verified(None, *item) if i not in refused else Verified(refused[i], [], 0, 0, None)
+            for i, item in enumerate(zip(accepted, bonus, lengths, feats))]
+
+
+def _read_varint(buf, o: int) -> tuple[int, int]:
+    """The varint at ``buf[o]`` and the offset after it (IndexError past the end)."""
+    value = shift = 0
+    while True:
+        b = buf[o]
+        o += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, o
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+def _field_at(buf, start: int, end: int, number: int) -> tuple[int, int, int] | None:
+    """The one length-delimited field ``number`` of the message ``buf[start:end]``: ``(header
+    start, payload start, payload end)``; None when it is absent, occurs twice, has another wire
+    type, or the message does not walk cleanly (a group, a length past the end)."""
+    found, o = None, start
+    while o < end:
+        head = o
+        tag, o = _read_varint(buf, o)
+        wire = tag & 7
+        if wire == 0:
+            _, o = _read_varint(buf, o)
+        elif wire == 1:
+            o += 8
+        elif wire == 5:
+            o += 4
+        elif wire == 2:
+            n, o = _read_varint(buf, o)
+            if tag >> 3 == number:
+                if found is not None:
+                    return None
+                found = (head, o, o + n)
+            o += n
+        else:
+            return None
+        if o > end:
+            return None
+    return found
+
+
+class VerifyReply:
+    """A columnar Verify reply parsed without copying its feature rows (:func:`parse_verify_reply`):
+    the message (its ``rows_data`` tensor without its bytes) and ``rows_data``, those bytes as a
+    view of the buffer the reply came in. Reads as the message otherwise (its fields, ``HasField``)."""
+
+    __slots__ = ("message", "rows_data")
+
+    def __init__(self, message: target_pb2.VerifyResponse, rows_data: memoryview):
+        self.message = message
+        self.rows_data = rows_data
+
+    def __getattr__(self, name):
+        return getattr(self.message, name)
+
+
+def parse_verify_reply(data) -> target_pb2.VerifyResponse | VerifyReply:
+    """A Verify reply from its wire bytes (the Verify streams' deserializer). A columnar reply's
+    feature rows (about 1.5 MB a tick at 64 streams) are not copied: the message is parsed without
+    them (the nested lengths rewritten) and they stay a view of ``data``
+    (:class:`VerifyReply`), which the next Propose sends on and a request's history keeps. Any
+    other reply, or one laid out otherwise (a field twice, no rows), is parsed as it is.
+
+    Raises:
+        google.protobuf.message.DecodeError: bytes that do not parse (as ``FromString``).
+    """
+    view = memoryview(data).cast("B")
+    try:
+        path = []   # (header start, payload start, payload end): columns, features, rows_data, data
+        start, end = 0, len(view)
+        for number in (6, 7, 2, 3):   # VerifyResponse.columns .features .rows_data .data
+            field = _field_at(view, start, end, number)
+            if field is None:
+                return target_pb2.VerifyResponse.FromString(view)
+            path.append(field)
+            start, end = field[1], field[2]
+    except (IndexError, ValueError):
+        return target_pb2.VerifyResponse.FromString(view)
+    data_head, data_start, data_end = path[3]
+    removed = data_end - data_head                 # the data field, header and all
+    pieces, o = [], 0
+    headers = []
+    for (head, start, end), number in zip(path[2::-1], (2, 7, 6)):   # rows_data, features, columns: inner first
+        length = end - start - removed
+        header = varint(number << 3 | 2) + varint(length)
+        removed += (start - head) - len(header)
+        headers.append((head, start, header))
+    for head, start, header in reversed(headers):  # outer first
+        pieces += [view[o:head], header]
+        o = start
+    pieces += [view[o:data_head], view[data_end:]]
+    message = target_pb2.VerifyResponse.FromString(b"".join(pieces))
+    return VerifyReply(message, view[data_start:data_end])
+
+
+def verify_columns(reply: target_pb2.VerifyResponse, count: int
+                   ) -> tuple[dict[int, common_pb2.ItemStatus], list[list[int]], list[int], list[int], list]:
+    """A Verify reply to ``count`` items as columns (:func:`verify_results` without a tuple per
+    item; a per-item reply may hold fewer): the refused items' statuses by index (their other
+    entries mean nothing), then per item its accepted draft tokens, bonus token, committed length
+    and committed rows' features (:class:`~dflash_grpc.columns.Rows`, a wire ``Tensor``, or None).
+
+    Raises:
+        ColumnsError: columns that do not fit together.
+    """
+    rows_data = None
+    if isinstance(reply, VerifyReply):
+        reply, rows_data = reply.message, reply.rows_data
     if not reply.HasField("columns"):
-        out = []
-        for res in reply.results:
+        refused, accepted, bonus, lengths, feats = {}, [], [], [], []
+        for i, res in enumerate(reply.results):
             status = res.status
             if status.code:
-                out.append(Verified(status, [], 0, 0, None))
+                refused[i] = status
+                accepted.append([])
+                bonus.append(0)
+                lengths.append(0)
+                feats.append(None)
             else:
-                out.append(Verified(None, res.accepted_tokens[:], res.bonus_token, res.committed_length, res.features))
-        return out
+                accepted.append(res.accepted_tokens[:])
+                bonus.append(res.bonus_token)
+                lengths.append(res.committed_length)
+                feats.append(res.features)
+        return refused, accepted, bonus, lengths, feats
     cols = reply.columns
     refused = index_statuses(cols.refused, count)
-    accepted = unpack_i32(cols.accepted, count, "accepted")
+    counts = unpack_i32(cols.accepted, count, "accepted")
     tokens = unpack_i32(cols.accepted_tokens, what="accepted_tokens")
     bonus = unpack_i32(cols.bonus_tokens, count, "bonus_tokens")
     lengths = unpack_i32(cols.committed_lengths, count, "committed_lengths")
-    feats = read_features(cols.features, count)
-    if (accepted and min(accepted) < 0) or sum(accepted) != len(tokens):
+    feats = read_features(cols.features, count, rows_data)
+    if (counts and min(counts) < 0) or sum(counts) != len(tokens):
         raise ColumnsError(f"accepted: counts do not add up to the {len(tokens)} tokens")
-    out, o = [], 0
-    for i in range(count):
-        k = accepted[i]
-        status = refused.get(i)
-        out.append(Verified(status, tokens[o:o + k], bonus[i], lengths[i], feats[i]) if status is None
-                   else Verified(status, [], 0, 0, None))
-        o += k
-    return out
+    ends = list(accumulate(counts))
+    accepted = [tokens[e - k:e] for k, e in zip(counts, ends)]
+    return refused, accepted, bonus, lengths, feats
 
 
 class Serialized:
-    """A request as its wire bytes, built here (:meth:`ProposeItems.request`): what a stream that
-    sends ``request.SerializeToString()`` sends (the same-host hop, ``DirectStreamCall``)."""
+    """A request as its wire bytes, built here (:meth:`ProposeItems.request`), in ``pieces``
+    (buffers, to be sent one after the other): what a stream that sends
+    ``request.SerializeToString()`` sends (``DirectStreamCall``); the same-host hop sends the
+    pieces as they are (:func:`dflash_grpc.localhop.send_buffers`), not joined."""
 
-    __slots__ = ("data",)
+    __slots__ = ("pieces",)
 
-    def __init__(self, data: bytes):
-        self.data = data
+    def __init__(self, pieces: list):
+        self.pieces = pieces
 
     def SerializeToString(self) -> bytes:   # noqa: N802 - a protobuf message's name
-        """The wire bytes."""
-        return self.data
+        """The wire bytes (the pieces joined)."""
+        return b"".join(self.pieces)
 
 
 class ProposeItems:
@@ -142,8 +262,9 @@ class ProposeItems:
     def request(self, columnar: bool, serialized: bool = False) -> draft_pb2.ProposeRequest | Serialized:
         """The Propose message: columns when ``columnar`` and every item's rows share one dtype
         and width (one tensor holds them), else one message per item. ``serialized``: the
-        columnar message as its wire bytes (:class:`Serialized`), the rows written straight from
-        their buffers (:func:`~dflash_grpc.columns.features_tail`: one copy of them, not three)."""
+        columnar message as its wire bytes (:class:`Serialized`), the rows in them as the buffers
+        they are in (:func:`~dflash_grpc.columns.features_tail`: not copied into a message and
+        out again)."""
         request = draft_pb2.ProposeRequest()
         if columnar:
             cols = request.columns
@@ -156,7 +277,7 @@ class ProposeItems:
                 cols.max_depths = pack_i32(self.depths)
                 cols.SetInParent()
                 if serialized:
-                    return Serialized(b"".join([request.SerializeToString(), *features_tail((2, 7), self.features)]))
+                    return Serialized([request.SerializeToString(), *features_tail((2, 7), self.features)])
                 return request
             request = draft_pb2.ProposeRequest()
         add = request.items.add
@@ -269,4 +390,5 @@ def join_rows(parts: Sequence[Rows]) -> Rows | None:
     return Rows(first.dtype, first.width, sum(p.rows for p in parts), b"".join(p.data for p in parts))
 
 
-__all__ = ["CheckedTrees", "ProposeItems", "Serialized", "TreeChecker", "Proposed", "Verified", "join_rows", "propose_results", "verify_request", "verify_results"]
+__all__ = ["CheckedTrees", "ProposeItems", "Proposed", "Serialized", "TreeChecker", "Verified", "VerifyReply", "join_rows",
+           "parse_verify_reply", "propose_results", "verify_columns", "verify_request", "verify_results"]

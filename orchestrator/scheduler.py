@@ -70,8 +70,8 @@ from dflash_grpc.transport import reason_of
 from dflash_grpc.v1 import common_pb2, draft_pb2, generation_pb2, target_pb2
 from orchestrator import metrics
 from orchestrator.config import OrchestratorConfig
-from orchestrator.messages import (CheckedTrees, ProposeItems, TreeChecker, join_rows, propose_results, verify_request,
-                                   verify_results)
+from orchestrator.messages import (CheckedTrees, ProposeItems, TreeChecker, join_rows, propose_results, verify_columns,
+                                   verify_request)
 from orchestrator.peers import (DirectStreamCall, DraftDeadline, DraftPeer, ExchangeTimeout, LocalHopCall, StreamCall,
                                 StreamError, TargetPeer, drafter_mismatch, status_code)
 from orchestrator.policy import PLAIN, DraftPolicy
@@ -804,7 +804,7 @@ class Scheduler:
                 self._verify = self.target.verify_stream(None)
             reply = self._verify.exchange(request, self.step_timeout, self._flush_events)
             try:
-                results = verify_results(reply, len(batch))
+                refused, accepted, bonus, lengths, feats = verify_columns(reply, len(batch))
             except ColumnsError as e:   # as a reply that does not decode: the stream is over (_verify_failed)
                 raise StreamError(grpc.StatusCode.INTERNAL, f"the reply's columns do not fit together: {e}") from None
         except grpc.RpcError as e:
@@ -818,24 +818,24 @@ class Scheduler:
         steps = []   # (draft nodes, depth, accepted) of each verified item: the metrics, once per tick
         emitted = 0
         now = time.monotonic()
-        for r, res, nodes, depth in zip(batch, results, nodes_of, depth_of):
+        for i, (r, tokens, root, length, features, nodes, depth) in enumerate(
+                zip(batch, accepted, bonus, lengths, feats, nodes_of, depth_of)):
             stats = r.stats
             stats.verify_time_s += verify_s
             stats.verify_compute_s += compute_s
             stats.verify_device_s += device_s
-            status = res.status
-            if status is not None:
+            if refused and i in refused:
+                status = refused[i]
                 self._verify_item_failed(r, status_code(status.code), status.message, status.reason)
                 continue
-            tokens = res.accepted
             k = len(tokens)
             stats.record_step(depth, nodes, k)
             steps.append((nodes, depth, k))
             emitted += k + 1
-            r.root, r.length = res.bonus, res.length
+            r.root, r.length = root, length
             if r.speculative:
-                self._keep(r, res.features)
-            tokens.append(r.root)
+                self._keep(r, features)
+            tokens.append(root)
             self._emit(r, tokens, now=now)
         if steps:
             metrics.observe_verify_batch(steps)
@@ -924,7 +924,8 @@ class Scheduler:
             if not r.draft_synced:
                 r.sent = 0  # (re-)create the drafter's session from the whole history
             # (history entries are never empty: _keep; one entry, the common case, is sent as is)
-            features = join_rows(r.history[r.sent:])
+            history, sent = r.history, r.sent
+            features = history[sent] if len(history) == sent + 1 else join_rows(history[sent:])
             if features is not None and features.rows > block:
                 extra_rows += features.rows - block
             if not budget:

@@ -141,6 +141,66 @@ def test_tree_checker_takes_a_batch_only_when_every_tree_fits_as_it_came():
                 assert got.columns is msg and list(zip(got.sizes, got.depths)) == want
 
 
+def test_verify_reply_parsed_without_copying_its_rows_reads_as_the_message():
+    """parse_verify_reply (the Verify streams' deserializer) keeps a columnar reply's feature
+    rows as a view of the bytes it came in and parses the rest alone (its nested lengths
+    rewritten): every reply reads as FromString reads it (verify_columns: statuses, tokens,
+    bonus, lengths, feature bytes), the view's bytes are the message's, and any other layout
+    (per item, no rows, a field met twice, a malformed message) is parsed as it is."""
+    import os
+    import random
+
+    from google.protobuf.message import DecodeError
+
+    from orchestrator.messages import VerifyReply, parse_verify_reply, verify_columns
+
+    rng = random.Random(11)
+
+    def reply(n, width, rows):
+        msg = target_pb2.VerifyResponse(compute_s=rng.random(), device_s=rng.random(), batch_items=n)
+        cols = msg.columns
+        k = [rng.randrange(0, 4) for _ in range(n)]
+        cols.accepted = C.pack_i32(k)
+        cols.accepted_tokens = C.pack_i32([rng.randrange(VOCAB) for _ in range(sum(k))])
+        cols.bonus_tokens = C.pack_i32([rng.randrange(VOCAB) for _ in range(n)])
+        cols.committed_lengths = C.pack_i32([rng.randrange(1, 9000) for _ in range(n)])
+        if n > 1:
+            cols.refused.add(index=n - 1, status=common_pb2.ItemStatus(code=5, message="gone", reason="SESSION_NOT_FOUND"))
+        C.fill_features(cols.features, [C.Rows(common_pb2.DTYPE_BF16, width, r, os.urandom(2 * width * r)) if r else None
+                                        for r in rows])
+        return msg
+
+    def read(parsed, n):
+        refused, acc, bonus, lengths, feats = verify_columns(parsed, n)
+        return ({i: (s.code, s.reason) for i, s in refused.items()}, acc, bonus, lengths,
+                [bytes(f.data) if f is not None else None for f in feats])
+
+    cases = []
+    for n, width in ((1, 3), (4, 64), (64, 2880), (7, 70)):
+        rows = [rng.randrange(0, 5) for _ in range(n)]
+        cases.append((n, reply(n, width, rows).SerializeToString(), sum(rows) > 0))
+    cases.append((3, reply(3, 4, [0, 0, 0]).SerializeToString(), False))                       # no rows at all
+    split, rest = reply(3, 8, [2, 0, 1]), target_pb2.VerifyResponse()
+    rest.columns.features.CopyFrom(split.columns.features)
+    split.columns.ClearField("features")
+    cases.append((3, split.SerializeToString() + rest.SerializeToString(), False))             # columns twice
+    per_item = target_pb2.VerifyResponse(results=[target_pb2.VerifyResult(accepted_tokens=[1], bonus_token=2)])
+    cases.append((1, per_item.SerializeToString(), False))
+    for n, data, viewed in cases:
+        got = parse_verify_reply(memoryview(b"\x00" + data)[1:])
+        assert isinstance(got, VerifyReply) == viewed, n
+        assert read(got, n) == read(target_pb2.VerifyResponse.FromString(data), n)
+        assert (got.compute_s, got.HasField("columns")) == (target_pb2.VerifyResponse.FromString(data).compute_s,
+                                                            not per_item.SerializeToString() == data)
+        if viewed:
+            whole = target_pb2.VerifyResponse()
+            whole.CopyFrom(got.message)
+            whole.columns.features.rows_data.data = bytes(got.rows_data)
+            assert whole == target_pb2.VerifyResponse.FromString(data)
+    with pytest.raises(DecodeError):
+        parse_verify_reply(b"\x32\x05\x3a\x03\x12\x01")   # lengths past the end
+
+
 def test_refused_indices_must_be_in_range_once_and_not_ok():
     ok = [common_pb2.IndexedStatus(index=1, status=common_pb2.ItemStatus(code=5, reason="SESSION_NOT_FOUND"))]
     assert C.index_statuses(ok, 2)[1].reason == "SESSION_NOT_FOUND"

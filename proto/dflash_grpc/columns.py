@@ -149,7 +149,8 @@ def fill_features(msg: common_pb2.FeatureColumns, parts: Sequence[Rows | None], 
     return True
 
 
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
+    """``n`` (>= 0) as a protobuf varint."""
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
@@ -172,18 +173,19 @@ def features_tail(path: Sequence[int], parts: Sequence[Rows | None]) -> list:
         return []
     n = sum(len(d) for d in data)
     tensor = common_pb2.Tensor(dtype=layout[0], shape=(sum(rows), layout[1])).SerializeToString()
-    head = tensor + b"\x1a" + _varint(n)   # Tensor.data (field 3, length-delimited)
+    head = tensor + b"\x1a" + varint(n)   # Tensor.data (field 3, length-delimited)
     length = len(head) + n
     for field in reversed((*path, 2)):       # path, then FeatureColumns.rows_data (field 2)
-        wrap = _varint(field << 3 | 2) + _varint(length)
+        wrap = varint(field << 3 | 2) + varint(length)
         head = wrap + head
         length += len(wrap)
     return [head, *data]
 
 
-def read_features(msg: common_pb2.FeatureColumns, count: int) -> list[Rows | None]:
+def read_features(msg: common_pb2.FeatureColumns, count: int, data=None) -> list[Rows | None]:
     """The ``count`` items' rows of ``msg`` (None for an item of 0 rows; an empty message: no
-    rows at all), as slices of one ``memoryview`` of the tensor's bytes (read once).
+    rows at all), as slices of one ``memoryview`` of the tensor's bytes (read once), or of
+    ``data`` when given: the tensor's bytes held apart from the message (parsed without them).
 
     Raises:
         ColumnsError: not ``count`` row counts, a negative count, counts that do not add up to the
@@ -205,7 +207,8 @@ def read_features(msg: common_pb2.FeatureColumns, count: int) -> list[Rows | Non
     size = _ITEMSIZE.get(t.dtype)
     if size is None:
         raise ColumnsError(f"features: unsupported dtype {t.dtype}")
-    data = t.data
+    if data is None:
+        data = t.data
     row = shape[1] * size
     if len(data) != total * row:
         raise ColumnsError(f"features: {len(data)} bytes for {total} rows of {row}")
@@ -235,4 +238,4 @@ def index_statuses(refused, count: int) -> dict[int, common_pb2.ItemStatus]:
 
 
 __all__ = ["COLUMNAR", "ColumnsError", "Rows", "features_tail", "fill_features", "fill_trees", "index_statuses", "pack_i32",
-           "read_features", "read_trees", "unpack_i32"]
+           "read_features", "read_trees", "unpack_i32", "varint"]
