@@ -265,6 +265,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         # a client that goes away (cancel, deadline) frees the sessions on the next tick
         context.add_callback(lambda: self.scheduler.close(req, Failure(grpc.StatusCode.CANCELLED, "cancelled")))
         text = TextStream(self.tokenizer.decode, list(request.stop))
+        stops = text.has_stops
         finish = generation_pb2.FINISH_REASON_LENGTH
         first = True
         events = req.events
@@ -281,12 +282,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         return
                     abort(context, event.code, event.message, str(event.reason))
                 # this event's tokens and those of every Tokens event queued behind it (ticks that
-                # came while the last message was being sent) go out as one message; each is pushed
-                # through the text stream on its own, as if sent alone
+                # came while the last message was being sent, or were held) go out as one message;
+                # with stop strings each is pushed through the text stream on its own, as if sent
+                # alone (a stop string ends the message there); without, all at once (one decode:
+                # the same text, TextStream)
                 deltas, ids, done = [], [], False
                 while True:
                     stats.generated_tokens += len(event.tokens)
-                    deltas.append(text.push(event.tokens))
+                    if stops:
+                        deltas.append(text.push(event.tokens))
                     ids += event.tokens
                     if event.finish in _FINISH:
                         finish = _FINISH[event.finish]
@@ -302,7 +306,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         break
                     if isinstance(event, Failure):
                         break   # handled after this message
-                delta = "".join(deltas)
+                delta = "".join(deltas) if stops else text.push(ids)
                 if delta or ids or first:
                     yield generation_pb2.GenerateResponse(text=delta, token_ids=ids, prompt_tokens=len(prompt) if first else 0)
                     first = False

@@ -54,6 +54,32 @@ def test_text_stream_incremental_equals_decoding_everything(smollm_tokenizer, st
         assert a.finish() == b.finish()
 
 
+def test_text_stream_without_stops_gives_the_same_text_however_ids_are_grouped(smollm_tokenizer):
+    """Without stop strings Generate pushes a message's queued events at once (one decode): the
+    text streamed is the same whether ids come one push per event or grouped, split characters
+    included."""
+    import random
+
+    text = "Grüße, 世界! 😀 def f(x):\n    return x ** 2  # done 🎉🎉 ünïcödé"
+    ids = smollm_tokenizer.encode(text)
+    ids += [b for ch in "€😀" for b in smollm_tokenizer.encode(ch)] + ids
+    rng = random.Random(1)
+    for _ in range(20):
+        one, grouped = TextStream(smollm_tokenizer.decode), TextStream(smollm_tokenizer.decode)
+        assert not one.has_stops and TextStream(smollm_tokenizer.decode, ["", "x"]).has_stops
+        i, a, b = 0, "", ""
+        while i < len(ids):
+            events = []
+            for _ in range(rng.randint(1, 4)):   # a message's queued events (some without tokens)
+                n = rng.randint(0, 3)
+                events.append(ids[i:i + n])
+                i += n
+            a += "".join(one.push(e) for e in events)
+            b += grouped.push([t for e in events for t in e])
+            assert a == b
+        assert a + one.finish() == b + grouped.finish()
+
+
 def test_text_stream_holds_back_a_possible_stop_prefix():
     pieces = {1: "ab", 2: "c<", 3: "/s", 4: "x"}
     stream = TextStream(lambda ids: "".join(pieces[i] for i in ids), ["</s>"])
