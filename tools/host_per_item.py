@@ -519,6 +519,19 @@ def summarize(specs: list[str]) -> None:
             sel = [r for r in rs if r["mode"] == mode and r["streams"] == n]
             cells += [cell(sel, "tok_s"), cell(sel, "msgs_item"), cell(sel, "gap_p50_ms"), cell(sel, "gap_p99_ms")]
         print(f"| {mode} | {n} | " + " | ".join(cells) + " |")
+    threads = ("pool-worker", "scheduler", "_serve")   # the orchestrator's (--threads): handlers, ticks, grpc's server
+    if any("orchestrator_threads" in r for rs in rows.values() for r in rs):
+        print("\n## the orchestrator's us per item by thread (steady window; Generate handlers, the scheduler, grpc's "
+              "server thread)\n| mode | streams | " + " | ".join(f"{k} {t}" for k in rows for t in threads) + " |\n|---|---|"
+              + "---|" * (len(rows) * len(threads)))
+        for mode, n in levels:
+            cells = []
+            for rs in rows.values():
+                sel = [r for r in rs if r["mode"] == mode and r["streams"] == n and "orchestrator_threads" in r]
+                for t in threads:
+                    xs = [r["orchestrator_threads"].get(t, 0.0) for r in sel]
+                    cells.append(f"{statistics.median(xs):.1f} [{min(xs):.1f}, {max(xs):.1f}]" if xs else "-")
+            print(f"| {mode} | {n} | " + " | ".join(cells) + " |")
 
 
 def main() -> int:
