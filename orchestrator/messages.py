@@ -73,6 +73,10 @@ def verify_results(reply: target_pb2.VerifyResponse, count: int) -> list[Verifie
             for i, item in enumerate(zip(accepted, bonus, lengths, feats))]
 
 
+#: the least bytes of a Verify reply that :func:`parse_verify_reply` parses without copying its rows
+ZERO_COPY_FROM = 1 << 16
+
+
 def _read_varint(buf, o: int) -> tuple[int, int]:
     """The varint at ``buf[o]`` and the offset after it (IndexError past the end)."""
     value = shift = 0
@@ -136,12 +140,16 @@ def parse_verify_reply(data) -> target_pb2.VerifyResponse | VerifyReply:
     feature rows (about 1.5 MB a tick at 64 streams) are not copied: the message is parsed without
     them (the nested lengths rewritten) and they stay a view of ``data``
     (:class:`VerifyReply`), which the next Propose sends on and a request's history keeps. Any
-    other reply, or one laid out otherwise (a field twice, no rows), is parsed as it is.
+    other reply, one laid out otherwise (a field twice, no rows) or one under
+    :data:`ZERO_COPY_FROM` bytes (a few items' rows: copying them costs less than the walk) is
+    parsed as it is.
 
     Raises:
         google.protobuf.message.DecodeError: bytes that do not parse (as ``FromString``).
     """
     view = memoryview(data).cast("B")
+    if len(view) < ZERO_COPY_FROM:   # (a small reply: its copy costs less than the walk)
+        return target_pb2.VerifyResponse.FromString(view)
     try:
         path = []   # (header start, payload start, payload end): columns, features, rows_data, data
         start, end = 0, len(view)

@@ -141,10 +141,10 @@ def test_tree_checker_takes_a_batch_only_when_every_tree_fits_as_it_came():
                 assert got.columns is msg and list(zip(got.sizes, got.depths)) == want
 
 
-def test_verify_reply_parsed_without_copying_its_rows_reads_as_the_message():
+def test_verify_reply_parsed_without_copying_its_rows_reads_as_the_message(monkeypatch):
     """parse_verify_reply (the Verify streams' deserializer) keeps a columnar reply's feature
     rows as a view of the bytes it came in and parses the rest alone (its nested lengths
-    rewritten): every reply reads as FromString reads it (verify_columns: statuses, tokens,
+    rewritten; from ZERO_COPY_FROM bytes): every reply reads as FromString reads it (verify_columns: statuses, tokens,
     bonus, lengths, feature bytes), the view's bytes are the message's, and any other layout
     (per item, no rows, a field met twice, a malformed message) is parsed as it is."""
     import os
@@ -152,6 +152,7 @@ def test_verify_reply_parsed_without_copying_its_rows_reads_as_the_message():
 
     from google.protobuf.message import DecodeError
 
+    from orchestrator import messages
     from orchestrator.messages import VerifyReply, parse_verify_reply, verify_columns
 
     rng = random.Random(11)
@@ -186,6 +187,9 @@ def test_verify_reply_parsed_without_copying_its_rows_reads_as_the_message():
     cases.append((3, split.SerializeToString() + rest.SerializeToString(), False))             # columns twice
     per_item = target_pb2.VerifyResponse(results=[target_pb2.VerifyResult(accepted_tokens=[1], bonus_token=2)])
     cases.append((1, per_item.SerializeToString(), False))
+    small = cases[0][1]
+    assert len(small) < messages.ZERO_COPY_FROM and not isinstance(parse_verify_reply(small), VerifyReply)
+    monkeypatch.setattr(messages, "ZERO_COPY_FROM", 0)   # (every reply walked, the small ones too)
     for n, data, viewed in cases:
         got = parse_verify_reply(memoryview(b"\x00" + data)[1:])
         assert isinstance(got, VerifyReply) == viewed, n
