@@ -118,6 +118,14 @@ class OrchestratorConfig:
         "out as one message (its first token and its end at once). Each message costs the orchestrator tens of "
         "microseconds of host time, so under many streams a few milliseconds here cut its host time per token "
         "several fold (tools/host_per_item.py); 0: every tick's tokens at once")
+    stream_hold_max_ms: float = setting(
+        50.0, "most milliseconds the adaptive hold keeps a request's tokens back: with several requests in a tick, "
+        "tokens are held as with stream_interval_ms, long enough that streaming takes at most stream_host_share of a "
+        "core (each message's cost measured), so under many streams fast ticks go out as fewer messages; one stream, "
+        "or ticks slower than the hold, stream every tick (0: never hold)")
+    stream_host_share: float = setting(
+        0.25, "share of one core the orchestrator's Generate messages may take before the adaptive hold "
+        "(stream_hold_max_ms) coalesces ticks (0: never hold)")
     draft_history_mib: float = setting(
         64.0, "feature history kept per request to resume drafting after a drafter restart (MiB)")
     max_prompt_chars: int = setting(

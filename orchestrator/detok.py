@@ -39,6 +39,12 @@ class TextStream:
         self.emitted = ""
         self.stopped = False
 
+    @property
+    def has_stops(self) -> bool:
+        """Whether it watches for stop strings (without, pushing ``a`` then ``b`` gives, joined,
+        the text of pushing ``a + b`` once)."""
+        return bool(self._stop)
+
     def _text(self) -> str:
         """The text of every id so far (moving the stable point to the end when it may)."""
         if not self._incremental:

@@ -45,7 +45,7 @@ import time
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.registry import Collector
 
-from orchestrator.stats import count_positions
+from orchestrator.stats import bump, positions_of_ends
 
 #: most seconds the scheduler's per-tick notes wait for :func:`flush` when nobody scrapes
 FLUSH_INTERVAL_S = 0.25
@@ -197,8 +197,8 @@ def _count_verify(steps) -> None:
     """Bump the per-item series for ``steps`` (``(draft_nodes, tree_depth, accepted)`` each),
     each counter once by the total."""
     forwards = ar = drafts = draft_tokens = accepted_tokens = 0
-    acc_pos: list[int] = []       # index = position: items that accepted it / drafted it
-    drafted_pos: list[int] = []
+    acc_ends: list[int] = []      # index = accepted draft tokens / tree depth: drafting items
+    drafted_ends: list[int] = []
     taus: dict[int, int] = {}     # tau -> items
     for draft_nodes, tree_depth, accepted in steps:
         forwards += 1
@@ -209,8 +209,15 @@ def _count_verify(steps) -> None:
         drafts += 1
         draft_tokens += draft_nodes
         accepted_tokens += accepted
-        count_positions(acc_pos, accepted)
-        count_positions(drafted_pos, tree_depth)
+        if len(acc_ends) > accepted:
+            acc_ends[accepted] += 1
+        else:
+            bump(acc_ends, accepted)
+        if len(drafted_ends) > tree_depth:
+            drafted_ends[tree_depth] += 1
+        else:
+            bump(drafted_ends, tree_depth)
+    acc_pos, drafted_pos = positions_of_ends(acc_ends), positions_of_ends(drafted_ends)
     if not forwards:
         return
     FORWARDS.inc(forwards)

@@ -25,9 +25,10 @@ from typing import Any, Callable
 import grpc
 
 from dflash_grpc import serving
-from dflash_grpc.localhop import REPLY, endpoint_path, parse_status
+from dflash_grpc.localhop import REPLY, endpoint_path, parse_status, send_buffers
 from dflash_grpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from orchestrator import metrics
+from orchestrator.messages import parse_verify_reply
 
 log = logging.getLogger(__name__)
 
@@ -470,7 +471,11 @@ class LocalHopCall:
         conn = self._conn
         try:
             try:
-                conn.send_bytes(request.SerializeToString())
+                pieces = getattr(request, "pieces", None)   # (wire bytes in pieces: orchestrator.messages.Serialized)
+                if pieces is not None:
+                    send_buffers(conn, pieces)
+                else:
+                    conn.send_bytes(request.SerializeToString())
             finally:
                 if on_sent is not None:
                     on_sent()
@@ -722,7 +727,7 @@ class TargetPeer:
         None: :data:`LOCAL_HOP`), else :func:`open_stream` (``direct_streams`` None:
         :data:`DIRECT_STREAMS`)."""
         return _stream(self.channel, self.info().local_endpoint, "/dflash_grpc.v1.TargetService/Verify", self.stub.Verify,
-                       target_pb2.VerifyResponse.FromString, timeout, self.direct_streams, self.local_hop, "target")
+                       parse_verify_reply, timeout, self.direct_streams, self.local_hop, "target")
 
     def close(self) -> None:
         self.channel.close()

@@ -70,9 +70,10 @@ from dflash_grpc.transport import reason_of
 from dflash_grpc.v1 import common_pb2, draft_pb2, generation_pb2, target_pb2
 from orchestrator import metrics
 from orchestrator.config import OrchestratorConfig
-from orchestrator.messages import ProposeItems, join_rows, propose_results, verify_request, verify_results
-from orchestrator.peers import (DraftDeadline, DraftPeer, ExchangeTimeout, StreamCall, StreamError, TargetPeer,
-                                drafter_mismatch, status_code)
+from orchestrator.messages import (CheckedTrees, ProposeItems, TreeChecker, join_rows, propose_results, verify_columns,
+                                   verify_request)
+from orchestrator.peers import (DirectStreamCall, DraftDeadline, DraftPeer, ExchangeTimeout, LocalHopCall, StreamCall,
+                                StreamError, TargetPeer, drafter_mismatch, status_code)
 from orchestrator.policy import PLAIN, DraftPolicy
 from orchestrator.stats import AcceptanceStats
 from runtime.errors import Reason
@@ -86,6 +87,10 @@ FINISH_EOS, FINISH_LENGTH, FINISH_CONTEXT = "eos", "length", "context"
 #: per item, which costs less for one or two items (tools/host_per_item.py, issue 23: at one item the
 #: columnar Propose cost the draft service about 50 us more, at four items about 7 us less)
 COLUMNS_FROM = 4
+
+#: ticks a request's newest feature rows stay views of the Verify reply that brought them (the next
+#: Propose sends them from there), before :meth:`Scheduler._compact` copies them out at once
+KEEP_VIEWS = 8
 
 #: most drafter session ids kept for a later release (older ones are left to the drafter's idle reaper)
 STALE_IDS = 4096
@@ -165,6 +170,7 @@ class Request:
     history_bytes: int = 0
     history_complete: bool = True   # history holds every committed row (else no resync)
     sent: int = 0                   # history entries the drafter has
+    loose: int = 0                  # history[loose:] may be views of a Verify reply's buffer (Scheduler._keep)
     t_first: float = 0.0
     tree_params: tuple | None = None   # (budget, top_k, max_depth or a large number) of ``tree``, once read
     flush_at: float = 0.0           # its tokens are handed to the handler from then on (stream_interval)
@@ -213,6 +219,18 @@ def fit_tree(tokens: list[int], parents: list[int], max_depth: int, width_cap: i
     if len(tokens) > width_cap:
         tokens, parents, depths = tokens[:width_cap], parents[:width_cap], depths[:width_cap]
     return tokens, parents, max(depths) if depths else 0
+
+
+def _owned(parts: list[Rows]) -> list[Rows]:
+    """The rows of ``parts`` as bytes of their own: one entry (:func:`join_rows`), or one per
+    entry where their dtypes or widths differ."""
+    if not parts:
+        return []
+    try:
+        joined = join_rows(parts)
+    except ValueError:
+        return [p if isinstance(p.data, bytes) else p._replace(data=bytes(p.data)) for p in parts]
+    return [joined if isinstance(joined.data, bytes) else joined._replace(data=bytes(joined.data))]
 
 
 def join_features(parts: list[common_pb2.Tensor]) -> common_pb2.Tensor | None:
@@ -287,6 +305,10 @@ class Scheduler:
         stream_interval_ms: most milliseconds a request's tokens are held before they go to its
             handler (:meth:`_flush_events`), so the tokens of the ticks within it are streamed as
             one message; a request's first tokens and its end are never held. 0: every tick's.
+        stream_hold_max_ms, stream_host_share: the adaptive hold (:meth:`_adapt_hold`): with
+            several requests in a tick, their tokens are held (as with ``stream_interval_ms``)
+            long enough that streaming takes at most ``stream_host_share`` of one core (its
+            messages' measured cost), at most ``stream_hold_max_ms``; either 0: never.
     """
 
     def __init__(self, target: TargetPeer, draft: DraftPeer, *, max_sessions: int,
@@ -298,7 +320,9 @@ class Scheduler:
                  draft_deadline_ms: float = OrchestratorConfig.draft_deadline_ms,
                  draft_deadline_row_us: float = OrchestratorConfig.draft_deadline_row_us,
                  draft_policy: str = OrchestratorConfig.draft_policy,
-                 stream_interval_ms: float = OrchestratorConfig.stream_interval_ms):
+                 stream_interval_ms: float = OrchestratorConfig.stream_interval_ms,
+                 stream_hold_max_ms: float = OrchestratorConfig.stream_hold_max_ms,
+                 stream_host_share: float = OrchestratorConfig.stream_host_share):
         self.target = target
         self.draft = draft
         self.info = target.info()
@@ -308,6 +332,10 @@ class Scheduler:
         self.step_timeout = step_timeout
         self.history_bytes = history_bytes
         self.stream_interval = max(0.0, float(stream_interval_ms)) / 1e3
+        self.hold_max = max(0.0, float(stream_hold_max_ms)) / 1e3
+        self.stream_share = max(0.0, float(stream_host_share))
+        self.hold = 0.0             # seconds a request's tokens are held now (_adapt_hold)
+        self.message_s = 0.0        # measured CPU seconds of one Generate message (note_message)
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._wake = threading.Event()
@@ -341,6 +369,7 @@ class Scheduler:
         self.fallbacks = 0
         self.budget_now = 0
         self.drafting = False
+        self._trees = TreeChecker()   # the drafted trees' shapes seen, checked once each
         #: when to draft (orchestrator.policy): measured per batch bucket, or None: whenever a drafter is up
         self.policy: DraftPolicy | None = DraftPolicy() if draft_policy == "measured" else None
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
@@ -478,13 +507,13 @@ class Scheduler:
         for the reply instead of taking the GIL when the reply arrives; also before anything
         else reaches a handler (:meth:`_end`) and before the loop idles (``force``).
 
-        With ``stream_interval``, a request's events wait here until its ``flush_at`` (the
-        interval after its last hand-over; its first event is due at once, and so is everything
-        once it has ended), then all go together: its handler sends them as one message
-        (``force``: every event now)."""
+        With ``stream_interval`` (or the adaptive :attr:`hold`, the longer), a request's events
+        wait here until its ``flush_at`` (the interval after its last hand-over; its first event
+        is due at once, and so is everything once it has ended), then all go together: its
+        handler sends them as one message (``force``: every event now)."""
         pending = self._pending
-        interval = self.stream_interval
-        if not interval:
+        interval = max(self.stream_interval, self.hold)
+        if not interval and not self._held_events:
             while pending:
                 try:
                     req, event = pending.popleft()
@@ -681,22 +710,41 @@ class Scheduler:
 
     def _keep(self, req: Request, features: Rows | common_pb2.Tensor | None) -> None:
         """Append the rows of ``features`` (just committed: :class:`~dflash_grpc.columns.Rows`, or
-        a wire tensor) to the request's history, as bytes of their own (not a view of the reply
-        that carried them, which holds every item's rows)."""
+        a wire tensor) to the request's history. Rows that are a view of the reply that carried
+        them (which holds every item's rows) stay so for up to :data:`KEEP_VIEWS` ticks, the next
+        Propose sending them from there; then they are copied out, several ticks' at once
+        (:meth:`_compact`), so a reply's buffer is not held for long."""
         if features is not None and not isinstance(features, Rows):
             features = Rows.of_tensor(features)
         if features is None or not features.rows:
             return
-        if not isinstance(features.data, bytes):
-            features = features._replace(data=bytes(features.data))
-        req.history.append(features)
+        history = req.history
+        history.append(features)
         req.history_bytes += len(features.data)
+        if req.loose == len(history) - 1 and isinstance(features.data, bytes):
+            req.loose += 1
+        elif len(history) - req.loose > KEEP_VIEWS:
+            self._compact(req)
         while req.history_bytes > self.history_bytes and req.sent > 0:
             # rows the drafter already has: drop them; a resync is no longer possible
-            req.history_bytes -= len(req.history[0].data)
-            req.history.pop(0)
+            req.history_bytes -= len(history[0].data)
+            history.pop(0)
             req.sent -= 1
+            req.loose = max(0, req.loose - 1)
             req.history_complete = False
+
+    @staticmethod
+    def _compact(req: Request) -> None:
+        """Copy the history entries that may be views of a reply (``history[loose:]``) into
+        bytes of their own, joined: one entry for those the drafter has (before ``sent``) and one
+        for the rest."""
+        history, loose = req.history, req.loose
+        cut = min(max(req.sent, loose), len(history))
+        had, rest = _owned(history[loose:cut]), _owned(history[cut:])
+        history[loose:] = had + rest
+        if req.sent >= loose:
+            req.sent = loose + len(had)
+        req.loose = len(history)
 
     def _emit(self, req: Request, tokens: list[int], finish: str | None = None, now: float | None = None) -> None:
         """Send ``tokens`` to the handler, cut at EOS and ``max_tokens`` (which end the request);
@@ -735,31 +783,37 @@ class Scheduler:
             if mode == PLAIN:
                 drafter = None
         self.drafting = drafter is not None
-        trees: dict[int, tuple[list[int], list[int], int]] = {}   # batch index -> tokens, parents, depth
+        trees: dict[int, tuple[list[int], list[int], int]] | CheckedTrees = {}   # batch index -> tokens, parents, depth
         draft_s, resync_rows = 0.0, 0
+        columnar = len(batch) >= COLUMNS_FROM and COLUMNAR in self.info.features
         if drafter is not None:
-            trees, draft_s, resync_rows = self._propose_trees(batch, drafter)
+            trees, draft_s, resync_rows = self._propose_trees(batch, drafter, columnar)
         t1 = time.perf_counter()
-        sids, sizes, tokens, parents = [], [], [], []
-        for i, r in enumerate(batch):
-            sids.append(r.session_id)
-            drafted = trees.get(i)
-            if drafted is None:
-                sizes.append(1)
-                tokens.append(r.root)
-                parents.append(-1)
-            else:
-                sizes.append(len(drafted[0]))
-                tokens += drafted[0]
-                parents += drafted[1]
-        request = verify_request(len(batch) >= COLUMNS_FROM and COLUMNAR in self.info.features, sids, sizes, tokens,
-                                 parents)
+        sids = [r.session_id for r in batch]
+        if isinstance(trees, CheckedTrees):   # every item's tree, as the drafter packed them
+            request = verify_request(True, sids, (), (), (), trees.columns)
+            nodes_of, depth_of = [n - 1 for n in trees.sizes], trees.depths
+        else:
+            sizes, tokens, parents = [], [], []
+            nodes_of, depth_of = [0] * len(batch), [0] * len(batch)
+            for i, r in enumerate(batch):
+                drafted = trees.get(i)
+                if drafted is None:
+                    sizes.append(1)
+                    tokens.append(r.root)
+                    parents.append(-1)
+                else:
+                    sizes.append(len(drafted[0]))
+                    tokens += drafted[0]
+                    parents += drafted[1]
+                    nodes_of[i], depth_of[i] = len(drafted[0]) - 1, drafted[2]
+            request = verify_request(columnar, sids, sizes, tokens, parents)
         try:
             if self._verify is None:
                 self._verify = self.target.verify_stream(None)
             reply = self._verify.exchange(request, self.step_timeout, self._flush_events)
             try:
-                results = verify_results(reply, len(batch))
+                refused, accepted, bonus, lengths, feats = verify_columns(reply, len(batch))
             except ColumnsError as e:   # as a reply that does not decode: the stream is over (_verify_failed)
                 raise StreamError(grpc.StatusCode.INTERNAL, f"the reply's columns do not fit together: {e}") from None
         except grpc.RpcError as e:
@@ -773,26 +827,24 @@ class Scheduler:
         steps = []   # (draft nodes, depth, accepted) of each verified item: the metrics, once per tick
         emitted = 0
         now = time.monotonic()
-        for i, (r, res) in enumerate(zip(batch, results)):
+        for i, (r, tokens, root, length, features, nodes, depth) in enumerate(
+                zip(batch, accepted, bonus, lengths, feats, nodes_of, depth_of)):
             stats = r.stats
             stats.verify_time_s += verify_s
             stats.verify_compute_s += compute_s
             stats.verify_device_s += device_s
-            status = res.status
-            if status is not None:
+            if refused and i in refused:
+                status = refused[i]
                 self._verify_item_failed(r, status_code(status.code), status.message, status.reason)
                 continue
-            drafted = trees.get(i)
-            nodes, depth = (len(drafted[0]) - 1, drafted[2]) if drafted is not None else (0, 0)
-            tokens = res.accepted
             k = len(tokens)
             stats.record_step(depth, nodes, k)
             steps.append((nodes, depth, k))
             emitted += k + 1
-            r.root, r.length = res.bonus, res.length
+            r.root, r.length = root, length
             if r.speculative:
-                self._keep(r, res.features)
-            tokens.append(r.root)
+                self._keep(r, features)
+            tokens.append(root)
             self._emit(r, tokens, now=now)
         if steps:
             metrics.observe_verify_batch(steps)
@@ -804,12 +856,40 @@ class Scheduler:
         if mode is not None and (mode == PLAIN or (trees and not resync_rows)):
             self.policy.observe(len(batch), mode, emitted, tick_s)
         metrics.observe_tick(len(batch), draft_s, verify_s, tick_s - draft_s - verify_s)
+        self._adapt_hold(len(batch), tick_s)
 
-    def _propose_trees(self, batch: list[Request],
-                       drafter: draft_pb2.DrafterInfo) -> tuple[dict[int, tuple[list[int], list[int], int]], float, int]:
+    def note_message(self, cpu_s: float) -> None:
+        """A handler sent one Generate message, which took its thread ``cpu_s`` seconds of CPU
+        (``time.thread_time``: detokenising, the message, grpc's send): :attr:`message_s`, a
+        moving average, is the measured cost of a message (:meth:`_adapt_hold`). Any thread."""
+        self.message_s += (cpu_s - self.message_s) * 0.05
+
+    def _adapt_hold(self, batch: int, tick_s: float) -> None:
+        """Coalesce streaming when it would cost the host more than ``stream_host_share`` of a
+        core (docs/ARCHITECTURE.md, "Serving many sessions"). Each Generate message costs the
+        orchestrator 100-200 us of host time on the CPU box (a handler thread's wake, the
+        message, grpc's send and its completion: tools/host_per_item.py), and the handler
+        threads share the GIL with the ticks. A request's tokens are therefore held (as with
+        ``stream_interval_ms``) for :attr:`hold` = ``batch x message_s / stream_host_share``
+        seconds at most ``stream_hold_max_ms``: the messages of a tick's requests then take at
+        most that share of the host's time, wherever ticks come faster than that; ticks slower
+        than the hold (the device's, or a few streams') stream every tick as before, as does a
+        tick of one request (its per-tick latency is kept)."""
+        hold = 0.0
+        if batch >= 2 and self.hold_max and self.stream_share:
+            hold = min(self.hold_max, batch * self.message_s / self.stream_share)
+            if hold < tick_s / 2:   # shorter than a tick: nothing would wait
+                hold = 0.0
+        self.hold = hold
+
+    def _propose_trees(self, batch: list[Request], drafter: draft_pb2.DrafterInfo, columnar: bool = False
+                       ) -> tuple[dict[int, tuple[list[int], list[int], int]] | CheckedTrees, float, int]:
         """One Propose for every request that drafts this tick: their trimmed trees by batch
         index, with their depths (:func:`fit_tree`), the exchange's seconds, and the feature rows
-        it carried beyond a step's worth (new or re-created drafter sessions)."""
+        it carried beyond a step's worth (new or re-created drafter sessions). When every request
+        drafts, ``columnar`` (the Verify goes as columns) and the reply's trees are all fit to
+        verify as they came (:class:`~orchestrator.messages.TreeChecker`, checked at once), the
+        trees are those columns (:class:`~orchestrator.messages.CheckedTrees`), not read per item."""
         block = drafter.model.block_size or 1
         width_cap = self.info.max_tree_width or 1
         depth_cap = self.info.max_tree_depth or 10**9
@@ -860,7 +940,8 @@ class Scheduler:
             if not r.draft_synced:
                 r.sent = 0  # (re-)create the drafter's session from the whole history
             # (history entries are never empty: _keep; one entry, the common case, is sent as is)
-            features = join_rows(r.history[r.sent:])
+            history, sent = r.history, r.sent
+            features = history[sent] if len(history) == sent + 1 else join_rows(history[sent:])
             if features is not None and features.rows > block:
                 nbytes = memoryview(features.data).nbytes
                 if extra_bytes and extra_bytes + nbytes > RESYNC_BYTES:
@@ -874,7 +955,7 @@ class Scheduler:
             who.append((i, max_depth))
         if not who:
             return {}, 0.0, extra_rows
-        request = items.request(len(who) >= COLUMNS_FROM and COLUMNAR in drafter.model.features)
+        as_columns = len(who) >= COLUMNS_FROM and COLUMNAR in drafter.model.features
         timeout = self.deadline.timeout(len(who), extra_rows)
         if timeout is not None:
             metrics.set_draft_deadline(timeout)
@@ -882,9 +963,15 @@ class Scheduler:
         try:
             if self._propose is None:
                 self._propose = self.draft.propose_stream(None)
+            # as wire bytes where the stream sends a message's bytes itself (not grpc's own stub)
+            request = items.request(as_columns, as_columns and isinstance(self._propose, (LocalHopCall, DirectStreamCall)))
+            t0 = time.perf_counter()
             reply = self._propose.exchange(request, timeout, self._flush_events)
+            checked = None
+            if columnar and len(who) == len(batch) and reply.HasField("trees") and not reply.refused:
+                checked = self._trees.check(reply.trees, [r.root for r in batch], [d for _, d in who], width_cap)
             try:
-                results = propose_results(reply, len(who))
+                results = propose_results(reply, len(who)) if checked is None else None
             except ColumnsError as e:   # as a reply that does not decode: the stream is over
                 raise StreamError(grpc.StatusCode.INTERNAL, f"the reply's columns do not fit together: {e}") from None
         except grpc.RpcError as e:
@@ -897,8 +984,17 @@ class Scheduler:
         self.draft.mark_ok()
         if not extra_rows:
             self.deadline.observe(draft_s, len(who))
-        trees = {}
         compute_s, device_s = reply.compute_s, reply.device_s
+        if checked is not None:
+            for r in batch:
+                r.on_drafter = r.draft_synced = True
+                stats = r.stats
+                stats.draft_time_s += draft_s
+                stats.draft_compute_s += compute_s
+                stats.draft_device_s += device_s
+                r.sent = len(r.history)
+            return checked, draft_s, extra_rows
+        trees = {}
         for (i, max_depth), res in zip(who, results):
             r = batch[i]
             r.on_drafter = True

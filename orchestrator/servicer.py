@@ -265,26 +265,32 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         # a client that goes away (cancel, deadline) frees the sessions on the next tick
         context.add_callback(lambda: self.scheduler.close(req, Failure(grpc.StatusCode.CANCELLED, "cancelled")))
         text = TextStream(self.tokenizer.decode, list(request.stop))
+        stops = text.has_stops
         finish = generation_pb2.FINISH_REASON_LENGTH
         first = True
         events = req.events
         event = None   # taken from the queue and not handled yet
+        note = getattr(self.scheduler, "note_message", None)   # (the CPU cost of each message, for its adaptive hold)
         try:
             while True:
                 if event is None:
                     event = events.get()
+                cpu = time.thread_time()
                 if isinstance(event, Failure):
                     metrics.REQUESTS.labels(outcome=event.code.name).inc()
                     if event.code == grpc.StatusCode.CANCELLED:
                         return
                     abort(context, event.code, event.message, str(event.reason))
                 # this event's tokens and those of every Tokens event queued behind it (ticks that
-                # came while the last message was being sent) go out as one message; each is pushed
-                # through the text stream on its own, as if sent alone
+                # came while the last message was being sent, or were held) go out as one message;
+                # with stop strings each is pushed through the text stream on its own, as if sent
+                # alone (a stop string ends the message there); without, all at once (one decode:
+                # the same text, TextStream)
                 deltas, ids, done = [], [], False
                 while True:
                     stats.generated_tokens += len(event.tokens)
-                    deltas.append(text.push(event.tokens))
+                    if stops:
+                        deltas.append(text.push(event.tokens))
                     ids += event.tokens
                     if event.finish in _FINISH:
                         finish = _FINISH[event.finish]
@@ -300,10 +306,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         break
                     if isinstance(event, Failure):
                         break   # handled after this message
-                delta = "".join(deltas)
+                delta = "".join(deltas) if stops else text.push(ids)
                 if delta or ids or first:
                     yield generation_pb2.GenerateResponse(text=delta, token_ids=ids, prompt_tokens=len(prompt) if first else 0)
                     first = False
+                    if note is not None:   # (resumed by grpc once the message is sent: the send included)
+                        note(time.thread_time() - cpu)
                 if done:
                     break
         finally:

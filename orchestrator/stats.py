@@ -9,13 +9,23 @@ import threading
 from dflash_grpc.v1 import generation_pb2
 
 
-def count_positions(hist: list[int], n: int) -> None:
-    """Count one at each of the positions ``0..n-1`` of a per-position histogram (the list grown
-    first, once): the drafted / accepted positions of one verify (also :mod:`orchestrator.metrics`)."""
-    if len(hist) < n:
-        hist.extend([0] * (n - len(hist)))
-    for d in range(n):
-        hist[d] += 1
+def bump(hist: list[int], index: int, by: int = 1) -> None:
+    """``hist[index] += by``, the list grown with zeros first when it is shorter."""
+    if len(hist) <= index:
+        hist.extend([0] * (index + 1 - len(hist)))
+    hist[index] += by
+
+
+def positions_of_ends(ends: list[int]) -> list[int]:
+    """Per-position counts from a histogram of ends: ``ends[n]`` items covered positions
+    ``0..n-1`` each (a verify's drafted or accepted positions); returns ``out[d]``, the items that
+    covered position ``d``, for ``len(ends) - 1`` positions (the deepest end counted)."""
+    out = [0] * max(0, len(ends) - 1)
+    total = 0
+    for d in range(len(ends) - 1, 0, -1):
+        total += ends[d]
+        out[d - 1] = total
+    return out
 
 
 @dataclasses.dataclass
@@ -29,8 +39,10 @@ class AcceptanceStats:
     drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
-    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
-    drafted_per_position: list[int] = dataclasses.field(default_factory=list)
+    # drafts by their accepted draft tokens and by their tree's depth: ``accepted_per_position`` and
+    # ``drafted_per_position`` are read from them (one count per verify, not one per position)
+    accepted_ends: list[int] = dataclasses.field(default_factory=list)
+    drafted_ends: list[int] = dataclasses.field(default_factory=list)
     acceptance_length_histogram: list[int] = dataclasses.field(default_factory=list)
     target_forwards: int = 0
     wall_time_s: float = 0.0
@@ -44,11 +56,17 @@ class AcceptanceStats:
     draft_device_s: float = 0.0
     verify_device_s: float = 0.0
 
-    @staticmethod
-    def _bump(hist: list[int], index: int, by: int = 1) -> None:
-        if len(hist) <= index:
-            hist.extend([0] * (index + 1 - len(hist)))
-        hist[index] += by
+    _bump = staticmethod(bump)
+
+    @property
+    def accepted_per_position(self) -> list[int]:
+        """``[d]``: draft tokens accepted at depth ``d + 1`` (drafts that accepted more than ``d``)."""
+        return positions_of_ends(self.accepted_ends)
+
+    @property
+    def drafted_per_position(self) -> list[int]:
+        """``[d]``: drafts whose tree reached depth ``d + 1``."""
+        return positions_of_ends(self.drafted_ends)
 
     def record_step(self, tree_depth: int, draft_nodes: int, accepted: int) -> None:
         """Count one verify forward: a tree of ``draft_nodes`` non-root nodes, deepest at
@@ -60,9 +78,21 @@ class AcceptanceStats:
             self.drafts += 1
             self.draft_tokens += draft_nodes
             self.accepted_tokens += accepted
-            count_positions(self.drafted_per_position, tree_depth)
-            count_positions(self.accepted_per_position, accepted)
-        self._bump(self.acceptance_length_histogram, accepted + 1)
+            hist = self.drafted_ends
+            if len(hist) > tree_depth:
+                hist[tree_depth] += 1
+            else:
+                bump(hist, tree_depth)
+            hist = self.accepted_ends
+            if len(hist) > accepted:
+                hist[accepted] += 1
+            else:
+                bump(hist, accepted)
+        hist = self.acceptance_length_histogram
+        if len(hist) > accepted + 1:
+            hist[accepted + 1] += 1
+        else:
+            bump(hist, accepted + 1)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -82,8 +112,11 @@ class AcceptanceStats:
 
     def to_proto(self) -> generation_pb2.AcceptanceStats:
         d = dataclasses.asdict(self)
+        del d["accepted_ends"], d["drafted_ends"]
         return generation_pb2.AcceptanceStats(
             **d,
+            accepted_per_position=self.accepted_per_position,
+            drafted_per_position=self.drafted_per_position,
             mean_acceptance_length=self.mean_acceptance_length,
             tokens_per_second=self.generated_tokens / self.decode_time_s if self.decode_time_s > 0 else 0.0,
         )

@@ -76,6 +76,135 @@ def test_feature_rows_round_trip_and_must_fit_their_tensor():
             C.read_features(bad, 3)
 
 
+def test_propose_as_wire_bytes_is_the_message_the_columns_make():
+    """ProposeItems.request(serialized=True): the rows written after the message's own bytes
+    (features_tail, straight from their buffers, views included) parse to the very message the
+    columnar request is; without rows, or of mixed widths, it is that request too."""
+    big = bytes(range(256)) * 600                                  # rows past a one-byte length
+    view = memoryview(big)
+    cases = [
+        [("a", 5, 9, 6, 3, 4, C.Rows(common_pb2.DTYPE_BF16, 64, 2, view[:256])), ("b", 6, 3, 0, 0, 2, None),
+         ("c", 7, 11, 15, 4, 15, C.Rows(common_pb2.DTYPE_BF16, 64, 1200, big[:153600]))],
+        [("a", 5, 9, 6, 3, 4, None), ("b", 6, 3, 0, 0, 2, None)],
+        [("a", 1, 1, 0, 0, 0, C.Rows(common_pb2.DTYPE_BF16, 2, 1, bytes(4))),
+         ("b", 1, 1, 0, 0, 0, C.Rows(common_pb2.DTYPE_BF16, 3, 1, bytes(6)))],
+    ]
+    for items in cases:
+        batch = ProposeItems()
+        for it in items:
+            batch.add(*it)
+        want = batch.request(True)
+        got = batch.request(True, True)
+        assert draft_pb2.ProposeRequest.FromString(got.SerializeToString()) == want
+
+
+def test_tree_checker_takes_a_batch_only_when_every_tree_fits_as_it_came():
+    """TreeChecker.check: a batch of drafted trees is taken as its columns exactly when the
+    per-item reading would keep every tree as it came (fit_tree leaves it whole, its root is the
+    request's); then each size and depth are fit_tree's. A shape seen before is checked again
+    from its cached depth (a second batch of the same trees gives the same answer)."""
+    import random
+
+    from orchestrator.messages import TreeChecker
+    from orchestrator.scheduler import fit_tree
+    from runtime.tree import TreeError
+
+    rng = random.Random(3)
+    checker = TreeChecker(limit=8)   # (small: the memory starts again within this test)
+    for _ in range(300):
+        trees, roots, depths = [], [], []
+        for _ in range(rng.randrange(1, 6)):
+            n = rng.randrange(0, 7)
+            parents = [-1] + [rng.randrange(0, i) for i in range(1, n)]
+            if n and rng.random() < 0.1:
+                parents[rng.randrange(n)] = rng.choice([-1, n, 0])        # maybe malformed
+            tokens = [rng.randrange(50) for _ in range(n)]
+            roots.append(tokens[0] if n and rng.random() < 0.95 else 99)
+            depths.append(rng.randrange(0, 6))
+            trees.append((tokens, parents))
+        msg = common_pb2.TreeColumns()
+        C.fill_trees(msg, [len(t) for t, _ in trees], [x for t, _ in trees for x in t], [x for _, p in trees for x in p])
+        whole = True
+        want = []
+        for (tokens, parents), root, depth in zip(trees, roots, depths):
+            try:
+                fit = fit_tree(tokens, parents, depth, 5)
+            except TreeError:
+                whole = False
+                continue
+            whole = whole and fit[:2] == (tokens, parents) and bool(tokens) and tokens[0] == root
+            want.append((len(tokens), fit[2]))
+        for _ in range(2):
+            got = checker.check(msg, roots, depths, 5)
+            assert (got is not None) == whole
+            if got is not None:
+                assert got.columns is msg and list(zip(got.sizes, got.depths)) == want
+
+
+def test_verify_reply_parsed_without_copying_its_rows_reads_as_the_message(monkeypatch):
+    """parse_verify_reply (the Verify streams' deserializer) keeps a columnar reply's feature
+    rows as a view of the bytes it came in and parses the rest alone (its nested lengths
+    rewritten; from ZERO_COPY_FROM bytes): every reply reads as FromString reads it (verify_columns: statuses, tokens,
+    bonus, lengths, feature bytes), the view's bytes are the message's, and any other layout
+    (per item, no rows, a field met twice, a malformed message) is parsed as it is."""
+    import os
+    import random
+
+    from google.protobuf.message import DecodeError
+
+    from orchestrator import messages
+    from orchestrator.messages import VerifyReply, parse_verify_reply, verify_columns
+
+    rng = random.Random(11)
+
+    def reply(n, width, rows):
+        msg = target_pb2.VerifyResponse(compute_s=rng.random(), device_s=rng.random(), batch_items=n)
+        cols = msg.columns
+        k = [rng.randrange(0, 4) for _ in range(n)]
+        cols.accepted = C.pack_i32(k)
+        cols.accepted_tokens = C.pack_i32([rng.randrange(VOCAB) for _ in range(sum(k))])
+        cols.bonus_tokens = C.pack_i32([rng.randrange(VOCAB) for _ in range(n)])
+        cols.committed_lengths = C.pack_i32([rng.randrange(1, 9000) for _ in range(n)])
+        if n > 1:
+            cols.refused.add(index=n - 1, status=common_pb2.ItemStatus(code=5, message="gone", reason="SESSION_NOT_FOUND"))
+        C.fill_features(cols.features, [C.Rows(common_pb2.DTYPE_BF16, width, r, os.urandom(2 * width * r)) if r else None
+                                        for r in rows])
+        return msg
+
+    def read(parsed, n):
+        refused, acc, bonus, lengths, feats = verify_columns(parsed, n)
+        return ({i: (s.code, s.reason) for i, s in refused.items()}, acc, bonus, lengths,
+                [bytes(f.data) if f is not None else None for f in feats])
+
+    cases = []
+    for n, width in ((1, 3), (4, 64), (64, 2880), (7, 70)):
+        rows = [rng.randrange(0, 5) for _ in range(n)]
+        cases.append((n, reply(n, width, rows).SerializeToString(), sum(rows) > 0))
+    cases.append((3, reply(3, 4, [0, 0, 0]).SerializeToString(), False))                       # no rows at all
+    split, rest = reply(3, 8, [2, 0, 1]), target_pb2.VerifyResponse()
+    rest.columns.features.CopyFrom(split.columns.features)
+    split.columns.ClearField("features")
+    cases.append((3, split.SerializeToString() + rest.SerializeToString(), False))             # columns twice
+    per_item = target_pb2.VerifyResponse(results=[target_pb2.VerifyResult(accepted_tokens=[1], bonus_token=2)])
+    cases.append((1, per_item.SerializeToString(), False))
+    small = cases[0][1]
+    assert len(small) < messages.ZERO_COPY_FROM and not isinstance(parse_verify_reply(small), VerifyReply)
+    monkeypatch.setattr(messages, "ZERO_COPY_FROM", 0)   # (every reply walked, the small ones too)
+    for n, data, viewed in cases:
+        got = parse_verify_reply(memoryview(b"\x00" + data)[1:])
+        assert isinstance(got, VerifyReply) == viewed, n
+        assert read(got, n) == read(target_pb2.VerifyResponse.FromString(data), n)
+        assert (got.compute_s, got.HasField("columns")) == (target_pb2.VerifyResponse.FromString(data).compute_s,
+                                                            not per_item.SerializeToString() == data)
+        if viewed:
+            whole = target_pb2.VerifyResponse()
+            whole.CopyFrom(got.message)
+            whole.columns.features.rows_data.data = bytes(got.rows_data)
+            assert whole == target_pb2.VerifyResponse.FromString(data)
+    with pytest.raises(DecodeError):
+        parse_verify_reply(b"\x32\x05\x3a\x03\x12\x01")   # lengths past the end
+
+
 def test_refused_indices_must_be_in_range_once_and_not_ok():
     ok = [common_pb2.IndexedStatus(index=1, status=common_pb2.ItemStatus(code=5, reason="SESSION_NOT_FOUND"))]
     assert C.index_statuses(ok, 2)[1].reason == "SESSION_NOT_FOUND"
@@ -290,9 +419,9 @@ def test_orchestrator_batches_as_columns_and_stays_lossless(tiny_llama, tiny_dra
         forms["verify"].add(columnar)
         return verify_request(columnar, *a)
 
-    def spy_propose(self, columnar):
+    def spy_propose(self, columnar, *a):
         forms["propose"].add(columnar)
-        return request(self, columnar)
+        return request(self, columnar, *a)
 
     monkeypatch.setattr(scheduler, "verify_request", spy_verify)
     monkeypatch.setattr(messages.ProposeItems, "request", spy_propose)

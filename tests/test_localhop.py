@@ -261,3 +261,28 @@ def test_send_frame_is_one_frame_of_tag_and_data(size):
     done.join()
     sender.close()
     receiver.close()
+
+
+@pytest.mark.parametrize("sizes", [[0, 3], [5000, 0, 9000, 4000], [1 << 20, 7, 0, 300_000], [700] * 1500])
+def test_send_buffers_is_one_frame_of_them_all(sizes):
+    """The orchestrator's Propose goes out in pieces (its head, then each item's feature rows as
+    views of the Verify reply): one ``recv_bytes`` frame of them all, in order, whatever their
+    sizes and count (more than one writev takes)."""
+    import socket
+    from multiprocessing.connection import Connection
+
+    from dflash_grpc.localhop import send_buffers
+
+    a, b = socket.socketpair()
+    sender, receiver = Connection(a.detach()), Connection(b.detach())
+    whole = os.urandom(sum(sizes) + 10)
+    view, pieces, o = memoryview(whole), [], 5
+    for i, n in enumerate(sizes):
+        pieces.append(view[o:o + n] if i % 2 else bytes(view[o:o + n]))
+        o += n
+    done = threading.Thread(target=send_buffers, args=(sender, pieces))
+    done.start()
+    assert receiver.recv_bytes() == whole[5:5 + sum(sizes)]
+    done.join()
+    sender.close()
+    receiver.close()

@@ -54,6 +54,32 @@ def test_text_stream_incremental_equals_decoding_everything(smollm_tokenizer, st
         assert a.finish() == b.finish()
 
 
+def test_text_stream_without_stops_gives_the_same_text_however_ids_are_grouped(smollm_tokenizer):
+    """Without stop strings Generate pushes a message's queued events at once (one decode): the
+    text streamed is the same whether ids come one push per event or grouped, split characters
+    included."""
+    import random
+
+    text = "Grüße, 世界! 😀 def f(x):\n    return x ** 2  # done 🎉🎉 ünïcödé"
+    ids = smollm_tokenizer.encode(text)
+    ids += [b for ch in "€😀" for b in smollm_tokenizer.encode(ch)] + ids
+    rng = random.Random(1)
+    for _ in range(20):
+        one, grouped = TextStream(smollm_tokenizer.decode), TextStream(smollm_tokenizer.decode)
+        assert not one.has_stops and TextStream(smollm_tokenizer.decode, ["", "x"]).has_stops
+        i, a, b = 0, "", ""
+        while i < len(ids):
+            events = []
+            for _ in range(rng.randint(1, 4)):   # a message's queued events (some without tokens)
+                n = rng.randint(0, 3)
+                events.append(ids[i:i + n])
+                i += n
+            a += "".join(one.push(e) for e in events)
+            b += grouped.push([t for e in events for t in e])
+            assert a == b
+        assert a + one.finish() == b + grouped.finish()
+
+
 def test_text_stream_holds_back_a_possible_stop_prefix():
     pieces = {1: "ab", 2: "c<", 3: "/s", 4: "x"}
     stream = TextStream(lambda ids: "".join(pieces[i] for i in ids), ["</s>"])
@@ -82,6 +108,32 @@ def test_stats_accounting_and_merge():
     p = s.to_proto()
     assert p.mean_acceptance_length == pytest.approx(10 / 4)
     assert list(p.accepted_per_position) == [2, 2, 1, 1]
+
+
+def test_stats_per_position_counts_equal_counting_each_position():
+    """record_step keeps one count per verify (the depth reached, the tokens accepted); the
+    per-position lists read from them equal counting every position of every draft, also merged,
+    and in the proto (the metrics' series: tests/test_metrics.py)."""
+    import random
+
+    rng = random.Random(5)
+    for _ in range(200):
+        steps = [(rng.randrange(0, 7), rng.choice((0, 0, 3, 9)), rng.randrange(0, 7)) for _ in range(rng.randrange(0, 12))]
+        s, acc, drafted = AcceptanceStats(), [], []
+        for depth, nodes, k in steps:
+            s.record_step(tree_depth=depth, draft_nodes=nodes, accepted=k)
+            if nodes:
+                for hist, n in ((drafted, depth), (acc, k)):
+                    hist.extend([0] * (n - len(hist)))
+                    for d in range(n):
+                        hist[d] += 1
+        assert (s.accepted_per_position, s.drafted_per_position) == (acc, drafted)
+        merged = AcceptanceStats()
+        merged.merge(s)
+        merged.merge(s)
+        assert merged.drafted_per_position == [2 * n for n in drafted]
+        p = merged.to_proto()
+        assert (list(p.accepted_per_position), list(p.drafted_per_position)) == ([2 * n for n in acc], [2 * n for n in drafted])
 
 
 def test_trim_tree_drops_deep_nodes_and_reindexes():
@@ -165,6 +217,59 @@ def test_tokens_reach_the_handler_once_handed_over_and_before_any_end():
         assert isinstance(first, Tokens) and first.tokens == [21] and isinstance(second, Failure)
         with pytest.raises(queue.Empty):
             b.events.get_nowait()
+    finally:
+        sched.stop(timeout=1.0, release_timeout=0.1)
+
+
+def test_history_keeps_views_for_a_few_ticks_and_stays_exact():
+    """Scheduler._keep holds a tick's rows as views of the reply that brought them, then copies
+    them out several ticks at once (_compact): whatever the drafter's state, the history joined
+    is every row kept, the part from ``sent`` on is what the drafter lacks, and no view is older
+    than KEEP_VIEWS ticks; past history_bytes the oldest entries the drafter has are dropped."""
+    import random
+
+    from dflash_grpc.columns import Rows
+    from dflash_grpc.v1 import common_pb2, draft_pb2
+    from orchestrator.scheduler import KEEP_VIEWS, Request, Scheduler
+
+    class Target:
+        def info(self):
+            return common_pb2.ModelInfo(device="cpu", max_sessions=4)
+
+    class NoDraft:
+        address = None
+
+    rng = random.Random(7)
+    sched = Scheduler(Target(), NoDraft(), max_sessions=2)
+    try:
+        for limit in (1 << 30, 40):
+            sched.history_bytes = limit
+            req = Request(session_id="r", prompt=[1], sampling=common_pb2.SamplingParams(), max_tokens=5,
+                          tree=draft_pb2.TreeParams())
+            sched._keep(req, Rows(1, 2, 3, bytes(12)))                   # a prefill's rows: bytes
+            rows, unsent = [bytes(12)], bytes(12)
+            for tick in range(60):
+                if rng.random() < 0.7:                                    # a Propose carried what it lacked
+                    assert b"".join(h.data for h in req.history[req.sent:]) == unsent
+                    req.sent, unsent = len(req.history), b""
+                elif rng.random() < 0.2:                                  # the drafter lost it: all again
+                    req.sent, unsent = 0, b"".join(h.data for h in req.history)
+                n = rng.randrange(0, 3)
+                reply = bytes(rng.randrange(256) for _ in range(4 * (n + 2)))
+                sched._keep(req, Rows(1, 2, n, memoryview(reply)[4:4 + 4 * n]) if n else None)
+                data = reply[4:4 + 4 * n]
+                if n:
+                    rows.append(data)
+                    unsent += data
+                views = [i for i, h in enumerate(req.history) if not isinstance(h.data, bytes)]
+                assert len(views) <= KEEP_VIEWS and all(i >= req.loose for i in views)
+                joined = b"".join(bytes(h.data) for h in req.history)
+                if limit > 1 << 20:
+                    assert joined == b"".join(rows)
+                else:
+                    assert req.history_bytes == len(joined) and b"".join(rows).endswith(joined)
+                    assert req.history_bytes <= limit or req.sent == 0
+                assert b"".join(bytes(h.data) for h in req.history[req.sent:]) == unsent
     finally:
         sched.stop(timeout=1.0, release_timeout=0.1)
 
@@ -322,3 +427,68 @@ def test_stream_interval_zero_hands_every_event_over_and_force_flushes():
     assert _drain(a) == []
     held._flush_events(force=True)   # the loop idles, or stops
     assert [e.tokens for e in _drain(a)] == [[2]]
+
+
+def test_adaptive_hold_coalesces_only_where_messages_would_take_the_host():
+    """Scheduler._adapt_hold: with several requests per tick, tokens are held for batch x the
+    measured cost of a message / stream_host_share (capped by stream_hold_max_ms): never for a
+    single request, for ticks slower than twice that, or when turned off. Held events then go
+    out as with stream_interval_ms, and once the hold is gone they still leave in order."""
+    from orchestrator.scheduler import Scheduler, Tokens
+
+    sched = _idle_scheduler(0)   # the defaults: at most 50 ms, a quarter of a core
+    assert (sched.hold_max, sched.stream_share) == (0.05, 0.25)
+    for _ in range(300):
+        sched.note_message(200e-6)
+    assert sched.message_s == pytest.approx(200e-6, rel=0.01)
+    for batch, tick_s, want in ((1, 0.001, 0.0), (16, 0.002, 16 * 200e-6 / 0.25), (64, 0.002, 0.05), (16, 0.03, 0.0)):
+        sched._adapt_hold(batch, tick_s)
+        assert sched.hold == pytest.approx(want, rel=0.01), (batch, tick_s)
+    off = Scheduler(_Peer(), _Peer(), max_sessions=4, step_nodes=64, stream_hold_max_ms=0)
+    try:
+        off.message_s = 200e-6
+        off._adapt_hold(64, 0.002)
+        assert off.hold == 0.0
+    finally:
+        off.stop(timeout=1.0, release_timeout=0.1)
+
+    a = _request()
+    sched._adapt_hold(16, 0.002)
+    sched._pending.append((a, Tokens([1])))
+    sched._flush_events()
+    assert [e.tokens for e in _drain(a)] == [[1]]                    # the first at once
+    sched._pending.append((a, Tokens([2])))
+    sched._flush_events()
+    assert _drain(a) == []                                           # held
+    sched._adapt_hold(1, 0.002)                                      # one request left: no hold
+    assert sched.hold == 0.0
+    sched._pending.append((a, Tokens([3])))
+    sched._flush_events()
+    a.flush_at = sched._next_due = 0.0                               # (as if the old hold passed)
+    sched._flush_events()
+    assert [e.tokens for e in _drain(a)] == [[2], [3]]
+    sched._pending.append((a, Tokens([4])))
+    sched._flush_events()                                            # nothing held: at once again
+    assert [e.tokens for e in _drain(a)] == [[4]]
+
+
+def test_generate_tells_the_scheduler_each_message_cost():
+    """Each Generate message's CPU time (its thread's, the send included) reaches the scheduler
+    (note_message), once per message with tokens: what the adaptive hold is measured on."""
+    from dflash_grpc.localhop import LocalContext
+    from dflash_grpc.v1 import generation_pb2
+    from orchestrator.scheduler import Tokens
+
+    class Noting(_ScriptedScheduler):
+        noted: list = []
+
+        def note_message(self, cpu_s):
+            self.noted.append(cpu_s)
+
+    from fixtures.fakes import FakeTokenizer
+    from orchestrator.servicer import GenerationServicer
+
+    sched = Noting([Tokens([1]), Tokens([2], "length")])
+    svc = GenerationServicer(_Peer(), _Peer(), FakeTokenizer(), 16, None, sched)
+    msgs = list(svc.Generate(generation_pb2.GenerateRequest(prompt="a", max_tokens=2), LocalContext()))
+    assert len(msgs) == 2 and len(sched.noted) == 1 and sched.noted[0] >= 0.0

@@ -1,7 +1,7 @@
 """Host time per item per tick of each service, on the CPU, with instant fake engines (issue 23, goal 3).
 
     python tools/host_per_item.py [--streams 1,16,64] [--modes ar,spec] [--tokens 128] [--repeats 1]
-                                  [--stream-interval-ms MS] [--no-local-hop] [--threads]
+                                  [--stream-interval-ms MS] [--stream-hold-max-ms MS] [--no-local-hop] [--threads]
                                   [--py-spy DIR] [--json FILE]
     python tools/host_per_item.py --summary LABEL=GLOB [LABEL=GLOB ...]   # median [min, max] of --json runs
 
@@ -26,7 +26,8 @@ steady window, from the moment every stream has had its first message to the end
 stream (every stream decoding); "whole run" adds each request's start and end (Generate, Prefill,
 Release, the last messages). ``tok/s`` and ``ms/tick`` are wall-clock figures on this machine (all
 four processes share its cores: a bound, not the GPU host's). ``msgs/item``: Generate messages per
-item (below 1 where ticks were coalesced into one message). ``--threads`` adds the CPU split by
+item (below 1 where ticks were coalesced into one message); ``gap p50/p99``: milliseconds between a
+stream's messages in the steady window (its inter-token latency as streamed). ``--threads`` adds the CPU split by
 thread name (``/proc/PID/task/*/schedstat``, fake engines included); ``--py-spy DIR`` records each
 service with ``py-spy record -f raw --gil`` per level. Runs on older checkouts too (for
 before/after: copy this file into one).
@@ -295,7 +296,8 @@ def serve_draft(local_hop: bool) -> None:
     _control(engine.clock)
 
 
-def serve_orchestrator(target: str, draft: str, local_hop: bool, stream_interval_ms: float) -> None:
+def serve_orchestrator(target: str, draft: str, local_hop: bool, stream_interval_ms: float,
+                       stream_hold_max_ms: float | None = None) -> None:
     """As ``python -m orchestrator --target TARGET --draft DRAFT`` (CUDA defaults: the target says cuda:0)."""
     import uuid
 
@@ -320,6 +322,8 @@ def serve_orchestrator(target: str, draft: str, local_hop: bool, stream_interval
     info = tpeer.info()
     cfg = OrchestratorConfig(target=target, draft=draft).resolved(info.device, info.max_sessions, info.max_context)
     extra = {"stream_interval_ms": stream_interval_ms} if stream_interval_ms else {}   # (older checkouts: none)
+    if stream_hold_max_ms is not None:
+        extra["stream_hold_max_ms"] = stream_hold_max_ms
     sched = Scheduler(tpeer, dpeer, max_sessions=cfg.max_sessions, max_queue=cfg.max_queue, step_nodes=cfg.step_nodes,
                       step_timeout=cfg.step_timeout, history_bytes=cfg.history_bytes, **extra)
     servicer = GenerationServicer(tpeer, dpeer, GGUFTokenizer.from_gguf(default_model_path()), cfg.max_tokens,
@@ -384,26 +388,31 @@ class Service:
 async def _clients(port: int, n: int, tokens: int, spec: bool, on_started, on_first_done) -> dict:
     """``n`` Generate streams of ``tokens`` tokens at once; ``on_started()`` runs once every stream
     has had its first message, ``on_first_done()`` when the first stream ends (the steady window:
-    every stream decoding). Returns the tokens and messages received, and the messages of the
-    window."""
+    every stream decoding). Returns the tokens and messages received, the messages of the
+    window, and the gaps between a stream's messages within it (seconds)."""
     import grpc
 
     from dflash_grpc.transport import GRPC_OPTIONS
     from dflash_grpc.v1 import generation_pb2, generation_pb2_grpc
 
-    state = {"started": 0, "done": 0, "msgs": 0, "window_msgs": 0, "tokens": 0}
+    state = {"started": 0, "done": 0, "msgs": 0, "window_msgs": 0, "tokens": 0, "gaps": []}
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as ch:
         stub = generation_pb2_grpc.GenerationServiceStub(ch)
         req = generation_pb2.GenerateRequest(prompt="def fibonacci(n):", max_tokens=tokens, ignore_eos=True)
         req.speculative.enabled = spec
 
         async def one() -> None:
-            first = True
+            first, last = True, 0.0
             async for msg in stub.Generate(req, timeout=600):
                 state["tokens"] += len(msg.token_ids)
                 state["msgs"] += 1
+                now = time.perf_counter()
                 if state["started"] == n and not state["done"]:
                     state["window_msgs"] += 1
+                    if not first and msg.token_ids:
+                        state["gaps"].append(now - last)
+                if msg.token_ids:
+                    last = now
                 if first:
                     first = False
                     state["started"] += 1
@@ -463,6 +472,9 @@ def run_level(services: dict[str, Service], orch: Service, n: int, tokens: int, 
     row.update(window_ticks=wticks, window_items=witems, items_tick=witems / max(wticks, 1),
                ms_tick=(end["orchestrator"][2] - start["orchestrator"][2]) / max(wticks, 1) * 1e3,
                msgs_item=state["window_msgs"] / max(witems, 1))
+    gaps = sorted(state["gaps"])
+    if gaps:   # between a stream's messages (with tokens) in the window: its inter-token latency as streamed
+        row.update(gap_p50_ms=gaps[len(gaps) // 2] * 1e3, gap_p99_ms=gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))] * 1e3)
     for k in services:
         for suffix, (a, b, m) in (("", (start, end, witems)), ("_run", (before, after, items))):
             cpu = b[k][0]["cpu_s"] - a[k][0]["cpu_s"]
@@ -498,14 +510,28 @@ def summarize(specs: list[str]) -> None:
             for mode, n in levels:
                 print(f"| {mode} | {n} | " + " | ".join(cell([r for r in rs if r["mode"] == mode and r["streams"] == n],
                                                           f"{svc}_us{suffix}") for rs in rows.values()) + " |")
-    print("\n## tokens/s and messages per item (steady window)\n| mode | streams | "
-          + " | ".join(f"{k} tok/s | {k} msgs/item" for k in rows) + " |\n|---|---|" + "---|---|" * len(rows))
+    print("\n## tokens/s, messages per item, ms between a stream's messages p50 / p99 (steady window)\n| mode | streams | "
+          + " | ".join(f"{k} tok/s | {k} msgs/item | {k} gap p50 | {k} gap p99" for k in rows) + " |\n|---|---|"
+          + "---|---|---|---|" * len(rows))
     for mode, n in levels:
         cells = []
         for rs in rows.values():
             sel = [r for r in rs if r["mode"] == mode and r["streams"] == n]
-            cells += [cell(sel, "tok_s"), cell(sel, "msgs_item")]
+            cells += [cell(sel, "tok_s"), cell(sel, "msgs_item"), cell(sel, "gap_p50_ms"), cell(sel, "gap_p99_ms")]
         print(f"| {mode} | {n} | " + " | ".join(cells) + " |")
+    threads = ("pool-worker", "scheduler", "_serve")   # the orchestrator's (--threads): handlers, ticks, grpc's server
+    if any("orchestrator_threads" in r for rs in rows.values() for r in rs):
+        print("\n## the orchestrator's us per item by thread (steady window; Generate handlers, the scheduler, grpc's "
+              "server thread)\n| mode | streams | " + " | ".join(f"{k} {t}" for k in rows for t in threads) + " |\n|---|---|"
+              + "---|" * (len(rows) * len(threads)))
+        for mode, n in levels:
+            cells = []
+            for rs in rows.values():
+                sel = [r for r in rs if r["mode"] == mode and r["streams"] == n and "orchestrator_threads" in r]
+                for t in threads:
+                    xs = [r["orchestrator_threads"].get(t, 0.0) for r in sel]
+                    cells.append(f"{statistics.median(xs):.1f} [{min(xs):.1f}, {max(xs):.1f}]" if xs else "-")
+            print(f"| {mode} | {n} | " + " | ".join(cells) + " |")
 
 
 def main() -> int:
@@ -520,6 +546,8 @@ def main() -> int:
     ap.add_argument("--no-local-hop", action="store_true", help="gRPC between the services (default: the same-host hop)")
     ap.add_argument("--stream-interval-ms", type=float, default=0.0,
                     help="the orchestrator's --stream-interval-ms (tokens held up to this long go out as one message)")
+    ap.add_argument("--stream-hold-max-ms", type=float, default=None,
+                    help="the orchestrator's --stream-hold-max-ms (the adaptive hold's most; 0: off; default: its default)")
     ap.add_argument("--threads", action="store_true", help="CPU per item split by thread name")
     ap.add_argument("--py-spy", default=None, metavar="DIR", help="py-spy record -f raw of each service per level")
     ap.add_argument("--json", default=None, metavar="FILE", help="every row as JSON lines")
@@ -541,13 +569,14 @@ def main() -> int:
         elif args.role == "draft":
             serve_draft(hop)
         else:
-            serve_orchestrator(args.target, args.draft, hop, args.stream_interval_ms)
+            serve_orchestrator(args.target, args.draft, hop, args.stream_interval_ms, args.stream_hold_max_ms)
         return 0
 
     flag = [] if hop else ["--no-local-hop"]
     target = Service("target", flag)
     draft = Service("draft", flag)
-    orch = Service("orchestrator", [*flag, "--stream-interval-ms", str(args.stream_interval_ms), "--target", f"127.0.0.1:{target.port}", "--draft", f"127.0.0.1:{draft.port}"])
+    hold = [] if args.stream_hold_max_ms is None else ["--stream-hold-max-ms", str(args.stream_hold_max_ms)]
+    orch = Service("orchestrator", [*flag, *hold, "--stream-interval-ms", str(args.stream_interval_ms), "--target", f"127.0.0.1:{target.port}", "--draft", f"127.0.0.1:{draft.port}"])
     services = {"orchestrator": orch, "target": target, "draft": draft}
     rows = []
     try:
@@ -557,7 +586,8 @@ def main() -> int:
               f"{os.cpu_count()} CPUs; us/item = service CPU (less its fake engine's) / items verified", flush=True)
         print(f"{'':21} {'steady window: every stream decoding':^66} | {'whole run':^20}")
         print(f"{'mode':5} {'streams':>7} {'rep':>3} {'tok/s':>7} {'ms/tick':>8} {'items/tick':>10} "
-              f"{'msgs/item':>9} {'orch us':>8} {'target us':>9} {'draft us':>8} | {'orch':>6} {'target':>6} {'draft':>6}",
+              f"{'msgs/item':>9} {'orch us':>8} {'target us':>9} {'draft us':>8} | {'orch':>6} {'target':>6} {'draft':>6} | "
+              f"{'gap p50/p99 ms':>14}",
               flush=True)
         for mode in args.modes.split(","):
             for n in (int(x) for x in args.streams.split(",")):
@@ -569,7 +599,8 @@ def main() -> int:
                     print(f"{mode:5} {n:7d} {rep:3d} {row['tok_s']:7.0f} {row['ms_tick']:8.2f} {row['items_tick']:10.1f} "
                           f"{row['msgs_item']:9.2f} {row['orchestrator_us']:8.1f} {row['target_us']:9.1f} "
                           f"{row['draft_us']:8.1f} | {row['orchestrator_us_run']:6.1f} {row['target_us_run']:6.1f} "
-                          f"{row['draft_us_run']:6.1f}", flush=True)
+                          f"{row['draft_us_run']:6.1f} | {row.get('gap_p50_ms', 0):6.1f}/{row.get('gap_p99_ms', 0):<6.1f}",
+                          flush=True)
                     if args.threads:
                         for k in services:
                             print(f"      {k}: " + ", ".join(f"{name} {v}" for name, v in

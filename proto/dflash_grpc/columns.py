@@ -114,10 +114,9 @@ class Rows(NamedTuple):
         return cls(msg.dtype, width, shape[0] if shape else 0, data)
 
 
-def fill_features(msg: common_pb2.FeatureColumns, parts: Sequence[Rows | None]) -> bool:
-    """Write one item's rows per entry of ``parts`` (None: no rows) into ``msg``: the rows
-    column and one ``[sum(rows), width]`` tensor. Returns False (``msg`` untouched) when the
-    entries do not share one dtype and width, which one tensor cannot hold."""
+def _feature_parts(parts: Sequence[Rows | None]) -> tuple[list[int], list, tuple[int, int] | None] | None:
+    """Each entry's row count, the buffers of those with rows and their common ``(dtype,
+    width)`` (None: no rows at all); None when they do not share one dtype and width."""
     rows, data, layout = [], [], None
     for p in parts:
         if p is None or not p.rows:
@@ -126,11 +125,23 @@ def fill_features(msg: common_pb2.FeatureColumns, parts: Sequence[Rows | None]) 
         if layout is None:
             layout = (p.dtype, p.width)
         elif layout != (p.dtype, p.width):
-            return False
+            return None
         rows.append(p.rows)
         data.append(p.data)
+    return rows, data, layout
+
+
+def fill_features(msg: common_pb2.FeatureColumns, parts: Sequence[Rows | None], tensor: bool = True) -> bool:
+    """Write one item's rows per entry of ``parts`` (None: no rows) into ``msg``: the rows
+    column and one ``[sum(rows), width]`` tensor (only the rows column when not ``tensor``: the
+    tensor is then :func:`features_tail`'s to write). Returns False (``msg`` untouched) when the
+    entries do not share one dtype and width, which one tensor cannot hold."""
+    got = _feature_parts(parts)
+    if got is None:
+        return False
+    rows, data, layout = got
     msg.rows = pack_i32(rows)
-    if layout is not None:
+    if layout is not None and tensor:
         t = msg.rows_data
         t.dtype = layout[0]
         t.shape.extend((sum(rows), layout[1]))
@@ -138,9 +149,43 @@ def fill_features(msg: common_pb2.FeatureColumns, parts: Sequence[Rows | None]) 
     return True
 
 
-def read_features(msg: common_pb2.FeatureColumns, count: int) -> list[Rows | None]:
+def varint(n: int) -> bytes:
+    """``n`` (>= 0) as a protobuf varint."""
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def features_tail(path: Sequence[int], parts: Sequence[Rows | None]) -> list:
+    """The wire bytes that set the ``rows_data`` tensor of the ``FeatureColumns`` reached by the
+    message fields ``path`` (field numbers from the outermost message: ``(2, 7)`` is
+    ``ProposeRequest.columns.features``) to the rows of ``parts``, as buffers to send one after
+    the other: a header, then each entry's own buffer, not copied. Appended to the serialised
+    message whose rows column :func:`fill_features` (``tensor=False``) wrote, they make it the
+    message :func:`fill_features` would have written (a parser merges a message field that
+    occurs twice), without copying the rows into a message and out again. Empty when no entry
+    has rows. Call it only where :func:`fill_features` returned True (one dtype and width)."""
+    rows, data, layout = _feature_parts(parts)
+    if layout is None:
+        return []
+    n = sum(len(d) for d in data)
+    tensor = common_pb2.Tensor(dtype=layout[0], shape=(sum(rows), layout[1])).SerializeToString()
+    head = tensor + b"\x1a" + varint(n)   # Tensor.data (field 3, length-delimited)
+    length = len(head) + n
+    for field in reversed((*path, 2)):       # path, then FeatureColumns.rows_data (field 2)
+        wrap = varint(field << 3 | 2) + varint(length)
+        head = wrap + head
+        length += len(wrap)
+    return [head, *data]
+
+
+def read_features(msg: common_pb2.FeatureColumns, count: int, data=None) -> list[Rows | None]:
     """The ``count`` items' rows of ``msg`` (None for an item of 0 rows; an empty message: no
-    rows at all), as slices of one ``memoryview`` of the tensor's bytes (read once).
+    rows at all), as slices of one ``memoryview`` of the tensor's bytes (read once), or of
+    ``data`` when given: the tensor's bytes held apart from the message (parsed without them).
 
     Raises:
         ColumnsError: not ``count`` row counts, a negative count, counts that do not add up to the
@@ -162,7 +207,8 @@ def read_features(msg: common_pb2.FeatureColumns, count: int) -> list[Rows | Non
     size = _ITEMSIZE.get(t.dtype)
     if size is None:
         raise ColumnsError(f"features: unsupported dtype {t.dtype}")
-    data = t.data
+    if data is None:
+        data = t.data
     row = shape[1] * size
     if len(data) != total * row:
         raise ColumnsError(f"features: {len(data)} bytes for {total} rows of {row}")
@@ -191,5 +237,5 @@ def index_statuses(refused, count: int) -> dict[int, common_pb2.ItemStatus]:
     return out
 
 
-__all__ = ["COLUMNAR", "ColumnsError", "Rows", "fill_features", "fill_trees", "index_statuses", "pack_i32",
-           "read_features", "read_trees", "unpack_i32"]
+__all__ = ["COLUMNAR", "ColumnsError", "Rows", "features_tail", "fill_features", "fill_trees", "index_statuses", "pack_i32",
+           "read_features", "read_trees", "unpack_i32", "varint"]

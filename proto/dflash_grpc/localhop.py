@@ -149,15 +149,28 @@ def send_frame(conn: Connection, tag: bytes, data: bytes) -> None:
     """Send ``tag + data`` as one frame of :mod:`multiprocessing.connection` (what ``recv_bytes``
     reads), without joining them into a new bytes object: a Verify reply carries every item's
     feature rows (about 1.5 MB at 64 streams), and the join was a copy of all of them per tick."""
-    n = len(tag) + len(data)
+    send_buffers(conn, (tag, data))
+
+
+#: most buffers one ``writev`` takes (POSIX guarantees 16; Linux takes 1024)
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
+
+
+def send_buffers(conn: Connection, buffers) -> None:
+    """Send the concatenation of ``buffers`` (bytes-like, contiguous) as one frame of
+    :mod:`multiprocessing.connection` (what ``recv_bytes`` reads), written from each buffer in
+    turn (``writev``), not joined first: the orchestrator's Propose carries the feature rows of
+    every item straight from the Verify reply that brought them (issue 23)."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    n = sum(len(v) for v in views)
     if n <= 16384:
-        conn.send_bytes(tag + data)
+        conn.send_bytes(b"".join(views))
         return
     header = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
-    bufs = [memoryview(header + tag), memoryview(data)]
+    bufs = [memoryview(header), *(v for v in views if len(v))]
     fd = conn.fileno()
     while bufs:
-        sent = os.writev(fd, bufs)
+        sent = os.writev(fd, bufs[:_IOV_MAX])
         while bufs and sent >= len(bufs[0]):
             sent -= len(bufs[0])
             bufs.pop(0)
@@ -346,4 +359,4 @@ def endpoint_path(endpoint: str) -> tuple[str, str] | None:
 
 
 __all__ = ["HopAborted", "HopServer", "LocalContext", "REPLY", "STATUS", "endpoint_path", "parse_status", "resolve",
-           "send_frame"]
+           "send_buffers", "send_frame"]
