@@ -4,7 +4,7 @@ on them: the Triton kernels (dequantizing inside the matmul loop) on CUDA, the s
 
 import torch
 
-from kernels._select import impl
+from kernels._select import impl, invariant
 from kernels.quant.weight import QTYPES, PackedWeight, QuantizedWeight, as_qtype, block_geometry, pack_rows, weight_nbytes
 
 
@@ -24,8 +24,6 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | No
     mod = impl("quant", x)
     if rows <= 64 or not hasattr(mod, "linear_tiled"):
         return mod.linear(x, weight, out_dtype)
-    from kernels.linear import invariant
-
     if invariant():   # a decode / verify step of more than 64 rows: the skinny path's bits (kernels.linear.batch_invariant)
         return mod.linear(x, weight, out_dtype, wide=True)
     return mod.linear_tiled(x, weight, out_dtype)
