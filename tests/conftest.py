@@ -84,17 +84,16 @@ def smollm_tokenizer(smollm_path):
     return GGUFTokenizer.from_gguf(smollm_path)
 
 
-@pytest.fixture(scope="session")
-def hf_smollm(smollm_path):
-    """transformers' LlamaForCausalLM loaded from the same GGUF (the numerical oracle)."""
-    transformers = pytest.importorskip("transformers")
+@contextlib.contextmanager
+def shared_gguf_reader():
+    """While the block runs, ``gguf.GGUFReader(path)`` (what transformers' GGUF loading calls)
+    returns one reader per file, runtime.gguf_loader's: the same fields and tensors as
+    ``gguf.GGUFReader`` (tests/test_gguf_loader.py compares the two field by field), built in
+    under a second instead of ~10 s for the default model's vocabulary, once instead of once per
+    call (transformers parses a file twice: config, then weights). What transformers reads is
+    unchanged; its tensors are gguf's own code."""
     import gguf
 
-    # transformers parses the GGUF twice (config, then weights), each parse of gguf.GGUFReader
-    # ~10 s of its ~35 s load on a 2-core box: both calls get one reader (read-only,
-    # memory-mapped), runtime.gguf_loader's, which builds the same fields and tensors as
-    # gguf.GGUFReader in under a second (tests/test_gguf_loader.py compares the two field by
-    # field). What transformers reads from it is unchanged; its tensors are gguf's own code.
     from runtime.gguf_loader import _Reader
 
     readers = {}
@@ -107,6 +106,15 @@ def hf_smollm(smollm_path):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gguf, "GGUFReader", reader)
+        yield
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm_path):
+    """transformers' LlamaForCausalLM loaded from the same GGUF (the numerical oracle)."""
+    transformers = pytest.importorskip("transformers")
+
+    with shared_gguf_reader():
         model = transformers.LlamaForCausalLM.from_pretrained(
             os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path), dtype=torch.float32
         )
