@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slow
 
 SLOTS = 8
 CLIENTS = int(os.environ.get("DFLASH_LOAD_CLIENTS", "16"))
-N_TOKENS = 12
+N_TOKENS = 8
 LOAD_SECONDS = float(os.environ.get("DFLASH_LOAD_SECONDS", "20"))
 
 
