@@ -91,7 +91,12 @@ def shared_gguf_reader():
     ``gguf.GGUFReader`` (tests/test_gguf_loader.py compares the two field by field), built in
     under a second instead of ~10 s for the default model's vocabulary, once instead of once per
     call (transformers parses a file twice: config, then weights). What transformers reads is
-    unchanged; its tensors are gguf's own code."""
+    unchanged; its tensors are gguf's own code. ``gguf.get_tensor_name_map(arch, n_blocks)``,
+    which transformers calls again for every submodule of the model (a new ``TensorNameMap`` of
+    every block each time: ~10 s of the default model's load), is memoized meanwhile: it is a
+    pure function of its arguments, and transformers only looks names up in it."""
+    import functools
+
     import gguf
 
     from runtime.gguf_loader import _Reader
@@ -106,6 +111,7 @@ def shared_gguf_reader():
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gguf, "GGUFReader", reader)
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
         yield
 
 
