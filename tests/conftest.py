@@ -84,17 +84,21 @@ def smollm_tokenizer(smollm_path):
     return GGUFTokenizer.from_gguf(smollm_path)
 
 
-@pytest.fixture(scope="session")
-def hf_smollm(smollm_path):
-    """transformers' LlamaForCausalLM loaded from the same GGUF (the numerical oracle)."""
-    transformers = pytest.importorskip("transformers")
+@contextlib.contextmanager
+def shared_gguf_reader():
+    """While the block runs, ``gguf.GGUFReader(path)`` (what transformers' GGUF loading calls)
+    returns one reader per file, runtime.gguf_loader's: the same fields and tensors as
+    ``gguf.GGUFReader`` (tests/test_gguf_loader.py compares the two field by field), built in
+    under a second instead of ~10 s for the default model's vocabulary, once instead of once per
+    call (transformers parses a file twice: config, then weights). What transformers reads is
+    unchanged; its tensors are gguf's own code. ``gguf.get_tensor_name_map(arch, n_blocks)``,
+    which transformers calls again for every submodule of the model (a new ``TensorNameMap`` of
+    every block each time: ~10 s of the default model's load), is memoized meanwhile: it is a
+    pure function of its arguments, and transformers only looks names up in it."""
+    import functools
+
     import gguf
 
-    # transformers parses the GGUF twice (config, then weights), each parse of gguf.GGUFReader
-    # ~10 s of its ~35 s load on a 2-core box: both calls get one reader (read-only,
-    # memory-mapped), runtime.gguf_loader's, which builds the same fields and tensors as
-    # gguf.GGUFReader in under a second (tests/test_gguf_loader.py compares the two field by
-    # field). What transformers reads from it is unchanged; its tensors are gguf's own code.
     from runtime.gguf_loader import _Reader
 
     readers = {}
@@ -107,6 +111,16 @@ def hf_smollm(smollm_path):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gguf, "GGUFReader", reader)
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+        yield
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm_path):
+    """transformers' LlamaForCausalLM loaded from the same GGUF (the numerical oracle)."""
+    transformers = pytest.importorskip("transformers")
+
+    with shared_gguf_reader():
         model = transformers.LlamaForCausalLM.from_pretrained(
             os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path), dtype=torch.float32
         )

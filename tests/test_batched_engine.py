@@ -105,7 +105,7 @@ def test_batched_equals_reference_llama(smollm_model, reference_streams, prompts
     engine = BatchedEngine(smollm_model, max_sessions=4, max_context=256, max_tree_width=32, max_tree_depth=8,
                            feature_layers=LAYERS, pad_to_buckets=pad)
     s = Sampling.checked(temperature, top_k, top_p, seed=99)
-    n = 24
+    n = 16
     refs = reference_streams(s, n)
     got, feats = speculative_streams(engine, prompts, s, [r[0] for r in refs], n)
     assert got == [r[0] for r in refs]
@@ -149,11 +149,11 @@ def test_batch_composition_changes_nothing(smollm_model, prompts):
     """A session's tokens are the same alone, in a batch of three, and next to other sessions."""
     s = Sampling.checked(0.9, 0, 0.0, seed=3)
     engine = BatchedEngine(smollm_model, max_sessions=6, max_context=256, max_tree_width=16, max_tree_depth=8, pad_to_buckets=True)
-    alone = [ar_stream(engine, "a", p, s, 16, [])[0] for p in prompts]
+    alone = [ar_stream(engine, "a", p, s, 12, [])[0] for p in prompts]
     for i, p in enumerate(prompts):
         engine.prefill(f"b{i}", p, s, [])
     got = [[engine.sessions[f"b{i}"].root] for i in range(3)]
-    for step in range(15):
+    for step in range(11):
         order = list(range(3)) if step % 2 else [2, 0, 1]
         res = engine.verify_batch([(f"b{i}", [got[i][-1]], [-1]) for i in order])
         for i, r in zip(order, res):

@@ -51,7 +51,7 @@ def test_pool_attention_tree_node_equals_ar_step(dtype, splits):
     from kernels.attention import triton as tri
 
     gen = torch.Generator().manual_seed(7)
-    hq, hkv, d, w, r = 4, 2, 16, 12, 700
+    hq, hkv, d, w, r = 2, 1, 16, 12, 700     # one KV head of two query heads (test_pool_attention covers more heads)
     k = torch.randn(2, r, hkv, d, generator=gen).to(DEV, dtype)
     v = torch.randn(2, r, hkv, d, generator=gen).to(DEV, dtype)
     q = torch.randn(1, w, hq, d, generator=gen).to(DEV, dtype)
@@ -91,7 +91,7 @@ def test_pool_attention_fewer_splits_same_bits(dtype, causal):
     gen = torch.Generator().manual_seed(11)
     if DEV == "cpu" and dtype != torch.float32:
         pytest.skip("under the interpreter float32 covers it (slow); every dtype runs on the GPU")
-    hq, hkv, d, w, r, full = 4, 2, 16, 6 if DEV == "cuda" else 3, 600, 5   # (the interpreter is slow)
+    hq, hkv, d, w, r, full = 2, 1, 16, 6 if DEV == "cuda" else 3, 600, 5   # (the interpreter is slow)
     k = torch.randn(3, r, hkv, d, generator=gen).to(DEV, dtype)
     v = torch.randn(3, r, hkv, d, generator=gen).to(DEV, dtype)
     q = torch.randn(2, w, hq, d, generator=gen).to(DEV, dtype)

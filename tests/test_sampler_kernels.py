@@ -88,6 +88,7 @@ def test_philox_known_answers():
     for ctr, key, want in KAT:
         args = [torch.tensor(v, dtype=torch.int64) for v in (*ctr, *key)]
         assert [int(v) for v in ref.philox4x32_10(*args)] == list(want)
+        assert [int(v) for v in ref._philox_limbs(*args)] == list(want)   # the CUDA path, run on the CPU
         assert [int(v) for v in tri.philox4x32_10(*dev(*[a.reshape(1) for a in args]))] == list(want)
         assert py_philox(ctr, key) == list(want)
 
@@ -103,14 +104,17 @@ def test_philox_matches_python_ints():
     cols = [torch.tensor(w, dtype=torch.int64) for w in words]
     want = torch.tensor([py_philox([w[i] for w in words[:4]], [w[i] for w in words[4:]]) for i in range(n)]).T
     got_ref = torch.stack(ref.philox4x32_10(*cols))
+    got_limbs = torch.stack(ref._philox_limbs(*cols))   # the reference's CUDA path (host uint64 on the CPU)
     got_tri = torch.stack(tri.philox4x32_10(*dev(*cols))).cpu()
     assert torch.equal(got_ref, want)
+    assert torch.equal(got_limbs, want)
     assert torch.equal(got_tri, want)
-    # broadcasting: a [2, 1] key against [1, n] counters
+    # broadcasting: a [2, 1] key against [1, n] counters, Python ints among the words
     k0 = torch.tensor([[5], [M32]])
-    out = ref.philox4x32_10(cols[0][None], 0, 0, 0, k0, 7)[0]
-    assert out.shape == (2, n)
-    assert int(out[1, 3]) == py_philox([words[0][3], 0, 0, 0], [M32, 7])[0]
+    for philox in (ref.philox4x32_10, ref._philox_limbs):
+        out = philox(cols[0][None], 0, 0, 0, k0, 7)
+        assert all(w.shape == (2, n) and w.dtype == torch.int64 for w in out)
+        assert int(out[0][1, 3]) == py_philox([words[0][3], 0, 0, 0], [M32, 7])[0]
 
 
 def test_noise_counter_and_key_layout():

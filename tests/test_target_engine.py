@@ -43,7 +43,7 @@ def test_corrupted_oracle_chains_and_trees_equal_autoregressive(engine, smollm_t
     autoregressive decoding (same seed at temperature > 0)."""
     prompt = smollm_tokenizer.encode(PROMPT_TEXT)
     sampling = Sampling.checked(temperature, top_k, top_p, seed=1234)
-    n = 36
+    n = 24
     ref, ref_feats = _ar(engine, prompt, sampling, n)
     rng = random.Random(7)
     out = engine.prefill("sp", prompt, sampling, LAYERS)
