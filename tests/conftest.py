@@ -24,6 +24,46 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _patch_helpers_once_per_launch() -> None:
+    """Triton's interpreter (3.x) patches ``triton.language`` anew at every call of a
+    ``@triton.jit`` helper inside a kernel (``InterpretedFunction.__call__`` -> ``_patch_lang``:
+    five ``inspect.getmembers`` scans), and ``tl.sum`` / ``tl.max`` / ``tl.cumsum`` are such
+    helpers: a quarter of an attention kernel's interpreted time. Within one launch nothing undoes
+    those patches (a launch restores its own scope when it ends; a helper's is never restored), so
+    patching the same helper again in the same launch changes nothing: here each helper is patched
+    at its first call in each launch only. The kernels run the same code on the same values (the
+    pool-attention cases give the same bits either way); 26% less CPU for them. Does nothing where
+    the interpreter's internals differ."""
+    try:
+        from triton.runtime import interpreter as it
+    except Exception:  # noqa: BLE001 - no (usable) Triton: nothing to speed up
+        return
+    if not all(hasattr(it, n) for n in ("_patch_lang", "GridExecutor", "_LangPatchScope", "InterpretedFunction")):
+        return
+    patch_lang, launch = it._patch_lang, it.GridExecutor.__call__
+    patched: set = set()
+
+    def patch_lang_once(fn):
+        if fn in patched:
+            return it._LangPatchScope()  # an empty scope: this launch already patched for fn
+        patched.add(fn)
+        return patch_lang(fn)
+
+    def launch_afresh(self, *args, **kwargs):
+        patched.clear()
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.clear()
+
+    it._patch_lang = patch_lang_once
+    it.GridExecutor.__call__ = launch_afresh
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_helpers_once_per_launch()
+
 # One torch CPU thread for the tests and (through the environment) the services they start as
 # processes, unless OMP_NUM_THREADS says otherwise: the tests' ops are small, and on a 2-core box
 # shared by the test process and its services, two threads per process oversubscribe the cores and
