@@ -342,6 +342,7 @@ class Scheduler:
         self._queue: collections.deque[Request] = collections.deque()
         self._prefilling: list[tuple[Request, grpc.Future]] = []
         self._active: list[Request] = []
+        self._admitting = 0   # requests taken off the queue whose prefill is not in _prefilling yet
         # (request, event) emitted and not yet handed to its handler (_emit, _end, _flush_events)
         self._pending: collections.deque[tuple[Request, Tokens | Failure]] = collections.deque()
         # with stream_interval: events held until their request's flush_at, and the earliest of those
@@ -418,8 +419,10 @@ class Scheduler:
         return not (self._stop.is_set() or self._draining)
 
     def _held(self) -> int:
-        """Requests holding (or opening) a target session."""
-        return len(self._active) + len(self._prefilling)
+        """Requests holding (or opening) a target session; one being admitted counts (it left the
+        queue under the lock, its prefill is sent outside it), so :meth:`drain` never sees it in
+        neither place."""
+        return len(self._active) + len(self._prefilling) + self._admitting
 
     def status(self) -> generation_pb2.SchedulerStatus:
         """What the scheduler is doing now (``ServiceInfo.scheduler``)."""
@@ -659,17 +662,22 @@ class Scheduler:
                 if not self._queue or self._held() + self._releasing["target"] >= self.max_sessions:
                     return
                 req = self._queue.popleft()
+                self._admitting += 1
                 metrics.set_queue_depth(len(self._queue))
-            layers = []
-            if req.speculative:
-                layers = self.draft.layers()
-                if layers is None:  # the drafter was never reachable: no features, no drafting later
-                    layers, req.history_complete = [], False
-            item = target_pb2.PrefillItem(session_id=req.session_id, prompt_tokens=req.prompt, sampling=req.sampling,
-                                          feature_layer_ids=layers)
-            fut = self.target.stub.Prefill.future(target_pb2.PrefillRequest(items=[item]), timeout=self.step_timeout + len(req.prompt) / 50)
-            fut.add_done_callback(lambda _f: self._wake.set())
-            self._prefilling.append((req, fut))
+            try:
+                layers = []
+                if req.speculative:
+                    layers = self.draft.layers()
+                    if layers is None:  # the drafter was never reachable: no features, no drafting later
+                        layers, req.history_complete = [], False
+                item = target_pb2.PrefillItem(session_id=req.session_id, prompt_tokens=req.prompt, sampling=req.sampling,
+                                              feature_layer_ids=layers)
+                fut = self.target.stub.Prefill.future(target_pb2.PrefillRequest(items=[item]), timeout=self.step_timeout + len(req.prompt) / 50)
+                fut.add_done_callback(lambda _f: self._wake.set())
+                self._prefilling.append((req, fut))
+            finally:
+                with self._lock:
+                    self._admitting -= 1
             metrics.set_active_sessions(self._held())
 
     def _collect_prefills(self) -> None:

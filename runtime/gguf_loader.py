@@ -316,9 +316,9 @@ _OPEN: dict[tuple[str, int, int], GGUFFile] = {}
 def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     """Open ``path`` as a :class:`GGUFFile`, reusing an earlier one in this process.
 
-    ``gguf.GGUFReader`` takes seconds to index a file with a large vocabulary (one numpy view
-    per token string), and a process (or a test run) needs the same file several times: for
-    the tokenizer, the fingerprint, the weights. The cache key includes the file's size and
+    Indexing a file with a large vocabulary still takes most of a second (one numpy view per
+    token string, even with the fast path of ``_Reader``), and a process (or a test run) needs
+    the same file several times: for the tokenizer, the fingerprint, the weights. The cache key includes the file's size and
     modification time, so a rewritten file is read again.
     """
     path = os.fspath(path)

@@ -536,3 +536,16 @@ def test_fast_reader_builds_the_stock_readers_fields(tmp_path):
     cut.write_bytes(raw[: stock.fields["tokenizer.ggml.tokens"].offset + 200])
     with pytest.raises(GGUFError, match="not a readable GGUF"):
         GGUFFile(str(cut))
+
+
+def test_fast_reader_reads_smollm2_as_the_shipped_drafter_recorded(smollm_path):
+    """The default model's tokenizer (49152 tokens, their types, 48900 merges) and shape as this
+    loader reads them hash to the target fingerprint that the shipped drafter recorded when it was
+    trained (read then with ``gguf.GGUFReader``): the fast path reads the real file's arrays
+    exactly (so transformers may be given this reader too: tests/conftest.py
+    ``shared_gguf_reader``)."""
+    from draft_service import DATA_DIR
+    from runtime.fingerprint import model_fingerprint
+
+    recorded = {GGUFFile(os.path.join(DATA_DIR, f)).get("dflash.target_fingerprint") for f in os.listdir(DATA_DIR) if f.endswith(".gguf")}
+    assert model_fingerprint(GGUFFile(smollm_path)) in recorded

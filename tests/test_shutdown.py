@@ -201,6 +201,48 @@ def _orchestrator(procs: list, tiny, peers, *extra) -> tuple[subprocess.Popen, s
     return proc, svc.address
 
 
+def test_a_request_being_admitted_keeps_the_drain_waiting():
+    """A request taken off the queue whose Prefill is being sent counts as held (status and
+    drain): it is neither queued nor prefilling yet, and a drain that saw neither used to return
+    True and then end it UNAVAILABLE / SHUTTING_DOWN (what made the test above fail on a loaded
+    runner). Prefill.future is held open here to make that moment last."""
+    from concurrent.futures import Future
+
+    from dflash_grpc.v1 import common_pb2
+    from orchestrator.peers import DraftPeer
+    from orchestrator.scheduler import Failure, Scheduler
+
+    entered, go = threading.Event(), threading.Event()
+
+    class Prefill:
+        def future(self, request, timeout=None):
+            entered.set()
+            go.wait(10)
+            return Future()   # never answered: the request stays prefilling
+
+    class Target:
+        stub = type("Stub", (), {"Prefill": Prefill()})()
+
+        def info(self):
+            return common_pb2.ModelInfo(device="cpu", max_sessions=4)
+
+    sched = Scheduler(Target(), DraftPeer(None), max_sessions=1, max_queue=4)
+    req = _request("admitted", 4)
+    sched.submit(req)
+    assert entered.wait(10)
+    status = sched.status()
+    assert (status.active_sessions, status.queued_requests) == (1, 0)
+    drained = []
+    t = threading.Thread(target=lambda: drained.append(sched.drain(0.2, release_timeout=0.1)), daemon=True)
+    t.start()
+    time.sleep(0.5)                     # the drain's timeout passes while the prefill is being sent
+    go.set()
+    t.join(10)
+    assert drained == [False]
+    ev = _last_event(req)
+    assert isinstance(ev, Failure) and ev.reason == SHUTTING_DOWN
+
+
 def test_sigterm_drains_the_orchestrator_and_a_restart_serves_at_once(tiny_llama, tiny_drafter):
     from client.launcher import ServiceGroup, free_ports
 

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 
 from runtime.gguf_loader import GGUFError, GGUFFile, open_gguf, write_gguf
 from runtime.tokenizer import PRE_TOKENIZER_TYPES, GGUFTokenizer, UnsupportedTokenizerError
+from tests.conftest import shared_gguf_reader
 from fixtures.tiny_models import bytes_to_unicode
 
 # --------------------------------------------------------------------------------------------
@@ -118,12 +119,15 @@ def tok(smollm_tokenizer) -> GGUFTokenizer:
 
 @pytest.fixture(scope="module")
 def hf_tok(smollm_path):
-    """transformers' tokenizer built from the same GGUF (slow to load: ~10 s)."""
+    """transformers' tokenizer built by its own conversion of the same GGUF's vocabulary and
+    merges, read through ``shared_gguf_reader`` (gguf.GGUFReader's ~6 s parse is most of the
+    load; tests/test_gguf_loader.py shows the fast reader reads this file's arrays exactly)."""
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
-    return transformers.AutoTokenizer.from_pretrained(
-        os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path)
-    )
+    with shared_gguf_reader():
+        return transformers.AutoTokenizer.from_pretrained(
+            os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path)
+        )
 
 
 @pytest.fixture(scope="module")
