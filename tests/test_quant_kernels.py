@@ -152,6 +152,44 @@ def test_triton_against_reference(name):
             assert rel(y, want) <= 1e-5, (name, m, rel(y, want))   # float32: only the summation order differs
 
 
+
+@pytest.mark.parametrize("name", LEGACY + KQUANTS)
+def test_word_reads_against_byte_gathers_and_unaligned_views(name, monkeypatch):
+    """The codes read as whole words (``WORD_LOADS``, the default) and as byte gathers (the A/B
+    baseline), with the skinny dot swapped (``SWAP_AB``, the default) or not, all match the
+    reference, skinny and tiled, and agree to float32 summation order; a
+    weight view whose bytes do not start on a 4-byte boundary (rows 1.. of a Q8_0 weight with
+    34-byte rows) takes the byte gathers and is still right."""
+    from kernels.quant import triton as T
+
+    rng = np.random.default_rng(7 + sum(map(ord, name)))
+    n, k = 24, (256 if name in KQUANTS else 64)
+    raw = random_bytes(rng, name, n, k)
+    w = qweight(raw, name, n, k)
+    wf = torch.from_numpy(gguf.quants.dequantize(raw, GGMLQuantizationType[name]).reshape(n, k)).to(DEV)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(3)).to(DEV)
+    want = x @ wf.T
+    got = {}
+    for words in (True, False):
+        monkeypatch.setattr(T, "WORD_LOADS", words)
+        for swap in (True, False):
+            monkeypatch.setattr(T, "SWAP_AB", swap)
+            got[words, swap] = T.linear(x, w, torch.float32, config=T.Config(16, 2))
+            assert rel(got[words, swap], want) <= 1e-5, (name, words, swap, rel(got[words, swap], want))
+        tiled = T.linear_tiled(x, w, torch.float32, config=T.TiledConfig(16, 16, 4, 1))
+        assert rel(tiled, want) <= 1e-5, (name, words, rel(tiled, want))
+    assert max(rel(g, got[True, True]) for g in got.values()) <= 1e-6
+    monkeypatch.setattr(T, "WORD_LOADS", True)
+    assert T.kernel_constants(name, torch.float32, 16, 16, False, False)["WORDS"]
+    assert not T.kernel_constants(name, torch.float32, 16, 16, False, False, aligned=False)["WORDS"]
+    if name == "Q8_0":
+        raw1 = random_bytes(rng, name, 5, 32)                   # 34-byte rows: rows(1, 5) starts 2 bytes off
+        w1 = qweight(raw1, name, 5, 32).rows(1, 5)
+        assert w1.data.data_ptr() % 4 == 2
+        wf1 = torch.from_numpy(gguf.quants.dequantize(raw1, GGMLQuantizationType[name]).reshape(5, 32))[1:].to(DEV)
+        x1 = torch.randn(1, 32, generator=torch.Generator().manual_seed(4)).to(DEV)
+        assert rel(T.linear(x1, w1, torch.float32, config=T.Config(16)), x1 @ wf1.T) <= 1e-5
+
 def test_triton_bad_arguments_and_empty():
     from kernels.quant import triton as T
 

@@ -1,10 +1,10 @@
-"""Before / after of the quantized skinny path's launch rule on a GPU (issue 19): per weight shape and
-type, microseconds per call at ``M`` = 1 and 16 of the previous rule (``BLOCK_N`` 16, 2 stages, the
-legacy types unrolled and split 2-3 ways only at SmolLM2's sizes, the group sums of ``x`` as a
-reduction) against today's ``kernels.quant.triton.config_for`` with ``BIAS_DOT``, beside the bf16
-skinny kernel on a bf16 weight of the same shape and a copy of the quantized bytes.
+"""Before / after of the quantized skinny path's code reads on a GPU (issue 19): per weight shape and
+type, microseconds per call at ``M`` = 1 and 16 of the byte gathers (``WORD_LOADS`` off, the launch
+rule of ``kernels.quant.triton.config_for``) against whole-word reads (``WORD_LOADS`` on, the same
+rule, and a few other launch configs: ``VARIANTS``), beside the bf16 skinny kernel on a bf16 weight
+of the same shape and a copy of the quantized bytes.
 
-    python tools/quant_config_ab.py [--out FILE.json]        # on the GPU machine, ~2 min
+    python tools/quant_config_ab.py [--out FILE.json]        # on the GPU machine, ~3 min
 
 Timing as ``tools/sweep_quant.py`` (its ``Timer``: a CUDA graph of calls cycling through weight
 copies spanning twice the L2 cache, so every call reads its weight from HBM; median of 10 replays).
@@ -27,27 +27,43 @@ CASES = [("Q4_K", 4096, 4096), ("Q4_K", 12288, 4096), ("Q4_K", 4096, 12288), ("Q
          ("Q8_0", 49152, 576)]
 
 
-def previous_rule(n: int, k: int, qtype):
-    """The launch rule before this change (commit 2522c1a's ``config_for``)."""
+#: the cases of ``--quick``
+QUICK = [("Q4_K", 4096, 4096), ("Q4_K", 12288, 4096), ("Q4_K", 4096, 12288), ("Q6_K", 4096, 12288), ("Q8_0", 4096, 4096),
+         ("Q4_1", 3072, 576), ("Q8_0", 49152, 576)]
+
+
+def variants(n: int, k: int, qtype) -> dict:
+    """Launch configs tried with word reads beside ``config_for``'s: ``BLOCK_N`` 16 and 64 with the
+    same rule for splitting ``K`` (the fewest splits reaching ``TARGET_PROGRAMS``), 8 warps, 2 and 4
+    stages (each only where it fits ``K``)."""
+    import dataclasses
+
     from gguf.constants import GGML_QUANT_SIZES
 
     from kernels.quant import triton as T
     from kernels.quant.weight import as_qtype
 
-    qt = as_qtype(qtype)
-    qk = GGML_QUANT_SIZES[qt][0]
-    bn = 16 if n <= 4096 else (32 if n <= 16384 else 64)
-    if qk != 32:
-        return T.Config(bn, 4, 2, 1, 1)
-    blocks = k // qk
-    split = next((s for s in ((3, 2) if n <= 1024 else (2,) if n <= 3072 else ()) if blocks % s == 0 and blocks // s >= 4), 1)
-    unroll = T._largest_divisor(blocks // split, T.MAX_UNROLLED // (bn * 32))
-    return T.Config(bn, 4, 2, unroll, split)
+    base = T.config_for(n, k, qtype)
+    qk = GGML_QUANT_SIZES[as_qtype(qtype)][0]
+    floor = T.MIN_SPLIT_ELEMS.get(qk, 512)
+    fits = [s for s in range(1, T.MAX_SPLIT_K + 1) if (k // qk) % s == 0 and (s == 1 or k // s >= floor)]
+    out = {}
+    for bn in (16, 64, 128):
+        outs = -(-n // bn)
+        out[f"bn{bn}"] = dataclasses.replace(base, block_n=bn,
+                                             split_k=next((s for s in fits if outs * s >= T.TARGET_PROGRAMS), fits[-1]))
+    out["w8"] = dataclasses.replace(base, num_warps=8)
+    out["w2"] = dataclasses.replace(base, num_warps=2)
+    out["bn64-w2"] = dataclasses.replace(out["bn64"], num_warps=2)
+    out["st2"] = dataclasses.replace(base, num_stages=2)
+    out["st4"] = dataclasses.replace(base, num_stages=4)
+    return {name: c for name, c in out.items() if c.fits(k, qtype)}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
+    p.add_argument("--quick", action="store_true", help="only the 9B-shaped Q4_K / Q6_K / Q8_0 cases and two SmolLM2 ones")
     args = p.parse_args()
     import sweep_quant as sq
 
@@ -59,9 +75,10 @@ def main() -> int:
     timer = sq.Timer(dev, 20, 10)
     rows = []
     print(f"# {torch.cuda.get_device_name(0)}: us per call (GB/s of the quantized bytes)")
-    print("| type | N x K | M | MiB | copy us | bf16 us | previous us | now us | now / previous | now / bf16 | rel err |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, n, k in CASES:
+    print("| type | N x K | M | MiB | copy us | bf16 us | bytes us | words us | words, swapped dot us | words / bytes | "
+          "best variant | best us | best / bf16 | rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, n, k in (QUICK if args.quick else CASES):
         w0 = sq.random_weight(name, n, k, dev)
         ws = [sq.random_weight(name, n, k, dev, seed=i) for i in range(max(2, -(-2 * sq.L2_BYTES // w0.nbytes)))]
         wb = [torch.randn(n, k, device=dev).to(torch.bfloat16) for _ in range(max(2, -(-2 * sq.L2_BYTES // (n * k * 2))))]
@@ -69,20 +86,31 @@ def main() -> int:
         src = [w.data for w in ws]
         dst = torch.empty_like(src[0])
         copy = timer(lambda i: dst.copy_(src[i % len(src)]), calls)
-        old, new = previous_rule(n, k, name), T.config_for(n, k, name)
+        cfg = T.config_for(n, k, name)
         for m in (1, 16):
             x = torch.randn(m, k, device=dev).to(torch.bfloat16)
             bf = timer(lambda i: LT.linear(x, wb[i % len(wb)]), calls)
-            T.BIAS_DOT = False
-            before = timer(lambda i: T.linear(x, ws[i % len(ws)], config=old), calls)
-            T.BIAS_DOT = True
-            after = timer(lambda i: T.linear(x, ws[i % len(ws)], config=new), calls)
+            T.WORD_LOADS, T.SWAP_AB = False, False
+            before = timer(lambda i: T.linear(x, ws[i % len(ws)], config=cfg), calls)
+            T.WORD_LOADS = True
+            after = timer(lambda i: T.linear(x, ws[i % len(ws)], config=cfg), calls)
+            tried = {"default": after}
+            for label, c in variants(n, k, name).items():
+                tried[label] = timer(lambda i: T.linear(x, ws[i % len(ws)], config=c), calls)
+            T.SWAP_AB = True
+            swap = timer(lambda i: T.linear(x, ws[i % len(ws)], config=cfg), calls)
+            tried["swap"] = swap
+            for label, c in variants(n, k, name).items():
+                tried["swap-" + label] = timer(lambda i: T.linear(x, ws[i % len(ws)], config=c), calls)
+            T.SWAP_AB = False
+            best = min(tried, key=tried.get)
             err = sq.rel(T.linear(x, w0, torch.float32), R.linear(x, w0, torch.float32))
-            rows.append(dict(type=name, n=n, k=k, m=m, mib=w0.nbytes / 2**20, copy_us=copy, bf16_us=bf, previous_us=before,
-                             now_us=after, previous=str(old), now=str(new), rel_err=err))
+            rows.append(dict(type=name, n=n, k=k, m=m, mib=w0.nbytes / 2**20, copy_us=copy, bf16_us=bf, bytes_us=before,
+                             words_us=after, swap_us=swap, config=str(cfg), variants_us=tried,
+                             variants={lb: str(c) for lb, c in variants(n, k, name).items()}, rel_err=err))
             print(f"| {name} | {n} x {k} | {m} | {w0.nbytes / 2**20:.2f} | {copy:.1f} | {bf:.1f} | {before:.1f} | "
-                  f"{after:.1f} ({w0.nbytes / after / 1e3:.0f} GB/s) | {after / before:.2f}x | {after / bf:.2f}x | {err:.1e} |",
-                  flush=True)
+                  f"{after:.1f} ({w0.nbytes / after / 1e3:.0f} GB/s) | {swap:.1f} | {after / before:.2f}x | {best} | "
+                  f"{tried[best]:.1f} | {tried[best] / bf:.2f}x | {err:.1e} |", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

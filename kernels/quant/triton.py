@@ -156,7 +156,7 @@ MAX_SPLIT_K = 16
 
 def config_for(n: int, k: int, qtype) -> Config:
     """The launch config of an ``[N, K]`` weight of ``qtype``: ``BLOCK_N`` 32 (16 below 32 features),
-    4 warps, 3 stages, no unroll, and ``K`` split over the fewest programs ``s`` that bring the launch
+    2 warps (with :data:`SWAP_AB`: ``benchmarks/gpu/quant/run6``), 3 stages, no unroll, and ``K`` split over the fewest programs ``s`` that bring the launch
     to :data:`TARGET_PROGRAMS` (``ceil(N / BLOCK_N) * s``), where ``s`` divides ``K``'s blocks, is at
     most :data:`MAX_SPLIT_K` and leaves each program at least :data:`MIN_SPLIT_ELEMS` of ``K`` (the
     largest such ``s`` when none reaches the target). A decode-sized call is latency-bound: one
@@ -173,7 +173,7 @@ def config_for(n: int, k: int, qtype) -> Config:
     floor = MIN_SPLIT_ELEMS.get(qk, 512)
     fits = [s for s in range(1, MAX_SPLIT_K + 1) if blocks % s == 0 and (s == 1 or k // s >= floor)]
     split = next((s for s in fits if outs * s >= TARGET_PROGRAMS), fits[-1])
-    return Config(bn, 4, 3, 1, split)
+    return Config(bn, 2, 3, 1, split)
 
 
 #: Diagnostic only (``tools/quant_diag.py``): every dequantized weight rounded to ``x``'s dtype
@@ -189,6 +189,21 @@ ROUND_WEIGHTS = os.environ.get("DFLASH_QUANT_ROUND_W", "") == "1"
 #: config; ``benchmarks/gpu/quant/run5``). Exact products, float32 sums: the same tolerance, and a
 #: row's bits still never depend on ``M``. False: the reduction (kept for A/B runs).
 BIAS_DOT = True
+
+#: Both paths read a block's codes as whole 32-bit words (16-bit for the blocks whose size is only
+#: even: Q4_0, Q5_0, Q8_0, Q6_K) and split them into bytes in registers (:func:`_codes_w`), and each
+#: float16 scale in one 16-bit load, instead of one load per byte (:func:`_codes`). The same codes;
+#: the legacy 4- and 5-bit types' come interleaved and ``x`` is read to match. False: the byte
+#: gathers (kept for A/B runs).
+WORD_LOADS = True
+
+#: The skinny path's dots with the codes as the left operand, ``dot(q, x^T)`` into a transposed
+#: accumulator ``[BLOCK_N, BLOCK_M]`` (:func:`_group_t`), instead of ``dot(x, q^T)``. With
+#: :func:`config_for`'s 2 warps, on an H200 (``tools/quant_config_ab.py --quick``,
+#: ``benchmarks/gpu/quant/run6``), M = 1 against the byte gathers and ``dot(x, q^T)`` with 4 warps:
+#: Q4_K 4096 x 4096 21.4 -> 18.2 us, 4096 x 12288 50.5 -> 38.9; Q6_K 4096 x 12288 66.1 -> 46.8;
+#: Q8_0 4096 x 4096 22.4 -> 19.6, 49152 x 576 33.2 -> 22.7. False: ``dot(x, q^T)`` (A/B runs).
+SWAP_AB = True
 
 
 @triton.jit
@@ -212,19 +227,31 @@ def _i8(ptr):
 
 
 @triton.jit
-def _head(blk, QTYPE: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _head(blk, QTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, WORDS: tl.constexpr = False):
     """The block-wide fields of the blocks at ``blk`` (``[BLOCK_N]`` pointers), float32
     ``[BLOCK_N]`` each: ``(d, m)`` with ``m`` = the min (Q4_1, Q5_1) or ``dmin`` (Q4_K, Q5_K): the
-    ``HAS_BIAS`` types, whose second float16 is at byte 2; ``d`` again (unused) for the others."""
-    if QTYPE == _Q6_K:
-        d = _f16(blk + 208)
-        m = d
-    else:
-        d = _f16(blk)
-        if HAS_BIAS:
-            m = _f16(blk + 2)
-        else:
+    ``HAS_BIAS`` types, whose second float16 is at byte 2; ``d`` again (unused) for the others.
+    ``WORDS``: each float16 in one 16-bit load (:func:`_f16w`) instead of two byte loads."""
+    if WORDS:
+        if QTYPE == _Q6_K:
+            d = _f16w(blk + 208)
             m = d
+        else:
+            d = _f16w(blk)
+            if HAS_BIAS:
+                m = _f16w(blk + 2)
+            else:
+                m = d
+    else:
+        if QTYPE == _Q6_K:
+            d = _f16(blk + 208)
+            m = d
+        else:
+            d = _f16(blk)
+            if HAS_BIAS:
+                m = _f16(blk + 2)
+            else:
+                m = d
     return d, m
 
 
@@ -279,9 +306,104 @@ def _codes(blk, s: tl.constexpr, d, m, QTYPE: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
+def _f16w(ptr):
+    """The float16 at ``ptr`` (uint8 pointers, 2-byte aligned: every block's scale field is) as
+    float32, in one 16-bit load."""
+    return tl.load(ptr.to(tl.pointer_type(tl.float16))).to(tl.float32)
+
+
+@triton.jit
+def _bytes_w(ptr, NW: tl.constexpr):
+    """``4 * NW`` bytes from ``ptr`` (``[R]`` uint8 pointers, 4-byte aligned) as ``[R, 4 * NW]``
+    int32 ``0..255`` in memory order, read as ``NW`` 32-bit words per row (a quarter of the load
+    instructions of a byte gather): byte ``j`` of word ``i`` is byte ``4 i + j`` (little-endian)."""
+    w = tl.load(ptr.to(tl.pointer_type(tl.int32))[:, None] + tl.arange(0, NW)[None, :])
+    q = tl.join(tl.join(w & 255, (w >> 16) & 255), tl.join((w >> 8) & 255, (w >> 24) & 255))  # [R, NW, 2, 2]: [.., a, b] = byte 2a + b
+    return tl.reshape(q, (w.shape[0], 4 * NW))
+
+
+@triton.jit
+def _bytes_h(ptr, NH: tl.constexpr):
+    """``2 * NH`` bytes from ``ptr`` (``[R]`` uint8 pointers, 2-byte aligned: the blocks of 18,
+    22, 34 and 210 bytes) as ``[R, 2 * NH]`` int32 ``0..255`` in memory order, read as ``NH``
+    16-bit words per row."""
+    h = tl.load(ptr.to(tl.pointer_type(tl.int16))[:, None] + tl.arange(0, NH)[None, :]).to(tl.int32) & 65535
+    return tl.reshape(tl.join(h & 255, h >> 8), (h.shape[0], 2 * NH))
+
+
+@triton.jit
+def _nibbles_w(ptr, NW: tl.constexpr):
+    """The ``8 * NW`` 4-bit codes of ``4 * NW`` bytes at ``ptr`` (legacy 4-bit layout: element ``j``
+    is the low nibble of byte ``j`` and element ``16 + j`` the high one) as ``[R, 8 * NW]`` int32,
+    in *interleaved* order: position ``2 j + h`` holds nibble ``h`` of byte ``j`` (element ``16 h +
+    j``); :func:`_group` reads ``x`` in the same order (``XPERM``)."""
+    b = _bytes_w(ptr, NW)
+    return tl.reshape(tl.join(b & 15, b >> 4), (b.shape[0], 8 * NW))
+
+
+@triton.jit
+def _nibbles_h(ptr, NH: tl.constexpr):
+    """:func:`_nibbles_w` over 16-bit words (2-byte aligned blocks)."""
+    b = _bytes_h(ptr, NH)
+    return tl.reshape(tl.join(b & 15, b >> 4), (b.shape[0], 4 * NH))
+
+
+@triton.jit
+def _codes_w(blk, s: tl.constexpr, d, m, QTYPE: tl.constexpr, G: tl.constexpr):
+    """:func:`_codes` with the codes read as whole 32-bit words (16-bit where a block's size is
+    only even: Q4_0, Q5_0, Q8_0, Q6_K) instead of one load per byte: the same integers, in the
+    same positions except for the legacy 4- and 5-bit types, whose codes come in the interleaved
+    order of :func:`_nibbles_w` (``x`` read to match: :func:`_group`'s ``XPERM``)."""
+    if QTYPE == _Q6_K:  # 16 groups of 16
+        hh = s // 8
+        r = (s % 8) * 16
+        lo = (_bytes_h(blk + hh * 64 + (r % 64), 8) >> (4 * (r // 64))) & 15
+        hi = (_bytes_h(blk + 128 + hh * 32 + (r % 32), 8) >> (2 * (r // 32))) & 3
+        q = (lo | (hi << 4)) - 32
+        scale = d * _i8(blk + 192 + s).to(tl.float32)
+        bias = scale
+    elif QTYPE == _Q4_K or QTYPE == _Q5_K:  # 8 groups of 32
+        if s < 4:
+            sc = _u8(blk + 4 + s) & 63
+            mn = _u8(blk + 8 + s) & 63
+        else:
+            sc = (_u8(blk + 8 + s) & 15) | ((_u8(blk + s) >> 6) << 4)
+            mn = (_u8(blk + 8 + s) >> 4) | ((_u8(blk + 4 + s) >> 6) << 4)
+        if QTYPE == _Q4_K:
+            q = (_bytes_w(blk + 16 + (s // 2) * 32, 8) >> (4 * (s % 2))) & 15
+        else:
+            q = (_bytes_w(blk + 48 + (s // 2) * 32, 8) >> (4 * (s % 2))) & 15
+            q = q | (((_bytes_w(blk + 16, 8) >> s) & 1) << 4)
+        scale = d * sc.to(tl.float32)
+        bias = -(m * mn.to(tl.float32))
+    else:  # legacy: one group of 32 per block
+        scale = d
+        bias = m
+        if QTYPE == _Q8_0:
+            q = _bytes_h(blk + 2, 16)
+            q = q - ((q & 128) << 1)                                # two's complement byte
+        else:
+            p = tl.arange(0, G)
+            e = (p % 2) * 16 + p // 2                               # interleaved position -> element
+            if QTYPE == _Q4_0:
+                q = _nibbles_h(blk + 2, 8) - 8
+            elif QTYPE == _Q4_1:
+                q = _nibbles_w(blk + 4, 4)
+            elif QTYPE == _Q5_0:                                    # the 32 high bits: two 16-bit halves at byte 2
+                h16 = (blk + 2).to(tl.pointer_type(tl.int16))
+                qh = (tl.load(h16).to(tl.int32) & 65535) | (tl.load(h16 + 1).to(tl.int32) << 16)
+                q = (_nibbles_h(blk + 6, 8) | (((qh[:, None] >> e[None, :]) & 1) << 4)) - 16
+            else:  # Q5_1: the 32 high bits, one word at byte 4
+                qh = tl.load((blk + 4).to(tl.pointer_type(tl.int32)))
+                q = _nibbles_w(blk + 8, 4) | (((qh[:, None] >> e[None, :]) & 1) << 4)
+    return q, scale, bias
+
+
+
+@triton.jit
 def _group(acc, x_ptr, rm, mm, sxm, k0, q, scale, bias, HAS_BIAS: tl.constexpr, G: tl.constexpr,
            DEQUANT: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr = 16,
-           BIAS_DOT: tl.constexpr = False):
+           BIAS_DOT: tl.constexpr = False, XPERM: tl.constexpr = False):
     """One group into the accumulator ``[BLOCK_M, BLOCK_N]``.
 
     ``DEQUANT`` off (the skinny path): ``acc += scale * dot(x[:, k0:k0+G], q^T) (+ bias *
@@ -291,8 +413,14 @@ def _group(acc, x_ptr, rm, mm, sxm, k0, q, scale, bias, HAS_BIAS: tl.constexpr, 
     rounded to ``x``'s dtype, and with ``SPLIT`` the rounding error ``w - hi`` goes through a
     second dot (``hi + lo`` carries ~16 significant bits: bfloat16 alone would leave a relative
     error of ~1.6e-3 on random weights, over the 1e-3 the tests ask). float32 ``x`` (``IEEE``):
-    IEEE float32 dots, no rounding."""
-    rk = k0 + tl.arange(0, G)
+    IEEE float32 dots, no rounding. ``XPERM``: the codes come in :func:`_nibbles_w`'s interleaved
+    order (position ``p`` is element ``(p % 2) * 16 + p // 2`` of the group), and ``x`` is read in
+    that order too."""
+    p = tl.arange(0, G)
+    if XPERM:
+        rk = k0 + (p % 2) * (G // 2) + p // 2
+    else:
+        rk = k0 + p
     x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :], mask=mm[:, None], other=0.0)
     if DEQUANT:
         w = q.to(tl.float32) * scale[:, None]
@@ -326,11 +454,43 @@ def _group(acc, x_ptr, rm, mm, sxm, k0, q, scale, bias, HAS_BIAS: tl.constexpr, 
     return acc
 
 
+
+@triton.jit
+def _group_t(acc, x_ptr, rm, mm, sxm, k0, q, scale, bias, HAS_BIAS: tl.constexpr, G: tl.constexpr,
+             IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BIAS_DOT: tl.constexpr, XPERM: tl.constexpr):
+    """:func:`_group`'s skinny arithmetic on the transposed accumulator ``[BLOCK_N, BLOCK_M]``
+    (``SWAP``): ``acc += scale * dot(q, x[:, group]^T) (+ bias * sum)``, the codes the dot's left
+    operand (on Hopper a warpgroup MMA reads it from registers) and ``x`` loaded transposed."""
+    p = tl.arange(0, G)
+    if XPERM:
+        rk = k0 + (p % 2) * (G // 2) + p // 2
+    else:
+        rk = k0 + p
+    xt = tl.load(x_ptr + rk[:, None] + rm[None, :] * sxm, mask=mm[None, :], other=0.0)    # [G, BLOCK_M]
+    qa = q.to(x_ptr.dtype.element_ty)
+    if IEEE:
+        part = tl.dot(qa, xt, input_precision="ieee")
+    else:
+        part = tl.dot(qa, xt)
+    acc += part * scale[:, None]
+    if HAS_BIAS:
+        if BIAS_DOT:
+            ones = tl.full([q.shape[0], G], 1.0, x_ptr.dtype.element_ty)
+            if IEEE:
+                xs = tl.dot(ones, xt, input_precision="ieee")
+            else:
+                xs = tl.dot(ones, xt)
+            acc += xs * bias[:, None]
+        else:
+            acc += tl.sum(xt.to(tl.float32), axis=0)[None, :] * bias[:, None]
+    return acc
+
 @triton.jit(do_not_specialize=["M"])
 def _qlinear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
                     QTYPE: tl.constexpr, QK: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DEQUANT: tl.constexpr, SPLIT: tl.constexpr,
-                    IEEE: tl.constexpr, UNROLL: tl.constexpr, SPLIT_K: tl.constexpr, BIAS_DOT: tl.constexpr = False):
+                    IEEE: tl.constexpr, UNROLL: tl.constexpr, SPLIT_K: tl.constexpr, BIAS_DOT: tl.constexpr = False,
+                    WORDS: tl.constexpr = False, SWAP: tl.constexpr = False):
     """``y = x @ dequant(w)^T``, ``UNROLL`` quantization blocks of ``K`` per iteration (each
     block's ``QK // G`` groups unrolled; the groups accumulate in ``K`` order whatever ``UNROLL``
     is), over the ``K / SPLIT_K`` range of program ``(.., program_id(1))``; with ``SPLIT_K`` > 1
@@ -344,20 +504,35 @@ def _qlinear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
     mm = rm < M
     # rows past N read row N - 1 (valid bytes, outputs discarded at the store): no masks on the weight
     row = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * swn          # [BLOCK_N] pointers
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     nb = K // QK // SPLIT_K                                         # blocks of this program's K range
     b0 = tl.program_id(1) * nb
     for b in range(b0, b0 + nb, UNROLL):
         for u in tl.static_range(UNROLL):
             blk = row + (b + u) * BS                                # [BLOCK_N]: this block of each row
-            d, m = _head(blk, QTYPE, HAS_BIAS)
+            d, m = _head(blk, QTYPE, HAS_BIAS, WORDS)
             for s in tl.static_range(QK // G):
-                q, scale, bias = _codes(blk, s, d, m, QTYPE, G)
-                acc = _group(acc, x_ptr, rm, mm, sxm, (b + u) * QK + s * G, q, scale, bias, HAS_BIAS, G, DEQUANT, SPLIT,
-                             IEEE, BLOCK_N, BIAS_DOT)
+                if WORDS:
+                    q, scale, bias = _codes_w(blk, s, d, m, QTYPE, G)
+                else:
+                    q, scale, bias = _codes(blk, s, d, m, QTYPE, G)
+                if SWAP:
+                    acc = _group_t(acc, x_ptr, rm, mm, sxm, (b + u) * QK + s * G, q, scale, bias, HAS_BIAS, G, IEEE,
+                                   BLOCK_M, BIAS_DOT, WORDS and QK == 32 and QTYPE != _Q8_0)
+                else:
+                    acc = _group(acc, x_ptr, rm, mm, sxm, (b + u) * QK + s * G, q, scale, bias, HAS_BIAS, G, DEQUANT,
+                                 SPLIT, IEEE, BLOCK_N, BIAS_DOT, WORDS and QK == 32 and QTYPE != _Q8_0)
     if SPLIT_K > 1:
         y_ptr += tl.program_id(1).to(tl.int64) * M * sym
-    tl.store(y_ptr + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & (rn < N)[None, :])
+    if SWAP:
+        tl.store(y_ptr + rm[None, :] * sym + rn[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=mm[None, :] & (rn < N)[:, None])
+    else:
+        tl.store(y_ptr + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=mm[:, None] & (rn < N)[None, :])
 
 
 @triton.jit
@@ -528,20 +703,25 @@ _BIASED = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")
 
 
 def kernel_constants(qtype, x_dtype: torch.dtype, block_m: int, block_n: int, dequant: bool, split: bool,
-                     unroll: int = 1, split_k: int = 1) -> dict:
+                     unroll: int = 1, split_k: int = 1, aligned: bool = True) -> dict:
     """The ``tl.constexpr`` arguments of :func:`_qlinear_kernel` for a weight of ``qtype`` and ``x``
-    of ``x_dtype`` (what a launch passes; ``tools/sweep_quant.py`` precompiles with them)."""
+    of ``x_dtype`` (what a launch passes; ``tools/sweep_quant.py`` precompiles with them).
+    ``aligned``: the weight's bytes start on a 4-byte boundary (its rows then all do: every row
+    of the word-read types is a multiple of 4 bytes, of the others of 2), which
+    :data:`WORD_LOADS` needs; a view that does not takes the byte gathers."""
     qt = as_qtype(qtype)
     qk, bs = GGML_QUANT_SIZES[qt]
     return dict(QTYPE=int(qt), QK=qk, BS=bs, G=16 if qt.name == "Q6_K" else 32, HAS_BIAS=qt.name in _BIASED,
                 BLOCK_M=block_m, BLOCK_N=block_n, DEQUANT=bool(dequant),
                 SPLIT=bool(split) and x_dtype != torch.float32, IEEE=x_dtype == torch.float32,
-                UNROLL=int(unroll), SPLIT_K=int(split_k), BIAS_DOT=bool(BIAS_DOT) and not dequant)
+                UNROLL=int(unroll), SPLIT_K=int(split_k), BIAS_DOT=bool(BIAS_DOT) and not dequant,
+                WORDS=bool(WORD_LOADS) and bool(aligned), SWAP=bool(SWAP_AB) and not dequant)
 
 
 def _launch(x2, weight: QuantizedWeight, y, m, n, k, block_m, block_n, num_warps, num_stages, dequant, split,
             unroll: int = 1, split_k: int = 1) -> None:
     _qlinear_kernel[(triton.cdiv(n, block_n) * triton.cdiv(m, block_m), split_k)](
         x2, weight.data, y, m, n, k, x2.stride(0), weight.data.stride(0), y.stride(-2),
-        **kernel_constants(weight.qtype, x2.dtype, block_m, block_n, dequant, split, unroll, split_k),
+        **kernel_constants(weight.qtype, x2.dtype, block_m, block_n, dequant, split, unroll, split_k,
+                           weight.data.data_ptr() % 4 == 0),
         num_warps=num_warps, num_stages=num_stages)
