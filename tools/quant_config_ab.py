@@ -60,10 +60,60 @@ def variants(n: int, k: int, qtype) -> dict:
     return {name: c for name, c in out.items() if c.fits(k, qtype)}
 
 
+def sweep_grid(n: int, k: int, qtype) -> dict:
+    """``--sweep``: swapped-dot launch configs around ``config_for``'s: (``BLOCK_N``, warps) of
+    (16, 1), (32, 1), (32, 2), (64, 2), (64, 4), ``maxnreg`` None or 128, ``unroll`` 1 or 2, and the
+    split of ``K`` by the rule or twice it (each only where it fits ``K``)."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    from kernels.quant import triton as T
+    from kernels.quant.weight import as_qtype
+
+    qk = GGML_QUANT_SIZES[as_qtype(qtype)][0]
+    floor = T.MIN_SPLIT_ELEMS.get(qk, 512)
+    fits = [s for s in range(1, 4 * T.MAX_SPLIT_K + 1) if (k // qk) % s == 0 and (s == 1 or k // s >= floor)]
+    out = {}
+    for bn, w in ((16, 1), (32, 1), (32, 2), (64, 2), (64, 4)):
+        outs = -(-n // bn)
+        rule = next((s for s in fits if outs * s >= T.TARGET_PROGRAMS and s <= T.MAX_SPLIT_K),
+                    max(s for s in fits if s <= T.MAX_SPLIT_K))
+        for split in sorted({rule, min((s for s in fits if s >= 2 * rule), default=rule)}):
+            for reg in (None, 128):
+                for un in (1, 2):
+                    c = T.Config(bn, w, 3, un, split, reg)
+                    if c.fits(k, qtype):
+                        out[f"bn{bn}-w{w}-s{split}-u{un}-r{reg or 0}"] = c
+    return out
+
+
+def run_sweep(timer, dev, sq, T, cases) -> list:
+    """Time :func:`sweep_grid` with the swapped dot at M = 1 and 16; print the five best per case."""
+    rows = []
+    for name, n, k in cases:
+        w0 = sq.random_weight(name, n, k, dev)
+        ws = [sq.random_weight(name, n, k, dev, seed=i) for i in range(max(2, -(-2 * sq.L2_BYTES // w0.nbytes)))]
+        calls = max(20, len(ws))
+        grid = sweep_grid(n, k, name)
+        for m in (1, 16):
+            x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+            got = {"default": timer(lambda i: T.linear(x, ws[i % len(ws)]), calls)}
+            for label, c in grid.items():
+                try:
+                    got[label] = timer(lambda i: T.linear(x, ws[i % len(ws)], config=c), calls)
+                except Exception as e:  # a config the compiler refuses: noted, not fatal
+                    print(f"# {name} {n}x{k} {label}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            best = sorted(got, key=got.get)[:5]
+            print(f"| {name} | {n} x {k} | {m} | {got['default']:.1f} | " + ", ".join(f"{b} {got[b]:.1f}" for b in best) + " |",
+                  flush=True)
+            rows.append(dict(type=name, n=n, k=k, m=m, us=got, configs={lb: str(c) for lb, c in grid.items()}))
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true", help="only the 9B-shaped Q4_K / Q6_K / Q8_0 cases and two SmolLM2 ones")
+    p.add_argument("--sweep", action="store_true", help="time sweep_grid's swapped-dot configs on the --quick cases")
     args = p.parse_args()
     import sweep_quant as sq
 
@@ -74,6 +124,15 @@ def main() -> int:
     dev = torch.device("cuda")
     timer = sq.Timer(dev, 20, 10)
     rows = []
+    if args.sweep:
+        print(f"# {torch.cuda.get_device_name(0)}: us per call, swapped dot; the five best configs")
+        print("| type | N x K | M | default us | best |")
+        print("|---|---|---|---|---|")
+        rows = run_sweep(timer, dev, sq, T, QUICK)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     print(f"# {torch.cuda.get_device_name(0)}: us per call (GB/s of the quantized bytes)")
     print("| type | N x K | M | MiB | copy us | bf16 us | bytes us | words us | words, swapped dot us | words / bytes | "
           "best variant | best us | best / bf16 | rel err |")

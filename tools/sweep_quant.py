@@ -279,7 +279,7 @@ def sweep(args) -> dict:
                 d = T.tiled_config_for(n, k, name)
                 items += [("tiled", name, n, k, dataclasses.astuple(c))
                           for c in tiled_candidates() + [d, dataclasses.replace(d, split=False)]]
-        precompile(sorted(set(items)), args.jobs)
+        precompile(sorted(set(items), key=repr), args.jobs)
     # ---------------------------------------------------------------------- skinny (decode, verify)
     for name, n, k in cases:
         w0 = random_weight(name, n, k, device)

@@ -58,9 +58,11 @@ pass adds the partials): :func:`config_for` splits ``K`` until a launch has ~102
 ``tools/sweep_quant.py --smollm`` times both at SmolLM2's shapes, ``tools/quant_config_ab.py`` the
 rule against the previous one.
 
-**Not yet tuned** (correctness first; ``tools/sweep_quant.py`` times candidate configs on a GPU):
-every byte is gathered with a computed offset (two nibbles of a byte are two loads, served by L1),
-scales are read per group, no vectorised block loads; the tiled path's dots are one group (16 or
+**Reads and dots** (:data:`WORD_LOADS`, :data:`SWAP_AB`; ``tools/quant_config_ab.py``,
+``benchmarks/gpu/quant/run6``): the codes are read as whole words and split in registers
+(:func:`_codes_w`), and the skinny dot is ``dot(q, x^T)`` into a transposed accumulator. Still
+latency-bound: one program's groups are a chain of small dots at 25% occupancy (Nsight Compute:
+103 registers per thread); scales are read per group; the tiled path's dots are one group (16 or
 32 elements of ``K``) deep.
 
 **Diagnostic rounding** (:data:`ROUND_WEIGHTS`, ``DFLASH_QUANT_ROUND_W=1``, off by default): each
@@ -109,6 +111,8 @@ class Config:
             (deterministic, and a row's bits still never depend on ``M``; the float32 summation
             order differs from ``split_k=1``). More programs for a small ``N`` (SmolLM2's 576
             features are 36 programs of 16 on 132 SMs) at the cost of a second launch.
+        maxnreg: registers per thread the compiler may use (``None``: its choice), a launch
+            option of Triton's NVIDIA backend: fewer registers, more programs resident per SM.
 
     Raises:
         ValueError: a field out of range.
@@ -119,15 +123,17 @@ class Config:
     num_stages: int = 2
     unroll: int = 1
     split_k: int = 1
+    maxnreg: int | None = None
 
     def __post_init__(self):
         pow2 = is_pow2
         if not (pow2(self.block_n) and self.block_n >= 16 and pow2(self.num_warps) and self.num_warps <= 32
                 and isinstance(self.num_stages, int) and self.num_stages >= 1
                 and isinstance(self.unroll, int) and self.unroll >= 1
-                and isinstance(self.split_k, int) and self.split_k >= 1):
+                and isinstance(self.split_k, int) and self.split_k >= 1
+                and (self.maxnreg is None or (isinstance(self.maxnreg, int) and 24 <= self.maxnreg <= 255))):
             raise ValueError(f"invalid quantized linear config {self}: BLOCK_N a power of two >= 16, "
-                             "num_warps a power of two <= 32, num_stages >= 1, unroll >= 1, split_k >= 1")
+                             "num_warps a power of two <= 32, num_stages >= 1, unroll >= 1, split_k >= 1, maxnreg None or 24..255")
 
     def fits(self, k: int, qtype) -> bool:
         """Whether the config can run a weight of ``K`` columns of ``qtype``: ``K / QK`` blocks a
@@ -597,12 +603,13 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | No
         if cfg.split_k > 1:
             part = torch.empty(cfg.split_k, m, n, device=x.device, dtype=torch.float32)
             _launch(x2, weight, part, m, n, k, BLOCK_M, cfg.block_n, cfg.num_warps, cfg.num_stages, rw, False,
-                    cfg.unroll, cfg.split_k)
+                    cfg.unroll, cfg.split_k, cfg.maxnreg)
             block = 1024
             _split_sum_kernel[(triton.cdiv(m * n, block),)](part, y, m * n, SPLIT_K=cfg.split_k, BLOCK=block,
                                                             num_warps=4)
         else:
-            _launch(x2, weight, y, m, n, k, BLOCK_M, cfg.block_n, cfg.num_warps, cfg.num_stages, rw, False, cfg.unroll)
+            _launch(x2, weight, y, m, n, k, BLOCK_M, cfg.block_n, cfg.num_warps, cfg.num_stages, rw, False, cfg.unroll,
+                    1, cfg.maxnreg)
     elif m and n:
         y.zero_()
     return y.reshape(*x.shape[:-1], n)
@@ -646,16 +653,19 @@ class TiledConfig:
 
 def tiled_config_for(n: int, k: int, qtype, dtype: torch.dtype = torch.bfloat16) -> TiledConfig:
     """The tiled path's config for an ``[N, K]`` weight of ``qtype`` and ``x`` of ``dtype``. 16-bit
-    ``x``: 128 x 128 tiles (``BLOCK_N`` 64 for ``N`` <= 2048: more programs on small
-    projections), 8 warps, 2 stages, dequantize-then-dot (an untuned rule;
-    ``tools/sweep_quant.py`` measures others). Compiled for sm_90, the k-quants' loop pipelines
+    ``x``: 128 x 128 tiles, 8 warps, 2 stages, the factored arithmetic (``dequant=False``: on an
+    H200 at 512 rows 1.14x (Q4_K) to 1.26x (Q6_K) faster than dequantize-then-dot with the split,
+    ``tools/sweep_quant.py --tiled-only``, ``benchmarks/gpu/quant/run6``); for ``N`` <= 2048 (not
+    measured there) 128 x 64 tiles (more programs on small projections), dequantize-then-dot. Compiled for sm_90, the k-quants' loop pipelines
     every group's loads: 3 stages of 128 x 128 would need 232 KB (Q4_K) of shared memory, over an
     H100's 227 KB; 2 stages need 152 KB. float32 ``x`` (IEEE dots on the CUDA cores, tests only):
     32 x 32 tiles, 4 warps, 1 stage (larger tiles spill registers and take ~1 minute to compile).
     Never depends on ``M``."""
     if dtype == torch.float32:
         return TiledConfig(32, 32, 4, 1, True, None)
-    return TiledConfig(128, 64 if n <= 2048 else 128, 8, 2, True, None)
+    if n <= 2048:
+        return TiledConfig(128, 64, 8, 2, True, None)
+    return TiledConfig(128, 128, 8, 2, False, None)
 
 
 def linear_tiled(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | None = None,
@@ -719,9 +729,10 @@ def kernel_constants(qtype, x_dtype: torch.dtype, block_m: int, block_n: int, de
 
 
 def _launch(x2, weight: QuantizedWeight, y, m, n, k, block_m, block_n, num_warps, num_stages, dequant, split,
-            unroll: int = 1, split_k: int = 1) -> None:
+            unroll: int = 1, split_k: int = 1, maxnreg: int | None = None) -> None:
+    opts = {} if maxnreg is None else {"maxnreg": maxnreg}
     _qlinear_kernel[(triton.cdiv(n, block_n) * triton.cdiv(m, block_m), split_k)](
         x2, weight.data, y, m, n, k, x2.stride(0), weight.data.stride(0), y.stride(-2),
         **kernel_constants(weight.qtype, x2.dtype, block_m, block_n, dequant, split, unroll, split_k,
                            weight.data.data_ptr() % 4 == 0),
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **opts)
