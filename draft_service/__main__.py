@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             batch_buckets=cfg.batch_buckets,
             max_top_k=cfg.max_top_k,
             prefill_chunk=cfg.prefill_chunk,
+            weights=cfg.weights,
             progress=log.isEnabledFor(logging.INFO) or sys.stderr.isatty(),
         )
     except DrafterError as e:   # malformed, or does not fit the target: the message names the field

@@ -22,7 +22,7 @@ class DraftConfig:
     ``session_idle_timeout``, ``lease_s`` and ``shutdown_timeout`` in seconds.
 
     Device-dependent defaults are ``auto`` / ``None``: :meth:`resolved()` decides ``dtype`` (bf16 on
-    CUDA, f32 on the CPU) and ``engine`` (batched on CUDA, reference on the CPU); ``max_context``
+    CUDA, f32 on the CPU), ``engine`` (batched on CUDA, reference on the CPU) and ``weights`` (bf16); ``max_context``
     None is the target's context length, which the batched engine (its pool is allocated at start)
     caps at :attr:`BATCHED_CONTEXT_CAP`; ``batch_buckets`` None follows the session slots granted
     (:func:`runtime.config.batch_buckets_for`).
@@ -34,6 +34,8 @@ class DraftConfig:
     DTYPES: ClassVar[tuple[str, ...]] = ("auto", "f32", "f16", "bf16")
     #: accepted ``engine`` values
     ENGINES: ClassVar[tuple[str, ...]] = ("auto", "batched", "reference")
+    #: accepted ``weights`` values
+    WEIGHTS: ClassVar[tuple[str, ...]] = ("auto", "bf16", "quantized")
 
     drafter: str | None = setting(None, "drafter GGUF or z-lab checkpoint directory (default: the default drafter of the target)")
     target: str | None = setting(None, "target GGUF the drafter was built for (default: the default model)")
@@ -44,6 +46,10 @@ class DraftConfig:
     engine: str = setting(
         "auto", "auto: the batched engine (context pool, CUDA graphs) on CUDA, the per-session reference on the CPU",
         choices=ENGINES)
+    weights: str = setting(
+        "auto", "the target's embedding and LM head the drafter borrows: quantized keeps a GGUF block type the kernels "
+        "read (Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K) as blocks on the device (no float copy of the vocabulary table), bf16 "
+        "dequantizes them to --dtype at load (auto: bf16, as the target's --weights)", choices=WEIGHTS)
     local_hop: bool = setting(True, "also serve Propose on a Unix socket for an orchestrator on this host (the same checks: "
                                     "docs/ARCHITECTURE.md, 'The same-host hop')")
     cuda_graphs: bool = setting(True, "batched engine: capture the steps as CUDA graphs (off: run them eagerly)")
@@ -75,10 +81,12 @@ class DraftConfig:
     log_level: str | None = setting(None, "log level (default WARNING, or $DFLASH_LOG_LEVEL)")
 
     def resolved(self, device: str | None = None) -> DraftConfig:
-        """This config with ``dtype`` and ``engine`` decided for ``device`` (default: ``self.device``)."""
+        """This config with ``dtype``, ``engine`` and ``weights`` decided for ``device`` (default:
+        ``self.device``)."""
         cuda = str(device or self.device).startswith("cuda")
         return dataclasses.replace(
             self,
             dtype=("bf16" if cuda else "f32") if self.dtype == "auto" else self.dtype,
             engine=("batched" if cuda else "reference") if self.engine == "auto" else self.engine,
+            weights="bf16" if self.weights == "auto" else self.weights,
         )

@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.norm.reference import rms_norm
+from kernels.quant import QuantizedWeight, embedding
 from kernels.rope.reference import apply_rope, rope_cos_sin
 
 logger = logging.getLogger(__name__)
@@ -456,30 +457,60 @@ class DFlashDrafter(nn.Module):
 
     Args:
         config: the drafter shape.
-        embed_weight: the target's token embedding ``[vocab, H]``.
-        lm_head_weight: the target's LM head ``[vocab, H]``; ``None`` = tied (``embed_weight``).
+        embed_weight: the target's token embedding ``[vocab, H]``: a float tensor, or the target
+            GGUF's blocks as a :class:`kernels.quant.QuantizedWeight` (``--weights quantized``).
+        lm_head_weight: the target's LM head ``[vocab, H]``, either form; ``None`` = tied
+            (``embed_weight``).
 
     The module's parameters are initialised like ``nn.Linear`` defaults; use
     :meth:`reset_parameters` for the HF-style init, :meth:`from_gguf` to load a drafter file.
-    Move it with ``.to(device, dtype)``: the target embedding / head are buffers and follow.
+    Move it with ``.to(device, dtype)``: a float target embedding / head are buffers and follow;
+    quantized ones stay where they were made (:meth:`borrow`).
+
+    Raises:
+        DrafterError: the embedding or LM head is not ``[vocab, H]``.
     """
 
-    def __init__(self, config: DrafterConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None = None):
+    def __init__(self, config: DrafterConfig, embed_weight: "torch.Tensor | QuantizedWeight",
+                 lm_head_weight: "torch.Tensor | QuantizedWeight | None" = None):
         super().__init__()
         config.validate()
         self.config = config
         c = config
-        if tuple(embed_weight.shape) != (c.vocab_size, c.hidden_size):
-            raise DrafterError(f"target embedding has shape {tuple(embed_weight.shape)}, expected {(c.vocab_size, c.hidden_size)}")
-        if lm_head_weight is not None and tuple(lm_head_weight.shape) != (c.vocab_size, c.hidden_size):
-            raise DrafterError(f"target LM head has shape {tuple(lm_head_weight.shape)}, expected {(c.vocab_size, c.hidden_size)}")
         self.fc = nn.Linear(c.feature_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_eps)
         self.layers = nn.ModuleList(DFlashLayer(c) for _ in range(c.num_layers))
         self.output_norm = RMSNorm(c.hidden_size, c.rms_eps)
-        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        self.borrow(embed_weight, lm_head_weight)
+
+    def borrow(self, embed_weight: "torch.Tensor | QuantizedWeight",
+               lm_head_weight: "torch.Tensor | QuantizedWeight | None" = None) -> None:
+        """Take the target's embedding and LM head (``[vocab, H]`` each; ``lm_head_weight`` None:
+        tied). A float tensor becomes a non-persistent buffer (it follows ``.to()``); a
+        :class:`kernels.quant.QuantizedWeight` (the target GGUF's blocks, no float copy) is a plain
+        attribute that stays on its device, read by ``kernels.quant``'s embedding gather and
+        fused dequantize-matmul.
+
+        Raises:
+            DrafterError: a weight is not ``[vocab, H]``.
+        """
+        c = self.config
+        for what, w in (("embedding", embed_weight), ("LM head", lm_head_weight)):
+            if w is not None and tuple(w.shape) != (c.vocab_size, c.hidden_size):
+                raise DrafterError(f"target {what} has shape {tuple(w.shape)}, expected {(c.vocab_size, c.hidden_size)}")
+        for name, w in (("embed_weight", embed_weight), ("lm_head_weight", lm_head_weight)):
+            self._buffers.pop(name, None)
+            self.__dict__.pop(name, None)
+            if isinstance(w, QuantizedWeight):
+                object.__setattr__(self, name, w)
+            else:
+                self.register_buffer(name, None if w is None else w.detach(), persistent=False)
         self.tied = lm_head_weight is None
-        self.register_buffer("lm_head_weight", None if self.tied else lm_head_weight.detach(), persistent=False)
+
+    @property
+    def quantized_head(self) -> bool:
+        """Whether the LM head (the embedding when tied) is held as GGUF blocks."""
+        return isinstance(self.head_weight, QuantizedWeight)
 
     # ---- construction ------------------------------------------------------------------------
 
@@ -505,8 +536,8 @@ class DFlashDrafter(nn.Module):
         return self.fc.weight.dtype
 
     @property
-    def head_weight(self) -> torch.Tensor:
-        """The target LM head ``[vocab, H]`` (the embedding when tied)."""
+    def head_weight(self) -> "torch.Tensor | QuantizedWeight":
+        """The target LM head ``[vocab, H]`` (the embedding when tied), a float tensor or GGUF blocks."""
         return self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
 
     # ---- shared math ---------------------------------------------------------------------------
@@ -625,8 +656,9 @@ class DFlashDrafter(nn.Module):
                                                        window, positions, ctx_positions)
 
     def embed_blocks(self, block_tokens: torch.Tensor) -> torch.Tensor:
-        """Target embedding of ``block_tokens`` ``[nb, B]`` -> ``[nb, B, H]`` in the model dtype."""
-        return F.embedding(block_tokens.to(self.device), self.embed_weight).to(self.dtype)
+        """Target embedding of ``block_tokens`` ``[nb, B]`` -> ``[nb, B, H]`` in the model dtype
+        (a quantized embedding: only the looked-up rows dequantized, ``kernels.quant.embedding``)."""
+        return embedding(self.embed_weight, block_tokens.to(self.device), self.dtype)
 
     def run_blocks(self, block_tokens: torch.Tensor, positions: torch.Tensor, attends: Sequence["Attend"]) -> torch.Tensor:
         """Embed ``block_tokens`` ``[nb, B]``, run every layer ``i`` with attention backend
@@ -658,8 +690,14 @@ class DFlashDrafter(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[..., H]`` -> float32 logits ``[..., vocab]`` with the target's LM head
-        (float64 for a float64 model)."""
-        out = F.linear(hidden, self.head_weight.to(hidden.dtype))
+        (float64 for a float64 model). A quantized head: ``kernels.linear.linear`` (the fused
+        dequantize-matmul on CUDA, float32 out; the float32 reference on the CPU)."""
+        head = self.head_weight
+        if isinstance(head, QuantizedWeight):
+            from kernels.linear import linear
+
+            return linear(hidden, head, torch.float64 if hidden.dtype == torch.float64 else torch.float32)
+        out = F.linear(hidden, head.to(hidden.dtype))
         return out if out.dtype == torch.float64 else out.float()
 
     # ---- uncached path (tests, training) -------------------------------------------------------

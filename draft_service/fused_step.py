@@ -37,6 +37,7 @@ from kernels import attention as attn_ops
 from kernels.activation import silu_mul
 from kernels.linear import linear
 from kernels.norm import add_rms_norm, rms_norm
+from kernels.quant import QuantizedWeight, embedding
 from kernels.rope import rope_store
 from kernels.rope.reference import rope_table
 
@@ -82,7 +83,8 @@ class FusedDrafter:
                     down=layer.ffn_down.weight.contiguous(),
                     attn_norm=layer.attn_norm.weight, ffn_norm=layer.ffn_norm.weight,
                     q_norm=layer.attn_q_norm.weight, k_norm=layer.attn_k_norm.weight))
-            self.head = drafter.head_weight.to(drafter.dtype).contiguous()
+            head = drafter.head_weight          # GGUF blocks (--weights quantized) are read as they are
+            self.head = head if isinstance(head, QuantizedWeight) else head.to(drafter.dtype).contiguous()
             self.embed = drafter.embed_weight
         self.cos, self.sin = rope_table(max_positions, c.head_dim, c.rope_theta, drafter.device)
 
@@ -121,7 +123,7 @@ class FusedDrafter:
         flat = block_rows.reshape(-1)
         cos, sin = self.cos[flat], self.sin[flat]
         scale = 1.0 / math.sqrt(D)
-        x = self.embed[tokens.reshape(-1)].to(self.drafter.dtype)                # [b*B, H]
+        x = embedding(self.embed, tokens.reshape(-1), self.drafter.dtype)        # [b*B, H]
         h = rms_norm(x, self.layers[0].attn_norm, self.eps)
         n = b * B
         for i, lw in enumerate(self.layers):

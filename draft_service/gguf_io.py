@@ -49,6 +49,7 @@ from draft_service.checkpoint import (  # noqa: F401
     CONFIG_NAME, EXTRA_KEY, HF_TO_GGUF, LAYER_TENSORS, check_fits, read_directory, tensor_shapes,
 )
 from draft_service.drafter import FULL, SLIDING, DFlashDrafter, DrafterConfig, DrafterError
+from kernels.quant import QuantizedWeight
 from runtime.fingerprint import model_fingerprint
 from runtime.gguf_loader import GGUFError, GGUFFile, open_gguf, write_gguf
 
@@ -258,12 +259,35 @@ def is_trained(path: str | os.PathLike[str]) -> bool:
     return bool(open_gguf(path).get("dflash.trained", True))
 
 
+def borrowed_tensor(target: GGUFFile, name: str, dtype: torch.dtype, device: "str | torch.device",
+                    quantized: bool) -> "torch.Tensor | QuantizedWeight":
+    """Tensor ``name`` of the target GGUF for the drafter: dequantized to ``dtype`` on ``device``,
+    or with ``quantized`` and a type of :data:`kernels.quant.QTYPES`, its blocks on ``device``
+    (:class:`kernels.quant.QuantizedWeight`). A block type the kernels do not read (Q2_K, IQ...)
+    is dequantized, with a warning naming it; float types (F32, F16, BF16) load as floats.
+
+    Raises:
+        runtime.gguf_loader.GGUFError: the tensor is missing or unreadable.
+    """
+    from kernels.quant import QTYPES
+
+    t = target.tensor_info(name).type_name
+    if quantized and t in QTYPES:
+        raw = target.load_raw(name, device=device)
+        return QuantizedWeight(raw.data.reshape(raw.shape[0], -1), raw.qtype, raw.shape)
+    if quantized and t not in ("F32", "F16", "BF16"):
+        logger.warning("target tensor %s is %s, which has no quantized kernel: dequantized for the drafter", name, t,
+                       extra={"tensor": name, "type": t})
+    return target.load_tensor(name, dtype=dtype, device=device)
+
+
 def load_drafter(
     drafter_path: str | os.PathLike[str],
     target_path: "str | os.PathLike[str] | Any",
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     check_target: bool = True,
+    weights: str = "bf16",
 ) -> "DFlashDrafter":
     """Load a drafter GGUF or z-lab checkpoint directory (:func:`read_drafter`), check it fits the
     target (:func:`draft_service.checkpoint.check_fits`) and borrow the target's embedding and LM head
@@ -277,12 +301,19 @@ def load_drafter(
         device, dtype: where and in which float dtype the module lives.
         check_target: refuse a target whose model fingerprint differs from the drafter's
             ``dflash.target_fingerprint`` (empty stored fingerprints are not checked).
+        weights: ``"bf16"`` (the target's embedding and LM head dequantized to ``dtype``) or
+            ``"quantized"``: each of them stored in a type of :data:`kernels.quant.QTYPES` is kept
+            as the file's blocks on ``device`` (:class:`kernels.quant.QuantizedWeight`: no float
+            copy of a ``[vocab, H]`` table), any other type dequantized with a warning naming it.
 
     Raises:
         DrafterError: the drafter does not belong to that target (fingerprint, hidden size,
             vocabulary, target_layer_ids or mask_token_id: the message names the field) or the
             file is malformed.
+        ValueError: ``weights`` is neither ``"bf16"`` nor ``"quantized"``.
     """
+    if weights not in ("bf16", "quantized"):
+        raise ValueError(f"weights must be 'bf16' or 'quantized', got {weights!r}")
     config, state = read_drafter(drafter_path, dtype=dtype, device=device)
     target = target_path if isinstance(target_path, GGUFFile) else GGUFFile(target_path)
     target_path = target.path
@@ -297,8 +328,8 @@ def load_drafter(
         check_fits(config, target)
         if not config.target_fingerprint:
             config.target_fingerprint, config.target_architecture = fp, target.architecture
-    embed = target.load_tensor("token_embd.weight", dtype=dtype, device=device)
-    head = target.load_tensor("output.weight", dtype=dtype, device=device) if target.has_tensor("output.weight") else None
+    embed = borrowed_tensor(target, "token_embd.weight", dtype, device, weights == "quantized")
+    head = borrowed_tensor(target, "output.weight", dtype, device, weights == "quantized") if target.has_tensor("output.weight") else None
     if embed.shape[1] != config.hidden_size or embed.shape[0] != config.vocab_size:
         raise DrafterError(
             f"target embedding {tuple(embed.shape)} does not match the drafter (vocab {config.vocab_size}, hidden {config.hidden_size})"
@@ -306,8 +337,7 @@ def load_drafter(
     with torch.device("meta"):
         model = DFlashDrafter(config, torch.empty(config.vocab_size, config.hidden_size))
     model.load_state_dict(state, strict=True, assign=True)
-    model.embed_weight = embed
-    model.tied = head is None
-    model.lm_head_weight = head
-    logger.info("loaded drafter", extra={"drafter": os.fspath(drafter_path), "layers": config.num_layers, "device": str(device)})
+    model.borrow(embed, head)
+    logger.info("loaded drafter", extra={"drafter": os.fspath(drafter_path), "layers": config.num_layers, "device": str(device),
+                                         "target_weights": weights})
     return model.eval()

@@ -240,6 +240,7 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         batch_buckets: tuple[int, ...] | None = None,
         max_top_k: int | None = None,
         prefill_chunk: int = DraftConfig.prefill_chunk,
+        weights: str = "bf16",
         progress: bool = False,
     ) -> "DraftServiceServicer":
         """Load the drafter for ``target_path``, build its engine and serve it.
@@ -255,13 +256,15 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
             cuda_graphs, fused_step, memory_budget, batch_buckets, max_top_k, prefill_chunk: the batched
                 engine's options (:class:`BatchedDrafter`; None: :class:`DraftConfig`'s defaults);
                 its graphs are captured here (``progress``: a tqdm bar).
+            weights: the target's embedding and LM head as ``"bf16"`` (dequantized to ``dtype``) or
+                ``"quantized"`` (GGUF blocks; :func:`draft_service.gguf_io.load_drafter`).
 
         ``drafter_path`` is a drafter GGUF or a z-lab checkpoint directory (loaded in memory).
 
         Raises:
             draft_service.drafter.DrafterError: the drafter belongs to another target or does not
                 fit it (the message names the field).
-            ValueError: unknown ``engine``.
+            ValueError: unknown ``engine`` or ``weights``.
             runtime.errors.ResourceExhausted: the memory budget holds no session slot.
         """
         from draft_service.gguf_io import is_trained
@@ -275,7 +278,8 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         if dtype is None:
             dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[auto.dtype]
         target = open_gguf(target_path)
-        drafter = load_drafter(drafter_path, target, device=device, dtype=dtype)
+        drafter = load_drafter(drafter_path, target, device=device, dtype=dtype,
+                               weights=DraftConfig(weights=weights).resolved().weights)
         target_context = int(target.get("{arch}.context_length", 0) or 0)
         if not is_trained(drafter_path):
             logger.warning("the drafter is untrained (random init): expect acceptance near zero", extra={"drafter": drafter_path})

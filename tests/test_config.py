@@ -168,8 +168,9 @@ def test_device_dependent_defaults_are_resolved_once():
 
     assert TargetConfig.WEIGHTS == WEIGHT_MODES
     assert TargetConfig(max_sessions=3, engine="batched").resolved().max_sessions == 3
-    assert DraftConfig(device="cuda").resolved() == DraftConfig(device="cuda", dtype="bf16", engine="batched")
-    assert DraftConfig().resolved() == DraftConfig(dtype="f32", engine="reference")
+    assert DraftConfig(device="cuda").resolved() == DraftConfig(device="cuda", dtype="bf16", engine="batched", weights="bf16")
+    assert DraftConfig().resolved() == DraftConfig(dtype="f32", engine="reference", weights="bf16")
+    assert DraftConfig(weights="quantized").resolved().weights == "quantized"
     cfg = OrchestratorConfig(target="x")
     assert cfg.resolved("cuda:0", 64).step_nodes == OrchestratorConfig.STEP_NODES_CUDA == 512
     assert cfg.resolved("cpu", 8).step_nodes == OrchestratorConfig.STEP_NODES_CPU == 64

@@ -357,3 +357,44 @@ def test_quant_diag_measures_and_smoke(tmp_path):
     assert res["teacher_forced"]["quantized vs float32"]["positions"] == 2 * 6
     sites = res["sites"]["quantized"]["sites"]
     assert {k: v["calls_per_step"] for k, v in sites.items()} == {"qkv": 2, "o": 2, "gate_up": 2, "down": 2, "lm_head": 1}
+
+
+# ------------------------------------------------------------------------ the drafter's borrowed weights
+def test_drafter_borrows_the_target_embedding_and_head_quantized(tiny_q, tmp_path, caplog):
+    """``--weights quantized`` on the draft service: the target's tied Q4_K embedding / LM head stay
+    GGUF blocks in the drafter (one object, no float copy); the embedding rows it looks up equal the
+    dequantized-at-load drafter's bit for bit, its logits agree to float32 summation order, and the
+    batched engine's fused step (float32 on the CPU) drafts the same trees as the dequantized
+    drafter's reference step; the service loads it that way and refuses an unknown mode."""
+    from draft_service.batched import ReferenceDrafterEngine
+    from draft_service.gguf_io import load_drafter
+    from draft_service.init_random import write_random_drafter
+    from draft_service.servicer import DraftServiceServicer
+    from tests.test_draft_batched import batched, lockstep, streams, trees
+
+    path = str(tmp_path / "drafter.gguf")
+    write_random_drafter(tiny_q, path, layers=1, block_size=8, num_target_layers=2, std=0.1, dtype="f32", seed=5)
+    dq = load_drafter(path, tiny_q, weights="quantized")
+    db = load_drafter(path, tiny_q, weights="bf16")
+    assert isinstance(dq.embed_weight, QuantizedWeight) and dq.embed_weight.qtype.name == "Q4_K"
+    assert dq.tied and dq.head_weight is dq.embed_weight and dq.quantized_head
+    assert isinstance(db.embed_weight, torch.Tensor) and db.embed_weight.dtype == torch.float32 and not db.quantized_head
+    assert "embed_weight" not in dict(dq.named_buffers()) and "embed_weight" in dict(db.named_buffers())
+    tokens = torch.randint(0, dq.config.vocab_size, (3, 8), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(dq.embed_blocks(tokens), db.embed_blocks(tokens))
+    hidden = torch.randn(5, dq.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    lq, lb = dq.logits(hidden), db.logits(hidden)
+    assert lq.dtype == torch.float32 and lq.shape == lb.shape and rel(lq, lb) <= 1e-5
+
+    items = streams(db, ["a", "b", "c"], steps=3, seed=31, dtype=torch.float32)
+    ref = ReferenceDrafterEngine(db)
+    want = [ref.propose_batch(b) for b in lockstep(items)]
+    fused = batched(dq, batch_buckets=(1, 2, 4), fused=True)
+    assert isinstance(fused.fused.head, QuantizedWeight)
+    got = [fused.propose_batch(b) for b in lockstep(items)]
+    assert [trees(g) for g in got] == [trees(w) for w in want]
+
+    s = DraftServiceServicer.from_paths(path, tiny_q, max_sessions=2, max_context=32, weights="quantized")
+    assert isinstance(s.engine.drafter.embed_weight, QuantizedWeight)
+    with pytest.raises(ValueError, match="weights"):
+        DraftServiceServicer.from_paths(path, tiny_q, max_sessions=2, max_context=32, weights="q4")
