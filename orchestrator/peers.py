@@ -25,7 +25,7 @@ from typing import Any, Callable
 import grpc
 
 from dflash_grpc import serving
-from dflash_grpc.localhop import REPLY, endpoint_path, parse_status, send_buffers
+from dflash_grpc.localhop import REPLY, endpoint_path, parse_status, recv_frame, send_buffers, widen
 from dflash_grpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from orchestrator import metrics
 from orchestrator.messages import parse_verify_reply
@@ -481,7 +481,7 @@ class LocalHopCall:
                     on_sent()
             if timeout is not None and not conn.poll(max(0.0, timeout)):
                 raise self._fail(ExchangeTimeout(timeout))
-            answer = conn.recv_bytes()
+            answer = recv_frame(conn)   # (into one buffer of the reply's size: issue 23)
         except (OSError, EOFError) as e:
             if self._error is not None:
                 raise self._error from None
@@ -490,11 +490,11 @@ class LocalHopCall:
                 raise self._fail(StreamError(grpc.StatusCode.UNAVAILABLE, f"the local hop connection was lost: {e}")) from None
         if answer[:1] == REPLY:
             try:
-                return self._deserialize(memoryview(answer)[1:])   # (no copy of the reply's bytes)
+                return self._deserialize(answer[1:])   # (a view: no copy of the reply's bytes)
             except Exception as e:  # noqa: BLE001 - a reply that does not decode ends the stream
                 raise self._fail(StreamError(grpc.StatusCode.INTERNAL, f"the reply did not decode: {e}")) from None
         try:
-            code, details, trailing = parse_status(answer[1:])
+            code, details, trailing = parse_status(bytes(answer[1:]))
         except (ValueError, UnicodeDecodeError) as e:
             raise self._fail(StreamError(grpc.StatusCode.INTERNAL, f"malformed status from the local hop: {e}")) from None
         if code == grpc.StatusCode.OK:
@@ -539,6 +539,7 @@ def open_local(endpoint: str, method: str, deserialize, metadata: tuple = (), ti
         conn = Client(path, family="AF_UNIX")
     except OSError as e:
         raise StreamError(grpc.StatusCode.UNAVAILABLE, f"cannot reach the local hop: {e}") from None
+    widen(conn)   # (a tick's feature rows in one write, not in pieces)
     try:
         try:
             conn.send_bytes(json.dumps({"method": method, "metadata": [[str(k), str(v)] for k, v in metadata]}).encode())
