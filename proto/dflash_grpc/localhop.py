@@ -161,8 +161,9 @@ def send_buffers(conn: Connection, buffers) -> None:
     :mod:`multiprocessing.connection` (what ``recv_bytes`` reads), written from each buffer in
     turn (``writev``), not joined first: the orchestrator's Propose carries the feature rows of
     every item straight from the Verify reply that brought them (issue 23)."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    n = sum(len(v) for v in views)
+    views = [b if type(b) is bytes or (type(b) is memoryview and b.format == "B" and b.c_contiguous)
+             else memoryview(b).cast("B") for b in buffers]   # (as they come where they are bytes already)
+    n = sum(map(len, views))
     if n <= 16384:
         conn.send_bytes(b"".join(views))
         return
@@ -175,7 +176,7 @@ def send_buffers(conn: Connection, buffers) -> None:
             sent -= len(bufs[0])
             bufs.pop(0)
         if bufs and sent:
-            bufs[0] = bufs[0][sent:]
+            bufs[0] = memoryview(bufs[0])[sent:]   # (a view: a bytes piece is not copied)
 
 
 #: bytes a hop socket may hold in flight each way (``SO_SNDBUF`` / ``SO_RCVBUF``, :func:`widen`): a
