@@ -79,6 +79,9 @@ ZERO_COPY_FROM = 1 << 16
 
 def _read_varint(buf, o: int) -> tuple[int, int]:
     """The varint at ``buf[o]`` and the offset after it (IndexError past the end)."""
+    b = buf[o]
+    if b < 0x80:   # (one byte: tags and small lengths)
+        return b, o + 1
     value = shift = 0
     while True:
         b = buf[o]

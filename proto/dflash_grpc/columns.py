@@ -159,8 +159,13 @@ def fill_features(msg: common_pb2.FeatureColumns, parts: Sequence[Rows | None], 
     return True
 
 
+_ONE_BYTE = [bytes((i,)) for i in range(0x80)]
+
+
 def varint(n: int) -> bytes:
     """``n`` (>= 0) as a protobuf varint."""
+    if n < 0x80:
+        return _ONE_BYTE[n]
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
@@ -183,8 +188,10 @@ def features_tail(path: Sequence[int], parts: Sequence[Rows | None], got: tuple 
     if layout is None:
         return []
     n = sum(map(_nbytes, data))
-    tensor = common_pb2.Tensor(dtype=layout[0], shape=(sum(rows), layout[1])).SerializeToString()
-    head = tensor + b"\x1a" + varint(n)   # Tensor.data (field 3, length-delimited)
+    dtype, width = layout   # the Tensor's dtype (field 1, omitted at 0) and packed shape (field 2), as protobuf writes them
+    shape = varint(sum(rows)) + varint(width)
+    head = (b"\x08" + varint(dtype) if dtype else b"") + b"\x12" + varint(len(shape)) + shape
+    head += b"\x1a" + varint(n)   # Tensor.data (field 3, length-delimited)
     length = len(head) + n
     for field in reversed((*path, 2)):       # path, then FeatureColumns.rows_data (field 2)
         wrap = varint(field << 3 | 2) + varint(length)
