@@ -402,7 +402,7 @@ class HopServer:
                         ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                   f"request message larger than {limit} bytes")
                     return
-                yield parse(raw) if parse is not None else bytes(raw)
+                yield parse(raw) if parse is not None else raw   # (a view: the method decodes it, e.g. FromString)
 
         status = (grpc.StatusCode.OK, "", ())
         try:
