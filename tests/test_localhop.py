@@ -361,3 +361,20 @@ def test_widen_raises_the_socket_buffers_within_the_kernel_cap():
         assert after >= min(2 * SOCKET_BUFFER_BYTES, 2 * cap) // 2 + 1
     conn.close()
     b.close()
+
+
+def test_widen_leaves_a_pipe_alone():
+    """widen on a connection that is not a socket (a pipe) changes nothing and leaks no
+    descriptor."""
+    from multiprocessing.connection import Connection
+
+    from dflash_grpc.localhop import widen
+
+    r, w = os.pipe()
+    conn = Connection(r)
+    before = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    widen(conn)
+    if before is not None:
+        assert len(os.listdir("/proc/self/fd")) == before
+    conn.close()
+    os.close(w)

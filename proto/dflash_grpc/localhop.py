@@ -190,8 +190,13 @@ def widen(conn: Connection, nbytes: int = SOCKET_BUFFER_BYTES) -> None:
     """Ask for ``nbytes`` of socket buffer each way on ``conn``'s socket (best effort: the kernel
     caps it; an error, e.g. not a socket, leaves it as it was)."""
     try:
-        s = socket.socket(fileno=os.dup(conn.fileno()))
+        fd = os.dup(conn.fileno())
     except OSError:
+        return
+    try:
+        s = socket.socket(fileno=fd)
+    except OSError:   # (not a socket)
+        os.close(fd)
         return
     try:
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
