@@ -12,7 +12,7 @@ from __future__ import annotations
 from itertools import accumulate
 from typing import NamedTuple, Sequence
 
-from dflash_grpc.columns import (ColumnsError, Rows, varint, features_tail, fill_features, fill_trees,
+from dflash_grpc.columns import (ColumnsError, Rows, varint, feature_parts, features_tail, fill_features, fill_trees,
                                  index_statuses, pack_i32, read_features, read_trees, unpack_i32)
 from dflash_grpc.v1 import common_pb2, draft_pb2, target_pb2
 from runtime.tree import TreeError, tree_depths
@@ -79,6 +79,9 @@ ZERO_COPY_FROM = 1 << 16
 
 def _read_varint(buf, o: int) -> tuple[int, int]:
     """The varint at ``buf[o]`` and the offset after it (IndexError past the end)."""
+    b = buf[o]
+    if b < 0x80:   # (one byte: tags and small lengths)
+        return b, o + 1
     value = shift = 0
     while True:
         b = buf[o]
@@ -276,7 +279,8 @@ class ProposeItems:
         request = draft_pb2.ProposeRequest()
         if columnar:
             cols = request.columns
-            if fill_features(cols.features, self.features, tensor=not serialized):
+            got = feature_parts(self.features)   # (read once for both)
+            if got is not None and fill_features(cols.features, self.features, tensor=not serialized, got=got):
                 cols.session_ids.extend(self.sids)
                 cols.root_tokens = pack_i32(self.roots)
                 cols.committed_lengths = pack_i32(self.lengths)
@@ -285,7 +289,7 @@ class ProposeItems:
                 cols.max_depths = pack_i32(self.depths)
                 cols.SetInParent()
                 if serialized:
-                    return Serialized([request.SerializeToString(), *features_tail((2, 7), self.features)])
+                    return Serialized([request.SerializeToString(), *features_tail((2, 7), self.features, got)])
                 return request
             request = draft_pb2.ProposeRequest()
         add = request.items.add

@@ -722,14 +722,19 @@ class Scheduler:
         them (which holds every item's rows) stay so for up to :data:`KEEP_VIEWS` ticks, the next
         Propose sending them from there; then they are copied out, several ticks' at once
         (:meth:`_compact`), so a reply's buffer is not held for long."""
-        if features is not None and not isinstance(features, Rows):
-            features = Rows.of_tensor(features)
-        if features is None or not features.rows:
+        if type(features) is not Rows:
+            if features is None:
+                return
+            features = Rows.of_tensor(features) if not isinstance(features, Rows) else features
+            if features is None:
+                return
+        if not features[2]:   # (Rows.rows: no rows)
             return
         history = req.history
         history.append(features)
-        req.history_bytes += len(features.data)
-        if req.loose == len(history) - 1 and isinstance(features.data, bytes):
+        data = features[3]
+        req.history_bytes += len(data)
+        if req.loose == len(history) - 1 and type(data) is bytes:
             req.loose += 1
         elif len(history) - req.loose > KEEP_VIEWS:
             self._compact(req)
@@ -835,6 +840,7 @@ class Scheduler:
         steps = []   # (draft nodes, depth, accepted) of each verified item: the metrics, once per tick
         emitted = 0
         now = time.monotonic()
+        keep, emit, hand, add_step = self._keep, self._emit, self._pending.append, steps.append
         for i, (r, tokens, root, length, features, nodes, depth) in enumerate(
                 zip(batch, accepted, bonus, lengths, feats, nodes_of, depth_of)):
             stats = r.stats
@@ -847,13 +853,19 @@ class Scheduler:
                 continue
             k = len(tokens)
             stats.record_step(depth, nodes, k)
-            steps.append((nodes, depth, k))
+            add_step((nodes, depth, k))
             emitted += k + 1
             r.root, r.length = root, length
             if r.speculative:
-                self._keep(r, features)
+                keep(r, features)
             tokens.append(root)
-            self._emit(r, tokens, now=now)
+            eos = r.eos
+            if k + 1 < r.max_tokens - r.emitted and (not eos or eos.isdisjoint(tokens)):
+                r.emitted += k + 1   # (_emit's common case: no EOS, not the last tokens)
+                stats.decode_time_s = now - r.t_first
+                hand((r, Tokens(tokens)))
+            else:
+                emit(r, tokens, now=now)
         if steps:
             metrics.observe_verify_batch(steps)
         self.ticks += 1
@@ -922,6 +934,8 @@ class Scheduler:
         extra_bytes = 0  # their bytes (RESYNC_BYTES)
         max_context, n, step_nodes = self.info.max_context, len(batch), self.step_nodes
         shares: dict[tuple[int, int], int] = {}   # adaptive_budget of this tick, by (want, min_nodes)
+        tree_nodes: dict[int, int] = {}   # (the same, for a tree of each budget: read per item)
+        depth_cap = min(block - 1, depth_cap)
         for i, r in enumerate(batch):
             if not r.speculative or (not r.draft_synced and not r.history_complete):
                 continue  # not drafting, or the drafter lost this session and its history was dropped
@@ -930,15 +944,22 @@ class Scheduler:
                 t = r.tree
                 asked = r.tree_params = (t.budget, t.top_k, t.max_depth or 10**9)
             budget, top_k, asked_depth = asked
-            max_depth = min(block - 1, max_context - r.length - 1, r.max_tokens - r.emitted - 1, depth_cap, asked_depth)
+            max_depth = depth_cap if depth_cap < asked_depth else asked_depth
+            length = r.length
+            if length + max_depth >= max_context or r.emitted + max_depth >= r.max_tokens:   # (near its end)
+                max_depth = min(max_depth, max_context - length - 1, r.max_tokens - r.emitted - 1)
             # a tree's node budget, or a chain's length, within this request's share of the tick
-            if max_depth > 0:
-                key = (budget or max_depth, 2 if budget else 1)
+            if max_depth <= 0:
+                continue
+            if budget:
+                nodes = tree_nodes.get(budget)
+                if nodes is None:
+                    nodes = tree_nodes[budget] = adaptive_budget(n, step_nodes, want=budget, min_nodes=2)
+            else:
+                key = (max_depth, 1)
                 nodes = shares.get(key)
                 if nodes is None:
-                    nodes = shares[key] = adaptive_budget(n, step_nodes, want=key[0], min_nodes=key[1])
-            else:
-                nodes = 0
+                    nodes = shares[key] = adaptive_budget(n, step_nodes, want=max_depth, min_nodes=1)
             if not nodes:
                 continue
             if not r.on_drafter:
@@ -959,7 +980,7 @@ class Scheduler:
                 extra_rows += features.rows - block
             if not budget:
                 max_depth = nodes   # a chain of that length
-            items.add(r.draft_id, r.root, r.length, nodes if budget else 0, top_k, max_depth, features)
+            items.add(r.draft_id, r.root, length, nodes if budget else 0, top_k, max_depth, features)
             who.append((i, max_depth))
         if not who:
             return {}, 0.0, extra_rows

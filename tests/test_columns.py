@@ -457,3 +457,15 @@ def test_orchestrator_batches_as_columns_and_stays_lossless(tiny_llama, tiny_dra
         plain = [run(p, False) for p in prompts]
         assert all_at_once(True) == plain
     assert True in forms["verify"] and True in forms["propose"], forms
+
+
+def test_varint_is_protobufs_encoding_at_every_length():
+    """columns.varint (the one-byte values from a table, the rest in a loop) writes what
+    protobuf's own encoder writes (features_tail's hand-written Tensor head: the serialised
+    Propose test above)."""
+    from google.protobuf.internal.encoder import _VarintBytes
+
+    from dflash_grpc.columns import varint
+
+    for n in (0, 1, 0x7F, 0x80, 300, 0x3FFF, 0x4000, 1 << 21, (1 << 35) + 5, (1 << 63) - 1):
+        assert varint(n) == _VarintBytes(n), n

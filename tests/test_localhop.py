@@ -286,3 +286,95 @@ def test_send_buffers_is_one_frame_of_them_all(sizes):
     done.join()
     sender.close()
     receiver.close()
+
+
+def test_recv_frame_reads_what_recv_bytes_reads():
+    """recv_frame (the orchestrator's replies, the services' requests) reads each frame's bytes
+    as recv_bytes does, small or large, frame after frame of one connection; refuses a frame
+    over its maxsize as recv_bytes does; EOFError at a clean end, OSError in a cut frame."""
+    import socket
+    import struct
+    from multiprocessing.connection import Connection
+
+    from dflash_grpc.localhop import recv_frame, send_buffers, widen
+
+    a, b = socket.socketpair()
+    sender, receiver = Connection(a.detach()), Connection(b.detach())
+    widen(sender)
+    widen(receiver)
+    frames = [b"", b"x", os.urandom(16384), os.urandom(1 << 16), os.urandom(3 << 20), os.urandom(100)]
+
+    def send():
+        for f in frames:
+            if len(f) > 1 << 20:   # (a view of another format: sent as its bytes)
+                send_buffers(sender, [f[:6], memoryview(f)[6:].cast("H")])
+            elif len(f) > 16384:
+                send_buffers(sender, [f[:5], memoryview(f)[5:]])
+            else:
+                sender.send_bytes(f)
+        sender.send_bytes(b"y" * 200)   # over maxsize below
+        sender.close()
+
+    done = threading.Thread(target=send)
+    done.start()
+    got = [recv_frame(receiver) for _ in frames]
+    assert [bytes(g) for g in got] == frames and all(isinstance(g, memoryview) for g in got)
+    with pytest.raises(OSError, match="bad message length"):
+        recv_frame(receiver, 100)
+    left = b""
+    while len(left) < 200:   # (the refused frame's bytes, left unread)
+        left += os.read(receiver.fileno(), 200 - len(left))
+    with pytest.raises(EOFError):
+        recv_frame(receiver)
+    done.join()
+    receiver.close()
+
+    a, b = socket.socketpair()   # a frame cut short by the other side's end
+    sender, receiver = Connection(a.detach()), Connection(b.detach())
+    os.write(sender.fileno(), struct.pack("!i", 1000) + b"z" * 10)
+    sender.close()
+    with pytest.raises(OSError, match="end of file"):
+        recv_frame(receiver)
+    receiver.close()
+
+
+def test_widen_raises_the_socket_buffers_within_the_kernel_cap():
+    """widen asks for SOCKET_BUFFER_BYTES each way (a tick's 1.5 MB of rows in one write where
+    the kernel allows it); never lowers what is set."""
+    import socket
+    from multiprocessing.connection import Connection
+
+    from dflash_grpc.localhop import SOCKET_BUFFER_BYTES, widen
+
+    a, b = socket.socketpair()
+    before = a.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    conn = Connection(a.detach())
+    widen(conn)
+    with socket.socket(fileno=os.dup(conn.fileno())) as s:
+        after = s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    try:
+        cap = int(open("/proc/sys/net/core/wmem_max").read())
+    except OSError:
+        cap = 0
+    assert after >= before
+    if cap > before:   # (Linux doubles what it is asked for, up to twice the cap)
+        assert after >= min(2 * SOCKET_BUFFER_BYTES, 2 * cap) // 2 + 1
+    conn.close()
+    b.close()
+
+
+def test_widen_leaves_a_pipe_alone():
+    """widen on a connection that is not a socket (a pipe) changes nothing and leaks no
+    descriptor."""
+    from multiprocessing.connection import Connection
+
+    from dflash_grpc.localhop import widen
+
+    r, w = os.pipe()
+    conn = Connection(r)
+    before = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    widen(conn)
+    if before is not None:
+        assert len(os.listdir("/proc/self/fd")) == before
+    conn.close()
+    os.close(w)

@@ -492,3 +492,119 @@ def test_generate_tells_the_scheduler_each_message_cost():
     svc = GenerationServicer(_Peer(), _Peer(), FakeTokenizer(), 16, None, sched)
     msgs = list(svc.Generate(generation_pb2.GenerateRequest(prompt="a", max_tokens=2), LocalContext()))
     assert len(msgs) == 2 and len(sched.noted) == 1 and sched.noted[0] >= 0.0
+
+
+def test_propose_asks_each_request_for_the_depth_its_limits_leave():
+    """Each Propose item's max_depth is min(block - 1, the target's depth cap, the depth asked,
+    the context left, the tokens left) - 1 for the last two - and a request with no depth left
+    does not draft; a chain (budget 0) asks for its node share as its length. Requests far from
+    their ends take the short path (the last two bounds not read): checked here against the
+    formula, near and far from each end."""
+    from dflash_grpc.columns import COLUMNAR, unpack_i32
+    from dflash_grpc.v1 import common_pb2, draft_pb2
+    from orchestrator.scheduler import Request, Scheduler, adaptive_budget
+
+    block, cap, context = 16, 12, 200
+    info = common_pb2.ModelInfo(vocab_size=300, max_context=context, max_tree_width=64, max_tree_depth=cap,
+                                max_sessions=64, model_fingerprint="m", device="cpu", features=[COLUMNAR])
+    drafter = draft_pb2.DrafterInfo(model=common_pb2.ModelInfo(vocab_size=300, block_size=block, max_sessions=1024,
+                                                               features=[COLUMNAR]), target_fingerprint="m")
+    sent = []
+
+    class Stream:
+        broken = False
+
+        def exchange(self, request, timeout=None, on_sent=None):
+            sent.append(request)
+            return draft_pb2.ProposeResponse()   # no trees: every request decodes plainly this tick
+
+    class Target(_Peer):
+        def info(self):
+            return info
+
+    class Draft(_Peer):
+        address = "x"
+
+        def state(self):
+            return drafter
+
+        def layers(self):
+            return [1]
+
+        def mark_ok(self):
+            pass
+
+        def propose_stream(self, timeout):
+            return Stream()
+
+    sched = Scheduler(Target(), Draft(), max_sessions=1024, step_nodes=1024)
+    sched._stop.set()
+    sched._wake.set()
+    sched._thread.join()
+    cases = []   # (length, emitted, max_tokens, budget, asked depth)
+    for length in (20, context - 14, context - 13, context - 12, context - 3, context - 2, context - 1):
+        for left in (1, 2, 3, 12, 13, 14, 500):
+            for budget, asked in ((15, 0), (15, 5), (0, 0), (0, 7)):
+                cases.append((length, 10, 10 + left, budget, asked))
+    batch = []
+    for i, (length, emitted, max_tokens, budget, asked) in enumerate(cases):
+        r = Request(session_id=f"s{i}", prompt=[1], sampling=common_pb2.SamplingParams(), max_tokens=max_tokens,
+                    tree=draft_pb2.TreeParams(budget=budget, top_k=4, max_depth=asked), speculative=True)
+        r.on_target, r.root, r.length, r.emitted = True, 5, length, emitted
+        sched._keep(r, common_pb2.Tensor(dtype=common_pb2.DTYPE_BF16, shape=[length, 2], data=bytes(4 * length)))
+        batch.append(r)
+    sched._propose_trees(batch, drafter, columnar=True)
+    cols = sent[0].columns
+    asked_ids = list(cols.session_ids)
+    depths = dict(zip(asked_ids, unpack_i32(cols.max_depths)))
+    budgets = dict(zip(asked_ids, unpack_i32(cols.budgets)))
+    for i, (length, emitted, max_tokens, budget, asked) in enumerate(cases):
+        want = min(block - 1, cap, asked or 10**9, context - length - 1, max_tokens - emitted - 1)
+        nodes = adaptive_budget(len(batch), 1024, want=budget or want, min_nodes=2 if budget else 1) if want > 0 else 0
+        if not nodes:
+            assert f"s{i}" not in depths, cases[i]
+            continue
+        assert depths[f"s{i}"] == (want if budget else nodes), cases[i]
+        assert budgets[f"s{i}"] == (nodes if budget else 0), cases[i]
+    sched.stop(timeout=1.0, release_timeout=0.1)
+
+
+def test_tick_hands_each_request_its_tokens_cut_at_eos_and_max_tokens():
+    """A tick's tokens per request (accepted + bonus) go to its handler as one event: whole
+    while tokens are left and no EOS is among them (the tick's inline path), cut at the first
+    EOS (finish eos) or at max_tokens (finish length, exactly at the limit too) otherwise."""
+    from dflash_grpc.v1 import common_pb2, draft_pb2, target_pb2
+    from orchestrator.scheduler import Request, Scheduler
+
+    class Stream:
+        broken = False
+
+        def exchange(self, request, timeout=None, on_sent=None):
+            if on_sent is not None:
+                on_sent()
+            return target_pb2.VerifyResponse(results=[
+                target_pb2.VerifyResult(session_id=it.session_id, accepted_tokens=[7, 2, 8] if it.session_id == "eos" else [7, 8],
+                                        bonus_token=9, committed_length=30) for it in request.items])
+
+    class Target(_Peer):
+        def verify_stream(self, timeout):
+            return Stream()
+
+    sched = Scheduler(Target(), _Peer(), max_sessions=8, stream_hold_max_ms=0)
+    sched._stop.set()
+    sched._wake.set()
+    sched._thread.join()
+    batch = []
+    for sid, left in (("exact", 3), ("over", 2), ("eos", 10), ("free", 10), ("one-more", 4)):
+        r = Request(session_id=sid, prompt=[1], sampling=common_pb2.SamplingParams(), max_tokens=5 + left,
+                    tree=draft_pb2.TreeParams(), speculative=False, eos=frozenset({2}))
+        r.on_target, r.root, r.length, r.emitted = True, 5, 20, 5
+        batch.append(r)
+    sched._active = list(batch)
+    sched._tick(batch)
+    sched._flush_events(force=True)
+    got = {r.session_id: [(e.tokens, e.finish) for e in _drain(r)] for r in batch}
+    assert got == {"exact": [([7, 8, 9], "length")], "over": [([7, 8], "length")], "eos": [([7], "eos")],
+                   "free": [([7, 8, 9], None)], "one-more": [([7, 8, 9], None)]}
+    assert [r.emitted for r in batch] == [8, 7, 6, 8, 8] and [r.closed for r in batch] == [True, True, True, False, False]
+    assert all(r.length == 30 and r.root == 9 for r in batch)

@@ -114,29 +114,39 @@ class Rows(NamedTuple):
         return cls(msg.dtype, width, shape[0] if shape else 0, data)
 
 
-def _feature_parts(parts: Sequence[Rows | None]) -> tuple[list[int], list, tuple[int, int] | None] | None:
+def feature_parts(parts: Sequence[Rows | None]) -> tuple[list[int], list, tuple[int, int] | None] | None:
     """Each entry's row count, the buffers of those with rows and their common ``(dtype,
-    width)`` (None: no rows at all); None when they do not share one dtype and width."""
-    rows, data, layout = [], [], None
+    width)`` (None: no rows at all); None when they do not share one dtype and width. (What
+    :func:`fill_features` and :func:`features_tail` read of ``parts``: pass it to both to read
+    ``parts`` once.)"""
+    rows, data = [], []
+    add_rows, add_data = rows.append, data.append
+    dtype = width = None
     for p in parts:
-        if p is None or not p.rows:
-            rows.append(0)
+        if p is None or not p[2]:   # (Rows.rows; by index: read per item of every tick)
+            add_rows(0)
             continue
-        if layout is None:
-            layout = (p.dtype, p.width)
-        elif layout != (p.dtype, p.width):
+        if dtype is None:
+            dtype, width = p[0], p[1]
+        elif p[0] != dtype or p[1] != width:
             return None
-        rows.append(p.rows)
-        data.append(p.data)
-    return rows, data, layout
+        add_rows(p[2])
+        add_data(p[3])
+    return rows, data, (None if dtype is None else (dtype, width))
 
 
-def fill_features(msg: common_pb2.FeatureColumns, parts: Sequence[Rows | None], tensor: bool = True) -> bool:
+_feature_parts = feature_parts
+
+
+def fill_features(msg: common_pb2.FeatureColumns, parts: Sequence[Rows | None], tensor: bool = True,
+                  got: tuple | None = None) -> bool:
     """Write one item's rows per entry of ``parts`` (None: no rows) into ``msg``: the rows
     column and one ``[sum(rows), width]`` tensor (only the rows column when not ``tensor``: the
     tensor is then :func:`features_tail`'s to write). Returns False (``msg`` untouched) when the
-    entries do not share one dtype and width, which one tensor cannot hold."""
-    got = _feature_parts(parts)
+    entries do not share one dtype and width, which one tensor cannot hold. ``got``:
+    :func:`feature_parts` of ``parts`` when the caller has it (None: read here)."""
+    if got is None:
+        got = feature_parts(parts)
     if got is None:
         return False
     rows, data, layout = got
@@ -149,8 +159,13 @@ def fill_features(msg: common_pb2.FeatureColumns, parts: Sequence[Rows | None], 
     return True
 
 
+_ONE_BYTE = [bytes((i,)) for i in range(0x80)]
+
+
 def varint(n: int) -> bytes:
     """``n`` (>= 0) as a protobuf varint."""
+    if n < 0x80:
+        return _ONE_BYTE[n]
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
@@ -159,7 +174,7 @@ def varint(n: int) -> bytes:
     return bytes(out)
 
 
-def features_tail(path: Sequence[int], parts: Sequence[Rows | None]) -> list:
+def features_tail(path: Sequence[int], parts: Sequence[Rows | None], got: tuple | None = None) -> list:
     """The wire bytes that set the ``rows_data`` tensor of the ``FeatureColumns`` reached by the
     message fields ``path`` (field numbers from the outermost message: ``(2, 7)`` is
     ``ProposeRequest.columns.features``) to the rows of ``parts``, as buffers to send one after
@@ -167,19 +182,28 @@ def features_tail(path: Sequence[int], parts: Sequence[Rows | None]) -> list:
     message whose rows column :func:`fill_features` (``tensor=False``) wrote, they make it the
     message :func:`fill_features` would have written (a parser merges a message field that
     occurs twice), without copying the rows into a message and out again. Empty when no entry
-    has rows. Call it only where :func:`fill_features` returned True (one dtype and width)."""
-    rows, data, layout = _feature_parts(parts)
+    has rows. Call it only where :func:`fill_features` returned True (one dtype and width).
+    ``got``: :func:`feature_parts` of ``parts`` when the caller has it (None: read here)."""
+    rows, data, layout = feature_parts(parts) if got is None else got
     if layout is None:
         return []
-    n = sum(len(d) for d in data)
-    tensor = common_pb2.Tensor(dtype=layout[0], shape=(sum(rows), layout[1])).SerializeToString()
-    head = tensor + b"\x1a" + varint(n)   # Tensor.data (field 3, length-delimited)
+    n = sum(map(_nbytes, data))
+    dtype, width = layout   # the Tensor's dtype (field 1, omitted at 0) and packed shape (field 2), as protobuf writes them
+    shape = varint(sum(rows)) + varint(width)
+    head = (b"\x08" + varint(dtype) if dtype else b"") + b"\x12" + varint(len(shape)) + shape
+    head += b"\x1a" + varint(n)   # Tensor.data (field 3, length-delimited)
     length = len(head) + n
     for field in reversed((*path, 2)):       # path, then FeatureColumns.rows_data (field 2)
         wrap = varint(field << 3 | 2) + varint(length)
         head = wrap + head
         length += len(wrap)
     return [head, *data]
+
+
+def _nbytes(buf) -> int:
+    """Bytes of a bytes-like object."""
+    kind = type(buf)
+    return len(buf) if kind is bytes else buf.nbytes if kind is memoryview else memoryview(buf).nbytes
 
 
 def read_features(msg: common_pb2.FeatureColumns, count: int, data=None) -> list[Rows | None]:
@@ -213,12 +237,14 @@ def read_features(msg: common_pb2.FeatureColumns, count: int, data=None) -> list
     if len(data) != total * row:
         raise ColumnsError(f"features: {len(data)} bytes for {total} rows of {row}")
     view, out, o = memoryview(data), [], 0
-    for n in rows:
+    add, new, dtype, width = out.append, tuple.__new__, t.dtype, shape[1]   # (a Rows per item per tick: no
+    for n in rows:                                                        # NamedTuple.__new__, no field reads)
         if n:
-            out.append(Rows(t.dtype, shape[1], n, view[o:o + n * row]))
-            o += n * row
+            end = o + n * row
+            add(new(Rows, (dtype, width, n, view[o:end])))
+            o = end
         else:
-            out.append(None)
+            add(None)
     return out
 
 
@@ -237,5 +263,5 @@ def index_statuses(refused, count: int) -> dict[int, common_pb2.ItemStatus]:
     return out
 
 
-__all__ = ["COLUMNAR", "ColumnsError", "Rows", "features_tail", "fill_features", "fill_trees", "index_statuses", "pack_i32",
+__all__ = ["COLUMNAR", "ColumnsError", "Rows", "feature_parts", "features_tail", "fill_features", "fill_trees", "index_statuses", "pack_i32",
            "read_features", "read_trees", "unpack_i32", "varint"]
