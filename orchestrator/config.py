@@ -99,8 +99,9 @@ class OrchestratorConfig:
         f"(0: {STEP_NODES_CUDA} on a CUDA target, {STEP_NODES_CPU} on a CPU one)")
     draft_policy: str = setting(
         "always", "when a tick drafts: always (whenever the drafter is up) or measured (when drafting emits more "
-        "tokens per second than plain decoding at that batch size, as measured; experimental: on the GPU it has not "
-        "yet beaten always, docs/ARCHITECTURE.md, 'When to draft')", choices=("always", "measured"))
+        "tokens per second than plain decoding at that batch size, as measured, and a request starting where plain "
+        "ticks measured faster decodes plainly for its life; experimental: on the GPU it has not yet beaten always, "
+        "docs/ARCHITECTURE.md, 'When to draft')", choices=("always", "measured"))
     step_timeout: float = setting(120.0, "seconds a Verify may take before the target counts as failed (and the most a "
                                          "Propose may take, past its own deadline)")
     draft_deadline_factor: float = setting(

@@ -13,6 +13,13 @@ tokens per second of tick (:meth:`DraftPolicy.observe`), picks the faster mode
 (:meth:`DraftPolicy.choose`), and measures each mode again after ``refresh`` ticks of the bucket
 without it, so a change (acceptance of the text, load on the drafter) is seen.
 
+A tick's choice keeps the costs a request pays for being able to draft later: the target gathers
+its feature rows every tick and the orchestrator keeps them, the drafter holds a session. So a
+request is also judged once, when it starts (:meth:`DraftPolicy.admit`): where plain ticks were
+measured faster at the batch size it joins, it is decoded plainly for its whole life (no feature
+rows, no drafter session), except one request in ``refresh`` (a probe that keeps drafting measured
+at that size).
+
 This module imports nothing of the project and no torch: the orchestrator's unit tests drive it
 with synthetic costs.
 """
@@ -57,7 +64,9 @@ class DraftPolicy:
         self._count: dict[tuple[int, str], int] = {}    # (bucket, mode) -> ticks measured
         self._since: dict[tuple[int, str], int] = {}    # (bucket, mode) -> ticks of the bucket since it ran
         self._best: dict[int, str] = {}                 # bucket -> the mode last preferred (for the log)
+        self._admitted: dict[int, int] = {}             # bucket -> requests started plain there since a probe
         self.choices = {DRAFT: 0, PLAIN: 0}
+        self.admissions = {DRAFT: 0, PLAIN: 0}
 
     def choose(self, batch: int) -> str:
         """The mode of the next tick of ``batch`` requests that may draft: :data:`DRAFT` or
@@ -78,6 +87,33 @@ class DraftPolicy:
                      extra={"batch_bucket": b, "draft_tok_s": round(self._rate[(b, DRAFT)]),
                             "plain_tok_s": round(self._rate[(b, PLAIN)])})
         return best
+
+    def faster(self, batch: int) -> str | None:
+        """The mode measured faster at ``batch``'s bucket once both have ``warmup`` measurements
+        there (ties: :data:`DRAFT`), else None."""
+        b = batch_bucket(batch)
+        if self._count.get((b, DRAFT), 0) < self.warmup or self._count.get((b, PLAIN), 0) < self.warmup:
+            return None
+        return DRAFT if self._rate[(b, DRAFT)] >= self._rate[(b, PLAIN)] else PLAIN
+
+    def admit(self, batch: int) -> str:
+        """Whether a request that may draft, starting with ``batch`` requests decoding (itself
+        included), is to be able to draft (:data:`DRAFT`: the target gathers its feature rows, the
+        drafter holds a session) or decoded plainly for its whole life (:data:`PLAIN`): plain where
+        plain ticks were measured faster at ``batch``'s bucket (:meth:`faster`), except one request
+        in ``refresh`` started there, which drafts (without such probes a bucket of plain requests
+        would never measure drafting again). Unmeasured buckets: :data:`DRAFT`."""
+        b = batch_bucket(batch)
+        mode = DRAFT
+        if self.faster(batch) == PLAIN:
+            n = self._admitted.get(b, 0) + 1
+            if n >= self.refresh:
+                n = 0
+            else:
+                mode = PLAIN
+            self._admitted[b] = n
+        self.admissions[mode] += 1
+        return mode
 
     def observe(self, batch: int, mode: str, tokens: int, seconds: float) -> None:
         """A tick of ``batch`` requests ran in ``mode`` and emitted ``tokens`` in ``seconds``

@@ -666,6 +666,11 @@ class Scheduler:
                 metrics.set_queue_depth(len(self._queue))
             try:
                 layers = []
+                if req.speculative and self.policy is not None:
+                    # plain for life where plain ticks measured faster at the batch it joins (policy.admit)
+                    joining = len(self._active) + len(self._prefilling) + 1
+                    if self.policy.admit(joining) == PLAIN:
+                        req.speculative = False
                 if req.speculative:
                     layers = self.draft.layers()
                     if layers is None:  # the drafter was never reachable: no features, no drafting later

@@ -74,6 +74,21 @@ def test_warmup_alternates_the_modes_and_skips_each_ones_first_tick():
         DraftPolicy(alpha=0.0)
 
 
+
+def test_admits_requests_plain_where_plain_ticks_are_faster_with_a_probe_per_refresh():
+    """A request starting where plain ticks measured faster is decoded plainly for life, except
+    one in ``refresh`` (it drafts, so drafting stays measured there); unmeasured or
+    drafting-faster buckets start requests drafting."""
+    policy, rng = DraftPolicy(refresh=8), random.Random(2)
+    assert policy.faster(8) is None and policy.admit(8) == DRAFT        # not measured yet
+    _drive(policy, _gpu_like, 1, 60, rng)
+    _drive(policy, _gpu_like, 8, 60, rng)
+    assert policy.faster(1) == DRAFT and policy.faster(5) == PLAIN      # 5 joins bucket 8
+    assert [policy.admit(1) for _ in range(20)] == [DRAFT] * 20
+    got = [policy.admit(7) for _ in range(24)]
+    assert got == ([PLAIN] * 7 + [DRAFT]) * 3                           # one probe in refresh
+    assert policy.admissions == {DRAFT: 24, PLAIN: 21}
+
 def test_scheduler_stops_drafting_where_it_does_not_pay_and_stays_lossless(tiny_llama, tiny_drafter):
     """A random drafter (it accepts next to nothing) makes every drafting tick slower than a plain
     one: with the measured policy the scheduler decodes mostly plainly, and the text equals the
@@ -108,3 +123,11 @@ def test_scheduler_stops_drafting_where_it_does_not_pay_and_stays_lossless(tiny_
         assert spec == plain
         choices = sched.policy.choices
         assert choices[DRAFT] >= 3 and choices[PLAIN] > choices[DRAFT], choices
+        # plain ticks are now measured faster at one request: a new one starts plain for life
+        # (no feature rows from the target, no drafter session), and its text is the same
+        assert sched.policy.faster(1) == PLAIN
+        before = dict(sched.policy.admissions)
+        drafted = dict(choices)
+        assert run(sched, True, 60) == plain
+        assert sched.policy.admissions[PLAIN] == before[PLAIN] + 1
+        assert sched.policy.choices[DRAFT] == drafted[DRAFT]   # no tick had a request that may draft
