@@ -2,12 +2,19 @@
 JSON) beside ``llama-batched-bench``'s aggregate decode on the same file (its markdown table, S_TG).
 
     python -m bench.concurrency_report CONCURRENCY.json [--llama LLAMA_BATCHED.txt] [--png OUT.png] [--out OUT.md]
+                                       [--project-tau REFERENCE.json]
 
 Per level: llama.cpp's S_TG (tokens/s of the decode phase, all sequences), our AR and speculative
 aggregate tokens/s (every stream's generated tokens / the level's wall time), each against
 llama.cpp and spec / AR, per-stream tokens/s, p50 / p99 inter-token latency and whether every
 request's tokens equal its single-stream AR reference (``mismatches``). The PNG: aggregate tokens/s
 against streams, both systems (needs matplotlib).
+
+``--project-tau``: another sweep's JSON (the shipped SmolLM2 pair's, whose drafter is trained)
+whose speculative ``tau`` per level projects this sweep's speculative throughput (a target with a
+random drafter of the shipped drafter's shape, issue 23's 9B row): ``spec tok/s x tau_reference /
+tau_measured`` per level, on the assumption that a tick's time does not depend on how much of
+its trees is accepted (the trees' sizes, not their acceptance, set the verify's width).
 """
 
 from __future__ import annotations
@@ -52,6 +59,18 @@ def rows(sweep: dict[str, Any], llama: dict[int, float]) -> list[dict[str, Any]]
     return out
 
 
+def projected(sweep: dict[str, Any], reference: dict[str, Any]) -> dict[int, float]:
+    """``{streams: projected speculative tokens/s}`` (module docstring): for each level both sweeps
+    ran with a speculative ``tau`` (``--project-tau``)."""
+    ref = {r["concurrency"]: r.get("tau") for r in reference.get("modes", {}).get("spec", [])}
+    out = {}
+    for r in sweep.get("modes", {}).get("spec", []):
+        t, t_ref = r.get("tau"), ref.get(r["concurrency"])
+        if t and t_ref:
+            out[r["concurrency"]] = r["aggregate_tokens_per_second"] * t_ref / t
+    return out
+
+
 def _f(v, fmt="{:,.0f}") -> str:
     return "-" if v is None else fmt.format(v)
 
@@ -60,11 +79,15 @@ def _x(a, b) -> str:
     return "-" if a is None or not b else f"{a / b:.2f}x"
 
 
-def markdown(sweep: dict[str, Any], llama: dict[int, float]) -> str:
-    """The table (markdown)."""
+def markdown(sweep: dict[str, Any], llama: dict[int, float], reference: dict[str, Any] | None = None) -> str:
+    """The table (markdown); with ``reference`` (``--project-tau``) the speculative tau and the
+    projected speculative throughput (:func:`projected`) too."""
+    proj = projected(sweep, reference) if reference is not None else None
+    extra_head = " spec tau | reference tau | spec projected | projected / llama.cpp | projected / AR |" if proj is not None else ""
     lines = ["| streams | llama.cpp batched (S_TG) | ours AR | AR / llama.cpp | ours spec | spec / llama.cpp | spec / AR "
-             "| per stream AR / spec | ITL p50 ms AR / spec | ITL p99 ms AR / spec | lossless AR / spec |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| per stream AR / spec | ITL p50 ms AR / spec | ITL p99 ms AR / spec | lossless AR / spec |" + extra_head,
+             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" * 5 if proj is not None else "")]
+    ref_tau = {r["concurrency"]: r.get("tau") for r in (reference or {}).get("modes", {}).get("spec", [])}
 
     def agg(r):
         return None if r is None else r["aggregate_tokens_per_second"]
@@ -81,7 +104,10 @@ def markdown(sweep: dict[str, Any], llama: dict[int, float]) -> str:
             f"{_x(agg(s), agg(a))} | {_f(a and a['mean_stream_tokens_per_second'])} / "
             f"{_f(s and s['mean_stream_tokens_per_second'])} | {_f(a and a.get('itl_p50_ms'), '{:.2f}')} / "
             f"{_f(s and s.get('itl_p50_ms'), '{:.2f}')} | {_f(a and a.get('itl_p99_ms'), '{:.2f}')} / "
-            f"{_f(s and s.get('itl_p99_ms'), '{:.2f}')} | {ok(a)} / {ok(s)} |")
+            f"{_f(s and s.get('itl_p99_ms'), '{:.2f}')} | {ok(a)} / {ok(s)} |"
+            + ("" if proj is None else
+               f" {_f(s and s.get('tau'), '{:.2f}')} | {_f(ref_tau.get(row['streams']), '{:.2f}')} | "
+               f"{_f(proj.get(row['streams']))} | {_x(proj.get(row['streams']), ll)} | {_x(proj.get(row['streams']), agg(a))} |"))
     return "\n".join(lines)
 
 
@@ -121,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--png", help="write the figure here (needs matplotlib)")
     p.add_argument("--out", help="write the table here (default: stdout)")
     p.add_argument("--title", default="")
+    p.add_argument("--project-tau", default=None, metavar="REFERENCE.json",
+                   help="a sweep whose speculative tau per level projects this one's (module docstring)")
     a = p.parse_args(argv)
     with open(a.json) as f:
         data = json.load(f)
@@ -129,7 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.llama:
         with open(a.llama) as f:
             llama = parse_llama_batched(f.read())
-    table = markdown(sweep, llama)
+    reference = None
+    if a.project_tau:
+        with open(a.project_tau) as f:
+            ref = json.load(f)
+        reference = ref.get("concurrency", ref)
+    table = markdown(sweep, llama, reference)
     if a.out:
         with open(a.out, "w") as f:
             f.write(table + "\n")

@@ -184,8 +184,10 @@ def _streams(address: str, jobs: list[tuple[int, list[str]]], request: GenerateR
     (wall, first request's start to last one's end), ``itl`` (seconds per token between consecutive
     chunks of a request: a chunk of ``k`` tokens ``g`` seconds after the previous adds ``k`` samples
     ``g / k``; a request's first chunk is its time to first token, not counted), ``outputs`` (each
-    request's token ids, in order) and ``errors``."""
-    out = [{"stream": j, "tokens": 0, "seconds": 0.0, "itl": [], "outputs": [], "errors": []} for j, _ in jobs]
+    request's token ids, in order), ``errors``, and from each request's final statistics
+    ``emitted`` (tokens) and ``forwards`` (target verify forwards) summed, ``tau``'s parts."""
+    out = [{"stream": j, "tokens": 0, "seconds": 0.0, "itl": [], "outputs": [], "errors": [], "emitted": 0.0, "forwards": 0}
+           for j, _ in jobs]
     clients = [Client(address, timeout=timeout) for _ in jobs]
 
     def stream(slot: int) -> None:
@@ -198,6 +200,10 @@ def _streams(address: str, jobs: list[tuple[int, list[str]]], request: GenerateR
             try:
                 for chunk in clients[slot].stream(prompt, request=request):
                     now = time.monotonic()
+                    st = chunk.stats
+                    if st is not None and st.target_forwards:   # the request's final statistics
+                        rec["emitted"] += st.mean_acceptance_length * st.target_forwards
+                        rec["forwards"] += st.target_forwards
                     if chunk.token_ids:
                         if last is not None:
                             rec["itl"].extend([(now - last) / len(chunk.token_ids)] * len(chunk.token_ids))
@@ -267,6 +273,7 @@ def _run_level(address: str, prompts: Sequence[str], n: int, requests_per_stream
     per_stream = [r["tokens"] / r["seconds"] if r["seconds"] > 0 else 0.0 for r in recs]
     errors = [e for r in recs for e in r["errors"]]
     itl = [x for r in recs for x in r["itl"]]
+    forwards = sum(r["forwards"] for r in recs)
     mismatches = None
     if reference is not None:
         mismatches = sum(1 for (_, ps), r in zip(jobs, recs) for p, ids in zip(ps, r["outputs"])
@@ -283,6 +290,7 @@ def _run_level(address: str, prompts: Sequence[str], n: int, requests_per_stream
         "itl_p50_ms": None if not itl else _percentile(itl, 50) * 1e3,
         "itl_p99_ms": None if not itl else _percentile(itl, 99) * 1e3,
         "mismatches": mismatches,
+        "tau": sum(r["emitted"] for r in recs) / forwards if forwards else None,
         "errors": len(errors),
         "first_error": errors[0] if errors else None,
     }
@@ -304,8 +312,9 @@ def run_concurrency(address: str, prompts: Sequence[str], levels: Sequence[int],
         ``{"levels": [...], "max_tokens": m, "requests_per_stream": r, "modes": {mode: [per level:
         concurrency, requests, generated_tokens, wall_s, aggregate_tokens_per_second,
         per_stream_tokens_per_second, mean/min_stream_tokens_per_second, itl_p50_ms, itl_p99_ms
-        (inter-token latency over every streamed token but a request's first), mismatches,
-        errors, first_error]}}``. A failed request counts as an error of its level (e.g.
+        (inter-token latency over every streamed token but a request's first), mismatches, tau
+        (tokens per target verify forward over the level's requests, from their final statistics;
+        None when none reported any), errors, first_error]}}``. A failed request counts as an error of its level (e.g.
         RESOURCE_EXHAUSTED past the server's session slots) and adds no tokens.
     """
     if not prompts:

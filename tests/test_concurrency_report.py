@@ -44,3 +44,26 @@ def test_cli_writes_table_and_png(tmp_path):
                  "--out", str(tmp_path / "c.md")]) == 0
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "2,733" in (tmp_path / "c.md").read_text()
+
+
+def test_projected_speculative_throughput_at_a_reference_tau(tmp_path):
+    """``--project-tau``: spec tok/s x tau_reference / tau_measured per level both sweeps ran (a
+    level without a tau on either side has none), with the ratios to llama.cpp and to AR."""
+    import json
+
+    from bench.concurrency_report import projected
+
+    sweep = json.loads(json.dumps(SWEEP))
+    sweep["modes"]["spec"][0]["tau"] = 1.2
+    sweep["modes"]["spec"][1]["tau"] = None
+    ref = {"levels": [1, 4], "modes": {"spec": [{"concurrency": 1, "tau": 3.6, "aggregate_tokens_per_second": 1.0},
+                                                {"concurrency": 4, "tau": 3.0, "aggregate_tokens_per_second": 1.0}]}}
+    assert projected(sweep, ref) == {1: pytest.approx(1200.0 * 3.6 / 1.2)}
+    lines = markdown(sweep, parse_llama_batched(LLAMA), ref).splitlines()
+    assert lines[0].endswith("| spec projected | projected / llama.cpp | projected / AR |")
+    assert lines[2].endswith("| 1.20 | 3.60 | 3,600 | 4.11x | 4.50x |")
+    assert lines[3].endswith("| - | 3.00 | - | - | - |")
+    (tmp_path / "c.json").write_text(json.dumps({"concurrency": sweep}))
+    (tmp_path / "r.json").write_text(json.dumps({"concurrency": ref}))
+    assert main([str(tmp_path / "c.json"), "--project-tau", str(tmp_path / "r.json"), "--out", str(tmp_path / "c.md")]) == 0
+    assert "3,600" in (tmp_path / "c.md").read_text()

@@ -316,8 +316,11 @@ class _FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
             self.requests.append(request)
         yield generation_pb2.GenerateResponse(text="abc", token_ids=[1, 2, 3], prompt_tokens=2)
         yield generation_pb2.GenerateResponse(text="de", token_ids=[4, 5])
+        spec = request.speculative.enabled   # 5 tokens: 2 forwards of tau 2.5 drafting, else 5 of 1
         yield generation_pb2.GenerateResponse(finished=True, finish_reason=generation_pb2.FINISH_REASON_LENGTH,
-                                              stats=generation_pb2.AcceptanceStats(requests=1, generated_tokens=5))
+                                              stats=generation_pb2.AcceptanceStats(
+                                                  requests=1, generated_tokens=5, target_forwards=2 if spec else 5,
+                                                  mean_acceptance_length=2.5 if spec else 1.0))
 
     def GetStats(self, request, context):
         with self.lock:
@@ -386,6 +389,9 @@ def test_run_concurrency(fake, monkeypatch):
         assert all(r["aggregate_tokens_per_second"] > 0 and len(r["per_stream_tokens_per_second"]) == r["concurrency"] for r in rows)
         assert [r["mismatches"] for r in rows] == [1, 3]   # stream j's requests: prompts 2j, 2j+1 (mod 2): one p1 each
         assert all(r["itl_p50_ms"] is None or r["itl_p99_ms"] >= r["itl_p50_ms"] >= 0 for r in rows)
+    # tau from the requests' final statistics (tokens per verify forward over the level)
+    assert [r["tau"] for r in res["modes"]["spec"]] == [pytest.approx(2.5)] * 2
+    assert [r["tau"] for r in res["modes"]["ar"]] == [pytest.approx(1.0)] * 2
     assert len(fake.requests) == 2 * (2 + 6)
     spec = [r for r in fake.requests if r.speculative.enabled]
     assert len(spec) == 8 and {r.prompt for r in fake.requests} == {"p0", "p1"}

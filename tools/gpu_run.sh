@@ -40,6 +40,10 @@
 #                                          # -> $OUT/concurrency.{txt,json} (PNG: made from the JSON locally);
 #                                          # CONCURRENCY=1,4,8,16,32,64,128,256 adds 128 and 256 streams (the
 #                                          # bench gives the target and draft services --max-sessions 256)
+#   bash tools/gpu_run.sh concurrency-9b   # issue 23 goal 5: the sweep on the synthetic Qwen3.5-9B (bf16) with a
+#                                          # random drafter of the shipped shape beside llama-batched-bench on the
+#                                          # same file; TAU_REF=concurrency.json (with tau) adds a projected column
+#                                          # -> $OUT/concurrency-9b.{txt,json,md,png}
 #   bash tools/gpu_run.sh http             # issue 24: aiperf against our HTTP front door (speculative, AR) and
 #                                          # llama-server, 1/8/32 streams -> $OUT/HTTP.md, http.tgz (tools/gpu_http.sh)
 #
@@ -228,6 +232,39 @@ cmd_concurrency() {
   python3 -m bench.concurrency_report "$OUT/concurrency.json" --llama "$OUT/llama-batched.txt" --out "$OUT/concurrency.md" \
     $(python3 -c "import matplotlib" 2>/dev/null && echo --png "$OUT/concurrency.png")
   cat "$OUT/concurrency.md"
+}
+
+cmd_concurrency_9b() {
+  # issue 23 goal 5: the same sweep on the synthetic Qwen3.5-9B (bf16, SmolLM2's tokenizer and
+  # vocabulary) with a random drafter of the shipped drafter's shape (3 layers, block 16, 5 target
+  # layers), beside llama-batched-bench on the same file. Its drafter accepts next to nothing, so the
+  # speculative column is the cost of drafting at that size; TAU_REF (a concurrency.json with tau
+  # per level, e.g. this call's `concurrency` run of the shipped SmolLM2 pair) adds the projected
+  # column (bench/concurrency_report.py --project-tau). CONCURRENCY (default 1,4,8,16,32,64),
+  # REQUESTS_PER_STREAM (2), ORCH_ARGS. The synthetic file (~3 min) is shared with synth_bg / gpu_quant.sh.
+  local smol; smol=$(timed_start) || exit 1
+  local t=$M/q35-9b-bf16.gguf d=$M/q35-9b-random-drafter.gguf
+  local levels=${CONCURRENCY:-1,4,8,16,32,64}
+  local maxn; maxn=$(echo "$levels" | tr ',' '\n' | sort -n | tail -1)
+  for _ in $(seq 1 60); do [ -e /tmp/synth.started ] && [ ! -e $M/q35-9b-bf16.done ] && sleep 5 || break; done
+  if [ ! -e $M/q35-9b-bf16.done ]; then
+    python3 -m fixtures.synth --arch qwen35 --preset 9b --dtype bf16 --vocab-size 0 --vocab-from "$smol" --out "$t" \
+      --no-progress --threads "$(nproc)" && touch $M/q35-9b-bf16.done
+  fi
+  [ -s "$d" ] || python3 -m draft_service.init_random --target "$t" --out "$d" --layers 3 --block-size 16 --num-target-layers 5
+  if [ -x $LL/build/bin/llama-batched-bench ]; then
+    $LL/build/bin/llama-batched-bench -m "$t" -ngl 99 -fa on -c $(( (maxn * 256) + 1024 )) -npp 128 -ntg 128 \
+      -npl "$levels" 2>&1 | grep -E "^\||llama_batched_bench" | tee "$OUT/llama-batched-9b.txt"
+  else
+    echo "llama-batched-bench not built: no llama.cpp column" | tee "$OUT/llama-batched-9b.txt"
+  fi
+  python3 -m client.cli bench --device cuda --model "$t" --drafter "$d" --prompts 16 --max-tokens 128 --configs ar,tree:16:4 \
+    --concurrency "$levels" --requests-per-stream "${REQUESTS_PER_STREAM:-2}" \
+    --orchestrator-args="${ORCH_ARGS:-}" --json "$OUT/concurrency-9b.json" --out "$OUT/concurrency-9b.txt"
+  python3 -m bench.concurrency_report "$OUT/concurrency-9b.json" --llama "$OUT/llama-batched-9b.txt" \
+    --out "$OUT/concurrency-9b.md" --title "synthetic Qwen3.5-9B bf16, random drafter of the shipped shape" \
+    ${TAU_REF:+--project-tau "$TAU_REF"} $(python3 -c "import matplotlib" 2>/dev/null && echo --png "$OUT/concurrency-9b.png")
+  cat "$OUT/concurrency-9b.md"
 }
 
 timed_start() {
@@ -421,6 +458,7 @@ case ${1:-all} in
   bench) shift; cmd_bench "$@" ;;
   all) shift; cmd_checks; cmd_bench "$@" ;;
   concurrency) cmd_concurrency ;;
+  concurrency-9b) cmd_concurrency_9b ;;
   hostprof) cmd_hostprof ;;
   hop-real) cmd_hop_real ;;
   e2e-ab) cmd_e2e_ab ;;
