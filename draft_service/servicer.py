@@ -58,7 +58,7 @@ from dflash_grpc.columns import COLUMNAR, ColumnsError, fill_trees, unpack_i32
 from dflash_grpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from dflash_grpc.wire import WireError, tensor_from_proto
 from draft_service.config import DraftConfig
-from draft_service.batched import BatchedDrafter, DraftItem, ReferenceDrafterEngine
+from draft_service.batched import BatchedDrafter, DraftItem, ReferenceDrafterEngine, all_finite
 from draft_service.drafter import DFlashDrafter
 from draft_service.gguf_io import load_drafter
 from runtime.errors import InvalidArgument, Reason
@@ -142,6 +142,10 @@ def propose_columns(columns: draft_pb2.ProposeColumns) -> list[DraftItem]:
         nonzero = [r for r in rows if r]
         parts = iter(torch.split(t, nonzero) if len(nonzero) > 1 else (t,))
         feats = [next(parts) if r else None for r in rows]
+        # the step's rows checked at once (a per-item check costs ~12 us of fixed overhead each);
+        # a non-finite value anywhere leaves every item to its own check, so only its item fails
+        finite = t.is_floating_point() and all_finite(t)
+        return [DraftItem(*x, finite) for x in zip(sids, feats, roots, lengths, budgets, top_ks, depths)]
     return [DraftItem(*x) for x in zip(sids, feats, roots, lengths, budgets, top_ks, depths)]
 
 

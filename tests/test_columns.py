@@ -381,6 +381,30 @@ def test_drafter_refuses_malformed_columns_and_serves_on(drafter):
     assert not reply.refused and propose_results(reply, 1)[0].status is None
 
 
+
+def test_drafter_refuses_only_the_item_whose_rows_are_not_finite(drafter, monkeypatch):
+    """A columnar Propose's rows are checked for NaN / inf as one tensor; with a NaN in one item's
+    rows that item alone is refused (INVALID_FEATURES) and the others are drafted; all finite, no
+    item is checked again one by one."""
+    import draft_service.batched as B
+
+    stub, servicer = drafter
+    width = servicer.config.feature_size
+    torch.manual_seed(1)
+    rows = [torch.randn(n, width).to(torch.bfloat16) for n in (2, 3, 1)]
+    rows[1][2, 5] = float("nan")
+    items = [(f"nf{i}", 4, n, 0, 0, 0, C.Rows.of_tensor(tensor_to_proto(r))) for i, (r, n) in enumerate(zip(rows, (2, 3, 1)))]
+    got = _propose(stub, True, items)
+    assert [g[:2] for g in got] == [(0, ""), (IA.value[0], "INVALID_FEATURES"), (0, "")]
+    servicer.release(["nf0", "nf2"])   # (4 session slots)
+    calls = []
+    real = B.all_finite
+    monkeypatch.setattr(B, "all_finite", lambda t: calls.append(t.shape) or real(t))
+    rows[1][2, 5] = 0.0
+    items = [(f"ok{i}", 4, n, 0, 0, 0, C.Rows.of_tensor(tensor_to_proto(r))) for i, (r, n) in enumerate(zip(rows, (2, 3, 1)))]
+    assert [g[:2] for g in _propose(stub, True, items)] == [(0, "")] * 3
+    assert calls == []   # (the servicer's whole-tensor check is its own import; per item: none)
+
 def test_propose_items_fall_back_to_items_when_widths_differ():
     batch = ProposeItems()
     batch.add("a", 1, 1, 0, 0, 0, C.Rows(common_pb2.DTYPE_BF16, 2, 1, bytes(4)))
