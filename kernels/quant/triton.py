@@ -238,28 +238,41 @@ def _head(blk, QTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, WORDS: tl.constexpr 
     ``[BLOCK_N]`` each: ``(d, m)`` with ``m`` = the min (Q4_1, Q5_1) or ``dmin`` (Q4_K, Q5_K): the
     ``HAS_BIAS`` types, whose second float16 is at byte 2; ``d`` again (unused) for the others.
     ``WORDS``: each float16 in one 16-bit load (:func:`_f16w`) instead of two byte loads."""
-    if WORDS:
-        if QTYPE == _Q6_K:
-            d = _f16w(blk + 208)
-            m = d
-        else:
-            d = _f16w(blk)
-            if HAS_BIAS:
-                m = _f16w(blk + 2)
-            else:
-                m = d
+    if QTYPE == _Q6_K:
+        d = _half(blk + 208, WORDS)
+        m = d
     else:
-        if QTYPE == _Q6_K:
-            d = _f16(blk + 208)
-            m = d
+        d = _half(blk, WORDS)
+        if HAS_BIAS:
+            m = _half(blk + 2, WORDS)
         else:
-            d = _f16(blk)
-            if HAS_BIAS:
-                m = _f16(blk + 2)
-            else:
-                m = d
+            m = d
     return d, m
 
+
+@triton.jit
+def _half(ptr, WORDS: tl.constexpr):
+    """The float16 at ``ptr`` as float32: :func:`_f16w` (one 16-bit load) with ``WORDS``, else
+    :func:`_f16` (two byte loads)."""
+    if WORDS:
+        return _f16w(ptr)
+    else:
+        return _f16(ptr)
+
+
+
+@triton.jit
+def _k_scale_min(blk, s: tl.constexpr, d, m):
+    """Q4_K / Q5_K group ``s`` (of 8) of the blocks at ``blk``: ``(scale, bias)`` float32
+    ``[BLOCK_N]`` = ``(d * sc, -dmin * mn)`` with the 6-bit ``sc`` and ``mn`` unpacked from the
+    12 bytes at byte 4 (ggml's ``get_scale_min_k4``)."""
+    if s < 4:
+        sc = _u8(blk + 4 + s) & 63
+        mn = _u8(blk + 8 + s) & 63
+    else:
+        sc = (_u8(blk + 8 + s) & 15) | ((_u8(blk + s) >> 6) << 4)
+        mn = (_u8(blk + 8 + s) >> 4) | ((_u8(blk + 4 + s) >> 6) << 4)
+    return d * sc.to(tl.float32), -(m * mn.to(tl.float32))
 
 @triton.jit
 def _codes(blk, s: tl.constexpr, d, m, QTYPE: tl.constexpr, G: tl.constexpr):
@@ -279,19 +292,12 @@ def _codes(blk, s: tl.constexpr, d, m, QTYPE: tl.constexpr, G: tl.constexpr):
         scale = d * _i8(blk + 192 + s).to(tl.float32)
         bias = scale
     elif QTYPE == _Q4_K or QTYPE == _Q5_K:  # 8 groups of 32
-        if s < 4:
-            sc = _u8(blk + 4 + s) & 63
-            mn = _u8(blk + 8 + s) & 63
-        else:
-            sc = (_u8(blk + 8 + s) & 15) | ((_u8(blk + s) >> 6) << 4)
-            mn = (_u8(blk + 8 + s) >> 4) | ((_u8(blk + 4 + s) >> 6) << 4)
         if QTYPE == _Q4_K:
             q = (_u8(blk[:, None] + 16 + (s // 2) * 32 + c[None, :]) >> (4 * (s % 2))) & 15
         else:
             q = (_u8(blk[:, None] + 48 + (s // 2) * 32 + c[None, :]) >> (4 * (s % 2))) & 15
             q = q | (((_u8(blk[:, None] + 16 + c[None, :]) >> s) & 1) << 4)
-        scale = d * sc.to(tl.float32)
-        bias = -(m * mn.to(tl.float32))
+        scale, bias = _k_scale_min(blk, s, d, m)
     else:  # legacy: one group of 32 per block
         nib = (c // 16) * 4                                       # element j: nibble j // 16 of byte j % 16
         scale = d
@@ -369,19 +375,12 @@ def _codes_w(blk, s: tl.constexpr, d, m, QTYPE: tl.constexpr, G: tl.constexpr):
         scale = d * _i8(blk + 192 + s).to(tl.float32)
         bias = scale
     elif QTYPE == _Q4_K or QTYPE == _Q5_K:  # 8 groups of 32
-        if s < 4:
-            sc = _u8(blk + 4 + s) & 63
-            mn = _u8(blk + 8 + s) & 63
-        else:
-            sc = (_u8(blk + 8 + s) & 15) | ((_u8(blk + s) >> 6) << 4)
-            mn = (_u8(blk + 8 + s) >> 4) | ((_u8(blk + 4 + s) >> 6) << 4)
         if QTYPE == _Q4_K:
             q = (_bytes_w(blk + 16 + (s // 2) * 32, 8) >> (4 * (s % 2))) & 15
         else:
             q = (_bytes_w(blk + 48 + (s // 2) * 32, 8) >> (4 * (s % 2))) & 15
             q = q | (((_bytes_w(blk + 16, 8) >> s) & 1) << 4)
-        scale = d * sc.to(tl.float32)
-        bias = -(m * mn.to(tl.float32))
+        scale, bias = _k_scale_min(blk, s, d, m)
     else:  # legacy: one group of 32 per block
         scale = d
         bias = m
