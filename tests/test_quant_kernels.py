@@ -578,3 +578,20 @@ def test_batch_invariant_rows_take_the_skinny_path(monkeypatch):
             assert torch.equal(got, y[i]), i
         else:
             assert rel(got, y[i]) <= 1e-3, i
+
+
+def test_quant_sass_compiles_offline_with_the_launch_specialisation():
+    """tools/quant_sass.py: the skinny kernel compiled for sm_90 without a GPU (Triton's bundled
+    ptxas), its registers and SASS counted (a process of its own: the tests run Triton's
+    interpreter, which has no compiler behind it)."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "tools/quant_sass.py", "--type", "Q8_0", "--n", "64", "--k", "64", "--warps", "2", "--top", "60"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    regs = int(re.search(r"(\d+) registers per thread", out.stdout).group(1))
+    assert 16 <= regs <= 255 and "HMMA" in out.stdout, out.stdout
