@@ -71,8 +71,9 @@ def compile_skinny(qtype: str, n: int, k: int, config=None, words: bool | None =
 
 
 def sass_report(cubin: bytes) -> dict:
-    """``{"registers", "instructions", "mix"}`` of a cubin (``cuobjdump -res-usage`` and
-    ``-sass`` of Triton's NVIDIA backend)."""
+    """``{"registers", "stack", "instructions", "mix"}`` of a cubin (``cuobjdump -res-usage`` and
+    ``-sass`` of Triton's NVIDIA backend; ``stack``: bytes of stack frame per thread, where
+    registers spill)."""
     import tempfile
 
     import triton
@@ -84,8 +85,10 @@ def sass_report(cubin: bytes) -> dict:
         usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     regs = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
     mix = collections.Counter(m.group(1) for m in map(_OPCODE.match, sass.splitlines()) if m)
-    return {"registers": int(regs.group(1)) if regs else None, "instructions": sum(mix.values()), "mix": mix}
+    return {"registers": int(regs.group(1)) if regs else None, "stack": int(stack.group(1)) if stack else None,
+            "instructions": sum(mix.values()), "mix": mix}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     per_sm = 65536 // (r["registers"] * threads) if r["registers"] else None
     print(f"{a.type} [{a.n}, {a.k}] {cfg} sm_{a.arch}: {r['registers']} registers per thread "
           f"(about {per_sm} programs of {threads} threads per SM by registers, before the hardware's allocation "
-          f"granularity), shared {ck.metadata.shared} bytes, {r['instructions']} SASS instructions")
+          f"granularity), {r['stack']} bytes of stack (spills), shared {ck.metadata.shared} bytes, "
+          f"{r['instructions']} SASS instructions")
     print("  " + ", ".join(f"{op} {c}" for op, c in r["mix"].most_common(a.top)))
     return 0
 
