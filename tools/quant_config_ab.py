@@ -38,20 +38,12 @@ def variants(n: int, k: int, qtype) -> dict:
     stages (each only where it fits ``K``)."""
     import dataclasses
 
-    from gguf.constants import GGML_QUANT_SIZES
-
     from kernels.quant import triton as T
-    from kernels.quant.weight import as_qtype
 
     base = T.config_for(n, k, qtype)
-    qk = GGML_QUANT_SIZES[as_qtype(qtype)][0]
-    floor = T.MIN_SPLIT_ELEMS.get(qk, 512)
-    fits = [s for s in range(1, T.MAX_SPLIT_K + 1) if (k // qk) % s == 0 and (s == 1 or k // s >= floor)]
     out = {}
     for bn in (16, 64, 128):
-        outs = -(-n // bn)
-        out[f"bn{bn}"] = dataclasses.replace(base, block_n=bn,
-                                             split_k=next((s for s in fits if outs * s >= T.TARGET_PROGRAMS), fits[-1]))
+        out[f"bn{bn}"] = dataclasses.replace(base, block_n=bn, split_k=T.split_k_for(n, k, qtype, bn))
     out["w8"] = dataclasses.replace(base, num_warps=8)
     out["w2"] = dataclasses.replace(base, num_warps=2)
     out["bn64-w2"] = dataclasses.replace(out["bn64"], num_warps=2)
@@ -64,19 +56,12 @@ def sweep_grid(n: int, k: int, qtype) -> dict:
     """``--sweep``: swapped-dot launch configs around ``config_for``'s: (``BLOCK_N``, warps) of
     (16, 1), (32, 1), (32, 2), (64, 2), (64, 4), ``maxnreg`` None or 128, ``unroll`` 1 or 2, and the
     split of ``K`` by the rule or twice it (each only where it fits ``K``)."""
-    from gguf.constants import GGML_QUANT_SIZES
-
     from kernels.quant import triton as T
-    from kernels.quant.weight import as_qtype
 
-    qk = GGML_QUANT_SIZES[as_qtype(qtype)][0]
-    floor = T.MIN_SPLIT_ELEMS.get(qk, 512)
-    fits = [s for s in range(1, 4 * T.MAX_SPLIT_K + 1) if (k // qk) % s == 0 and (s == 1 or k // s >= floor)]
+    fits = T.split_candidates(k, qtype, 4 * T.MAX_SPLIT_K)
     out = {}
     for bn, w in ((16, 1), (32, 1), (32, 2), (64, 2), (64, 4)):
-        outs = -(-n // bn)
-        rule = next((s for s in fits if outs * s >= T.TARGET_PROGRAMS and s <= T.MAX_SPLIT_K),
-                    max(s for s in fits if s <= T.MAX_SPLIT_K))
+        rule = T.split_k_for(n, k, qtype, bn)
         for split in sorted({rule, min((s for s in fits if s >= 2 * rule), default=rule)}):
             for reg in (None, 128):
                 for un in (1, 2):

@@ -160,26 +160,34 @@ MIN_SPLIT_ELEMS = {32: 192, 256: 512}
 MAX_SPLIT_K = 16
 
 
+def split_candidates(k: int, qtype, max_split: int = MAX_SPLIT_K) -> list[int]:
+    """The splits ``s`` of ``K`` a launch may use, ascending: ``s`` divides ``K``'s blocks, is at
+    most ``max_split`` and leaves each program at least :data:`MIN_SPLIT_ELEMS` of ``K`` (1 always)."""
+    qk = GGML_QUANT_SIZES[as_qtype(qtype)][0]
+    floor = MIN_SPLIT_ELEMS.get(qk, 512)
+    return [s for s in range(1, max_split + 1) if (k // qk) % s == 0 and (s == 1 or k // s >= floor)]
+
+
+def split_k_for(n: int, k: int, qtype, block_n: int) -> int:
+    """:func:`config_for`'s split of ``K`` for programs of ``block_n`` features: the fewest of
+    :func:`split_candidates` bringing the launch to :data:`TARGET_PROGRAMS` (``ceil(N / BLOCK_N)
+    * s``), the largest when none does."""
+    fits = split_candidates(k, qtype)
+    outs = -(-n // block_n)
+    return next((s for s in fits if outs * s >= TARGET_PROGRAMS), fits[-1])
+
+
 def config_for(n: int, k: int, qtype) -> Config:
     """The launch config of an ``[N, K]`` weight of ``qtype``: ``BLOCK_N`` 32 (16 below 32 features),
     2 warps (with :data:`SWAP_AB`: ``benchmarks/gpu/quant/run6``), 3 stages, no unroll, and ``K`` split over the fewest programs ``s`` that bring the launch
-    to :data:`TARGET_PROGRAMS` (``ceil(N / BLOCK_N) * s``), where ``s`` divides ``K``'s blocks, is at
-    most :data:`MAX_SPLIT_K` and leaves each program at least :data:`MIN_SPLIT_ELEMS` of ``K`` (the
-    largest such ``s`` when none reaches the target). A decode-sized call is latency-bound: one
+    to :data:`TARGET_PROGRAMS` (:func:`split_k_for`). A decode-sized call is latency-bound: one
     program walks its ``K`` range serially, so the launch needs many programs in flight (measured on
     an H200 with :data:`BIAS_DOT`, ``tools/quant_config_ab.py``, ``benchmarks/gpu/quant/run5``: Q4_K
     4096 x 4096 70.8 -> 21.2 us, 4096 x 12288 206 -> 50 us; Q8_0 4096 x 4096 71 -> 22 us; SmolLM2's
     Q4_1 3072 x 576 11.8 -> 7.4 us; still 1.5-2.4x the bf16 kernel on a bf16 weight of the shape). Never depends on ``M`` (the split's partials are added in a fixed order, so a
     row's bits do not either)."""
-    qt = as_qtype(qtype)
-    qk = GGML_QUANT_SIZES[qt][0]
     bn = 32 if n >= 32 else 16
-    blocks = k // qk
-    outs = -(-n // bn)
-    floor = MIN_SPLIT_ELEMS.get(qk, 512)
-    fits = [s for s in range(1, MAX_SPLIT_K + 1) if blocks % s == 0 and (s == 1 or k // s >= floor)]
-    split = next((s for s in fits if outs * s >= TARGET_PROGRAMS), fits[-1])
-    return Config(bn, 2, 3, 1, split)
+    return Config(bn, 2, 3, 1, split_k_for(n, k, qtype, bn))
 
 
 #: Diagnostic only (``tools/quant_diag.py``): every dequantized weight rounded to ``x``'s dtype
@@ -404,6 +412,27 @@ def _codes_w(blk, s: tl.constexpr, d, m, QTYPE: tl.constexpr, G: tl.constexpr):
     return q, scale, bias
 
 
+@triton.jit
+def _group_cols(k0, G: tl.constexpr, XPERM: tl.constexpr):
+    """The ``G`` columns of ``x`` a group starting at ``k0`` reads, in its codes' order: ``k0 +
+    p``, or with ``XPERM`` (:func:`_nibbles_w`'s interleaved codes) element ``(p % 2) * (G // 2)
+    + p // 2`` of the group at position ``p``."""
+    p = tl.arange(0, G)
+    if XPERM:
+        return k0 + (p % 2) * (G // 2) + p // 2
+    else:
+        return k0 + p
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """``tl.dot(a, b)``: IEEE float32 products and sums for float32 inputs (``IEEE``), else the
+    inputs' tensor-core dot with a float32 sum."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
 
 @triton.jit
 def _group(acc, x_ptr, rm, mm, sxm, k0, q, scale, bias, HAS_BIAS: tl.constexpr, G: tl.constexpr,
@@ -420,12 +449,8 @@ def _group(acc, x_ptr, rm, mm, sxm, k0, q, scale, bias, HAS_BIAS: tl.constexpr, 
     error of ~1.6e-3 on random weights, over the 1e-3 the tests ask). float32 ``x`` (``IEEE``):
     IEEE float32 dots, no rounding. ``XPERM``: the codes come in :func:`_nibbles_w`'s interleaved
     order (position ``p`` is element ``(p % 2) * 16 + p // 2`` of the group), and ``x`` is read in
-    that order too."""
-    p = tl.arange(0, G)
-    if XPERM:
-        rk = k0 + (p % 2) * (G // 2) + p // 2
-    else:
-        rk = k0 + p
+    that order too (:func:`_group_cols`)."""
+    rk = _group_cols(k0, G, XPERM)
     x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :], mask=mm[:, None], other=0.0)
     if DEQUANT:
         w = q.to(tl.float32) * scale[:, None]
@@ -440,24 +465,14 @@ def _group(acc, x_ptr, rm, mm, sxm, k0, q, scale, bias, HAS_BIAS: tl.constexpr, 
                 lo = (w - hi.to(tl.float32)).to(x_ptr.dtype.element_ty)
                 acc = tl.dot(x, tl.trans(lo), acc)
     else:
-        qt = tl.trans(q.to(x_ptr.dtype.element_ty))
-        if IEEE:
-            part = tl.dot(x, qt, input_precision="ieee")
-        else:
-            part = tl.dot(x, qt)
-        acc += part * scale[None, :]
+        acc += _dot(x, tl.trans(q.to(x_ptr.dtype.element_ty)), IEEE) * scale[None, :]
         if HAS_BIAS:
             if BIAS_DOT:   # the group's row sums of x on the tensor cores, as every column of a dot with ones
                 ones = tl.full([G, BLOCK_N], 1.0, x_ptr.dtype.element_ty)
-                if IEEE:
-                    xs = tl.dot(x, ones, input_precision="ieee")
-                else:
-                    xs = tl.dot(x, ones)
-                acc += xs * bias[None, :]
+                acc += _dot(x, ones, IEEE) * bias[None, :]
             else:
                 acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * bias[None, :]
     return acc
-
 
 
 @triton.jit
@@ -466,36 +481,24 @@ def _group_t(acc, x_ptr, rm, mm, sxm, k0, q, scale, bias, HAS_BIAS: tl.constexpr
     """:func:`_group`'s skinny arithmetic on the transposed accumulator ``[BLOCK_N, BLOCK_M]``
     (``SWAP``): ``acc += scale * dot(q, x[:, group]^T) (+ bias * sum)``, the codes the dot's left
     operand (on Hopper a warpgroup MMA reads it from registers) and ``x`` loaded transposed."""
-    p = tl.arange(0, G)
-    if XPERM:
-        rk = k0 + (p % 2) * (G // 2) + p // 2
-    else:
-        rk = k0 + p
+    rk = _group_cols(k0, G, XPERM)
     xt = tl.load(x_ptr + rk[:, None] + rm[None, :] * sxm, mask=mm[None, :], other=0.0)    # [G, BLOCK_M]
-    qa = q.to(x_ptr.dtype.element_ty)
-    if IEEE:
-        part = tl.dot(qa, xt, input_precision="ieee")
-    else:
-        part = tl.dot(qa, xt)
-    acc += part * scale[:, None]
+    acc += _dot(q.to(x_ptr.dtype.element_ty), xt, IEEE) * scale[:, None]
     if HAS_BIAS:
         if BIAS_DOT:
             ones = tl.full([q.shape[0], G], 1.0, x_ptr.dtype.element_ty)
-            if IEEE:
-                xs = tl.dot(ones, xt, input_precision="ieee")
-            else:
-                xs = tl.dot(ones, xt)
-            acc += xs * bias[:, None]
+            acc += _dot(ones, xt, IEEE) * bias[:, None]
         else:
             acc += tl.sum(xt.to(tl.float32), axis=0)[None, :] * bias[:, None]
     return acc
+
 
 @triton.jit(do_not_specialize=["M"])
 def _qlinear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
                     QTYPE: tl.constexpr, QK: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DEQUANT: tl.constexpr, SPLIT: tl.constexpr,
                     IEEE: tl.constexpr, UNROLL: tl.constexpr, SPLIT_K: tl.constexpr, BIAS_DOT: tl.constexpr = False,
-                    WORDS: tl.constexpr = False, SWAP: tl.constexpr = False):
+                    WORDS: tl.constexpr = False, SWAP: tl.constexpr = False, XPERM: tl.constexpr = False):
     """``y = x @ dequant(w)^T``, ``UNROLL`` quantization blocks of ``K`` per iteration (each
     block's ``QK // G`` groups unrolled; the groups accumulate in ``K`` order whatever ``UNROLL``
     is), over the ``K / SPLIT_K`` range of program ``(.., program_id(1))``; with ``SPLIT_K`` > 1
@@ -526,10 +529,10 @@ def _qlinear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
                     q, scale, bias = _codes(blk, s, d, m, QTYPE, G)
                 if SWAP:
                     acc = _group_t(acc, x_ptr, rm, mm, sxm, (b + u) * QK + s * G, q, scale, bias, HAS_BIAS, G, IEEE,
-                                   BLOCK_M, BIAS_DOT, WORDS and QK == 32 and QTYPE != _Q8_0)
+                                   BLOCK_M, BIAS_DOT, XPERM)
                 else:
                     acc = _group(acc, x_ptr, rm, mm, sxm, (b + u) * QK + s * G, q, scale, bias, HAS_BIAS, G, DEQUANT,
-                                 SPLIT, IEEE, BLOCK_N, BIAS_DOT, WORDS and QK == 32 and QTYPE != _Q8_0)
+                                 SPLIT, IEEE, BLOCK_N, BIAS_DOT, XPERM)
     if SPLIT_K > 1:
         y_ptr += tl.program_id(1).to(tl.int64) * M * sym
     if SWAP:
@@ -720,11 +723,13 @@ def kernel_constants(qtype, x_dtype: torch.dtype, block_m: int, block_n: int, de
     :data:`WORD_LOADS` needs; a view that does not takes the byte gathers."""
     qt = as_qtype(qtype)
     qk, bs = GGML_QUANT_SIZES[qt]
+    words = bool(WORD_LOADS) and bool(aligned)
     return dict(QTYPE=int(qt), QK=qk, BS=bs, G=16 if qt.name == "Q6_K" else 32, HAS_BIAS=qt.name in _BIASED,
                 BLOCK_M=block_m, BLOCK_N=block_n, DEQUANT=bool(dequant),
                 SPLIT=bool(split) and x_dtype != torch.float32, IEEE=x_dtype == torch.float32,
                 UNROLL=int(unroll), SPLIT_K=int(split_k), BIAS_DOT=bool(BIAS_DOT) and not dequant,
-                WORDS=bool(WORD_LOADS) and bool(aligned), SWAP=bool(SWAP_AB) and not dequant)
+                WORDS=words, SWAP=bool(SWAP_AB) and not dequant,
+                XPERM=words and qk == 32 and qt.name != "Q8_0")   # (_codes_w's interleaved legacy 4- / 5-bit codes)
 
 
 def _launch(x2, weight: QuantizedWeight, y, m, n, k, block_m, block_n, num_warps, num_stages, dequant, split,
