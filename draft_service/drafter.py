@@ -507,11 +507,6 @@ class DFlashDrafter(nn.Module):
                 self.register_buffer(name, None if w is None else w.detach(), persistent=False)
         self.tied = lm_head_weight is None
 
-    @property
-    def quantized_head(self) -> bool:
-        """Whether the LM head (the embedding when tied) is held as GGUF blocks."""
-        return isinstance(self.head_weight, QuantizedWeight)
-
     # ---- construction ------------------------------------------------------------------------
 
     @torch.no_grad()

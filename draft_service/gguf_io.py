@@ -51,7 +51,7 @@ from draft_service.checkpoint import (  # noqa: F401
 from draft_service.drafter import FULL, SLIDING, DFlashDrafter, DrafterConfig, DrafterError
 from kernels.quant import QuantizedWeight
 from runtime.fingerprint import model_fingerprint
-from runtime.gguf_loader import GGUFError, GGUFFile, open_gguf, write_gguf
+from runtime.gguf_loader import FLOAT_TYPES, GGUFError, GGUFFile, open_gguf, write_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -261,24 +261,21 @@ def is_trained(path: str | os.PathLike[str]) -> bool:
 
 def borrowed_tensor(target: GGUFFile, name: str, dtype: torch.dtype, device: "str | torch.device",
                     quantized: bool) -> "torch.Tensor | QuantizedWeight":
-    """Tensor ``name`` of the target GGUF for the drafter: dequantized to ``dtype`` on ``device``,
-    or with ``quantized`` and a type of :data:`kernels.quant.QTYPES`, its blocks on ``device``
-    (:class:`kernels.quant.QuantizedWeight`). A block type the kernels do not read (Q2_K, IQ...)
-    is dequantized, with a warning naming it; float types (F32, F16, BF16) load as floats.
+    """Tensor ``name`` of the target GGUF for the drafter (:meth:`GGUFFile.load_weight`): dequantized
+    to ``dtype`` on ``device``, or with ``quantized`` and a type of :data:`kernels.quant.QTYPES`, its
+    blocks on ``device`` (:class:`kernels.quant.QuantizedWeight`). A block type the kernels do not
+    read (Q2_K, IQ...) is dequantized, with a warning naming it; float types (F32, F16, BF16) load
+    as floats.
 
     Raises:
         runtime.gguf_loader.GGUFError: the tensor is missing or unreadable.
     """
-    from kernels.quant import QTYPES
-
+    w = target.load_weight(name, dtype, device, quantized)
     t = target.tensor_info(name).type_name
-    if quantized and t in QTYPES:
-        raw = target.load_raw(name, device=device)
-        return QuantizedWeight(raw.data.reshape(raw.shape[0], -1), raw.qtype, raw.shape)
-    if quantized and t not in ("F32", "F16", "BF16"):
+    if quantized and not isinstance(w, QuantizedWeight) and t not in FLOAT_TYPES:
         logger.warning("target tensor %s is %s, which has no quantized kernel: dequantized for the drafter", name, t,
                        extra={"tensor": name, "type": t})
-    return target.load_tensor(name, dtype=dtype, device=device)
+    return w
 
 
 def load_drafter(

@@ -131,6 +131,7 @@ def propose_columns(columns: draft_pb2.ProposeColumns) -> list[DraftItem]:
     if rows and min(rows) < 0:
         raise ColumnsError("features.rows: a negative row count")
     feats: list = [None] * n
+    finite = False   # (no rows: nothing to check)
     total = sum(rows)
     if total:
         try:
@@ -145,8 +146,7 @@ def propose_columns(columns: draft_pb2.ProposeColumns) -> list[DraftItem]:
         # the step's rows checked at once (a per-item check costs ~12 us of fixed overhead each);
         # a non-finite value anywhere leaves every item to its own check, so only its item fails
         finite = t.is_floating_point() and all_finite(t)
-        return [DraftItem(*x, finite) for x in zip(sids, feats, roots, lengths, budgets, top_ks, depths)]
-    return [DraftItem(*x) for x in zip(sids, feats, roots, lengths, budgets, top_ks, depths)]
+    return [DraftItem(*x, finite) for x in zip(sids, feats, roots, lengths, budgets, top_ks, depths)]
 
 
 def check_session(item: DraftItem) -> DraftItem:
@@ -275,15 +275,14 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         from runtime.fingerprint import tokenizer_fingerprint
         from runtime.gguf_loader import open_gguf
 
-        auto = DraftConfig(device=str(device), engine=engine).resolved()  # the auto rules live there
+        auto = DraftConfig(device=str(device), engine=engine, weights=weights).resolved()  # the auto rules live there
         engine = auto.engine
         if engine not in ("reference", "batched"):
             raise ValueError(f"unknown drafter engine {engine!r} (auto, reference, batched)")
         if dtype is None:
             dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[auto.dtype]
         target = open_gguf(target_path)
-        drafter = load_drafter(drafter_path, target, device=device, dtype=dtype,
-                               weights=DraftConfig(weights=weights).resolved().weights)
+        drafter = load_drafter(drafter_path, target, device=device, dtype=dtype, weights=auto.weights)
         target_context = int(target.get("{arch}.context_length", 0) or 0)
         if not is_trained(drafter_path):
             logger.warning("the drafter is untrained (random init): expect acceptance near zero", extra={"drafter": drafter_path})

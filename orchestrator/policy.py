@@ -80,7 +80,7 @@ class DraftPolicy:
         for mode in (DRAFT, PLAIN):
             if self._since.get((b, mode), 0) >= self.refresh:
                 return mode
-        best = DRAFT if self._rate[(b, DRAFT)] >= self._rate[(b, PLAIN)] else PLAIN
+        best = self.faster(batch)
         if self._best.get(b) != best:
             self._best[b] = best
             log.info("draft policy: %s is faster at this batch size", best,

@@ -100,6 +100,10 @@ class TensorInfo:
     shape: tuple[int, ...]
 
 
+#: GGUF types that are plain floats (``load_weight`` loads them as floats in every mode)
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
 @dataclasses.dataclass
 class RawTensor:
     """One tensor of a GGUF file as the file stores it (no dequantization).
@@ -231,6 +235,25 @@ class GGUFFile:
                 raise GGUFError(f"{name}: cannot dequantize {qtype.name}: {e}") from e
         out = torch.from_numpy(np.array(arr, copy=True).reshape(shape))
         return out.to(device=device, dtype=dtype)
+
+    def load_weight(self, name: str, dtype: "torch.dtype | None" = None, device: "str | torch.device" = "cpu",
+                    quantized: bool = False) -> "torch.Tensor | Any":
+        """Tensor ``name`` as a model holds it (``--weights``): with ``quantized`` and a type of
+        :data:`kernels.quant.QTYPES`, its blocks on ``device`` (a :class:`kernels.quant.QuantizedWeight`,
+        no float copy); otherwise :meth:`load_tensor` (dequantized to ``dtype``). A caller that asked
+        ``quantized`` and got a tensor of a type not in :data:`FLOAT_TYPES` had a block type the
+        kernels do not read (Q2_K, IQ...): its to warn.
+
+        Raises:
+            GGUFError: as :meth:`load_raw` / :meth:`load_tensor`.
+        """
+        if quantized:
+            from kernels.quant import QTYPES, QuantizedWeight
+
+            if self.tensor_info(name).type_name in QTYPES:
+                raw = self.load_raw(name, device=device)
+                return QuantizedWeight(raw.data.reshape(raw.shape[0], -1), raw.qtype, raw.shape)
+        return self.load_tensor(name, dtype=dtype, device=device)
 
 
 def write_gguf(

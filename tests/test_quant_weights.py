@@ -377,8 +377,8 @@ def test_drafter_borrows_the_target_embedding_and_head_quantized(tiny_q, tmp_pat
     dq = load_drafter(path, tiny_q, weights="quantized")
     db = load_drafter(path, tiny_q, weights="bf16")
     assert isinstance(dq.embed_weight, QuantizedWeight) and dq.embed_weight.qtype.name == "Q4_K"
-    assert dq.tied and dq.head_weight is dq.embed_weight and dq.quantized_head
-    assert isinstance(db.embed_weight, torch.Tensor) and db.embed_weight.dtype == torch.float32 and not db.quantized_head
+    assert dq.tied and dq.head_weight is dq.embed_weight
+    assert isinstance(db.embed_weight, torch.Tensor) and db.embed_weight.dtype == torch.float32 and db.head_weight is db.embed_weight
     assert "embed_weight" not in dict(dq.named_buffers()) and "embed_weight" in dict(db.named_buffers())
     tokens = torch.randint(0, dq.config.vocab_size, (3, 8), generator=torch.Generator().manual_seed(0))
     assert torch.equal(dq.embed_blocks(tokens), db.embed_blocks(tokens))

@@ -20,15 +20,13 @@ from typing import Callable, Iterable
 
 import torch
 
-from kernels.quant import QTYPES, PackedWeight, QuantizedWeight, pack_rows, weight_nbytes
-from runtime.gguf_loader import GGUFFile
+from kernels.quant import PackedWeight, QuantizedWeight, pack_rows, weight_nbytes
+from runtime.gguf_loader import FLOAT_TYPES, GGUFFile
 
 log = logging.getLogger(__name__)
 
 #: accepted ``--weights`` values
 WEIGHT_MODES = ("auto", "bf16", "quantized")
-#: GGUF types that are plain floats: loaded as today (cast to the model dtype) in every mode
-FLOAT_TYPES = ("F32", "F16", "BF16")
 
 __all__ = ["FLOAT_TYPES", "WEIGHT_MODES", "load_weights", "pack_rows", "permute_rows", "place", "resolve_weights",
            "weight_bytes"]
@@ -75,15 +73,12 @@ def load_weights(g: GGUFFile, names: Iterable[str], dtype: torch.dtype, device: 
     out: dict = {}
     fallback: set[str] = set()
     for name in it:
-        t = g.tensor_info(name).type_name
         keep = quantized and keep_quantized(name)
-        if keep and t in QTYPES:
-            raw = g.load_raw(name, device=device)
-            out[name] = QuantizedWeight(raw.data.reshape(raw.shape[0], -1), raw.qtype, raw.shape)
-            continue
-        if keep and t not in FLOAT_TYPES:
-            fallback.add(t)
-        out[name] = g.load_tensor(name, dtype=torch.float32 if float32(name) else dtype, device=device)
+        w = out[name] = g.load_weight(name, torch.float32 if float32(name) else dtype, device, keep)
+        if keep and not isinstance(w, QuantizedWeight):
+            t = g.tensor_info(name).type_name
+            if t not in FLOAT_TYPES:
+                fallback.add(t)
     if fallback:
         log.warning("GGUF types %s have no quantized kernel: dequantized at load", ", ".join(sorted(fallback)),
                     extra={"types": sorted(fallback), "model": g.path})
