@@ -59,10 +59,15 @@ def rows(sweep: dict[str, Any], llama: dict[int, float]) -> list[dict[str, Any]]
     return out
 
 
+def spec_tau(sweep: dict[str, Any]) -> dict[int, float | None]:
+    """``{streams: tau}`` of a sweep's speculative levels (None where it recorded none)."""
+    return {r["concurrency"]: r.get("tau") for r in sweep.get("modes", {}).get("spec", [])}
+
+
 def projected(sweep: dict[str, Any], reference: dict[str, Any]) -> dict[int, float]:
     """``{streams: projected speculative tokens/s}`` (module docstring): for each level both sweeps
     ran with a speculative ``tau`` (``--project-tau``)."""
-    ref = {r["concurrency"]: r.get("tau") for r in reference.get("modes", {}).get("spec", [])}
+    ref = spec_tau(reference)
     out = {}
     for r in sweep.get("modes", {}).get("spec", []):
         t, t_ref = r.get("tau"), ref.get(r["concurrency"])
@@ -87,7 +92,7 @@ def markdown(sweep: dict[str, Any], llama: dict[int, float], reference: dict[str
     lines = ["| streams | llama.cpp batched (S_TG) | ours AR | AR / llama.cpp | ours spec | spec / llama.cpp | spec / AR "
              "| per stream AR / spec | ITL p50 ms AR / spec | ITL p99 ms AR / spec | lossless AR / spec |" + extra_head,
              "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" * 5 if proj is not None else "")]
-    ref_tau = {r["concurrency"]: r.get("tau") for r in (reference or {}).get("modes", {}).get("spec", [])}
+    ref_tau = spec_tau(reference or {})
 
     def agg(r):
         return None if r is None else r["aggregate_tokens_per_second"]

@@ -89,15 +89,22 @@ smollm() {
   echo "$f"
 }
 
+synth_one() {
+  # synth_one PRESET SMOLLM THREADS: the synthetic Qwen3.5 bf16 file of PRESET (SmolLM2's tokenizer and
+  # vocabulary, as --vocab-size 0 says; llama.cpp needs a real tokenizer to load it) -> $M/q35-PRESET-bf16.gguf,
+  # and its .done marker once whole
+  python3 -m fixtures.synth --arch qwen35 --preset "$1" --dtype bf16 --vocab-size 0 --vocab-from "$2" \
+    --out "$M/q35-$1-bf16.gguf" --no-progress --threads "$3" && touch "$M/q35-$1-bf16.done"
+}
+
 synth_bg() {
-  # the synthetic Qwen3.5 files (SmolLM2's tokenizer and vocabulary, as --vocab-size 0 says),
-  # written in the background while the GPU tests run; llama.cpp needs a real tokenizer to load them
+  # the synthetic Qwen3.5 files (synth_one), written in the background while the GPU tests run
   local smol=$1
   if [ ! -e /tmp/synth.started ]; then
     touch /tmp/synth.started
-    setsid nohup bash -c "for p in 0.8b 4b 9b; do python3 -m fixtures.synth --arch qwen35 --preset \$p --dtype bf16 \
-      --vocab-size 0 --vocab-from $smol --out $M/q35-\$p-bf16.gguf --no-progress --threads 8 \
-      && touch $M/q35-\$p-bf16.done; done > /tmp/synth.log 2>&1" > /dev/null 2>&1 < /dev/null &
+    export M PYTHONPATH; export -f synth_one
+    setsid nohup bash -c "for p in 0.8b 4b 9b; do synth_one \$p $smol 8; done > /tmp/synth.log 2>&1" \
+      > /dev/null 2>&1 < /dev/null &
   fi
 }
 
@@ -209,62 +216,54 @@ cmd_bench() {
   cp /tmp/synth.log /tmp/llbuild.log "$OUT"/ 2>/dev/null
 }
 
-cmd_concurrency() {
-  # issue 23's sweep: llama-batched-bench on the same file first (when llama.cpp is built: `stage`
-  # with LLAMA_TARGETS naming llama-batched-bench), then ours (AR and the default tree at every level,
-  # each request checked against its single-stream AR tokens), then the table and the JSON
-  # (bench/concurrency_report.py; the PNG is drawn where matplotlib is). CONCURRENCY (default
-  # 1,4,16,32,64; 1,4,8,16,32,64,128,256 works: bench gives the services --max-sessions of the
-  # largest level), REQUESTS_PER_STREAM (2), LLAMA_NPL (default: CONCURRENCY), ORCH_ARGS.
-  local smol; smol=$(timed_start) || exit 1
-  local levels=${CONCURRENCY:-1,4,16,32,64}
-  local npl=${LLAMA_NPL:-$levels}
+load_sweep() {
+  # load_sweep MODEL TAG LEVELS NPL TITLE TAU_REF [bench args...]: llama-batched-bench on MODEL at NPL
+  # (when llama.cpp is built: `stage` with LLAMA_TARGETS naming llama-batched-bench), then ours (AR and
+  # the default tree at every level of LEVELS, each request checked against its single-stream AR
+  # tokens), then the table and the JSON (bench/concurrency_report.py: TITLE, and the projected column
+  # when TAU_REF names a sweep's JSON; the PNG where matplotlib is)
+  # -> $OUT/llama-batched$TAG.txt, $OUT/concurrency$TAG.{txt,json,md,png}
+  local model=$1 tag=$2 levels=$3 npl=$4 title=$5 tauref=$6; shift 6
   local maxn; maxn=$(echo "$npl" | tr ',' '\n' | sort -n | tail -1)
   if [ -x $LL/build/bin/llama-batched-bench ]; then
-    $LL/build/bin/llama-batched-bench -m "$smol" -ngl 99 -fa on -c $(( (maxn * 256) + 1024 )) -npp 128 -ntg 128 \
-      -npl "$npl" 2>&1 | grep -E "^\||llama_batched_bench" | tee "$OUT/llama-batched.txt"
+    $LL/build/bin/llama-batched-bench -m "$model" -ngl 99 -fa on -c $(( (maxn * 256) + 1024 )) -npp 128 -ntg 128 \
+      -npl "$npl" 2>&1 | grep -E "^\||llama_batched_bench" | tee "$OUT/llama-batched$tag.txt"
   else
-    echo "llama-batched-bench not built (stage with LLAMA_TARGETS=\"... llama-batched-bench\"): no llama.cpp column" | tee "$OUT/llama-batched.txt"
+    echo "llama-batched-bench not built (stage with LLAMA_TARGETS=\"... llama-batched-bench\"): no llama.cpp column" | tee "$OUT/llama-batched$tag.txt"
   fi
-  python3 -m client.cli bench --device cuda --model "$smol" --prompts 16 --max-tokens 128 --configs ar,tree:16:4 \
+  python3 -m client.cli bench --device cuda --model "$model" "$@" --prompts 16 --max-tokens 128 --configs ar,tree:16:4 \
     --concurrency "$levels" --requests-per-stream "${REQUESTS_PER_STREAM:-2}" \
-    --orchestrator-args="${ORCH_ARGS:-}" --json "$OUT/concurrency.json" --out "$OUT/concurrency.txt"
-  python3 -m bench.concurrency_report "$OUT/concurrency.json" --llama "$OUT/llama-batched.txt" --out "$OUT/concurrency.md" \
-    $(python3 -c "import matplotlib" 2>/dev/null && echo --png "$OUT/concurrency.png")
-  cat "$OUT/concurrency.md"
+    --orchestrator-args="${ORCH_ARGS:-}" --json "$OUT/concurrency$tag.json" --out "$OUT/concurrency$tag.txt"
+  python3 -m bench.concurrency_report "$OUT/concurrency$tag.json" --llama "$OUT/llama-batched$tag.txt" \
+    --out "$OUT/concurrency$tag.md" --title "$title" ${tauref:+--project-tau "$tauref"} \
+    $(python3 -c "import matplotlib" 2>/dev/null && echo --png "$OUT/concurrency$tag.png")
+  cat "$OUT/concurrency$tag.md"
+}
+
+cmd_concurrency() {
+  # issue 23's sweep on the shipped SmolLM2 pair (load_sweep). CONCURRENCY (default 1,4,16,32,64;
+  # 1,4,8,16,32,64,128,256 works: bench gives the services --max-sessions of the largest level),
+  # REQUESTS_PER_STREAM (2), LLAMA_NPL (default: CONCURRENCY), ORCH_ARGS.
+  local smol; smol=$(timed_start) || exit 1
+  local levels=${CONCURRENCY:-1,4,16,32,64}
+  load_sweep "$smol" "" "$levels" "${LLAMA_NPL:-$levels}" "" ""
 }
 
 cmd_concurrency_9b() {
-  # issue 23 goal 5: the same sweep on the synthetic Qwen3.5-9B (bf16, SmolLM2's tokenizer and
-  # vocabulary) with a random drafter of the shipped drafter's shape (3 layers, block 16, 5 target
-  # layers), beside llama-batched-bench on the same file. Its drafter accepts next to nothing, so the
-  # speculative column is the cost of drafting at that size; TAU_REF (a concurrency.json with tau
-  # per level, e.g. this call's `concurrency` run of the shipped SmolLM2 pair) adds the projected
-  # column (bench/concurrency_report.py --project-tau). CONCURRENCY (default 1,4,8,16,32,64),
-  # REQUESTS_PER_STREAM (2), ORCH_ARGS. The synthetic file (~3 min) is shared with synth_bg / gpu_quant.sh.
+  # issue 23 goal 5: the same sweep (load_sweep) on the synthetic Qwen3.5-9B (bf16, synth_one) with a
+  # random drafter of the shipped drafter's shape (3 layers, block 16, 5 target layers). Its drafter
+  # accepts next to nothing, so the speculative column is the cost of drafting at that size; TAU_REF
+  # (a concurrency.json with tau per level, e.g. this call's `concurrency` run of the shipped SmolLM2
+  # pair) adds the projected column (bench/concurrency_report.py --project-tau). CONCURRENCY (default
+  # 1,4,8,16,32,64), REQUESTS_PER_STREAM (2), ORCH_ARGS.
   local smol; smol=$(timed_start) || exit 1
   local t=$M/q35-9b-bf16.gguf d=$M/q35-9b-random-drafter.gguf
   local levels=${CONCURRENCY:-1,4,8,16,32,64}
-  local maxn; maxn=$(echo "$levels" | tr ',' '\n' | sort -n | tail -1)
   for _ in $(seq 1 60); do [ -e /tmp/synth.started ] && [ ! -e $M/q35-9b-bf16.done ] && sleep 5 || break; done
-  if [ ! -e $M/q35-9b-bf16.done ]; then
-    python3 -m fixtures.synth --arch qwen35 --preset 9b --dtype bf16 --vocab-size 0 --vocab-from "$smol" --out "$t" \
-      --no-progress --threads "$(nproc)" && touch $M/q35-9b-bf16.done
-  fi
+  [ -e $M/q35-9b-bf16.done ] || synth_one 9b "$smol" "$(nproc)"
   [ -s "$d" ] || python3 -m draft_service.init_random --target "$t" --out "$d" --layers 3 --block-size 16 --num-target-layers 5
-  if [ -x $LL/build/bin/llama-batched-bench ]; then
-    $LL/build/bin/llama-batched-bench -m "$t" -ngl 99 -fa on -c $(( (maxn * 256) + 1024 )) -npp 128 -ntg 128 \
-      -npl "$levels" 2>&1 | grep -E "^\||llama_batched_bench" | tee "$OUT/llama-batched-9b.txt"
-  else
-    echo "llama-batched-bench not built: no llama.cpp column" | tee "$OUT/llama-batched-9b.txt"
-  fi
-  python3 -m client.cli bench --device cuda --model "$t" --drafter "$d" --prompts 16 --max-tokens 128 --configs ar,tree:16:4 \
-    --concurrency "$levels" --requests-per-stream "${REQUESTS_PER_STREAM:-2}" \
-    --orchestrator-args="${ORCH_ARGS:-}" --json "$OUT/concurrency-9b.json" --out "$OUT/concurrency-9b.txt"
-  python3 -m bench.concurrency_report "$OUT/concurrency-9b.json" --llama "$OUT/llama-batched-9b.txt" \
-    --out "$OUT/concurrency-9b.md" --title "synthetic Qwen3.5-9B bf16, random drafter of the shipped shape" \
-    ${TAU_REF:+--project-tau "$TAU_REF"} $(python3 -c "import matplotlib" 2>/dev/null && echo --png "$OUT/concurrency-9b.png")
-  cat "$OUT/concurrency-9b.md"
+  load_sweep "$t" -9b "$levels" "$levels" "synthetic Qwen3.5-9B bf16, random drafter of the shipped shape" "${TAU_REF:-}" \
+    --drafter "$d"
 }
 
 timed_start() {
