@@ -222,16 +222,19 @@ load_sweep() {
   # the default tree at every level of LEVELS, each request checked against its single-stream AR
   # tokens), then the table and the JSON (bench/concurrency_report.py: TITLE, and the projected column
   # when TAU_REF names a sweep's JSON; the PNG where matplotlib is)
-  # -> $OUT/llama-batched$TAG.txt, $OUT/concurrency$TAG.{txt,json,md,png}
+  # -> $OUT/llama-batched$TAG.txt, $OUT/concurrency$TAG.{txt,json,md,png}. LLAMA_BATCHED=0 with
+  # $OUT/llama-batched$TAG.txt already there (copied back by the caller) keeps it instead of running again.
   local model=$1 tag=$2 levels=$3 npl=$4 title=$5 tauref=$6; shift 6
   local maxn; maxn=$(echo "$npl" | tr ',' '\n' | sort -n | tail -1)
-  if [ -x $LL/build/bin/llama-batched-bench ]; then
+  if [ "${LLAMA_BATCHED:-1}" = 0 ] && [ -s "$OUT/llama-batched$tag.txt" ]; then
+    echo "llama-batched-bench: kept from this call's earlier run ($OUT/llama-batched$tag.txt)"
+  elif [ -x $LL/build/bin/llama-batched-bench ]; then
     $LL/build/bin/llama-batched-bench -m "$model" -ngl 99 -fa on -c $(( (maxn * 256) + 1024 )) -npp 128 -ntg 128 \
       -npl "$npl" 2>&1 | grep -E "^\||llama_batched_bench" | tee "$OUT/llama-batched$tag.txt"
   else
     echo "llama-batched-bench not built (stage with LLAMA_TARGETS=\"... llama-batched-bench\"): no llama.cpp column" | tee "$OUT/llama-batched$tag.txt"
   fi
-  python3 -m client.cli bench --device cuda --model "$model" "$@" --prompts 16 --max-tokens 128 --configs ar,tree:16:4 \
+  python3 -m client.cli bench --device cuda --model "$model" "$@" --prompts 16 --max-tokens 128 --configs ar,tree:15:4 \
     --concurrency "$levels" --requests-per-stream "${REQUESTS_PER_STREAM:-2}" \
     --orchestrator-args="${ORCH_ARGS:-}" --json "$OUT/concurrency$tag.json" --out "$OUT/concurrency$tag.txt"
   python3 -m bench.concurrency_report "$OUT/concurrency$tag.json" --llama "$OUT/llama-batched$tag.txt" \

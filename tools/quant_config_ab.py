@@ -5,6 +5,7 @@ rule, and a few other launch configs: ``VARIANTS``), beside the bf16 skinny kern
 of the same shape and a copy of the quantized bytes.
 
     python tools/quant_config_ab.py [--out FILE.json]        # on the GPU machine, ~3 min
+    python tools/quant_config_ab.py --regs [--out FILE.json] # config_for's launch at each maxnreg of REGS
 
 Timing as ``tools/sweep_quant.py`` (its ``Timer``: a CUDA graph of calls cycling through weight
 copies spanning twice the L2 cache, so every call reads its weight from HBM; median of 10 replays).
@@ -71,6 +72,40 @@ def sweep_grid(n: int, k: int, qtype) -> dict:
     return out
 
 
+#: ``--regs``: registers per thread tried on ``config_for``'s launch (``None``: the compiler's choice;
+#: ``tools/quant_sass.py`` offline: Q4_K 4096 x 4096 takes 103, 80 spills 48 B, 64 spills 216 B)
+REGS = (None, 96, 88, 80, 72, 64)
+
+
+def run_regs(timer, dev, sq, T, cases) -> list:
+    """``--regs``: ``config_for``'s launch (the swapped dot, word reads: the defaults) with each
+    ``maxnreg`` of :data:`REGS`, at M = 1, 4 and 16; prints us per call and the ratio to the
+    compiler's choice."""
+    import dataclasses
+
+    rows = []
+    for name, n, k in cases:
+        w0 = sq.random_weight(name, n, k, dev)
+        ws = [sq.random_weight(name, n, k, dev, seed=i) for i in range(max(2, -(-2 * sq.L2_BYTES // w0.nbytes)))]
+        calls = max(20, len(ws))
+        base = T.config_for(n, k, name)
+        for m in (1, 4, 16):
+            x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+            got = {}
+            for reg in REGS:
+                c = dataclasses.replace(base, maxnreg=reg)
+                try:
+                    got[reg or 0] = timer(lambda i: T.linear(x, ws[i % len(ws)], config=c), calls)
+                except Exception as e:  # a config the compiler refuses: noted, not fatal
+                    print(f"# {name} {n}x{k} maxnreg {reg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            ref = got.get(0)
+            print(f"| {name} | {n} x {k} | {m} | " + " | ".join(
+                f"{got[r or 0]:.1f} ({got[r or 0] / ref:.2f}x)" if (r or 0) in got and ref else "-" for r in REGS) + " |",
+                flush=True)
+            rows.append(dict(type=name, n=n, k=k, m=m, config=str(base), us={str(r): v for r, v in got.items()}))
+    return rows
+
+
 def run_sweep(timer, dev, sq, T, cases) -> list:
     """Time :func:`sweep_grid` with the swapped dot at M = 1 and 16; print the five best per case."""
     rows = []
@@ -99,6 +134,7 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true", help="only the 9B-shaped Q4_K / Q6_K / Q8_0 cases and two SmolLM2 ones")
     p.add_argument("--sweep", action="store_true", help="time sweep_grid's swapped-dot configs on the --quick cases")
+    p.add_argument("--regs", action="store_true", help="time config_for's launch with each maxnreg of REGS on the --quick cases")
     args = p.parse_args()
     import sweep_quant as sq
 
@@ -109,6 +145,15 @@ def main() -> int:
     dev = torch.device("cuda")
     timer = sq.Timer(dev, 20, 10)
     rows = []
+    if args.regs:
+        print(f"# {torch.cuda.get_device_name(0)}: us per call (x the compiler's choice), config_for's launch, maxnreg =")
+        print("| type | N x K | M | " + " | ".join(str(r or "default") for r in REGS) + " |")
+        print("|---|---|---|" + "---|" * len(REGS))
+        rows = run_regs(timer, dev, sq, T, QUICK)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     if args.sweep:
         print(f"# {torch.cuda.get_device_name(0)}: us per call, swapped dot; the five best configs")
         print("| type | N x K | M | default us | best |")
