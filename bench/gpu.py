@@ -393,8 +393,6 @@ def profile_step(engine, width: int, parents: list[int] | None = None, prefill: 
     """Kernels of one eager ``(1, width)`` step in the spare slot (a chain, or the tree of
     ``parents``; with ``prefill`` a prefill chunk of ``width`` tokens) under the PyTorch profiler:
     count and device microseconds per kernel family, and the top kernels by time."""
-    from torch.profiler import ProfilerActivity, profile
-
     from runtime.tree import analyze_tree
 
     if parents == "tree":
@@ -412,10 +410,19 @@ def profile_step(engine, width: int, parents: list[int] | None = None, prefill: 
     v["parents"][0] = parents
     v["depth"][0] = depth
     v["ancestors"][0] = bits
-    r.body()
+    return profile_kernels(r.body)
+
+
+@torch.no_grad()
+def profile_kernels(fn) -> dict:
+    """Kernels of one eager ``fn()`` (after one unprofiled call) under the PyTorch profiler: count
+    and device microseconds per kernel family (:data:`_FAMILIES`), and the top kernels by time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        r.body()
+        fn()
         torch.cuda.synchronize()
     fams: dict[str, list[float]] = {}
     kernels = []
@@ -494,8 +501,9 @@ def drafter_timing(target_path: str, drafter_path: str | None = None, configs=DR
 
     Returns:
         ``{"drafter", "source", "trained", "device", "block_size", "rows_per_step", "configs":
-        {name: {"nodes", "wall_ms", "device_ms", "tree_us"}}, "reference_step": {same}}``
-        (``_stats`` dicts; ``device_ms`` None and ``reference_step`` empty off CUDA).
+        {name: {"nodes", "wall_ms", "device_ms", "tree_us"}}, "reference_step": {same}, "profile"}``
+        (``_stats`` dicts; ``device_ms`` None and ``reference_step`` empty off CUDA; ``profile``, CUDA
+        only: :func:`profile_kernels` of one eager fused step, the last configuration's shape).
     """
     import shutil
     import tempfile
@@ -584,6 +592,10 @@ def drafter_timing(target_path: str, drafter_path: str | None = None, configs=DR
                         walls.append(wall * 1e3)
                         trees.append((engine.tree_s - tree_s) * 1e6)
                     nodes = len(res.tokens)
+                if cuda and key == "configs" and cfg == configs[-1]:
+                    # the kernels of one eager step of the runner just used (its inputs as the last
+                    # proposal left them): what the drafter's device time is made of
+                    out["profile"] = profile_kernels(engine._runner(1, engine.append_rows).body)
                 engine.release([sid])
                 dev_times = times[-steps:] if cuda else []
                 row = {"nodes": nodes, "wall_ms": _stats(walls), "tree_us": _stats(trees),
