@@ -16,7 +16,8 @@ without it, so a change (acceptance of the text, load on the drafter) is seen.
 A tick's choice keeps the costs a request pays for being able to draft later: the target gathers
 its feature rows every tick and the orchestrator keeps them, the drafter holds a session. So a
 request is also judged once, when it starts (:meth:`DraftPolicy.admit`): where plain ticks were
-measured faster at the batch size it joins, it is decoded plainly for its whole life (no feature
+measured faster at the batch size it joins (or at the nearest smaller batch measured, when its
+own is not yet: :meth:`DraftPolicy.expected`), it is decoded plainly for its whole life (no feature
 rows, no drafter session), except one request in ``refresh`` (a probe that keeps drafting measured
 at that size).
 
@@ -96,16 +97,33 @@ class DraftPolicy:
             return None
         return DRAFT if self._rate[(b, DRAFT)] >= self._rate[(b, PLAIN)] else PLAIN
 
+    def expected(self, batch: int) -> str | None:
+        """The mode expected faster at ``batch``'s bucket: :meth:`faster` where the bucket is
+        measured; else :data:`PLAIN` when the nearest smaller measured bucket found plain faster
+        (drafting's gain only shrinks as a batch grows: the verify turns compute-bound and the
+        host work per tick grows with the requests, module docstring), else None."""
+        mode = self.faster(batch)
+        if mode is not None:
+            return mode
+        b = batch_bucket(batch) >> 1
+        while b >= 1:
+            mode = self.faster(b)
+            if mode is not None:
+                return PLAIN if mode == PLAIN else None
+            b >>= 1
+        return None
+
     def admit(self, batch: int) -> str:
         """Whether a request that may draft, starting with ``batch`` requests decoding (itself
         included), is to be able to draft (:data:`DRAFT`: the target gathers its feature rows, the
         drafter holds a session) or decoded plainly for its whole life (:data:`PLAIN`): plain where
-        plain ticks were measured faster at ``batch``'s bucket (:meth:`faster`), except one request
-        in ``refresh`` started there, which drafts (without such probes a bucket of plain requests
-        would never measure drafting again). Unmeasured buckets: :data:`DRAFT`."""
+        plain ticks are expected faster at ``batch``'s bucket (:meth:`expected`: measured there,
+        or at the nearest smaller measured bucket), except one request in ``refresh`` started
+        there, which drafts (without such probes a bucket of plain requests would never measure
+        drafting again). Buckets with nothing measured at or below them: :data:`DRAFT`."""
         b = batch_bucket(batch)
         mode = DRAFT
-        if self.faster(batch) == PLAIN:
+        if self.expected(batch) == PLAIN:
             n = self._admitted.get(b, 0) + 1
             if n >= self.refresh:
                 n = 0

@@ -663,12 +663,15 @@ class Scheduler:
                     return
                 req = self._queue.popleft()
                 self._admitting += 1
-                metrics.set_queue_depth(len(self._queue))
+                waiting = len(self._queue)
+                metrics.set_queue_depth(waiting)
             try:
                 layers = []
                 if req.speculative and self.policy is not None:
-                    # plain for life where plain ticks measured faster at the batch it joins (policy.admit)
-                    joining = len(self._active) + len(self._prefilling) + 1
+                    # plain for life where plain ticks are expected faster at the batch it joins
+                    # (policy.admit): the requests decoding, starting, and those queued behind it,
+                    # which join the same ticks (a burst of N requests is a batch of N from the first)
+                    joining = len(self._active) + len(self._prefilling) + waiting + 1
                     if self.policy.admit(joining) == PLAIN:
                         req.speculative = False
                 if req.speculative:

@@ -131,3 +131,54 @@ def test_scheduler_stops_drafting_where_it_does_not_pay_and_stays_lossless(tiny_
         assert run(sched, True, 60) == plain
         assert sched.policy.admissions[PLAIN] == before[PLAIN] + 1
         assert sched.policy.choices[DRAFT] == drafted[DRAFT]   # no tick had a request that may draft
+
+
+def test_an_unmeasured_bucket_starts_requests_plain_where_a_smaller_one_found_plain_faster():
+    """A burst larger than any batch measured so far: where the nearest smaller measured bucket
+    found plain ticks faster, requests start plain (drafting only loses more as batches grow);
+    where it found drafting faster, the bucket is unknown and requests start drafting."""
+    policy, rng = DraftPolicy(refresh=8), random.Random(3)
+    assert policy.expected(64) is None and policy.admit(64) == DRAFT    # nothing measured
+    _drive(policy, _gpu_like, 1, 60, rng)
+    assert policy.expected(64) is None                                   # drafting faster below: unknown
+    _drive(policy, _gpu_like, 8, 60, rng)
+    assert policy.faster(64) is None and policy.expected(64) == PLAIN    # 8 found plain faster
+    assert policy.expected(2) is None and policy.expected(1) == DRAFT    # 2: only bucket 1 below, drafting
+    assert [policy.admit(40) for _ in range(8)] == [PLAIN] * 7 + [DRAFT]  # a probe per refresh
+
+
+def test_a_burst_is_judged_as_the_batch_it_makes(tiny_llama, tiny_drafter):
+    """Requests queued together are admitted by the batch they will make, not one by one: with
+    plain measured faster at 2-4 requests and drafting at 1, a burst of 3 starts plain for life
+    (the first of them counts the two queued behind it), and each text is the target's."""
+    from dflash_grpc.v1 import common_pb2, draft_pb2
+    from orchestrator.scheduler import Failure, Request
+    from tests.conftest import draft_in_process, orchestrator_in_process, target_in_process
+
+    with target_in_process(tiny_llama.path, max_sessions=4, max_context=512) as tport, \
+            draft_in_process(tiny_drafter, tiny_llama.path, max_sessions=4, max_context=512) as (_, dport), \
+            orchestrator_in_process(tiny_llama.path, tport, dport, max_sessions=4, draft_policy="measured") as (servicer, _):
+        sched = servicer.scheduler
+        policy = sched.policy
+        for batch, fast in ((1, DRAFT), (2, PLAIN), (4, PLAIN)):
+            for _ in range(policy.warmup + 1):
+                for mode in (DRAFT, PLAIN):
+                    policy.observe(batch, mode, 10 if mode == fast else 1, 1e-3)
+        assert [policy.faster(b) for b in (1, 2, 4)] == [DRAFT, PLAIN, PLAIN]
+        sched._slot_wait_until = time.monotonic() + 0.5   # hold admissions: the burst queues whole
+        reqs = [Request(session_id=f"burst-{i}", prompt=[5, 6, 7, 8], max_tokens=12, sampling=common_pb2.SamplingParams(),
+                        tree=draft_pb2.TreeParams(budget=6, top_k=2), speculative=True) for i in range(3)]
+        for r in reqs:
+            sched.submit(r)
+        outs = []
+        for r in reqs:
+            out = []
+            while True:
+                ev = r.events.get(timeout=60)
+                assert not isinstance(ev, Failure), ev
+                out += list(ev.tokens)
+                if ev.finish:
+                    break
+            outs.append(out)
+        assert policy.admissions == {DRAFT: 0, PLAIN: 3}
+        assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 12
