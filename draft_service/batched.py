@@ -36,9 +36,16 @@ rows its earlier items appended).
   row seeing all context rows and all block rows, or in a sliding layer those within its window,
   ``window`` = the layer's ``sliding_window``: pool row = position), ``output_norm``, the target LM head on rows
   ``1..B-1``, log-softmax and the top-``K`` per depth (``K = max_top_k``);
-* one device-to-host copy of the ``[batch, B-1, K]`` log-prob + token table per step, then the
-  tree of each item on the host (:func:`draft_service.tree.build_tree` on the table: the same tree
-  as from the logits);
+* the trees built on the device inside the step (``device_trees``, the default with the fused
+  step): one launch of :func:`kernels.ddtree.step_output` runs the best-first search of
+  :func:`draft_service.tree.build_tree` for every row (its budget, top_k and depth read from the
+  step's int64 input buffer) and writes each row's tree (tokens, parents, node count) and its
+  top-K table into one packed int32 row; one device-to-host copy of those rows per step, and an
+  item's tree on the host is two slices of its row (an item asking a DDTree of more than
+  ``tree_nodes`` nodes has its tree built on the host from the table instead). Without
+  ``device_trees`` the step copies the ``[batch, B-1, K]`` log-prob + token table back and each
+  item's tree is built on the host (:func:`draft_service.tree.build_tree` on the table: the same
+  tree as from the logits), which is also the oracle;
 * on CUDA fixed shapes: batches padded to a batch bucket (by default the powers of two below the
   session slots, then the slot count: 1, 2, 4, ... 64 for 64 slots), ``append_rows`` (``A``,
   default the block size: a verify commits at most ``B`` rows) feature rows per session and step;
@@ -71,6 +78,7 @@ from draft_service.fused_step import FusedDrafter
 from draft_service.tree import TopK, build_tree
 from kernels import attention as attn_ops
 from kernels.attention import default_splits, split_buckets, splits_for
+from kernels.ddtree import PackedLayout, step_output
 from runtime.errors import EngineError, FailedPrecondition, InvalidArgument, Reason, ResourceExhausted
 from runtime.graphs import GraphSet, StepGraph, batch_buckets_for, bucket_for, capped_buckets, slots_for_budget
 from runtime.pool import PoolShape, StatePool
@@ -84,8 +92,14 @@ DEFAULT_MAX_TOP_K = DraftConfig.max_top_k
 #: target verifies at most 64 nodes a tree (``TargetConfig.max_tree_width``, the attention
 #: kernel's 64-bit masks), so 1024 leaves room for any target while bounding the best-first
 #: search of :func:`draft_service.tree.build_tree` (one heap pop per node, about a millisecond
-#: at this size) that runs on the step loop's thread and delays every other stream.
+#: at this size) that runs on the step loop's thread, for such an item, and delays every other
+#: stream.
 MAX_TREE_BUDGET = 1024
+
+#: Default most non-root nodes of a tree the batched engine builds on the device
+#: (``BatchedDrafter(tree_nodes=)``): 63, with the root the 64 nodes a target verifies at most.
+#: A DDTree item asking more is built on the host.
+DEFAULT_TREE_NODES = 63
 
 _OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
@@ -371,32 +385,58 @@ class DraftSession:
     length: int = 0
 
 
-_FIELDS = ("slots", "held", "n_rows", "roots")
+#: The rows of the step's pinned int64 input buffer: pool slot, rows held, new rows, root token,
+#: and the tree params of the device trees (budget, top_k, depth = the item's candidate depths).
+_FIELDS = ("slots", "held", "n_rows", "roots", "budget", "top_k", "depth")
+
+
+class StepResult(NamedTuple):
+    """A step's host results (views of the runner's output buffer: read them before its next step).
+
+    Attributes:
+        logprobs: ``[batch, B-1, K]`` float32, the top-K log-probs per depth (descending).
+        tokens: ``[batch, B-1, K]`` int32, their token ids.
+        trees: with device trees, ``(tokens [batch, W] int32, parents [batch, W] int32, count
+            [batch] int32)`` (:func:`kernels.ddtree.build_trees_batched`: row ``r``'s tree is the
+            first ``count[r]`` entries); else None.
+    """
+
+    logprobs: np.ndarray
+    tokens: np.ndarray
+    trees: tuple[np.ndarray, np.ndarray, np.ndarray] | None
 
 
 class _Runner(StepGraph):
     """The drafter's step (a :class:`runtime.graphs.StepGraph`) of one ``(batch, rows)`` shape:
-    a pinned int64 buffer ``[4, batch]`` (slots, held, n_rows, roots), a pinned features buffer
-    ``[batch, rows, N*H]`` in the model dtype, and a pinned int32 output ``[batch, B-1, K, 2]``
-    (log-prob bits, token). ``splits``: the attention kernel's key-range splits of this step
-    (``kernels.attention.splits_for``); ``share``: the runner of the same shape whose buffers a
-    fewer-split variant uses."""
+    a pinned int64 buffer ``[7, batch]`` (:data:`_FIELDS`), a pinned features buffer ``[batch,
+    rows, N*H]`` in the model dtype, and a pinned int32 output: with device trees the packed rows
+    ``[batch, layout.size]`` (:class:`kernels.ddtree.PackedLayout`: table, tree tokens, parents,
+    node count), else ``[batch, B-1, K, 2]`` (log-prob bits, token). ``splits``: the attention
+    kernel's key-range splits of this step (``kernels.attention.splits_for``); ``share``: the
+    runner of the same shape whose buffers a fewer-split variant uses."""
 
     def __init__(self, engine: "BatchedDrafter", batch: int, rows: int, splits: int = 1,
                  share: "_Runner | None" = None):
         super().__init__(engine.device)
         self.engine, self.batch, self.rows, self.splits = engine, batch, rows, splits
         c = engine.config
+        self.layout = engine.tree_layout
         if share is not None:
             self.host, self.host_np, self.dev = share.host, share.host_np, share.dev
             self.feats_host, self.feats_dev, self.out = share.feats_host, share.feats_dev, share.out
+            self.out_dev = share.out_dev
             return
         self.host = self.host_buffer(len(_FIELDS), batch, dtype=torch.long)
         self.host_np = self.host.numpy()
         self.dev = self.device_twin(self.host)
         self.feats_host = self.host_buffer(batch, rows, c.feature_size, dtype=engine.dtype)
         self.feats_dev = self.device_twin(self.feats_host)
-        self.out = self.host_buffer(batch, c.block_size - 1, engine.k, 2, dtype=torch.int32)
+        if self.layout is not None:
+            self.out = self.host_buffer(batch, self.layout.size, dtype=torch.int32)
+            self.out_dev = self.device_twin(self.out)
+        else:
+            self.out = self.host_buffer(batch, c.block_size - 1, engine.k, 2, dtype=torch.int32)
+            self.out_dev = None
 
     def view(self, name: str) -> np.ndarray:
         return self.host_np[_FIELDS.index(name)]
@@ -414,22 +454,28 @@ class _Runner(StepGraph):
         e = self.engine
         self.copy(self.dev, self.host)
         self.copy(self.feats_dev, self.feats_host)
-        slots, held, n_rows, roots = self.dev.unbind(0)
+        slots, held, n_rows, roots, budget, top_k, depth = self.dev.unbind(0)
         if e.fused is not None:
             lp, tok = e.fused.step(e.pool, slots, held, n_rows, roots, self.feats_dev, e.k, self.splits, e.max_splits)
         else:
             lp, tok = draft_step(e.drafter, e.pool, slots, held, n_rows, roots, self.feats_dev, e.k, self.splits,
                                  e.max_splits)
+        if self.layout is not None:   # the trees and the table in one launch, then one copy
+            step_output(lp, tok, roots, budget, top_k, depth, self.layout, self.out_dev)
+            self.copy(self.out, self.out_dev)
+            return
         packed = torch.stack([lp.contiguous().view(torch.int32), tok.to(torch.int32)], dim=-1)
         self.out.copy_(packed, non_blocking=True)
 
-    def run(self) -> tuple[np.ndarray, np.ndarray]:
-        """Run the step (:meth:`StepGraph.run`: replay or eager, one host sync); returns host
-        ``(logprobs [batch, B-1, K] float32, tokens [batch, B-1, K] int32)`` (views of the output
-        buffer: read them before the next step)."""
+    def run(self) -> StepResult:
+        """Run the step (:meth:`StepGraph.run`: replay or eager, one host sync); returns its
+        :class:`StepResult` (views of the output buffer: read them before the next step)."""
         super().run()
         out = self.out.numpy()
-        return out[..., 0].view(np.float32), out[..., 1]
+        if self.layout is None:
+            return StepResult(out[..., 0].view(np.float32), out[..., 1], None)
+        table, tokens, parents, count = self.layout.views(out)
+        return StepResult(table[..., 0].view(np.float32), table[..., 1], (tokens, parents, count))
 
 
 class BatchedDrafter:
@@ -455,6 +501,13 @@ class BatchedDrafter:
             CUDA (default: only on CUDA; used by tests to run the padded shapes on the CPU).
         fused: run the step on the fused kernels (:class:`draft_service.fused_step.FusedDrafter`)
             instead of its plain-PyTorch reference :func:`draft_step` (default: on CUDA).
+        device_trees: build the trees inside the step (:func:`kernels.ddtree.step_output`: the
+            Triton kernel on CUDA, its PyTorch reference elsewhere) instead of on the host
+            (default: when ``fused``); the same trees either way.
+        tree_nodes: ``N``, the most non-root nodes of a tree built on the device (at least ``B -
+            1`` is used: room for any chain); a DDTree item with a larger budget is built on the
+            host from the table. Sizes the kernel's frontier (``N + 1`` rounded up to a power of
+            two), so keep it near what targets verify.
 
     Raises:
         ResourceExhausted: ``memory_budget`` holds no session slot.
@@ -466,12 +519,15 @@ class BatchedDrafter:
                  cuda_graphs: bool = DraftConfig.cuda_graphs, batch_buckets: Sequence[int] | None = DraftConfig.batch_buckets,
                  append_rows: int | None = None, max_top_k: int = DEFAULT_MAX_TOP_K,
                  prefill_chunk: int = DraftConfig.prefill_chunk, pad_batches: bool | None = None,
-                 fused: bool | None = None):
+                 fused: bool | None = None, device_trees: bool | None = None,
+                 tree_nodes: int = DEFAULT_TREE_NODES):
         c = drafter.config
         if max_sessions < 1 or max_context < 1:
             raise ValueError(f"max_sessions ({max_sessions}) and max_context ({max_context}) must be >= 1")
         if c.block_size > 64:
             raise ValueError(f"block size {c.block_size} > 64 (the attention kernel's bit masks hold 64 rows)")
+        if not 1 <= tree_nodes <= MAX_TREE_BUDGET:
+            raise ValueError(f"tree_nodes {tree_nodes} outside [1, {MAX_TREE_BUDGET}]")
         self.drafter = drafter.eval()
         self.config = c
         self.device, self.dtype = drafter.device, drafter.dtype
@@ -491,6 +547,10 @@ class BatchedDrafter:
         self.pool = StatePool(shape, self.max_sessions, self.device, self.dtype)
         #: the fused step's packed weights and rotary table, or None (the reference step)
         self.fused = FusedDrafter(drafter, shape.rows) if (self.cuda if fused is None else fused) else None
+        #: the packed output row of the device trees (:class:`kernels.ddtree.PackedLayout`), or None:
+        #: trees on the host
+        on = self.fused is not None if device_trees is None else bool(device_trees)
+        self.tree_layout = PackedLayout(c.block_size - 1, self.k, max(int(tree_nodes), c.block_size - 1)) if on else None
         self.sessions: dict[str, DraftSession] = {}
         #: the attention kernel's key-range splits (CUDA): the full count, and the split counts a
         #: step may run with (``kernels.attention.split_buckets``; the fewest that hold the step's
@@ -500,7 +560,8 @@ class BatchedDrafter:
         #: the step runners of the fixed shapes, keyed ``(batch, rows, splits)``
         self.graphs = GraphSet(self._build_runner, self.cuda_graphs)
         #: steps run and their seconds (inputs staged, step run, output read back), rows appended
-        #: eagerly (excess rows), trees built and their host seconds (graphs captured: :attr:`captures`)
+        #: eagerly (excess rows), trees output and their host seconds (built from the table, or
+        #: read from the step's rows; graphs captured: :attr:`captures`)
         self.steps = 0
         self.step_s = 0.0
         self.eager_rows = 0
@@ -570,7 +631,8 @@ class BatchedDrafter:
         items of a step that failed get its exception (out of memory, ...). Every item is
         validated first (module docstring), in order, as if the items before it had been served;
         then the valid ones run in batched steps (a session's ``k``-th item in the ``k``-th
-        round), each tree built on the host from the step's table."""
+        round), each tree read from the step's device trees (``device_trees``) or built on the
+        host from the step's table."""
         results: list[ProposeOutcome | BaseException | None] = [None] * len(items)
         rounds: list[list[tuple]] = []
         held_after: dict[str, int] = {}          # rows held once the earlier valid items ran
@@ -642,8 +704,8 @@ class BatchedDrafter:
             keys = max(s.length + f.shape[0] for (_, _, f, _), s in zip(part, sessions)) + self.config.block_size
             runner = self._runner(self._bucket(b), rows, splits_for(keys, self.split_buckets))
             t0 = time.perf_counter()
-            slots, held, n_rows, roots = (runner.view(n) for n in _FIELDS)
-            for r, ((_, item, feats, _), s) in enumerate(zip(part, sessions)):
+            slots, held, n_rows, roots, budget, top_k, depths = (runner.view(n) for n in _FIELDS)
+            for r, ((_, item, feats, depth), s) in enumerate(zip(part, sessions)):
                 n = feats.shape[0]
                 start = s.length
                 if n > rows:  # the excess first, eagerly, in chunks
@@ -652,10 +714,13 @@ class BatchedDrafter:
                     feats = feats[n - rows :]
                     n = rows
                 slots[r], held[r], n_rows[r], roots[r] = s.slot, start, n, int(item.root_token)
+                budget[r], top_k[r], depths[r] = int(item.budget), int(item.top_k), depth
                 if n:
                     runner.feats_host[r, :n].copy_(feats)
             runner.fill_padding(b)
-            lp, tok = runner.run()
+            res = runner.run()
+            # the step's table, copied once (the outcomes keep views of it)
+            lp, tok = res.logprobs[:b].copy(), res.tokens[:b].copy()
             self.steps += 1
             self.step_s += time.perf_counter() - t0
         except BaseException:
@@ -663,15 +728,20 @@ class BatchedDrafter:
                 self.pool.release(s.slot)
             raise
         outs = []
+        limit = self.tree_layout.nodes if self.tree_layout is not None else -1
         for r, ((_, item, feats, depth), s) in enumerate(zip(part, sessions)):
             s.length += feats.shape[0]
             self.sessions[s.session_id] = s
             t0 = time.perf_counter()
             table = TopK(lp[r, :depth], tok[r, :depth])
-            tokens, parents = build_tree(int(item.root_token), table, int(item.budget), int(item.top_k))
+            if res.trees is not None and (item.budget <= limit or item.top_k <= 1):
+                n = int(res.trees[2][r])
+                tokens, parents = res.trees[0][r, :n].tolist(), res.trees[1][r, :n].tolist()
+            else:   # no device trees, or a DDTree larger than they hold
+                tokens, parents = build_tree(int(item.root_token), table, int(item.budget), int(item.top_k))
             self.tree_s += time.perf_counter() - t0
             self.trees += 1
-            outs.append(ProposeOutcome(tokens, parents, s.length, TopK(table.logprobs.copy(), table.tokens.copy())))
+            outs.append(ProposeOutcome(tokens, parents, s.length, table))
         return outs
 
     def _bucket(self, n: int) -> int:
@@ -695,5 +765,5 @@ class BatchedDrafter:
             self.eager_rows += f.shape[0]
 
 
-__all__ = ["BatchedDrafter", "DraftItem", "ProposeOutcome", "ReferenceDrafterEngine",
+__all__ = ["BatchedDrafter", "DraftItem", "ProposeOutcome", "ReferenceDrafterEngine", "StepResult", "DEFAULT_TREE_NODES",
            "all_finite", "check_item", "draft_step", "write_context", "MAX_TREE_BUDGET"]

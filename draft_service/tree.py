@@ -181,35 +181,52 @@ def _rows(a: Any, k: int, cast: type) -> list[list]:
 
 def bench(budgets: list[int], top_ks: list[int], depth: int = 15, vocab: int = 49152, trials: int = 200,
           seed: int = 0) -> list[dict[str, float]]:
-    """Host time of :func:`build_tree` from a precomputed :class:`TopK` table (what the batched
-    drafter does per item after its one device-to-host copy): microseconds per tree, median and
-    90th percentile over ``trials`` random tables (logits ``N(0, 3^2)`` over ``vocab`` tokens,
-    ``depth`` rows, table width ``max(top_ks)``)."""
+    """Host time per item of a tree from the batched drafter's step, microseconds (median and 90th
+    percentile over ``trials`` random tables: logits ``N(0, 3^2)`` over ``vocab`` tokens, ``depth``
+    rows, table width ``max(top_ks)``):
+
+    * ``median_us`` / ``p90_us``: :func:`build_tree` from the precomputed :class:`TopK` table
+      (what the engine does per item with host trees);
+    * ``read_us``: reading a tree the step built on the device (``BatchedDrafter(device_trees=True)``:
+      the node count, two slices of the packed rows to lists, the item's :class:`TopK` views), the
+      rows made here by ``kernels.ddtree.reference`` (the same trees: checked)."""
     import statistics
     import time
 
+    from kernels.ddtree.reference import build_trees_batched
+
     gen = torch.Generator().manual_seed(seed)
     width = max(top_ks)
-    tables = []
-    for _ in range(trials):
-        t = topk_table(torch.randn(depth, vocab, generator=gen) * 3, width)
-        tables.append(TopK(np.asarray(t.logprobs, dtype=np.float32), np.asarray(t.tokens, dtype=np.int32)))
+    top = torch.topk(torch.log_softmax(torch.randn(trials, depth, vocab, generator=gen) * 3, -1), width, -1)
+    lp_all, tok_all = top.values.contiguous(), top.indices
+    lp_np, tok_np = lp_all.numpy(), tok_all.to(torch.int32).numpy()
+    tables = [TopK(lp_np[i], tok_np[i]) for i in range(trials)]
     rows = []
     for budget in budgets:
         for k in top_ks:
-            times = []
-            for t in tables:
+            times, reads = [], []
+            n_all = torch.full((trials,), 1, dtype=torch.long)
+            t_dev, p_dev, c_dev = (x.numpy() for x in build_trees_batched(
+                lp_all, tok_all, n_all, n_all * budget, n_all * k, None, max(budget, depth)))
+            for i, t in enumerate(tables):
                 t0 = time.perf_counter()
-                build_tree(1, t, budget, k)
+                want = build_tree(1, t, budget, k)
                 times.append((time.perf_counter() - t0) * 1e6)
+                t0 = time.perf_counter()
+                n = int(c_dev[i])
+                got = (t_dev[i, :n].tolist(), p_dev[i, :n].tolist())
+                TopK(lp_np[i, :depth], tok_np[i, :depth])
+                reads.append((time.perf_counter() - t0) * 1e6)
+                assert got == want, (budget, k, i)
             times.sort()
             rows.append({"budget": budget, "top_k": k, "median_us": statistics.median(times),
-                         "p90_us": times[int(0.9 * (len(times) - 1))]})
+                         "p90_us": times[int(0.9 * (len(times) - 1))], "read_us": statistics.median(reads)})
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m draft_service.tree``: print :func:`bench` (host DDTree time per item)."""
+    """``python -m draft_service.tree``: print :func:`bench` (host time per item: DDTree built on the
+    host, or read from the device's rows)."""
     import argparse
 
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
@@ -219,9 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depth", type=int, default=15)
     ap.add_argument("--trials", type=int, default=200)
     args = ap.parse_args(argv)
-    print(f"{'budget':>6} {'top_k':>5} {'median us':>10} {'p90 us':>8}")
+    print(f"{'budget':>6} {'top_k':>5} {'median us':>10} {'p90 us':>8} {'read us':>8}")
     for r in bench(args.budgets, args.top_k, args.depth, trials=args.trials):
-        print(f"{r['budget']:>6} {r['top_k']:>5} {r['median_us']:>10.1f} {r['p90_us']:>8.1f}")
+        print(f"{r['budget']:>6} {r['top_k']:>5} {r['median_us']:>10.1f} {r['p90_us']:>8.1f} {r['read_us']:>8.1f}")
     return 0
 
 
