@@ -42,8 +42,10 @@ def test_picks_the_faster_mode_per_batch_size_and_keeps_measuring_the_other():
     eight = _drive(policy, _gpu_like, 8, 500, rng)     # drafting: 30 / 12.6 ms; plain 8 / 1.8 ms
     assert one[-400:].count(DRAFT) >= 0.95 * 400
     assert eight[-400:].count(PLAIN) >= 0.95 * 400
-    # the mode not chosen is measured again about once per refresh window, not more
-    assert 400 // 48 - 1 <= one[-400:].count(PLAIN) <= 400 // 48 + 1
+    # the mode not chosen is measured again, less and less often while it stays slower: the
+    # interval doubles from 48 per confirming re-measurement (48, 96, 192, ... ticks)
+    assert 1 <= one[-400:].count(PLAIN) <= 3
+    assert policy.interval(1) >= 4 * 48 and policy.interval(8) >= 4 * 48
     rates = policy.rates()
     assert rates[1][DRAFT] > rates[1][PLAIN] and rates[8][PLAIN] > rates[8][DRAFT]
 
@@ -61,7 +63,7 @@ def test_follows_a_change_within_a_refresh_window():
 
 
 def test_warmup_alternates_the_modes_and_skips_each_ones_first_tick():
-    policy = DraftPolicy(warmup=3)
+    policy = DraftPolicy(warmup=3, draft_warmup=3)
     modes = []
     for _ in range(6):
         m = policy.choose(1)
@@ -85,9 +87,11 @@ def test_admits_requests_plain_where_plain_ticks_are_faster_with_a_probe_per_ref
     _drive(policy, _gpu_like, 8, 60, rng)
     assert policy.faster(1) == DRAFT and policy.faster(5) == PLAIN      # 5 joins bucket 8
     assert [policy.admit(1) for _ in range(20)] == [DRAFT] * 20
-    got = [policy.admit(7) for _ in range(24)]
-    assert got == ([PLAIN] * 7 + [DRAFT]) * 3                           # one probe in refresh
-    assert policy.admissions == {DRAFT: 24, PLAIN: 21}
+    every = policy.interval(7)                                          # 8, or more once re-measurements confirmed plain
+    assert every >= 8
+    got = [policy.admit(7) for _ in range(3 * every)]
+    assert got == ([PLAIN] * (every - 1) + [DRAFT]) * 3                 # one probe per interval
+    assert policy.admissions == {DRAFT: 24, PLAIN: 3 * (every - 1)}
 
 def test_scheduler_stops_drafting_where_it_does_not_pay_and_stays_lossless(tiny_llama, tiny_drafter):
     """A random drafter (it accepts next to nothing) makes every drafting tick slower than a plain
@@ -144,7 +148,8 @@ def test_an_unmeasured_bucket_starts_requests_plain_where_a_smaller_one_found_pl
     _drive(policy, _gpu_like, 8, 60, rng)
     assert policy.faster(64) is None and policy.expected(64) == PLAIN    # 8 found plain faster
     assert policy.expected(2) is None and policy.expected(1) == DRAFT    # 2: only bucket 1 below, drafting
-    assert [policy.admit(40) for _ in range(8)] == [PLAIN] * 7 + [DRAFT]  # a probe per refresh
+    every = policy.interval(40)
+    assert [policy.admit(40) for _ in range(every)] == [PLAIN] * (every - 1) + [DRAFT]  # a probe per interval
 
 
 def test_a_burst_is_judged_as_the_batch_it_makes(tiny_llama, tiny_drafter):
@@ -161,7 +166,7 @@ def test_a_burst_is_judged_as_the_batch_it_makes(tiny_llama, tiny_drafter):
         sched = servicer.scheduler
         policy = sched.policy
         for batch, fast in ((1, DRAFT), (2, PLAIN), (4, PLAIN)):
-            for _ in range(policy.warmup + 1):
+            for _ in range(max(policy.warmup, policy.draft_warmup) + 1):
                 for mode in (DRAFT, PLAIN):
                     policy.observe(batch, mode, 10 if mode == fast else 1, 1e-3)
         assert [policy.faster(b) for b in (1, 2, 4)] == [DRAFT, PLAIN, PLAIN]
@@ -182,3 +187,18 @@ def test_a_burst_is_judged_as_the_batch_it_makes(tiny_llama, tiny_drafter):
             outs.append(out)
         assert policy.admissions == {DRAFT: 0, PLAIN: 3}
         assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 12
+
+
+def test_re_measurements_back_off_and_a_flip_resets_them():
+    """While plain stays faster its re-measurements of drafting come less often (the interval
+    doubles up to max_refresh); when drafting turns faster (the text became predictable) the first
+    re-measurement after it flips the choice and sets the interval back to refresh."""
+    policy, rng = DraftPolicy(refresh=4, max_refresh=64, alpha=0.5), random.Random(4)
+    slow = lambda mode, b: (2, 4e-3) if mode == DRAFT else (1, 1.4e-3)   # noqa: E731 - 500 vs 714 tok/s
+    fast = lambda mode, b: (5, 3e-3) if mode == DRAFT else (1, 1.4e-3)   # noqa: E731 - 1667 vs 714 tok/s
+    first = _drive(policy, slow, 1, 400, rng)
+    assert policy.interval(1) == 64 and first[-200:].count(DRAFT) <= 200 // 64 + 1
+    after = _drive(policy, fast, 1, 200, rng)
+    flip = next(i for i, m in enumerate(after) if m == DRAFT)
+    assert flip <= 64 and after[flip + 4:].count(DRAFT) >= 0.95 * len(after[flip + 4:])
+    assert policy.faster(1) == DRAFT
