@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import grpc
 
-from dflash_grpc import serving
+from dflash_grpc import localhop, serving
 from dflash_grpc.localhop import REPLY, endpoint_path, parse_status, recv_frame, send_buffers, widen
 from dflash_grpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from orchestrator import metrics
@@ -442,11 +442,18 @@ class LocalHopCall:
 
     def _ready(self, timeout: float) -> bool:
         """Whether the reply (or the connection's end) arrives within ``timeout`` seconds, as
-        ``conn.poll(timeout)`` tells, without its ~10 us of making a selector per call."""
+        ``conn.poll(timeout)`` tells, without its ~10 us of making a selector per call; polled
+        without blocking for the first :data:`dflash_grpc.localhop.SPIN_S` seconds, if set."""
         poller = self._poller
         if poller is None:
             poller = self._poller = select.poll()
             poller.register(self._conn.fileno(), select.POLLIN)
+        spin = localhop.SPIN_S
+        if spin > 0:
+            t0 = time.perf_counter()
+            if localhop.spin_wait(poller, min(spin, timeout)):
+                return True
+            timeout -= time.perf_counter() - t0
         return bool(poller.poll(math.ceil(max(0.0, timeout) * 1e3)))
 
     @property

@@ -378,3 +378,40 @@ def test_widen_leaves_a_pipe_alone():
         assert len(os.listdir("/proc/self/fd")) == before
     conn.close()
     os.close(w)
+
+
+def test_spinning_sides_answer_the_same_and_still_time_out(hop, monkeypatch):
+    """With SPIN_S set (DFLASH_HOP_SPIN_US), both sides poll their socket before blocking: the
+    answers are the same, and a deadline shorter than the spin still times out on time."""
+    from dflash_grpc import localhop
+
+    monkeypatch.setattr(localhop, "SPIN_S", 0.02)
+    _, server, _, _ = hop
+    call = _open(server)
+    for i in range(3):
+        r = call.exchange(_request(f"s{i}", root=i, length=10 + i), timeout=5.0)
+        assert isinstance(r, draft_pb2.ProposeResponse) and len(r.results) == 1
+    t0 = time.perf_counter()
+    with pytest.raises(ExchangeTimeout):
+        call.exchange(_request("slow"), timeout=0.005)
+    assert time.perf_counter() - t0 < 0.3
+
+
+def test_spin_wait_returns_at_the_event_or_after_its_time():
+    import select
+    import socket as _socket
+
+    from dflash_grpc.localhop import spin_wait
+
+    a, b = _socket.socketpair()
+    try:
+        p = select.poll()
+        p.register(a.fileno(), select.POLLIN)
+        t0 = time.perf_counter()
+        assert spin_wait(p, 0.01) is False and time.perf_counter() - t0 >= 0.01
+        b.send(b"x")
+        t0 = time.perf_counter()
+        assert spin_wait(p, 5.0) is True and time.perf_counter() - t0 < 1.0
+    finally:
+        a.close()
+        b.close()

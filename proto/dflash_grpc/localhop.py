@@ -28,11 +28,13 @@ import json
 import logging
 import os
 import secrets
+import select
 import shutil
 import socket
 import struct
 import tempfile
 import threading
+import time
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Iterator, Sequence
 
@@ -184,6 +186,26 @@ def send_buffers(conn: Connection, buffers) -> None:
 #: in one or two ``readv``, not in ~200 KB pieces each a wake of the other side. The kernel caps it at
 #: ``net.core.wmem_max`` / ``rmem_max`` (often 208 KB: no change there)
 SOCKET_BUFFER_BYTES = 4 << 20
+
+#: Seconds a side of the hop polls its socket without blocking before it blocks in the kernel,
+#: when waiting for the other side's next message (``DFLASH_HOP_SPIN_US`` microseconds; 0, the
+#: default: block at once). A blocked thread is woken by the scheduler, on a core that may have
+#: gone to a deep idle state, into cold caches; one that polls answers within microseconds, at the
+#: price of a busy core for that long (one stream's step gap is ~1-3 ms). Read at call time, so a
+#: test or benchmark may set it.
+SPIN_S = float(os.environ.get("DFLASH_HOP_SPIN_US", "0") or 0) * 1e-6
+
+
+def spin_wait(poller, seconds: float) -> bool:
+    """Poll ``poller`` (a ``select.poll`` with the socket registered) without blocking until it
+    reports an event or ``seconds`` pass; returns whether it did (the caller then reads, or
+    blocks as it would have)."""
+    end = time.perf_counter() + seconds
+    while True:
+        if poller.poll(0):
+            return True
+        if time.perf_counter() >= end:
+            return False
 
 
 def widen(conn: Connection, nbytes: int = SOCKET_BUFFER_BYTES) -> None:
@@ -396,8 +418,17 @@ class HopServer:
         ctx = LocalContext(metadata, peer="unix:local-hop")
         limit = self.max_receive_bytes
 
+        poller = None
+
         def requests() -> Iterator:
+            nonlocal poller
             while True:
+                spin = SPIN_S
+                if spin > 0:   # the next request, polled for before blocking (SPIN_S)
+                    if poller is None:
+                        poller = select.poll()
+                        poller.register(conn.fileno(), select.POLLIN)
+                    spin_wait(poller, spin)
                 try:
                     raw = recv_frame(conn, limit)
                 except EOFError:
@@ -441,5 +472,5 @@ def endpoint_path(endpoint: str) -> tuple[str, str] | None:
     return path, nonce
 
 
-__all__ = ["HopAborted", "HopServer", "LocalContext", "REPLY", "STATUS", "endpoint_path", "parse_status", "recv_frame",
+__all__ = ["HopAborted", "HopServer", "LocalContext", "REPLY", "SPIN_S", "STATUS", "endpoint_path", "parse_status", "recv_frame", "spin_wait",
            "resolve", "send_buffers", "send_frame", "widen"]
