@@ -370,6 +370,7 @@ _FAMILIES = (("quant linear (ours)", ("_qlinear_kernel", "_split_sum_kernel")),
              ("gdn conv (ours)", ("_conv_kernel", "_conv_commit_kernel")), ("kv commit (ours)", ("_kv_commit_kernel",)),
              ("attention (ours)", ("_pool_attention", "_combine")), ("gated delta (ours)", ("_tree_kernel", "_commit_kernel")),
              ("norms (ours)", ("_rms_kernel",)), ("rope+kv (ours)", ("_rope_store",)), ("swiglu (ours)", ("_silu_mul",)),
+             ("top-k (ours)", ("_topk_lsm",)),
              ("sampler (ours)", ("sample", "threshold", "philox", "_argmax", "_reduce")),
              ("index/gather/scatter", ("index", "gather", "scatter")), ("copy", ("memcpy", "copy")),
              ("reduce", ("reduce",)), ("elementwise", ("elementwise", "vectorized", "unrolled")))

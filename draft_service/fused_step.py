@@ -17,7 +17,10 @@ the kernels the target engine uses (docs/ARCHITECTURE.md, "The drafter step"):
   the reference's ``apply_rope`` computes with);
 * ``kernels.activation.silu_mul`` for SwiGLU;
 * ``kernels.attention.pool_attention`` with the layer's window on sliding layers
-  (``DrafterConfig.layer_window``; the kernel skips key tiles below the window).
+  (``DrafterConfig.layer_window``; the kernel skips key tiles below the window);
+* ``kernels.topk.topk_log_softmax`` for the per-depth top-K of the log-softmax (two launches
+  instead of torch's softmax kernel and ~15 of radix select; lower token id first among equal
+  logits).
 
 The order of the writes is the reference's: every layer's context K/V first (padding context rows
 land at scratch rows the block then overwrites), then the block's K/V layer by layer. On the CPU
@@ -40,6 +43,7 @@ from kernels.norm import add_rms_norm, rms_norm
 from kernels.quant import QuantizedWeight, embedding
 from kernels.rope import rope_store
 from kernels.rope.reference import rope_table
+from kernels.topk import topk_log_softmax
 
 
 @dataclasses.dataclass
@@ -140,8 +144,8 @@ class FusedDrafter:
             x, h = add_rms_norm(x, linear(silu_mul(linear(h, lw.gate_up)), lw.down), nxt, self.eps)
         hidden = h.reshape(b, B, -1)[:, 1:].reshape(b * (B - 1), -1)
         logits = linear(hidden, self.head, torch.float32)                       # [b*(B-1), V]
-        top = torch.topk(torch.log_softmax(logits, dim=-1), k, dim=-1)
-        return top.values.reshape(b, B - 1, k), top.indices.reshape(b, B - 1, k)
+        values, indices = topk_log_softmax(logits, k)
+        return values.reshape(b, B - 1, k), indices.reshape(b, B - 1, k)
 
 
 __all__ = ["FusedDrafter", "FusedLayer"]
