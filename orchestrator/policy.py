@@ -3,23 +3,34 @@ verify of every request's tree) and a plain one (a root-only verify), decided by
 (docs/ARCHITECTURE.md, "When to draft").
 
 Speculation pays when the tokens a tick emits per second of tick are more than a plain tick's.
-Both depend on how many requests share the tick: a plain tick of ``B`` requests costs about one
-forward whatever ``B`` (up to the device's compute), while a speculative tick adds a Propose whose
-cost, and a verify whose width, grow with ``B``, and the host work per item of both grows with it
-too (issue 23: from 8 streams up, speculation was slower than plain decoding). So the choice is
-made per batch bucket (``B`` rounded up to a power of two) from what the ticks of that bucket
-measured: :class:`DraftPolicy` keeps, per bucket and per mode, the moving average of emitted
-tokens per second of tick (:meth:`DraftPolicy.observe`), picks the faster mode
-(:meth:`DraftPolicy.choose`), and measures each mode again after ``refresh`` ticks of the bucket
-without it, so a change (acceptance of the text, load on the drafter) is seen.
+That splits into two measured parts that vary for different reasons:
+
+* **what a tick costs**, by mode and batch bucket (``B`` rounded up to a power of two): a plain
+  tick of ``B`` requests costs about one forward whatever ``B`` (up to the device's compute),
+  while a speculative tick adds a Propose whose cost, and a verify whose width, grow with ``B``,
+  and the host work per item of both grows with it too (issue 23: from 8 streams up, speculation
+  was slower than plain decoding). Measured per bucket (:meth:`DraftPolicy.observe`): a decayed
+  mean of the tick's seconds. It depends on the machine and the load, not on the text.
+* **what a drafting tick emits** per request: one plus the tokens its tree got accepted, which
+  depends on the text and the drafter. Measured per request (:meth:`DraftPolicy.note`, each
+  drafted item's tokens) and over all requests (the prior of a request not yet measured, and
+  the weight it is pulled towards while its own count is small). A plain tick emits one per
+  request.
+
+A tick drafts when the expected tokens of its requests over the drafting tick's cost beat its
+requests over the plain tick's cost (:meth:`DraftPolicy.choose`). Deciding from one request's
+first few drafting ticks, as per-bucket token rates did, judged by the start of one text (one
+stream on an H200: a HumanEval prompt's first 8 drafting ticks emitted 2.6 tokens each, its
+average is 3.7) and applied it to every later request. The cost of the mode not chosen is
+measured again now and then, less often while it keeps confirming the choice.
 
 A tick's choice keeps the costs a request pays for being able to draft later: the target gathers
 its feature rows every tick and the orchestrator keeps them, the drafter holds a session. So a
-request is also judged once, when it starts (:meth:`DraftPolicy.admit`): where plain ticks were
-measured faster at the batch size it joins (or at the nearest smaller batch measured, when its
-own is not yet: :meth:`DraftPolicy.expected`), it is decoded plainly for its whole life (no feature
-rows, no drafter session), except one request in ``refresh`` (a probe that keeps drafting measured
-at that size).
+request is also judged once, when it starts (:meth:`DraftPolicy.admit`): where plain ticks are
+expected faster at the batch size it joins with the prior tokens per drafting item (or at the
+nearest smaller batch measured, when its own is not yet: :meth:`DraftPolicy.expected`), it is
+decoded plainly for its whole life (no feature rows, no drafter session), except a probe request
+now and then, which keeps drafting measured at that size.
 
 This module imports nothing of the project and no torch: the orchestrator's unit tests drive it
 with synthetic costs.
@@ -43,94 +54,157 @@ def batch_bucket(batch: int) -> int:
 class DraftPolicy:
     """Per batch bucket, the faster of drafting and plain decoding, measured (module docstring).
 
-    A mode's speed in a bucket is the ratio of its decayed sums of tokens and seconds (each new
-    tick weighs ``alpha``, the older ones ``1 - alpha`` more each tick): a ratio of sums, not an
-    average of per-tick rates, so a drafting tick that emitted many tokens weighs as its tokens
-    say. Drafting's tokens per tick vary with the text far more than a plain tick's (one per
-    request), so drafting gets more warm-up ticks than plain decoding before the two are compared.
-
-    Re-measuring the mode not chosen costs a tick run the slower way (and, for drafting in a batch
-    of mostly plain requests, a verify as wide as the trees for every request), so the interval
-    backs off: each re-measurement that leaves the choice as it was doubles the bucket's interval
-    (from ``refresh`` up to ``max_refresh`` ticks); a re-measurement that changes it sets the
-    interval back to ``refresh``. The probes of :meth:`admit` follow the same interval.
+    Costs: per (bucket, mode) a decayed mean of tick seconds (each new tick weighs ``alpha``; a
+    mode's first tick in a bucket is not counted: it carries one-time work). Tokens: the decayed
+    mean of tokens per drafting item over all requests (``alpha_tokens`` per item) is the prior;
+    a request's own estimate is its drafted items' decayed mean pulled towards the prior as if the
+    prior were ``prior_weight`` items more (a request measured on two ticks is not trusted as one
+    measured on twenty). Until a bucket has ``warmup`` counted ticks of each mode the modes
+    alternate, drafting first. Re-measuring the mode not chosen costs a tick run the slower way
+    (and, for drafting in a batch of mostly plain requests, a verify as wide as the trees for
+    every request), so its interval backs off: each re-measurement that leaves the choice as it
+    was doubles the bucket's interval (from ``refresh`` up to ``max_refresh`` ticks), one that
+    changes it sets it back to ``refresh``; the probes of :meth:`admit` follow the same interval.
 
     Args:
-        alpha: weight of a new tick in a mode's decayed sums (0 < alpha <= 1).
-        refresh: ticks of a bucket after which the mode not chosen is measured again (one tick),
-            at first; doubled per unchanged re-measurement up to ``max_refresh``.
-        warmup: plain ticks measured in a bucket before the modes are compared; the first tick of
-            each mode is not counted. The scheduler does not report a drafting tick that carried a
-            prompt's or a resync's features to the drafter.
-        draft_warmup: drafting ticks measured in a bucket before the modes are compared (default
-            ``2 * warmup``); the modes alternate, drafting first, until plain has its ``warmup``,
-            then drafting runs until it has its own.
+        alpha: weight of a new tick in a mode's decayed mean of seconds (0 < alpha <= 1).
+        refresh: ticks of a bucket after which the mode not chosen is run again (one tick), at
+            first; doubled per confirming re-measurement up to ``max_refresh``.
+        warmup: counted ticks of each mode in a bucket before the modes are compared.
+        alpha_tokens: weight of a new drafted item in the prior's decayed mean (0 < a <= 1).
+        alpha_request: weight of a request's new drafted item in its own decayed mean.
+        prior_weight: items' worth of the prior in a request's estimate.
         max_refresh: the longest interval between re-measurements (ticks of a bucket).
 
     Attributes:
         choices: ticks run per mode (``{"draft": n, "plain": m}``).
         admissions: requests started per mode (:meth:`admit`).
+
+    Raises:
+        ValueError: an ``alpha`` outside (0, 1].
     """
 
-    def __init__(self, alpha: float = 0.3, refresh: int = 16, warmup: int = 4, draft_warmup: int | None = None,
-                 max_refresh: int = 1024):
-        if not 0 < alpha <= 1:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        self.alpha = float(alpha)
+    def __init__(self, alpha: float = 0.3, refresh: int = 16, warmup: int = 3, alpha_tokens: float = 0.02,
+                 alpha_request: float = 0.2, prior_weight: float = 4.0, max_refresh: int = 1024):
+        for name, a in (("alpha", alpha), ("alpha_tokens", alpha_tokens), ("alpha_request", alpha_request)):
+            if not 0 < a <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {a}")
+        self.alpha, self.alpha_tokens, self.alpha_request = float(alpha), float(alpha_tokens), float(alpha_request)
+        self.prior_weight = max(0.0, float(prior_weight))
         self.refresh = max(2, int(refresh))
         self.max_refresh = max(self.refresh, int(max_refresh))
         self.warmup = max(1, int(warmup))
-        self.draft_warmup = max(1, int(draft_warmup if draft_warmup is not None else 2 * self.warmup))
-        self._sums: dict[tuple[int, str], list[float]] = {}   # (bucket, mode) -> [tokens, seconds], decayed
-        self._count: dict[tuple[int, str], int] = {}    # (bucket, mode) -> ticks measured
+        self._secs: dict[tuple[int, str], float] = {}   # (bucket, mode) -> decayed mean seconds per tick
+        self._count: dict[tuple[int, str], int] = {}    # (bucket, mode) -> ticks observed
         self._since: dict[tuple[int, str], int] = {}    # (bucket, mode) -> ticks of the bucket since it ran
-        self._best: dict[int, str] = {}                 # bucket -> the mode last preferred
+        self._best: dict[int, str] = {}                 # bucket -> the mode last preferred (for the log)
         self._interval: dict[int, int] = {}             # bucket -> ticks between re-measurements (backed off)
         self._admitted: dict[int, int] = {}             # bucket -> requests started plain there since a probe
+        self._prior: list[float] | None = None          # [decayed tokens, decayed items] of drafted items
+        self._req: dict[str, list[float]] = {}          # request -> [decayed tokens, decayed items]
+        self._noted = 0                                 # drafted items noted since the last observe
         self.choices = {DRAFT: 0, PLAIN: 0}
         self.admissions = {DRAFT: 0, PLAIN: 0}
 
+    # ------------------------------------------------------------------ tokens
+    def prior(self) -> float | None:
+        """Tokens a drafted item emits (one plus its accepted tokens), over all requests; None
+        before any was measured."""
+        p = self._prior
+        return p[0] / p[1] if p and p[1] > 0 else None
+
+    def _add_prior(self, tokens: float, items: float) -> None:
+        if items <= 0:
+            return
+        keep = (1.0 - self.alpha_tokens) ** items
+        if self._prior is None:
+            self._prior = [float(tokens), float(items)]
+        else:
+            self._prior[0] = keep * self._prior[0] + tokens
+            self._prior[1] = keep * self._prior[1] + items
+
+    def note(self, request: str, tokens: int) -> None:
+        """A drafted item of ``request`` emitted ``tokens`` (one plus its accepted tokens)."""
+        r = self._req.get(request)
+        if r is None:
+            self._req[request] = [float(tokens), 1.0]
+        else:
+            keep = 1.0 - self.alpha_request
+            r[0] = keep * r[0] + tokens
+            r[1] = keep * r[1] + 1.0
+        self._add_prior(tokens, 1)
+        self._noted += 1
+
+    def forget(self, request: str) -> None:
+        """``request`` ended: drop its estimate."""
+        self._req.pop(request, None)
+
+    def tokens(self, request: str | None) -> float | None:
+        """Tokens a drafting tick is expected to emit for ``request``: its own decayed mean pulled
+        towards :meth:`prior` by ``prior_weight`` items (the prior alone for a request not
+        measured, or ``None``)."""
+        prior = self.prior()
+        r = self._req.get(request) if request is not None else None
+        if r is None:
+            return prior
+        if prior is None:
+            return r[0] / r[1]
+        return (r[0] + self.prior_weight * prior) / (r[1] + self.prior_weight)
+
+    # ------------------------------------------------------------------ costs
     def _warm(self, b: int) -> bool:
-        return (self._count.get((b, DRAFT), 0) >= self.draft_warmup
-                and self._count.get((b, PLAIN), 0) >= self.warmup)
+        return (self._count.get((b, DRAFT), 0) > self.warmup and self._count.get((b, PLAIN), 0) > self.warmup
+                and self.prior() is not None)
+
+    def seconds(self, batch: int, mode: str) -> float | None:
+        """The decayed mean seconds of a ``mode`` tick at ``batch``'s bucket, or None."""
+        return self._secs.get((batch_bucket(batch), mode))
 
     def interval(self, batch: int) -> int:
         """Ticks of ``batch``'s bucket between re-measurements of the mode not chosen (and requests
         per admission probe): ``refresh``, doubled per re-measurement that confirmed the choice."""
         return self._interval.get(batch_bucket(batch), self.refresh)
 
-    def choose(self, batch: int) -> str:
-        """The mode of the next tick of ``batch`` requests that may draft: :data:`DRAFT` or
-        :data:`PLAIN`. Until the bucket is warm (``warmup`` plain and ``draft_warmup`` drafting
-        measurements) the modes alternate, drafting first, then drafting runs alone until it has
-        its count; then the mode not chosen runs once when :meth:`interval` ticks of the bucket
-        passed without it; otherwise the one with more tokens per second."""
+    def _pick(self, b: int, batch: int, requests) -> str:
+        """The faster mode of a warm bucket for ``batch`` requests, ``requests`` the ids of those
+        that may draft (None: all of them, at the prior)."""
+        if requests is None:
+            drafted = batch * self.prior()
+        else:
+            drafted = sum(self.tokens(r) for r in requests) + (batch - len(requests))
+        draft = drafted / self._secs[(b, DRAFT)]
+        plain = batch / self._secs[(b, PLAIN)]
+        return DRAFT if draft >= plain else PLAIN
+
+    def choose(self, batch: int, requests=None) -> str:
+        """The mode of the next tick of ``batch`` requests, ``requests`` the ids of those that may
+        draft (None: all of them, each at the prior): :data:`DRAFT` or :data:`PLAIN`. Until the
+        bucket is warm the modes alternate, drafting first; then the mode not chosen runs once
+        when :meth:`interval` ticks of the bucket passed without it; otherwise the mode whose
+        expected tokens per second are more (module docstring)."""
         b = batch_bucket(batch)
-        nd, np_ = self._count.get((b, DRAFT), 0), self._count.get((b, PLAIN), 0)
-        if np_ < self.warmup:   # interleaved, drafting first
-            return DRAFT if nd <= np_ and nd < self.draft_warmup else PLAIN
-        if nd < self.draft_warmup:
-            return DRAFT
-        best = self.faster(batch)
+        if not self._warm(b):
+            nd, np_ = self._count.get((b, DRAFT), 0), self._count.get((b, PLAIN), 0)
+            return DRAFT if nd <= np_ or self.prior() is None else PLAIN
+        best = self._pick(b, batch, requests)
         other = PLAIN if best == DRAFT else DRAFT
         if self._since.get((b, other), 0) >= self.interval(batch):
             return other
         if self._best.get(b) != best:
             self._best[b] = best
-            r = self.rates().get(b, {})
             log.info("draft policy: %s is faster at this batch size", best,
-                     extra={"batch_bucket": b, "draft_tok_s": round(r.get(DRAFT, 0.0)),
-                            "plain_tok_s": round(r.get(PLAIN, 0.0))})
+                     extra={"batch_bucket": b, "draft_tick_ms": round(self._secs[(b, DRAFT)] * 1e3, 3),
+                            "plain_tick_ms": round(self._secs[(b, PLAIN)] * 1e3, 3),
+                            "tokens_per_drafted_item": round(self.prior(), 2)})
         return best
 
     def faster(self, batch: int) -> str | None:
-        """The mode measured faster at ``batch``'s bucket once it is warm (``warmup`` plain and
-        ``draft_warmup`` drafting measurements there; ties: :data:`DRAFT`), else None."""
+        """The mode expected faster at ``batch``'s bucket for ``batch`` requests at the prior
+        tokens per drafted item, once the bucket is warm (ties: :data:`DRAFT`), else None."""
         b = batch_bucket(batch)
         if not self._warm(b):
             return None
-        r = self.rates()[b]
-        return DRAFT if r[DRAFT] >= r[PLAIN] else PLAIN
+        return self._pick(b, batch, None)
 
     def expected(self, batch: int) -> str | None:
         """The mode expected faster at ``batch``'s bucket: :meth:`faster` where the bucket is
@@ -170,22 +244,21 @@ class DraftPolicy:
 
     def observe(self, batch: int, mode: str, tokens: int, seconds: float) -> None:
         """A tick of ``batch`` requests ran in ``mode`` and emitted ``tokens`` in ``seconds``
-        (the whole tick: Propose, verify and the orchestrator's own work)."""
+        (the whole tick: Propose, verify and the orchestrator's own work). A drafting tick whose
+        items were not :meth:`note`-d adds its tokens per request to the prior."""
         if seconds <= 0 or batch <= 0:
             return
         b = batch_bucket(batch)
         key = (b, mode)
         n = self._count.get(key, 0)
         before = self.faster(batch)
-        # the first tick is only counted; later ones go into the decayed sums
+        if mode == DRAFT and not self._noted:
+            self._add_prior(tokens, batch)
+        self._noted = 0
+        # the first tick is only counted; later ones go into the decayed mean
         if n >= 1:
-            sums = self._sums.get(key)
-            if sums is None:
-                self._sums[key] = [float(tokens), float(seconds)]
-            else:
-                keep = 1.0 - self.alpha
-                sums[0] = keep * sums[0] + tokens
-                sums[1] = keep * sums[1] + seconds
+            old = self._secs.get(key)
+            self._secs[key] = seconds if old is None else old + self.alpha * (seconds - old)
         self._count[key] = n + 1
         self.choices[mode] = self.choices.get(mode, 0) + 1
         self._since[key] = 0
@@ -197,11 +270,14 @@ class DraftPolicy:
                                  else self.refresh)
 
     def rates(self) -> dict[int, dict[str, float]]:
-        """Tokens per second per bucket and mode (decayed tokens over decayed seconds), as measured
-        so far (for metrics and tests)."""
+        """Expected tokens per second per request, per warm-enough bucket and mode: the prior
+        tokens per drafted item over a drafting tick's seconds, one over a plain tick's (for
+        metrics and tests)."""
         out: dict[int, dict[str, float]] = {}
-        for (b, mode), (tok, sec) in self._sums.items():
-            out.setdefault(b, {})[mode] = tok / sec if sec > 0 else 0.0
+        prior = self.prior()
+        for (b, mode), sec in self._secs.items():
+            if sec > 0 and (mode == PLAIN or prior is not None):
+                out.setdefault(b, {})[mode] = (prior if mode == DRAFT else 1.0) / sec
         return out
 
 

@@ -74,7 +74,7 @@ from orchestrator.messages import (CheckedTrees, ProposeItems, TreeChecker, join
                                    verify_request)
 from orchestrator.peers import (DirectStreamCall, DraftDeadline, DraftPeer, ExchangeTimeout, LocalHopCall, StreamCall,
                                 StreamError, TargetPeer, drafter_mismatch, status_code)
-from orchestrator.policy import PLAIN, DraftPolicy
+from orchestrator.policy import DRAFT, PLAIN, DraftPolicy
 from orchestrator.stats import AcceptanceStats
 from runtime.errors import Reason
 from runtime.tree import TreeError, tree_depths
@@ -498,6 +498,8 @@ class Scheduler:
         final tokens, from :meth:`_emit`). Later ends of the same request are dropped."""
         if not req.ended:
             req.ended = True
+            if self.policy is not None:
+                self.policy.forget(req.session_id)
             self._pending.append((req, event))
             if hand_over:
                 self._flush_events()
@@ -800,7 +802,7 @@ class Scheduler:
         drafter = self._drafter() if budget > 0 else None
         mode = None   # the policy's choice, when it had one to make (some request may draft)
         if drafter is not None and self.policy is not None and any(r.speculative for r in batch):
-            mode = self.policy.choose(len(batch))
+            mode = self.policy.choose(len(batch), [r.session_id for r in batch if r.speculative])
             if mode == PLAIN:
                 drafter = None
         self.drafting = drafter is not None
@@ -849,6 +851,9 @@ class Scheduler:
         emitted = 0
         now = time.monotonic()
         keep, emit, hand, add_step = self._keep, self._emit, self._pending.append, steps.append
+        # drafted items are noted only on a tick the policy measures (not one carrying a prompt's
+        # or a resync's rows: those trees are as good, but the tick's seconds are not comparable)
+        note = self.policy.note if mode == DRAFT and trees and not resync_rows else None
         for i, (r, tokens, root, length, features, nodes, depth) in enumerate(
                 zip(batch, accepted, bonus, lengths, feats, nodes_of, depth_of)):
             stats = r.stats
@@ -863,6 +868,8 @@ class Scheduler:
             stats.record_step(depth, nodes, k)
             add_step((nodes, depth, k))
             emitted += k + 1
+            if nodes and note is not None:   # a drafted item: its tokens, for the policy's estimate of this text
+                note(r.session_id, k + 1)
             r.root, r.length = root, length
             if r.speculative:
                 keep(r, features)

@@ -17,12 +17,17 @@ def test_batch_bucket_is_the_power_of_two_at_or_above():
 
 
 def _drive(policy: DraftPolicy, cost, batch: int, ticks: int, rng: random.Random) -> list[str]:
-    """Run ``ticks`` ticks of ``batch`` requests: ``cost(mode, batch) -> (tokens, seconds)`` with
-    +-10% noise on the seconds; the modes chosen."""
+    """Run ``ticks`` ticks of ``batch`` requests (ids ``r0``...) as the scheduler does:
+    ``cost(mode, batch) -> (tokens, seconds)`` with +-10% noise on the seconds, a drafting tick's
+    tokens noted per request; the modes chosen."""
     chosen = []
+    ids = [f"r{i}" for i in range(batch)]
     for _ in range(ticks):
-        mode = policy.choose(batch)
+        mode = policy.choose(batch, ids)
         tokens, seconds = cost(mode, batch)
+        if mode == DRAFT:
+            for r in ids:
+                policy.note(r, tokens / batch)
         policy.observe(batch, mode, tokens, seconds * rng.uniform(0.9, 1.1))
         chosen.append(mode)
     return chosen
@@ -63,7 +68,7 @@ def test_follows_a_change_within_a_refresh_window():
 
 
 def test_warmup_alternates_the_modes_and_skips_each_ones_first_tick():
-    policy = DraftPolicy(warmup=3, draft_warmup=3)
+    policy = DraftPolicy(warmup=2)
     modes = []
     for _ in range(6):
         m = policy.choose(1)
@@ -165,10 +170,12 @@ def test_a_burst_is_judged_as_the_batch_it_makes(tiny_llama, tiny_drafter):
             orchestrator_in_process(tiny_llama.path, tport, dport, max_sessions=4, draft_policy="measured") as (servicer, _):
         sched = servicer.scheduler
         policy = sched.policy
-        for batch, fast in ((1, DRAFT), (2, PLAIN), (4, PLAIN)):
-            for _ in range(max(policy.warmup, policy.draft_warmup) + 1):
-                for mode in (DRAFT, PLAIN):
-                    policy.observe(batch, mode, 10 if mode == fast else 1, 1e-3)
+        # 3 tokens per drafted item; a drafting tick costs 2, 8 and 20 ms at 1, 2 and 4 requests,
+        # a plain one 1 ms: drafting pays at 1 (1500 against 1000 tokens/s), not at 2 or 4
+        for batch, draft_s in ((1, 2e-3), (2, 8e-3), (4, 20e-3)):
+            for _ in range(policy.warmup + 2):
+                policy.observe(batch, DRAFT, 3 * batch, draft_s)
+                policy.observe(batch, PLAIN, batch, 1e-3)
         assert [policy.faster(b) for b in (1, 2, 4)] == [DRAFT, PLAIN, PLAIN]
         sched._slot_wait_until = time.monotonic() + 0.5   # hold admissions: the burst queues whole
         reqs = [Request(session_id=f"burst-{i}", prompt=[5, 6, 7, 8], max_tokens=12, sampling=common_pb2.SamplingParams(),
@@ -202,3 +209,27 @@ def test_re_measurements_back_off_and_a_flip_resets_them():
     flip = next(i for i, m in enumerate(after) if m == DRAFT)
     assert flip <= 64 and after[flip + 4:].count(DRAFT) >= 0.95 * len(after[flip + 4:])
     assert policy.faster(1) == DRAFT
+
+
+def test_each_request_drafts_by_its_own_text_pulled_towards_all_requests():
+    """The tick's cost is the bucket's; the tokens are each request's: a text the drafter reads
+    well keeps drafting, one it does not goes plain once measured, and a new request starts at
+    the prior of all requests, its first few items weighed against it (one stream on an H200: a
+    prompt's first drafting ticks emitted 2.6 tokens each, its average was 3.7)."""
+    policy = DraftPolicy(warmup=2)
+    for _ in range(4):                       # a drafting tick costs 3 ms, a plain one 1.5 ms: 2 tokens break even
+        policy.note("a", 4)
+        policy.observe(1, DRAFT, 4, 3e-3)
+        policy.observe(1, PLAIN, 1, 1.5e-3)
+    assert policy.choose(1, ["a"]) == DRAFT and policy.tokens("a") == pytest.approx(4.0)
+    assert policy.choose(1, ["b"]) == DRAFT and policy.tokens("b") == pytest.approx(policy.prior())
+    for _ in range(3):
+        policy.note("c", 1)                  # three items of a text the drafter reads badly ...
+    assert policy.tokens("c") > 2 and policy.choose(1, ["c"]) == DRAFT   # ... against the prior: not yet judged
+    for _ in range(12):
+        policy.note("c", 1)
+    assert policy.tokens("c") < 2 and policy.choose(1, ["c"]) == PLAIN
+    policy.forget("c")
+    assert policy.tokens("c") == pytest.approx(policy.prior())
+    with pytest.raises(ValueError):
+        DraftPolicy(alpha_tokens=0.0)
