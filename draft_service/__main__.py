@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``python -m draft_service`` with ``argv`` (default: ``sys.argv[1:]``) until stopped."""
+    from dflash_grpc import localhop
     from dflash_grpc.serving import (auth_token_from_args, local_endpoint, make_server, serve_forever,
                                      server_tls_from_args, setup_logging, streams_in_flight, tune_malloc)
     from runtime.step_loop import wait_drained
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     server, health, port = make_server(add, f"{cfg.host}:{cfg.port}", max_workers=max_workers, tls=tls,
                                        auth_token=token, reflection=args.reflection, local_hop=cfg.local_hop)
     servicer.local_endpoint = local_endpoint(server)
+    localhop.spin_for_device(str(servicer.drafter.device))   # the hop polls before it blocks on CUDA
     # SIGTERM: refuse new work; wait (--shutdown-timeout) until the clients released their sessions
     # or closed their streams; release what is left
     serve_forever(server, health, "draft", port, shutdown_timeout=cfg.shutdown_timeout,

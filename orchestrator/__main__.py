@@ -21,7 +21,7 @@ import uuid
 
 import grpc
 
-from dflash_grpc import serving
+from dflash_grpc import localhop, serving
 from dflash_grpc.v1 import generation_pb2_grpc
 from orchestrator import peers
 from orchestrator.config import OrchestratorConfig
@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     info = target.info()
     asked = cfg.max_sessions
     cfg = cfg.resolved(info.device, info.max_sessions, info.max_context)
+    localhop.spin_for_device(info.device)   # the hop to a CUDA target's services polls before it blocks
     if asked > cfg.max_sessions:
         log.warning("the target holds fewer sessions than --max-sessions: that many requests decode at once, the "
                     "rest queue", extra={"asked": asked, "max_sessions": cfg.max_sessions, "max_queue": cfg.max_queue})

@@ -415,3 +415,18 @@ def test_spin_wait_returns_at_the_event_or_after_its_time():
     finally:
         a.close()
         b.close()
+
+
+def test_spin_for_device_polls_on_cuda_only_unless_the_environment_says(monkeypatch):
+    """The services and the orchestrator poll the hop for CUDA_SPIN_S on a CUDA engine and not on
+    a CPU one (whose compute needs every core); DFLASH_HOP_SPIN_US overrides either way."""
+    from dflash_grpc import localhop
+
+    monkeypatch.setattr(localhop, "SPIN_S", localhop.SPIN_S)
+    monkeypatch.delenv("DFLASH_HOP_SPIN_US", raising=False)
+    assert localhop.spin_for_device("cuda:0") == localhop.CUDA_SPIN_S == localhop.SPIN_S > 0
+    assert localhop.spin_for_device("cpu") == 0.0 == localhop.SPIN_S
+    monkeypatch.setenv("DFLASH_HOP_SPIN_US", "250")
+    assert localhop.spin_for_device("cpu") == pytest.approx(250e-6)
+    monkeypatch.setenv("DFLASH_HOP_SPIN_US", "0")
+    assert localhop.spin_for_device("cuda") == 0.0

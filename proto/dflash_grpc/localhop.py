@@ -188,12 +188,31 @@ def send_buffers(conn: Connection, buffers) -> None:
 SOCKET_BUFFER_BYTES = 4 << 20
 
 #: Seconds a side of the hop polls its socket without blocking before it blocks in the kernel,
-#: when waiting for the other side's next message (``DFLASH_HOP_SPIN_US`` microseconds; 0, the
-#: default: block at once). A blocked thread is woken by the scheduler, on a core that may have
-#: gone to a deep idle state, into cold caches; one that polls answers within microseconds, at the
-#: price of a busy core for that long (one stream's step gap is ~1-3 ms). Read at call time, so a
-#: test or benchmark may set it.
+#: when waiting for the other side's next message. A blocked thread is woken by the scheduler, on
+#: a core that may have gone to a deep idle state, into cold caches; one that polls answers within
+#: microseconds, at the price of a busy core for that long (one stream's step gap is ~1-3 ms). On
+#: an H200 host it took the one-stream hop from 0.43-0.50 to 0.28-0.30 ms per step and the default
+#: tree from 1,292-1,362 to 1,511-1,547 tok/s (benchmarks/gpu/step/run9). 0 here (block at once);
+#: the services and the orchestrator turn it on for a CUDA engine (:func:`spin_for_device`);
+#: ``DFLASH_HOP_SPIN_US`` (microseconds) overrides both. Read at call time.
 SPIN_S = float(os.environ.get("DFLASH_HOP_SPIN_US", "0") or 0) * 1e-6
+
+#: :data:`SPIN_S` for a CUDA engine (:func:`spin_for_device`): the polling window, seconds.
+CUDA_SPIN_S = 3e-3
+
+
+def spin_for_device(device: str) -> float:
+    """Set :data:`SPIN_S` for a process whose engine (or whose target's) runs on ``device``
+    (e.g. ``"cuda:0"``, ``"cpu"``): :data:`CUDA_SPIN_S` on CUDA, where a step is a few ms and a
+    busy core is cheap beside the GPU's time, 0 elsewhere (a CPU engine needs every core);
+    ``DFLASH_HOP_SPIN_US`` set in the environment wins. Returns the value set."""
+    global SPIN_S
+    env = os.environ.get("DFLASH_HOP_SPIN_US")
+    if env not in (None, ""):
+        SPIN_S = float(env) * 1e-6
+    else:
+        SPIN_S = CUDA_SPIN_S if str(device).startswith("cuda") else 0.0
+    return SPIN_S
 
 
 def spin_wait(poller, seconds: float) -> bool:
@@ -472,5 +491,5 @@ def endpoint_path(endpoint: str) -> tuple[str, str] | None:
     return path, nonce
 
 
-__all__ = ["HopAborted", "HopServer", "LocalContext", "REPLY", "SPIN_S", "STATUS", "endpoint_path", "parse_status", "recv_frame", "spin_wait",
+__all__ = ["HopAborted", "HopServer", "LocalContext", "REPLY", "SPIN_S", "STATUS", "endpoint_path", "parse_status", "recv_frame", "spin_for_device", "spin_wait",
            "resolve", "send_buffers", "send_frame", "widen"]
