@@ -98,12 +98,25 @@ def test_admits_requests_plain_where_plain_ticks_are_faster_with_a_probe_per_ref
     assert got == ([PLAIN] * (every - 1) + [DRAFT]) * 3                 # one probe per interval
     assert policy.admissions == {DRAFT: 24, PLAIN: 3 * (every - 1)}
 
+def _tokens(req) -> list[int]:
+    """Every token a submitted request streams, in order, until its finish (a failure fails the test)."""
+    from orchestrator.scheduler import Failure
+
+    out = []
+    while True:
+        ev = req.events.get(timeout=60)
+        assert not isinstance(ev, Failure), ev
+        out += list(ev.tokens)
+        if ev.finish:
+            return out
+
+
 def test_scheduler_stops_drafting_where_it_does_not_pay_and_stays_lossless(tiny_llama, tiny_drafter):
     """A random drafter (it accepts next to nothing) makes every drafting tick slower than a plain
     one: with the measured policy the scheduler decodes mostly plainly, and the text equals the
     target's alone."""
     from dflash_grpc.v1 import common_pb2, draft_pb2
-    from orchestrator.scheduler import Failure, Request
+    from orchestrator.scheduler import Request
     from tests.conftest import draft_in_process, orchestrator_in_process, target_in_process
 
     def run(sched, speculative: bool, n: int) -> list[int]:
@@ -111,13 +124,7 @@ def test_scheduler_stops_drafting_where_it_does_not_pay_and_stays_lossless(tiny_
                       sampling=common_pb2.SamplingParams(), tree=draft_pb2.TreeParams(budget=6, top_k=2),
                       speculative=speculative)
         sched.submit(req)
-        out = []
-        while True:
-            ev = req.events.get(timeout=60)
-            assert not isinstance(ev, Failure), ev
-            out += list(ev.tokens)
-            if ev.finish:
-                return out
+        return _tokens(req)
 
     with target_in_process(tiny_llama.path, max_sessions=4, max_context=512) as tport, \
             draft_in_process(tiny_drafter, tiny_llama.path, max_sessions=4, max_context=512) as (_, dport), \
@@ -162,7 +169,7 @@ def test_a_burst_is_judged_as_the_batch_it_makes(tiny_llama, tiny_drafter):
     plain measured faster at 2-4 requests and drafting at 1, a burst of 3 starts plain for life
     (the first of them counts the two queued behind it), and each text is the target's."""
     from dflash_grpc.v1 import common_pb2, draft_pb2
-    from orchestrator.scheduler import Failure, Request
+    from orchestrator.scheduler import Request
     from tests.conftest import draft_in_process, orchestrator_in_process, target_in_process
 
     with target_in_process(tiny_llama.path, max_sessions=4, max_context=512) as tport, \
@@ -182,16 +189,7 @@ def test_a_burst_is_judged_as_the_batch_it_makes(tiny_llama, tiny_drafter):
                         tree=draft_pb2.TreeParams(budget=6, top_k=2), speculative=True) for i in range(3)]
         for r in reqs:
             sched.submit(r)
-        outs = []
-        for r in reqs:
-            out = []
-            while True:
-                ev = r.events.get(timeout=60)
-                assert not isinstance(ev, Failure), ev
-                out += list(ev.tokens)
-                if ev.finish:
-                    break
-            outs.append(out)
+        outs = [_tokens(r) for r in reqs]
         assert policy.admissions == {DRAFT: 0, PLAIN: 3}
         assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 12
 
