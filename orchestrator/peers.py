@@ -439,16 +439,20 @@ class LocalHopCall:
         self._error: grpc.RpcError | None = None
         self._closed = False
         self._poller = None   # a poll object on the connection, made once (conn.poll makes a selector per call)
+        #: seconds to poll for the reply before blocking (None: :data:`dflash_grpc.localhop.SPIN_S`);
+        #: the scheduler sets it per exchange (``Scheduler.hop_spin``)
+        self.spin_s: float | None = None
 
     def _ready(self, timeout: float) -> bool:
         """Whether the reply (or the connection's end) arrives within ``timeout`` seconds, as
         ``conn.poll(timeout)`` tells, without its ~10 us of making a selector per call; polled
-        without blocking for the first :data:`dflash_grpc.localhop.SPIN_S` seconds, if set."""
+        without blocking for the first :attr:`spin_s` seconds (default
+        :data:`dflash_grpc.localhop.SPIN_S`), if set."""
         poller = self._poller
         if poller is None:
             poller = self._poller = select.poll()
             poller.register(self._conn.fileno(), select.POLLIN)
-        spin = localhop.SPIN_S
+        spin = localhop.SPIN_S if self.spin_s is None else self.spin_s
         if spin > 0:
             t0 = time.perf_counter()
             if localhop.spin_wait(poller, min(spin, timeout)):

@@ -65,6 +65,7 @@ import time
 
 import grpc
 
+from dflash_grpc import localhop
 from dflash_grpc.columns import COLUMNAR, ColumnsError, Rows
 from dflash_grpc.transport import reason_of
 from dflash_grpc.v1 import common_pb2, draft_pb2, generation_pb2, target_pb2
@@ -102,6 +103,11 @@ STALE_IDS = 4096
 #: drafter's eager appends and could pass the message limit (``dflash_grpc.transport.MAX_MESSAGE_BYTES``),
 #: failing every time it is retried
 RESYNC_BYTES = 32 << 20
+
+#: Most requests in a tick for which the scheduler's exchanges poll the same-host hop before
+#: blocking (:meth:`Scheduler.hop_spin`).
+SPIN_BATCH = 2
+
 #: a Release that failed with one of these may not have reached the service: it is sent again later
 _TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
               grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -790,6 +796,15 @@ class Scheduler:
         elif tokens:
             self._pending.append((req, Tokens(tokens)))   # handed over by _flush_events
 
+    def hop_spin(self, batch: int) -> float:
+        """Seconds the same-host hop polls for an exchange's reply before blocking, for a tick of
+        ``batch`` requests: :data:`dflash_grpc.localhop.SPIN_S` (on for a CUDA target) while the tick
+        has at most :data:`SPIN_BATCH` requests, else 0. At one or two streams the exchange is the
+        step's critical path and nothing else in this process wants the CPU; with more, the
+        handler threads streaming tokens do, and a polling thread takes the GIL from them between
+        its polls (a waiting thread gets it back only at the switch interval)."""
+        return localhop.SPIN_S if batch <= SPIN_BATCH else 0.0
+
     def _drafter(self) -> draft_pb2.DrafterInfo | None:
         """The drafter's Info when it is usable for this target now, else None."""
         info = self.draft.state()
@@ -834,6 +849,7 @@ class Scheduler:
         try:
             if self._verify is None:
                 self._verify = self.target.verify_stream(None)
+            self._verify.spin_s = self.hop_spin(len(batch))
             reply = self._verify.exchange(request, self.step_timeout, self._flush_events)
             try:
                 refused, accepted, bonus, lengths, feats = verify_columns(reply, len(batch))
@@ -1010,6 +1026,7 @@ class Scheduler:
             # as wire bytes where the stream sends a message's bytes itself (not grpc's own stub)
             request = items.request(as_columns, as_columns and isinstance(self._propose, (LocalHopCall, DirectStreamCall)))
             t0 = time.perf_counter()
+            self._propose.spin_s = self.hop_spin(len(batch))
             reply = self._propose.exchange(request, timeout, self._flush_events)
             checked = None
             if columnar and len(who) == len(batch) and reply.HasField("trees") and not reply.refused:

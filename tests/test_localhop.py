@@ -430,3 +430,33 @@ def test_spin_for_device_polls_on_cuda_only_unless_the_environment_says(monkeypa
     assert localhop.spin_for_device("cpu") == pytest.approx(250e-6)
     monkeypatch.setenv("DFLASH_HOP_SPIN_US", "0")
     assert localhop.spin_for_device("cuda") == 0.0
+
+
+def test_the_scheduler_polls_the_hop_only_for_small_ticks(monkeypatch):
+    """The orchestrator's exchanges poll the hop (SPIN_S) for ticks of at most SPIN_BATCH requests,
+    and block at once for larger ones (its handler threads then need the GIL the poller takes);
+    a LocalHopCall with spin_s set uses it instead of the module's."""
+    from dflash_grpc import localhop
+    from orchestrator import scheduler as S
+
+    monkeypatch.setattr(localhop, "SPIN_S", 0.003)
+    sched = S.Scheduler.__new__(S.Scheduler)   # hop_spin reads nothing of the instance
+    assert [sched.hop_spin(n) for n in (1, S.SPIN_BATCH, S.SPIN_BATCH + 1, 64)] == [0.003, 0.003, 0.0, 0.0]
+    call = LocalHopCall.__new__(LocalHopCall)
+    call.spin_s = None
+    spun = []
+    monkeypatch.setattr(localhop, "spin_wait", lambda poller, seconds: spun.append(seconds) or False)
+    import socket as _socket
+
+    a, b = _socket.socketpair()
+    try:
+        call._conn, call._poller = a, None
+        assert call._ready(0.01) is False and spun == [0.003]    # the module's window
+        call.spin_s = 0.0
+        assert call._ready(0.01) is False and spun == [0.003]    # none: blocked at once
+        call.spin_s = 0.001
+        b.send(b"x")
+        assert call._ready(0.01) is True and spun == [0.003, 0.001]
+    finally:
+        a.close()
+        b.close()
