@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from dflash_grpc import localhop, serving
+from dflash_grpc import serving
 from dflash_grpc.v1 import common_pb2, target_pb2_grpc
 from runtime.config import add_flags, from_args, worker_threads
 from runtime.defaults import default_model_path
@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     server, health, port = serving.make_server(add, f"{cfg.host}:{cfg.port}", max_workers=max_workers, tls=tls,
                                                  auth_token=token, reflection=args.reflection, local_hop=cfg.local_hop)
     servicer.info.local_endpoint = serving.local_endpoint(server)
-    localhop.spin_for_device(servicer.info.device)   # the hop polls before it blocks on CUDA
+    # (the target's hop blocks at once unless DFLASH_HOP_SPIN_US says otherwise: its step loop runs
+    # prefill chunks on another thread, which a polling hop thread would keep from the GIL)
     # SIGTERM: refuse new work; wait (--shutdown-timeout) until the clients released their sessions
     # or closed their streams; release what is left
     serving.serve_forever(server, health, "target", port, shutdown_timeout=cfg.shutdown_timeout,
