@@ -61,8 +61,44 @@ def _patch_helpers_once_per_launch() -> None:
     it.GridExecutor.__call__ = launch_afresh
 
 
+def _skip_discarded_overflow_checks() -> None:
+    """Triton's interpreter (3.x) runs every int32 ``+``/``-``/``*`` of a kernel a second time in
+    int64 with two comparisons (``binary_op_sanitize_overflow_impl``: the option
+    ``sanitize_overflow``, on by default) and hands the result to ``device_assert``, which does
+    nothing unless the kernel runs with ``debug`` (``TRITON_DEBUG``; as compiled code, where the
+    check is dead code without it): a fifth of a pool-attention kernel's interpreted time, all of
+    it thrown away. Without ``debug`` the option is turned off here; every kernel computes the same
+    values (nothing but the discarded check changes). Does nothing where the interpreter's
+    internals differ."""
+    import dataclasses
+
+    try:
+        from triton.runtime import interpreter as it
+    except Exception:  # noqa: BLE001 - no (usable) Triton: nothing to speed up
+        return
+    builder_cls = getattr(it, "InterpreterBuilder", None)
+    options = getattr(getattr(it, "interpreter_builder", None), "options", None)
+    if builder_cls is None or not dataclasses.is_dataclass(options) or not {"debug", "sanitize_overflow"} <= {
+            f.name for f in dataclasses.fields(options)}:
+        return
+
+    def quiet(builder):
+        if not builder.options.debug:
+            builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+
+    init = builder_cls.__init__
+
+    def init_quiet(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        quiet(self)
+
+    builder_cls.__init__ = init_quiet
+    quiet(it.interpreter_builder)
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_helpers_once_per_launch()
+    _skip_discarded_overflow_checks()
 
 # One torch CPU thread for the tests and (through the environment) the services they start as
 # processes, unless OMP_NUM_THREADS says otherwise: the tests' ops are small, and on a 2-core box
