@@ -96,9 +96,69 @@ def _skip_discarded_overflow_checks() -> None:
     quiet(it.interpreter_builder)
 
 
+def _memoize_block_types() -> None:
+    """Triton's interpreter (3.x) builds the type of every value anew at every op of a kernel:
+    ``block_type(element_ty, shape)`` unwraps, validates and formats its shape, and ``tensor``
+    turns its type's shape into a ``tl.tuple`` of ``constexpr`` whose ``tuple_type`` formats a
+    name: a third of a pool-attention kernel's interpreted time. Both depend on the shape only
+    (and the element type, which is kept as given), so here they are computed once per shape and
+    reused: a ``block_type`` gets the same ``shape``, ``numel`` and ``name`` as before, a
+    ``tensor`` the same ``numel`` and a new ``tl.tuple`` of the same ``constexpr`` values and
+    ``tuple_type``. The interpreter computes the same values; error paths (a shape that is not a
+    list or ``tl.tuple``, an invalid shape) run Triton's own code. Does nothing where the
+    classes' attributes differ from those listed here."""
+    import math
+
+    try:
+        import triton.language.core as core
+        block = core.block_type(core.float32, [2, 4])
+        value = core.tensor(None, block)
+    except Exception:  # noqa: BLE001 - no (usable) Triton: nothing to speed up
+        return
+    if set(vars(block)) != {"element_ty", "shape", "numel", "name"} or set(vars(value)) != {
+            "handle", "shape", "numel", "type", "dtype"}:
+        return
+    block_init, tuple_, constexpr = core.block_type.__init__, core.tuple, core.constexpr
+    blocks: dict = {}
+    shapes: dict = {}
+
+    def block_type_init(self, element_ty, shape):
+        key = None
+        if isinstance(shape, (list, tuple_)):
+            try:
+                key = tuple(s.value if isinstance(s, constexpr) else s for s in shape)
+                known = blocks.get(key)
+            except TypeError:   # unhashable: Triton's own code decides
+                key = known = None
+            if known is not None:
+                self.element_ty = element_ty
+                self.shape, self.numel = known
+                self.name = f"<{self.shape}, {element_ty}>"
+                return
+        block_init(self, element_ty, shape)
+        if key is not None:
+            blocks[key] = (self.shape, self.numel)
+
+    def tensor_init(self, handle, type):  # noqa: A002 - Triton's parameter name
+        self.handle = handle
+        self.type = type
+        self.dtype = type.scalar
+        shape = type.shape if type.is_block() else ()
+        known = shapes.get(shape)
+        if known is None:
+            t = tuple_([constexpr(s) for s in shape])
+            known = shapes[shape] = (constexpr(math.prod(shape)), t.values, t.type)
+        self.numel = known[0]
+        self.shape = tuple_(known[1], known[2])
+
+    core.block_type.__init__ = block_type_init
+    core.tensor.__init__ = tensor_init
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_helpers_once_per_launch()
     _skip_discarded_overflow_checks()
+    _memoize_block_types()
 
 # One torch CPU thread for the tests and (through the environment) the services they start as
 # processes, unless OMP_NUM_THREADS says otherwise: the tests' ops are small, and on a 2-core box
