@@ -155,10 +155,41 @@ def _memoize_block_types() -> None:
     core.tensor.__init__ = tensor_init
 
 
+def _memoize_np_dtypes() -> None:
+    """Triton's interpreter (3.x) maps a Triton type to its numpy dtype (``_get_np_dtype``) by
+    building a 19-entry dict of dtypes at every call, several times per op: an eighth of an
+    interpreted kernel's time. Here the answer is kept per element type (what it depends on; a
+    pointer, or a block of pointers, is uint64 as before) and Triton's function answers each one
+    the first time (and raises as before for a type it does not know). Does nothing where the
+    interpreter's internals differ."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter as it
+    except Exception:  # noqa: BLE001 - no (usable) Triton: nothing to speed up
+        return
+    get = getattr(it, "_get_np_dtype", None)
+    if get is None or not hasattr(tl, "pointer_type") or not hasattr(tl, "block_type"):
+        return
+    uint64 = get(tl.pointer_type(tl.float32))
+    known: dict = {}
+
+    def np_dtype(tt_dtype):
+        element = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(element, tl.pointer_type):
+            return uint64
+        dtype = known.get(element)
+        if dtype is None:
+            dtype = known[element] = get(element)
+        return dtype
+
+    it._get_np_dtype = np_dtype
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_helpers_once_per_launch()
     _skip_discarded_overflow_checks()
     _memoize_block_types()
+    _memoize_np_dtypes()
 
 # One torch CPU thread for the tests and (through the environment) the services they start as
 # processes, unless OMP_NUM_THREADS says otherwise: the tests' ops are small, and on a 2-core box
