@@ -46,13 +46,19 @@ def drafter_path(smollm_path):
 
 
 @pytest.fixture(scope="module")
-def services(smollm_path, drafter_path):
+def services(smollm_path, drafter_path, request):
     ports = free_ports(3)
     group = ServiceGroup(
         dflash_services(smollm_path, drafter_path, ports=ports, target_args=["--max-sessions", "3", "--max-context", "1024"]),
         grace=5.0,
     )
     with group:
+        # meanwhile transformers' model (the lossless test's oracle) loads in this process: later,
+        # beside the requests, it would slow the draft service and the orchestrator
+        try:
+            request.getfixturevalue("hf_smollm")
+        except pytest.skip.Exception:   # no transformers: the lossless test skips itself, not the others
+            pass
         group.wait_healthy(timeout=300)
         yield group, {"target": f"127.0.0.1:{ports[0]}", "draft": f"127.0.0.1:{ports[1]}", "orchestrator": f"127.0.0.1:{ports[2]}"}
 
@@ -86,7 +92,7 @@ def test_info_reports_both_services(api):
 
 
 @pytest.fixture(scope="module")
-def greedy(api, smollm_tokenizer, request):
+def greedy(api, smollm_tokenizer):
     """``{prompt: (speculative, target-only)}`` results of ``LOSSLESS_PROMPTS``, ``N_TOKENS`` each,
     greedy, every request at once: the orchestrator batches and queues them (3 target slots) with
     speculative and target-only requests mixed, and a request's tokens must not depend on what else
@@ -100,12 +106,6 @@ def greedy(api, smollm_tokenizer, request):
             ids = smollm_tokenizer.encode(text)
             calls[text] = (pool.submit(api.generate, tokens=ids, max_tokens=N_TOKENS, ignore_eos=True),
                            pool.submit(api.generate, tokens=ids, max_tokens=N_TOKENS, ignore_eos=True, speculative=False))
-        # meanwhile transformers' model (the lossless test's oracle, ~17 s) loads in this process:
-        # the requests keep the target's one thread busy, and the other core is mostly idle
-        try:
-            request.getfixturevalue("hf_smollm")
-        except pytest.skip.Exception:   # no transformers: the lossless test skips itself, not these
-            pass
         return {text: (spec.result(), ar.result()) for text, (spec, ar) in calls.items()}
 
 
