@@ -105,7 +105,7 @@ def _memoize_block_types() -> None:
     reused: a ``block_type`` gets the same ``shape``, ``numel`` and ``name`` as before, a
     ``tensor`` the same ``numel`` and a new ``tl.tuple`` of the same ``constexpr`` values and
     ``tuple_type``. The interpreter computes the same values; error paths (a shape that is not a
-    list or ``tl.tuple``, an invalid shape) run Triton's own code. Does nothing where the
+    list or ``tl.tuple`` of ints, an invalid shape) run Triton's own code. Does nothing where the
     classes' attributes differ from those listed here."""
     import math
 
@@ -125,11 +125,10 @@ def _memoize_block_types() -> None:
     def block_type_init(self, element_ty, shape):
         key = None
         if isinstance(shape, (list, tuple_)):
-            try:
-                key = tuple(s.value if isinstance(s, constexpr) else s for s in shape)
-                known = blocks.get(key)
-            except TypeError:   # unhashable: Triton's own code decides
-                key = known = None
+            key = tuple(s.value if isinstance(s, constexpr) else s for s in shape)
+            if not all(type(n) is int for n in key):   # anything but ints: Triton's own code decides
+                key = None
+            known = blocks.get(key) if key is not None else None
             if known is not None:
                 self.element_ty = element_ty
                 self.shape, self.numel = known
