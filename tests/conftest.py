@@ -131,12 +131,12 @@ def _memoize_block_types() -> None:
             known = blocks.get(key) if key is not None else None
             if known is not None:
                 self.element_ty = element_ty
-                self.shape, self.numel = known
-                self.name = f"<{self.shape}, {element_ty}>"
+                self.shape, self.numel, shape_name = known
+                self.name = f"<{shape_name}, {element_ty}>"
                 return
         block_init(self, element_ty, shape)
         if key is not None:
-            blocks[key] = (self.shape, self.numel)
+            blocks[key] = (self.shape, self.numel, str(self.shape))
 
     def tensor_init(self, handle, type):  # noqa: A002 - Triton's parameter name
         self.handle = handle
