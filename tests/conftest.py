@@ -61,8 +61,134 @@ def _patch_helpers_once_per_launch() -> None:
     it.GridExecutor.__call__ = launch_afresh
 
 
+def _skip_discarded_overflow_checks() -> None:
+    """Triton's interpreter (3.x) runs every int32 ``+``/``-``/``*`` of a kernel a second time in
+    int64 with two comparisons (``binary_op_sanitize_overflow_impl``: the option
+    ``sanitize_overflow``, on by default) and hands the result to ``device_assert``, which does
+    nothing unless the kernel runs with ``debug`` (``TRITON_DEBUG``; as compiled code, where the
+    check is dead code without it): a fifth of a pool-attention kernel's interpreted time, all of
+    it thrown away. Without ``debug`` the option is turned off here; every kernel computes the same
+    values (nothing but the discarded check changes). Does nothing where the interpreter's
+    internals differ."""
+    import dataclasses
+
+    try:
+        from triton.runtime import interpreter as it
+    except Exception:  # noqa: BLE001 - no (usable) Triton: nothing to speed up
+        return
+    builder_cls = getattr(it, "InterpreterBuilder", None)
+    options = getattr(getattr(it, "interpreter_builder", None), "options", None)
+    if builder_cls is None or not dataclasses.is_dataclass(options) or not {"debug", "sanitize_overflow"} <= {
+            f.name for f in dataclasses.fields(options)}:
+        return
+
+    def quiet(builder):
+        if not builder.options.debug:
+            builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+
+    init = builder_cls.__init__
+
+    def init_quiet(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        quiet(self)
+
+    builder_cls.__init__ = init_quiet
+    quiet(it.interpreter_builder)
+
+
+def _memoize_block_types() -> None:
+    """Triton's interpreter (3.x) builds the type of every value anew at every op of a kernel:
+    ``block_type(element_ty, shape)`` unwraps, validates and formats its shape, and ``tensor``
+    turns its type's shape into a ``tl.tuple`` of ``constexpr`` whose ``tuple_type`` formats a
+    name: a third of a pool-attention kernel's interpreted time. Both depend on the shape only
+    (and the element type, which is kept as given), so here they are computed once per shape and
+    reused: a ``block_type`` gets the same ``shape``, ``numel`` and ``name`` as before, a
+    ``tensor`` the same ``numel`` and a new ``tl.tuple`` of the same ``constexpr`` values and
+    ``tuple_type``. The interpreter computes the same values; error paths (a shape that is not a
+    list or ``tl.tuple`` of ints, an invalid shape) run Triton's own code. Does nothing where the
+    classes' attributes differ from those listed here."""
+    import math
+
+    try:
+        import triton.language.core as core
+        block = core.block_type(core.float32, [2, 4])
+        value = core.tensor(None, block)
+    except Exception:  # noqa: BLE001 - no (usable) Triton: nothing to speed up
+        return
+    if set(vars(block)) != {"element_ty", "shape", "numel", "name"} or set(vars(value)) != {
+            "handle", "shape", "numel", "type", "dtype"}:
+        return
+    block_init, tuple_, constexpr = core.block_type.__init__, core.tuple, core.constexpr
+    blocks: dict = {}
+    shapes: dict = {}
+
+    def block_type_init(self, element_ty, shape):
+        key = None
+        if isinstance(shape, (list, tuple_)):
+            key = tuple(s.value if isinstance(s, constexpr) else s for s in shape)
+            if not all(type(n) is int for n in key):   # anything but ints: Triton's own code decides
+                key = None
+            known = blocks.get(key) if key is not None else None
+            if known is not None:
+                self.element_ty = element_ty
+                self.shape, self.numel, shape_name = known
+                self.name = f"<{shape_name}, {element_ty}>"
+                return
+        block_init(self, element_ty, shape)
+        if key is not None:
+            blocks[key] = (self.shape, self.numel, str(self.shape))
+
+    def tensor_init(self, handle, type):  # noqa: A002 - Triton's parameter name
+        self.handle = handle
+        self.type = type
+        self.dtype = type.scalar
+        shape = type.shape if type.is_block() else ()
+        known = shapes.get(shape)
+        if known is None:
+            t = tuple_([constexpr(s) for s in shape])
+            known = shapes[shape] = (constexpr(math.prod(shape)), t.values, t.type)
+        self.numel = known[0]
+        self.shape = tuple_(known[1], known[2])
+
+    core.block_type.__init__ = block_type_init
+    core.tensor.__init__ = tensor_init
+
+
+def _memoize_np_dtypes() -> None:
+    """Triton's interpreter (3.x) maps a Triton type to its numpy dtype (``_get_np_dtype``) by
+    building a 19-entry dict of dtypes at every call, several times per op: an eighth of an
+    interpreted kernel's time. Here the answer is kept per element type (what it depends on; a
+    pointer, or a block of pointers, is uint64 as before) and Triton's function answers each one
+    the first time (and raises as before for a type it does not know). Does nothing where the
+    interpreter's internals differ."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter as it
+    except Exception:  # noqa: BLE001 - no (usable) Triton: nothing to speed up
+        return
+    get = getattr(it, "_get_np_dtype", None)
+    if get is None or not hasattr(tl, "pointer_type") or not hasattr(tl, "block_type"):
+        return
+    uint64 = get(tl.pointer_type(tl.float32))
+    known: dict = {}
+
+    def np_dtype(tt_dtype):
+        element = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(element, tl.pointer_type):
+            return uint64
+        dtype = known.get(element)
+        if dtype is None:
+            dtype = known[element] = get(element)
+        return dtype
+
+    it._get_np_dtype = np_dtype
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_helpers_once_per_launch()
+    _skip_discarded_overflow_checks()
+    _memoize_block_types()
+    _memoize_np_dtypes()
 
 # One torch CPU thread for the tests and (through the environment) the services they start as
 # processes, unless OMP_NUM_THREADS says otherwise: the tests' ops are small, and on a 2-core box

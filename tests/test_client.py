@@ -590,7 +590,8 @@ MINI_SERVER = textwrap.dedent(
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         print(f"READY {name} port={port}", flush=True)
-        stop.wait()
+        while not stop.wait(0.1):  # wake up: a SIGTERM taken by a grpc thread sets no Event until
+            pass                   # the main thread runs bytecode (a bare wait() can miss it)
         server.stop(grace=1).wait()
     """
 )

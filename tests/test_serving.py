@@ -95,9 +95,12 @@ class Serve:
 
 
 @pytest.fixture(scope="module")
-def serve(smollm_path):
+def serve(smollm_path, request):
     s = Serve(smollm_path)
     try:
+        # meanwhile the references (``refs``, ~10 s of one core) are decoded in this process: the
+        # three services take ~8 s to start and leave part of the two cores idle while they do
+        request.getfixturevalue("refs")
         serving.wait_healthy(s.addr["orchestrator"], timeout=300)
         with sdk.Client(s.addr["orchestrator"], timeout=120) as c:
             deadline = time.monotonic() + 60
