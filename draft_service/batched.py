@@ -79,6 +79,7 @@ from draft_service.tree import TopK, build_tree
 from kernels import attention as attn_ops
 from kernels.attention import default_splits, split_buckets, splits_for
 from kernels.ddtree import PackedLayout, step_output
+from kernels.topk.reference import topk_log_softmax as topk_reference
 from runtime.errors import EngineError, FailedPrecondition, InvalidArgument, Reason, ResourceExhausted
 from runtime.graphs import GraphSet, StepGraph, batch_buckets_for, bucket_for, capped_buckets, slots_for_budget
 from runtime.pool import PoolShape, StatePool
@@ -371,8 +372,7 @@ def draft_step(drafter: DFlashDrafter, pool: StatePool, slots: torch.Tensor, hel
                            c.layer_window(i), max_splits) for i in range(c.num_layers)]
     hidden = drafter.run_blocks(tokens, block_rows, attends)                 # [b, B, H]
     logits = drafter.logits(hidden[:, 1:])                                   # [b, B-1, V] float32
-    top = torch.topk(torch.log_softmax(logits.float(), dim=-1), k, dim=-1)
-    return top.values, top.indices
+    return topk_reference(logits, k)
 
 
 # ----------------------------------------------------------------------------------- the engine

@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kernels.topk.reference import topk_log_softmax
+
 
 def build_chain(root_token: int, logits: torch.Tensor) -> tuple[list[int], list[int]]:
     """Greedy chain below ``root_token``.
@@ -72,8 +74,8 @@ class TopK:
 def topk_table(logits: torch.Tensor, k: int) -> TopK:
     """:class:`TopK` of ``logits`` ``[D, V]``: ``torch.topk(log_softmax(logits.float()), min(k, V))``
     (what :func:`build_tree` computes), read to the host as lists."""
-    top = torch.topk(torch.log_softmax(logits.float(), dim=-1), min(k, logits.shape[1]), dim=-1)
-    return TopK(top.values.cpu().tolist(), top.indices.cpu().tolist())
+    values, indices = topk_log_softmax(logits, min(k, logits.shape[1]))
+    return TopK(values.cpu().tolist(), indices.cpu().tolist())
 
 
 def build_tree(root_token: int, logits: "torch.Tensor | TopK", budget: int, top_k: int) -> tuple[list[int], list[int]]:
@@ -197,8 +199,8 @@ def bench(budgets: list[int], top_ks: list[int], depth: int = 15, vocab: int = 4
 
     gen = torch.Generator().manual_seed(seed)
     width = max(top_ks)
-    top = torch.topk(torch.log_softmax(torch.randn(trials, depth, vocab, generator=gen) * 3, -1), width, -1)
-    lp_all, tok_all = top.values.contiguous(), top.indices
+    lp_all, tok_all = topk_log_softmax(torch.randn(trials, depth, vocab, generator=gen) * 3, width)
+    lp_all = lp_all.contiguous()
     lp_np, tok_np = lp_all.numpy(), tok_all.to(torch.int32).numpy()
     tables = [TopK(lp_np[i], tok_np[i]) for i in range(trials)]
     rows = []
