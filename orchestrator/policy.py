@@ -51,6 +51,17 @@ def batch_bucket(batch: int) -> int:
     return 1 << max(0, int(batch) - 1).bit_length()
 
 
+def _decayed(sums: list[float] | None, value: float, items: float, alpha: float) -> list[float]:
+    """``sums`` = ``[decayed sum, decayed count]`` (None: empty) after ``value`` over ``items`` more
+    items: the older ones weigh ``(1 - alpha) ** items`` of what they did (updated in place)."""
+    if sums is None:
+        return [float(value), float(items)]
+    keep = (1.0 - alpha) ** items
+    sums[0] = keep * sums[0] + value
+    sums[1] = keep * sums[1] + items
+    return sums
+
+
 class DraftPolicy:
     """Per batch bucket, the faster of drafting and plain decoding, measured (module docstring).
 
@@ -114,24 +125,12 @@ class DraftPolicy:
         return p[0] / p[1] if p and p[1] > 0 else None
 
     def _add_prior(self, tokens: float, items: float) -> None:
-        if items <= 0:
-            return
-        keep = (1.0 - self.alpha_tokens) ** items
-        if self._prior is None:
-            self._prior = [float(tokens), float(items)]
-        else:
-            self._prior[0] = keep * self._prior[0] + tokens
-            self._prior[1] = keep * self._prior[1] + items
+        if items > 0:
+            self._prior = _decayed(self._prior, tokens, items, self.alpha_tokens)
 
     def note(self, request: str, tokens: int) -> None:
         """A drafted item of ``request`` emitted ``tokens`` (one plus its accepted tokens)."""
-        r = self._req.get(request)
-        if r is None:
-            self._req[request] = [float(tokens), 1.0]
-        else:
-            keep = 1.0 - self.alpha_request
-            r[0] = keep * r[0] + tokens
-            r[1] = keep * r[1] + 1.0
+        self._req[request] = _decayed(self._req.get(request), tokens, 1, self.alpha_request)
         self._add_prior(tokens, 1)
         self._noted += 1
 
@@ -155,10 +154,6 @@ class DraftPolicy:
     def _warm(self, b: int) -> bool:
         return (self._count.get((b, DRAFT), 0) > self.warmup and self._count.get((b, PLAIN), 0) > self.warmup
                 and self.prior() is not None)
-
-    def seconds(self, batch: int, mode: str) -> float | None:
-        """The decayed mean seconds of a ``mode`` tick at ``batch``'s bucket, or None."""
-        return self._secs.get((batch_bucket(batch), mode))
 
     def interval(self, batch: int) -> int:
         """Ticks of ``batch``'s bucket between re-measurements of the mode not chosen (and requests
