@@ -195,7 +195,13 @@ SOCKET_BUFFER_BYTES = 4 << 20
 #: tree from 1,292-1,362 to 1,511-1,547 tok/s (benchmarks/gpu/step/run9). 0 here (block at once);
 #: the draft service and the orchestrator turn it on for a CUDA engine (:func:`spin_for_device`);
 #: ``DFLASH_HOP_SPIN_US`` (microseconds) overrides both. Read at call time.
-SPIN_S = float(os.environ.get("DFLASH_HOP_SPIN_US", "0") or 0) * 1e-6
+def _env_spin() -> float | None:
+    """``DFLASH_HOP_SPIN_US`` in seconds, or None where it is unset or empty."""
+    env = os.environ.get("DFLASH_HOP_SPIN_US")
+    return None if env in (None, "") else float(env) * 1e-6
+
+
+SPIN_S = _env_spin() or 0.0
 
 #: :data:`SPIN_S` for a CUDA engine (:func:`spin_for_device`): the polling window, seconds.
 CUDA_SPIN_S = 3e-3
@@ -207,11 +213,8 @@ def spin_for_device(device: str) -> float:
     busy core is cheap beside the GPU's time, 0 elsewhere (a CPU engine needs every core);
     ``DFLASH_HOP_SPIN_US`` set in the environment wins. Returns the value set."""
     global SPIN_S
-    env = os.environ.get("DFLASH_HOP_SPIN_US")
-    if env not in (None, ""):
-        SPIN_S = float(env) * 1e-6
-    else:
-        SPIN_S = CUDA_SPIN_S if str(device).startswith("cuda") else 0.0
+    env = _env_spin()
+    SPIN_S = env if env is not None else (CUDA_SPIN_S if str(device).startswith("cuda") else 0.0)
     return SPIN_S
 
 
@@ -491,5 +494,5 @@ def endpoint_path(endpoint: str) -> tuple[str, str] | None:
     return path, nonce
 
 
-__all__ = ["HopAborted", "HopServer", "LocalContext", "REPLY", "SPIN_S", "STATUS", "endpoint_path", "parse_status", "recv_frame", "spin_for_device", "spin_wait",
-           "resolve", "send_buffers", "send_frame", "widen"]
+__all__ = ["CUDA_SPIN_S", "HopAborted", "HopServer", "LocalContext", "REPLY", "SPIN_S", "STATUS", "endpoint_path",
+           "parse_status", "recv_frame", "resolve", "send_buffers", "send_frame", "spin_for_device", "spin_wait", "widen"]
