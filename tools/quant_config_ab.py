@@ -85,9 +85,7 @@ def run_regs(timer, dev, sq, T, cases) -> list:
 
     rows = []
     for name, n, k in cases:
-        w0 = sq.random_weight(name, n, k, dev)
-        ws = [sq.random_weight(name, n, k, dev, seed=i) for i in range(max(2, -(-2 * sq.L2_BYTES // w0.nbytes)))]
-        calls = max(20, len(ws))
+        w0, ws, calls = sq.cold_weights(name, n, k, dev)
         base = T.config_for(n, k, name)
         for m in (1, 4, 16):
             x = torch.randn(m, k, device=dev).to(torch.bfloat16)
@@ -110,9 +108,7 @@ def run_sweep(timer, dev, sq, T, cases) -> list:
     """Time :func:`sweep_grid` with the swapped dot at M = 1 and 16; print the five best per case."""
     rows = []
     for name, n, k in cases:
-        w0 = sq.random_weight(name, n, k, dev)
-        ws = [sq.random_weight(name, n, k, dev, seed=i) for i in range(max(2, -(-2 * sq.L2_BYTES // w0.nbytes)))]
-        calls = max(20, len(ws))
+        w0, ws, calls = sq.cold_weights(name, n, k, dev)
         grid = sweep_grid(n, k, name)
         for m in (1, 16):
             x = torch.randn(m, k, device=dev).to(torch.bfloat16)
@@ -168,10 +164,8 @@ def main() -> int:
           "best variant | best us | best / bf16 | rel err |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, n, k in (QUICK if args.quick else CASES):
-        w0 = sq.random_weight(name, n, k, dev)
-        ws = [sq.random_weight(name, n, k, dev, seed=i) for i in range(max(2, -(-2 * sq.L2_BYTES // w0.nbytes)))]
+        w0, ws, calls = sq.cold_weights(name, n, k, dev)
         wb = [torch.randn(n, k, device=dev).to(torch.bfloat16) for _ in range(max(2, -(-2 * sq.L2_BYTES // (n * k * 2))))]
-        calls = max(20, len(ws))
         src = [w.data for w in ws]
         dst = torch.empty_like(src[0])
         copy = timer(lambda i: dst.copy_(src[i % len(src)]), calls)

@@ -138,9 +138,7 @@ def main() -> int:
     print("| N x K | MiB | copy us | engine skinny (tensor cores) us | GEMV best us | best config | GEMV / engine | rel err |")
     print("|---|---|---|---|---|---|---|---|")
     for n, k in CASES:
-        w0 = sq.random_weight("Q4_K", n, k, dev)
-        ws = [sq.random_weight("Q4_K", n, k, dev, seed=i) for i in range(max(2, -(-2 * sq.L2_BYTES // w0.nbytes)))]
-        calls = max(20, len(ws))
+        w0, ws, calls = sq.cold_weights("Q4_K", n, k, dev)
         src = [w.data for w in ws]
         dst = torch.empty_like(src[0])
         copy = timer(lambda i: dst.copy_(src[i % len(src)]), calls)

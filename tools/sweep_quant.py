@@ -113,6 +113,15 @@ def random_weight(name: str, n: int, k: int, device, seed: int = 0):
     return QuantizedWeight(raw.reshape(n, -1).contiguous(), name, (n, k))
 
 
+def cold_weights(name: str, n: int, k: int, device) -> tuple:
+    """``(w0, copies, calls)`` for timing one ``[n, k]`` ``name`` weight from HBM: ``w0`` (seed 0),
+    enough seeded copies to span twice the L2 cache (at least 2) for a graph of calls to cycle
+    through, and the calls per graph (at least 20, at least one per copy)."""
+    w0 = random_weight(name, n, k, device)
+    copies = [random_weight(name, n, k, device, seed=i) for i in range(max(2, -(-2 * L2_BYTES // w0.nbytes)))]
+    return w0, copies, max(20, len(copies))
+
+
 def skinny_candidates(n: int, sms: int, k: int | None = None, qtype: str = "Q4_K", small: bool = False) -> list:
     """Skinny configs for an ``[N, K]`` weight of ``qtype`` (module docstring): ``BLOCK_N`` x warps x
     stages leaving >= ``sms / 2`` programs at ``M = 1`` (``BLOCK_N`` 16 always), times ``unroll``
