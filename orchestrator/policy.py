@@ -19,9 +19,9 @@ That splits into two measured parts that vary for different reasons:
 
 A tick drafts when the expected tokens of its requests over the drafting tick's cost beat its
 requests over the plain tick's cost (:meth:`DraftPolicy.choose`). Deciding from one request's
-first few drafting ticks, as per-bucket token rates did, judged by the start of one text (one
-stream on an H200: a HumanEval prompt's first 8 drafting ticks emitted 2.6 tokens each, its
-average is 3.7) and applied it to every later request. The cost of the mode not chosen is
+first few drafting ticks, as per-bucket token rates did, judged by the start of one text, and the
+tokens of one text's drafting ticks vary from 1 to 6 tick to tick (one stream on an H200:
+``benchmarks/gpu/policy/session13``), and applied that verdict to every later request. The cost of the mode not chosen is
 measured again now and then, less often while it keeps confirming the choice.
 
 A tick's choice keeps the costs a request pays for being able to draft later: the target gathers

@@ -212,8 +212,8 @@ def test_re_measurements_back_off_and_a_flip_resets_them():
 def test_each_request_drafts_by_its_own_text_pulled_towards_all_requests():
     """The tick's cost is the bucket's; the tokens are each request's: a text the drafter reads
     well keeps drafting, one it does not goes plain once measured, and a new request starts at
-    the prior of all requests, its first few items weighed against it (one stream on an H200: a
-    prompt's first drafting ticks emitted 2.6 tokens each, its average was 3.7)."""
+    the prior of all requests, its first few items weighed against it (one stream on an H200, a
+    text's drafting ticks emitted 1-6 tokens tick to tick: benchmarks/gpu/policy/session13)."""
     policy = DraftPolicy(warmup=2)
     for _ in range(4):                       # a drafting tick costs 3 ms, a plain one 1.5 ms: 2 tokens break even
         policy.note("a", 4)
