@@ -9,9 +9,10 @@ smallest tie-break: the host heap's order; under Triton's interpreter four plain
 :data:`TUPLE`), scalar loads from the row's table (the popped node's token and log-prob, its next
 sibling's and its first child's log-probs) and elementwise updates; the row's tree is kept in two
 register vectors and stored once. The pop loop runs as many rounds as the row's budget (a runtime
-bound), so a tree of ``n`` nodes costs about ``n`` dependent reductions: on an H200, 5.8 us for a
-15-node DDTree and 21 us for 63 nodes, 1.4 us for a chain, the same at 1 and 64 rows (one launch,
-graph-replayed; the host's ``build_tree`` took 23 and 80 us per item on that machine's CPU). Scores
+bound), so a tree of ``n`` nodes costs about ``n`` dependent reductions: 11.3 us for the default
+15-node DDTree at one row in an eager drafter step under the profiler on an H200
+(``benchmarks/gpu/step/run7/smollm2-135m-q4_1.json``, ``draft_propose.profile``), where the host's
+``build_tree`` takes ~40 us per item on a 2-core VM (``python -m draft_service.tree``). Scores
 are float64 additions in the host's order, so every comparison is the host's (``-0.0`` equals
 ``0.0`` through the key).
 
