@@ -172,6 +172,10 @@ class PoolBackend:
         #: per GDN layer of a tree step, what its commit needs: pre-conv inputs, conv output,
         #: raw gates, layer weights, key heads and head dim
         self.saved: dict[int, tuple] = {}
+        #: a tree step's commit inputs stacked over the GDN layers (pool order), so that the commit
+        #: is one launch for all layers: pre-conv inputs and conv outputs ``[L, B, W, C]``, gates
+        #: ``[L, B, W, HV, 2]`` float32 (allocated at the first GDN layer)
+        self.stack: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.b, self.w = st.tokens.shape
 
     def attend(self, layer: int, q, k, v, scale: float, cos, sin) -> torch.Tensor:
@@ -192,13 +196,23 @@ class PoolBackend:
         bw = (self.b, self.w)
         x = conv_in.reshape(*bw, -1)
         a3, b3 = a.reshape(*bw, -1), b.reshape(*bw, -1)
-        conv_out = conv_ops.pool_conv_silu(x, pool.conv[j], st.slots, st.window, lw["conv"], commit=self.commit_chain)
-        if self.fla and self.causal and self.w >= FLA_MIN_CHUNK and fla.available(x.device):
-            return self._fla_chunk(j, conv_out, a3, b3, lw, key_heads, head_k_dim)
+        if self.commit_chain:
+            conv_out = conv_ops.pool_conv_silu(x, pool.conv[j], st.slots, st.window, lw["conv"], commit=True)
+            if self.fla and self.causal and self.w >= FLA_MIN_CHUNK and fla.available(x.device):
+                return self._fla_chunk(j, conv_out, a3, b3, lw, key_heads, head_k_dim)
+            o = gdn_ops.pool_gdn_tree(conv_out, a3, b3, lw["a"], lw["dt_bias"], pool.recurrent[j], st.slots,
+                                      st.parents, st.ancestors, True, key_heads, head_k_dim)
+            return o.reshape(self.b * self.w, *o.shape[2:])
+        if self.stack is None:
+            n = pool.recurrent.shape[0]
+            self.stack = (torch.empty((n, *x.shape), device=x.device, dtype=x.dtype),
+                          torch.empty((n, *x.shape), device=x.device, dtype=x.dtype),
+                          torch.empty((n, *bw, pool.recurrent.shape[2], 2), device=x.device, dtype=torch.float32))
+        xs, cs, gs = self.stack
+        conv_out = conv_ops.pool_conv_silu(x, pool.conv[j], st.slots, st.window, lw["conv"], out=cs[j], x_save=xs[j])
         o = gdn_ops.pool_gdn_tree(conv_out, a3, b3, lw["a"], lw["dt_bias"], pool.recurrent[j], st.slots, st.parents,
-                                  st.ancestors, self.commit_chain, key_heads, head_k_dim)
-        if not self.commit_chain:
-            self.saved[layer] = (x, conv_out, a3, b3, lw, key_heads, head_k_dim)
+                                  st.ancestors, False, key_heads, head_k_dim, gates_out=gs[j])
+        self.saved[layer] = (key_heads, head_k_dim)
         return o.reshape(self.b * self.w, *o.shape[2:])
 
     def _fla_chunk(self, j: int, conv_out, a, b, lw, key_heads: int, head_k_dim: int) -> torch.Tensor:
@@ -215,14 +229,25 @@ class PoolBackend:
 
     def commit(self, path: torch.Tensor, n_accept: torch.Tensor) -> None:
         """Commit each row's accepted path (``path[b, :n_accept[b]]``, root first): K/V rows of
-        every attention layer at once, then each GDN layer's recurrent and conv state."""
+        every attention layer at once, then every GDN layer's recurrent state at once and every
+        conv state at once, from the inputs the forward stacked (three launches in all on CUDA).
+
+        Raises:
+            RuntimeError: the forward did not run every GDN layer of the pool (its stacked inputs
+                would be incomplete).
+        """
         st, pool = self.st, self.pool
         attn_ops.pool_kv_commit(pool.k, pool.v, st.slots, st.lengths, path, n_accept)
+        if self.stack is None:
+            return
+        if len(self.saved) != pool.recurrent.shape[0] or len(set(self.saved.values())) != 1:
+            raise RuntimeError(f"the forward ran {len(self.saved)} of {pool.recurrent.shape[0]} GDN layers "
+                               "(or layers of different head shapes): cannot commit them together")
+        hk, dk = next(iter(self.saved.values()))
+        xs, cs, gs = self.stack
         last = path.gather(1, (n_accept - 1).clamp(min=0)[:, None])[:, 0]
-        for layer, (x, conv_out, a, b, lw, hk, dk) in self.saved.items():
-            j = pool.gdn_index[layer]
-            gdn_ops.pool_gdn_commit(pool.recurrent[j], st.slots, conv_out, a, b, lw["a"], lw["dt_bias"], path, n_accept, hk, dk)
-            conv_ops.pool_conv_commit(x, pool.conv[j], st.slots, st.window, last)
+        gdn_ops.pool_gdn_commit_layers(pool.recurrent, st.slots, cs, gs, path, n_accept, hk, dk)
+        conv_ops.pool_conv_commit_layers(xs, pool.conv, st.slots, st.window, last)
 
 
 # ----------------------------------------------------------------------------------- the step

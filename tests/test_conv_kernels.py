@@ -88,6 +88,39 @@ def test_conv_commit_matches_reference(dtype, b, w):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_conv_commit_layers(dtype):
+    """The conv commit of several layers in one launch, from the inputs the conv kernel saved
+    (``x_save``) and with the output written into ``out``, equals each layer's own conv and commit
+    bit for bit."""
+    from kernels.conv import reference as R
+    from kernels.conv import triton as T
+
+    gen = torch.Generator().manual_seed(23)
+    nl, b, w = 3, 2, 7
+    layers = [conv_inputs(gen, dtype, b, w) for _ in range(nl)]
+    slots = layers[0][3]
+    win = R.conv_window_index(rand_parents(gen, b, w), K)
+    last = torch.randint(0, w, (b,), generator=gen).to(DEV)
+    c = layers[0][0].shape[-1]
+    pools = torch.stack([p for _, p, _, _ in layers])
+    for mod in (R, T):
+        xs = torch.empty(nl, b, w, c, device=DEV, dtype=dtype)
+        outs = torch.empty(nl, b, w, c, device=DEV, dtype=dtype)
+        one, every = pools.clone(), pools.clone()
+        for layer, (x, _, weight, _) in enumerate(layers):
+            ref = mod.pool_conv_silu(x, pools[layer].clone(), slots, win, weight)
+            got = mod.pool_conv_silu(x, every[layer], slots, win, weight, out=outs[layer], x_save=xs[layer])
+            assert got.data_ptr() == outs[layer].data_ptr() and torch.equal(got, ref)
+            assert torch.equal(xs[layer], x)
+            mod.pool_conv_commit(x, one[layer], slots, win, last)
+        assert torch.equal(every, pools)                    # a tree's conv does not touch the state
+        mod.pool_conv_commit_layers(xs, every, slots, win, last)
+        assert torch.equal(every, one)
+    with pytest.raises(ValueError):
+        T.pool_conv_silu(layers[0][0], pools[0], slots, win, layers[0][2], out=outs[0, :, :3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [1, 2, 3, 9])
 def test_conv_chain_commit(dtype, n):
     """``commit=True`` (a chain committed whole): fused into the conv launch when a row is one node

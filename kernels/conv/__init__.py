@@ -12,9 +12,9 @@ def pool_conv_tree(x, conv_pool, slots, window, weight):
     return impl("conv", x).pool_conv_tree(x, conv_pool, slots, window, weight)
 
 
-def pool_conv_silu(x, conv_pool, slots, window, weight, commit=False):
+def pool_conv_silu(x, conv_pool, slots, window, weight, commit=False, out=None, x_save=None):
     """:func:`kernels.conv.reference.pool_conv_silu` (Triton on CUDA)."""
-    return impl("conv", x).pool_conv_silu(x, conv_pool, slots, window, weight, commit)
+    return impl("conv", x).pool_conv_silu(x, conv_pool, slots, window, weight, commit, out=out, x_save=x_save)
 
 
 def pool_conv_commit(x, conv_pool, slots, window, last):
@@ -22,5 +22,10 @@ def pool_conv_commit(x, conv_pool, slots, window, last):
     return impl("conv", x).pool_conv_commit(x, conv_pool, slots, window, last)
 
 
-__all__ = ["causal_conv_tree", "conv_state_after", "conv_window_index", "pool_conv_commit", "pool_conv_silu",
-           "pool_conv_tree"]
+def pool_conv_commit_layers(xs, conv_pools, slots, window, last):
+    """:func:`kernels.conv.reference.pool_conv_commit_layers` (Triton on CUDA)."""
+    return impl("conv", xs).pool_conv_commit_layers(xs, conv_pools, slots, window, last)
+
+
+__all__ = ["causal_conv_tree", "conv_state_after", "conv_window_index", "pool_conv_commit", "pool_conv_commit_layers",
+           "pool_conv_silu", "pool_conv_tree"]

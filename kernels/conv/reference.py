@@ -122,15 +122,21 @@ def pool_conv_tree(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor
 
 
 def pool_conv_silu(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, window: torch.Tensor,
-                   weight: torch.Tensor, commit: bool = False) -> torch.Tensor:
+                   weight: torch.Tensor, commit: bool = False, out: torch.Tensor | None = None,
+                   x_save: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(pool_conv_tree(...))``; with ``commit`` (each row a chain committed whole) the rows'
     conv states then become their last ``K - 1`` inputs (:func:`pool_conv_commit` with the last
-    node). Returns ``[B, W, C]`` in ``x``'s dtype."""
-    out = F.silu(pool_conv_tree(x, conv_pool, slots, window, weight))
+    node). Returns ``[B, W, C]`` in ``x``'s dtype, written into ``out`` when given; ``x_save``
+    (``[B, W, C]``), when given, receives a copy of ``x`` (for :func:`pool_conv_commit_layers`)."""
+    if x_save is not None:
+        x_save.copy_(x)
+    res = F.silu(pool_conv_tree(x, conv_pool, slots, window, weight))
+    if out is not None:
+        res = out.copy_(res)
     if commit:
         last = torch.full((x.shape[0],), x.shape[1] - 1, dtype=torch.long, device=x.device)
         pool_conv_commit(x, conv_pool, slots, window, last)
-    return out
+    return res
 
 
 def pool_conv_commit(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, window: torch.Tensor,
@@ -151,3 +157,17 @@ def pool_conv_commit(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tens
     win = window.gather(1, last[:, None, None].expand(bsz, 1, km1))[:, 0]           # [B, K-1]
     rows = torch.cat([win[:, 1:], (km1 + last)[:, None]], dim=1)
     conv_pool[slots] = buf.gather(1, rows[..., None].expand(-1, -1, c)).to(conv_pool.dtype)
+
+
+def pool_conv_commit_layers(xs: torch.Tensor, conv_pools: torch.Tensor, slots: torch.Tensor, window: torch.Tensor,
+                            last: torch.Tensor) -> None:
+    """:func:`pool_conv_commit` for every GDN layer of a verify step at once (one launch in the
+    Triton version).
+
+    Args:
+        xs: ``[L, B, W, C]`` the layers' pre-conv inputs (``pool_conv_silu(..., x_save=...)``).
+        conv_pools: ``[L, S, K-1, C]`` every layer's committed conv states (modified in place).
+        slots, window, last: as :func:`pool_conv_commit`.
+    """
+    for layer in range(xs.shape[0]):
+        pool_conv_commit(xs[layer], conv_pools[layer], slots, window, last)

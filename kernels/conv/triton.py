@@ -9,8 +9,8 @@ windows and the committed path's last nodes are read from tensors in the kernels
   ``r`` of the slot's committed conv state, a row ``r >= K - 1`` is node ``r - (K - 1)`` of the
   step's inputs. Nodes are independent, so a width-16 verify step or a 512-node prefill chunk is
   spread over many programs instead of one program walking the row's nodes in order.
-* :func:`pool_conv_commit` (``_conv_commit_kernel``): one program per (batch row, block of channels)
-  writes the row's new conv state: the window of the row's last accepted node without its oldest
+* :func:`pool_conv_commit` / :func:`pool_conv_commit_layers` (``_conv_commit_kernel``): one program
+  per (batch row, block of channels, layer) writes the row's new conv state: the window of the row's last accepted node without its oldest
   row, then that node's own input. All the rows it reads are loaded before any is stored (the
   rows read may be the rows written).
 * ``commit=True`` (a chain committed whole: ``W = 1`` decode steps, prefill chunks): when a row is
@@ -75,10 +75,11 @@ def _write_state(pool, xb, win_last, last, cols, cm, spr, sxw, KM1: tl.constexpr
 
 
 @triton.jit
-def _conv_kernel(x_ptr, pool_ptr, slots_ptr, win_ptr, w_ptr, out_ptr, W, C, sxb, sxw, sps, spr,
+def _conv_kernel(x_ptr, pool_ptr, slots_ptr, win_ptr, w_ptr, out_ptr, xs_ptr, W, C, sxb, sxw, sps, spr,
                  KM1: tl.constexpr, KP: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
-                 SILU: tl.constexpr, COMMIT: tl.constexpr):
-    """Grid ``(B, cdiv(W, BLOCK_W), cdiv(C, BLOCK_C))``. ``COMMIT`` only when ``W <= BLOCK_W``."""
+                 SILU: tl.constexpr, COMMIT: tl.constexpr, SAVE_X: tl.constexpr):
+    """Grid ``(B, cdiv(W, BLOCK_W), cdiv(C, BLOCK_C))``. ``COMMIT`` only when ``W <= BLOCK_W``;
+    ``SAVE_X``: the nodes' inputs are also copied to ``xs_ptr`` (``[B * W, C]`` contiguous)."""
     b = tl.program_id(0)
     nodes = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -97,6 +98,8 @@ def _conv_kernel(x_ptr, pool_ptr, slots_ptr, win_ptr, w_ptr, out_ptr, W, C, sxb,
         wt = tl.load(w_ptr + cols * (KM1 + 1) + t, mask=cm, other=0.0)
         acc += (v.to(tl.float32) * wt.to(tl.float32)[None, :]).to(xdt).to(tl.float32)
     xi = tl.load(xb + nodes[:, None] * sxw + cols[None, :], mask=m, other=0.0)
+    if SAVE_X:
+        tl.store(xs_ptr + flat[:, None] * C + cols[None, :], xi, mask=m)
     wt = tl.load(w_ptr + cols * (KM1 + 1) + KM1, mask=cm, other=0.0)
     acc += (xi.to(tl.float32) * wt.to(tl.float32)[None, :]).to(xdt).to(tl.float32)
     pre = acc.to(xdt).to(tl.float32)
@@ -109,11 +112,15 @@ def _conv_kernel(x_ptr, pool_ptr, slots_ptr, win_ptr, w_ptr, out_ptr, W, C, sxb,
 
 
 @triton.jit
-def _conv_commit_kernel(x_ptr, pool_ptr, slots_ptr, win_ptr, last_ptr, W, C, sxb, sxw, sps, spr,
+def _conv_commit_kernel(x_ptr, pool_ptr, slots_ptr, win_ptr, last_ptr, W, C, sxb, sxw, sps, spr, sxl, spl,
                    KM1: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr, HAS_LAST: tl.constexpr):
-    """Grid ``(B, cdiv(C, BLOCK_C))``; the last node is ``last_ptr[b]``, or ``W - 1`` without it."""
+    """Grid ``(B, cdiv(C, BLOCK_C), L)``; the last node is ``last_ptr[b]``, or ``W - 1`` without it;
+    layer ``l`` reads ``x_ptr + l * sxl`` and writes ``pool_ptr + l * spl``."""
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    layer = tl.program_id(2).to(tl.int64)
+    x_ptr += layer * sxl
+    pool_ptr += layer * spl
     cm = cols < C
     if HAS_LAST:
         last = tl.load(last_ptr + b).to(tl.int64)
@@ -141,14 +148,14 @@ def _commit(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, windo
     km1 = conv_pool.shape[1]
     if km1 == 0 or bsz == 0:
         return
-    _conv_commit_kernel[(bsz, triton.cdiv(c, BLOCK_C))](
+    _conv_commit_kernel[(bsz, triton.cdiv(c, BLOCK_C), 1)](
         x, conv_pool, slots, window, last if last is not None else slots, w, c, x.stride(0), x.stride(1),
-        conv_pool.stride(0), conv_pool.stride(1), KM1=km1, KP=max(2, triton.next_power_of_2(km1)),
+        conv_pool.stride(0), conv_pool.stride(1), 0, 0, KM1=km1, KP=max(2, triton.next_power_of_2(km1)),
         BLOCK_C=BLOCK_C, HAS_LAST=last is not None, num_warps=4)
 
 
 def _conv(x, conv_pool, slots, window, weight, commit: bool, silu: bool, block_w: int | None,
-          block_c: int | None) -> torch.Tensor:
+          block_c: int | None, out: torch.Tensor | None = None, x_save: torch.Tensor | None = None) -> torch.Tensor:
     _check(x, conv_pool, window, weight)
     bsz, w, c = x.shape
     km1 = conv_pool.shape[1]
@@ -156,14 +163,20 @@ def _conv(x, conv_pool, slots, window, weight, commit: bool, silu: bool, block_w
         raise ValueError(f"weight {tuple(weight.shape)} is not [C, K] = {(c, km1 + 1)}")
     bw = block_w or min(BLOCK_W, triton.next_power_of_2(max(w, 1)))
     bc = block_c or BLOCK_C
-    out = torch.empty(bsz, w, c, device=x.device, dtype=x.dtype)
+    for name, t in (("out", out), ("x_save", x_save)):
+        if t is not None and (tuple(t.shape) != (bsz, w, c) or t.dtype != x.dtype or not t.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous {x.dtype} [B, W, C] = {(bsz, w, c)}, got "
+                             f"{tuple(t.shape)} {t.dtype}")
+    if out is None:
+        out = torch.empty(bsz, w, c, device=x.device, dtype=x.dtype)
     if bsz == 0 or w == 0:
         return out
     fused = bool(commit) and w <= bw and km1 > 0
     _conv_kernel[(bsz, triton.cdiv(w, bw), triton.cdiv(c, bc))](
-        x, conv_pool, slots, window, weight, out, w, c, x.stride(0), x.stride(1), conv_pool.stride(0),
-        conv_pool.stride(1), KM1=km1, KP=max(2, triton.next_power_of_2(km1)), BLOCK_W=bw, BLOCK_C=bc,
-        SILU=silu, COMMIT=fused, num_warps=4, enable_fp_fusion=False)
+        x, conv_pool, slots, window, weight, out, x_save if x_save is not None else out, w, c, x.stride(0),
+        x.stride(1), conv_pool.stride(0), conv_pool.stride(1), KM1=km1, KP=max(2, triton.next_power_of_2(km1)),
+        BLOCK_W=bw, BLOCK_C=bc, SILU=silu, COMMIT=fused, SAVE_X=x_save is not None, num_warps=4,
+        enable_fp_fusion=False)
     if commit and not fused:
         _commit(x, conv_pool, slots, window, None)
     return out
@@ -179,7 +192,8 @@ def pool_conv_tree(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor
 
 def pool_conv_silu(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, window: torch.Tensor,
                    weight: torch.Tensor, commit: bool = False, block_w: int | None = None,
-                   block_c: int | None = None) -> torch.Tensor:
+                   block_c: int | None = None, out: torch.Tensor | None = None,
+                   x_save: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of ``kernels.conv.reference.pool_conv_silu``: conv + SiLU of every node and,
     with ``commit``, the rows' new conv states (fused into the same launch when a row is one node
     block, else a :func:`pool_conv_commit` launch after it; module docstring).
@@ -193,14 +207,17 @@ def pool_conv_silu(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor
             (:func:`kernels.conv.reference.conv_window_index`); weight: ``[C, K]`` contiguous.
         commit: each row is a chain committed whole (its last node is ``W - 1``).
         block_w, block_c: override the block shape (tests; the result does not depend on it).
+        out: optional ``[B, W, C]`` contiguous tensor of ``x``'s dtype to write the result into.
+        x_save: optional ``[B, W, C]`` contiguous tensor of ``x``'s dtype that receives a copy of
+            ``x`` (for :func:`pool_conv_commit_layers`).
 
     Returns:
-        ``[B, W, C]`` contiguous, in ``x``'s dtype.
+        ``[B, W, C]`` contiguous, in ``x``'s dtype (``out`` when given).
 
     Raises:
         ValueError: layouts or shapes the kernel cannot read.
     """
-    return _conv(x, conv_pool, slots, window, weight, commit, True, block_w, block_c)
+    return _conv(x, conv_pool, slots, window, weight, commit, True, block_w, block_c, out, x_save)
 
 
 def pool_conv_commit(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, window: torch.Tensor,
@@ -210,3 +227,25 @@ def pool_conv_commit(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tens
     (graph-safe). The rows are copied, so the new state equals the reference's bit for bit."""
     _check(x, conv_pool, window)
     _commit(x, conv_pool, slots, window, last.contiguous())
+
+
+def pool_conv_commit_layers(xs: torch.Tensor, conv_pools: torch.Tensor, slots: torch.Tensor, window: torch.Tensor,
+                            last: torch.Tensor) -> None:
+    """Triton version of ``kernels.conv.reference.pool_conv_commit_layers`` (same arguments): every
+    layer in one launch, grid ``(B, cdiv(C, BLOCK_C), L)``; bit for bit the reference's rows.
+
+    Raises:
+        ValueError: layouts the kernel cannot read, or layer counts that differ.
+    """
+    if xs.dim() != 4 or conv_pools.dim() != 4 or xs.shape[0] != conv_pools.shape[0]:
+        raise ValueError(f"xs [L, B, W, C] and conv_pools [L, S, K-1, C] disagree: {tuple(xs.shape)}, "
+                         f"{tuple(conv_pools.shape)}")
+    _check(xs[0], conv_pools[0], window)
+    nl, bsz, w, c = xs.shape
+    km1 = conv_pools.shape[2]
+    if km1 == 0 or bsz == 0 or nl == 0:
+        return
+    _conv_commit_kernel[(bsz, triton.cdiv(c, BLOCK_C), nl)](
+        xs, conv_pools, slots, window, last.contiguous(), w, c, xs.stride(1), xs.stride(2),
+        conv_pools.stride(1), conv_pools.stride(2), xs.stride(0), conv_pools.stride(0), KM1=km1,
+        KP=max(2, triton.next_power_of_2(km1)), BLOCK_C=BLOCK_C, HAS_LAST=True, num_warps=4)

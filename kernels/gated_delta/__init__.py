@@ -23,15 +23,22 @@ def _impl(t):
     return reference
 
 
-def pool_gdn_tree(conv_out, a, b, A, dt_bias, state_pool, slots, parents, ancestors, commit, key_heads, head_k_dim):
+def pool_gdn_tree(conv_out, a, b, A, dt_bias, state_pool, slots, parents, ancestors, commit, key_heads, head_k_dim,
+                  gates_out=None):
     """:func:`kernels.gated_delta.reference.pool_gdn_tree`, by its Triton version on CUDA."""
     return _impl(conv_out).pool_gdn_tree(conv_out, a, b, A, dt_bias, state_pool, slots, parents, ancestors, commit,
-                                         key_heads, head_k_dim)
+                                         key_heads, head_k_dim, gates_out)
 
 
 def pool_gdn_commit(state_pool, slots, conv_out, a, b, A, dt_bias, path, n_accept, key_heads, head_k_dim):
     """:func:`kernels.gated_delta.reference.pool_gdn_commit`, by its Triton version on CUDA."""
     return _impl(conv_out).pool_gdn_commit(state_pool, slots, conv_out, a, b, A, dt_bias, path, n_accept, key_heads, head_k_dim)
+
+
+def pool_gdn_commit_layers(state_pools, slots, conv_outs, gates, path, n_accept, key_heads, head_k_dim):
+    """:func:`kernels.gated_delta.reference.pool_gdn_commit_layers`, by its Triton version on CUDA."""
+    return _impl(conv_outs).pool_gdn_commit_layers(state_pools, slots, conv_outs, gates, path, n_accept, key_heads,
+                                                   head_k_dim)
 
 
 __all__ = [
@@ -41,6 +48,7 @@ __all__ = [
     "gdn_update",
     "l2norm",
     "pool_gdn_commit",
+    "pool_gdn_commit_layers",
     "pool_gdn_tree",
     "recurrent_gated_delta_rule",
     "tree_gated_delta_rule",

@@ -135,7 +135,8 @@ def gdn_qkv(conv_out: torch.Tensor, key_heads: int, head_k_dim: int) -> tuple[to
 
 
 def pool_gdn_tree(conv_out, a, b, A, dt_bias, state_pool: torch.Tensor, slots: torch.Tensor, parents: torch.Tensor,
-                  ancestors: torch.Tensor | None, commit: bool, key_heads: int, head_k_dim: int) -> torch.Tensor:
+                  ancestors: torch.Tensor | None, commit: bool, key_heads: int, head_k_dim: int,
+                  gates_out: torch.Tensor | None = None) -> torch.Tensor:
     """Gated delta rule over a batch of token trees, from pooled committed states, starting from a
     layer's raw inputs.
 
@@ -154,12 +155,16 @@ def pool_gdn_tree(conv_out, a, b, A, dt_bias, state_pool: torch.Tensor, slots: t
         slots: ``[B]`` int64; parents: ``[B, W]`` int64 (topological: ``parents[b, i] < i``).
         ancestors: ``[B, W]`` int64 bit masks (unused here; the Triton version walks them).
         commit: see above. key_heads, head_k_dim: ``Hk``, ``Dk``.
+        gates_out: optional ``[B, W, HV, 2]`` float32, receives each node's ``(g, beta)`` (for
+            :func:`pool_gdn_commit_layers`).
 
     Returns:
         ``[B, W, HV, Dv]`` float32 outputs ``S_i^T q_i``.
     """
     q, k, v = gdn_qkv(conv_out, key_heads, head_k_dim)
     g, beta = gdn_gates(a, b, A, dt_bias)
+    if gates_out is not None:
+        gates_out.copy_(torch.stack([g, beta], dim=-1))
     bsz, w, hk, _ = q.shape
     hv = v.shape[2]
     reps = hv // hk
@@ -199,3 +204,31 @@ def pool_gdn_commit(state_pool: torch.Tensor, slots: torch.Tensor, conv_out, a, 
             j = int(path[r, d])
             state = gdn_update(state, k[r, j].repeat(reps, 1), v[r, j], g[r, j], beta[r, j])
         state_pool[s] = state
+
+
+def pool_gdn_commit_layers(state_pools: torch.Tensor, slots: torch.Tensor, conv_outs: torch.Tensor, gates: torch.Tensor,
+                           path: torch.Tensor, n_accept: torch.Tensor, key_heads: int, head_k_dim: int) -> None:
+    """:func:`pool_gdn_commit` for every GDN layer of a verify step at once, from the layers'
+    stacked conv outputs and the gates their tree forward stored (``pool_gdn_tree(...,
+    gates_out=...)``), so the Triton version is one launch for all layers
+    (docs/ARCHITECTURE.md, "State and rollback").
+
+    Args:
+        state_pools: ``[L, S, HV, Dk, Dv]`` float32, every GDN layer's pool (modified in place).
+        slots: ``[B]`` int64.
+        conv_outs: ``[L, B, W, C]`` the layers' activated conv outputs.
+        gates: ``[L, B, W, HV, 2]`` float32 ``(g, beta)`` per node (:func:`gdn_gates`).
+        path, n_accept: as :func:`pool_gdn_commit`. key_heads, head_k_dim: ``Hk``, ``Dk``.
+    """
+    for layer in range(conv_outs.shape[0]):
+        _, k, v = gdn_qkv(conv_outs[layer], key_heads, head_k_dim)
+        g, beta = gates[layer, ..., 0], gates[layer, ..., 1]
+        reps = v.shape[2] // k.shape[2]
+        pool = state_pools[layer]
+        for r in range(slots.shape[0]):
+            s = int(slots[r])
+            state = pool[s]
+            for d in range(int(n_accept[r])):
+                j = int(path[r, d])
+                state = gdn_update(state, k[r, j].repeat(reps, 1), v[r, j], g[r, j], beta[r, j])
+            pool[s] = state

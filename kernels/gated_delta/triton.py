@@ -15,6 +15,10 @@ layers' causal conv is ``kernels.conv``.
   shallow siblings of a DDTree.
 * :func:`pool_gdn_commit`: the same programs replay the accepted path from the committed state
   and write the state once.
+* :func:`pool_gdn_commit_layers`: the commit of every GDN layer of a verify step in one launch
+  (grid ``(B, HV, layers x Dv / BV)``), from the layer-stacked conv outputs and the gates the tree
+  forward stored (``pool_gdn_tree(..., gates_out=...)``): a 9B-shaped target's 24 commits were 24
+  launches of 128 programs each, too few to fill the GPU.
 
 Reductions run in another order than the reference's, so results agree to float32 rounding, not
 bit for bit.
@@ -42,21 +46,29 @@ def _l2(x):
 
 
 @triton.jit
-def _update(S, x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, node, h, kh, C, sab, HKDK, dk, dv, DK: tl.constexpr):
-    """State after node ``node``: decay, delta-rule correction, rank-1 update."""
+def _update(S, x_ptr, node, kh, C, HKDK, dk, dv, gj, bj, DK: tl.constexpr):
+    """State after node ``node`` with its gates ``(gj, bj)``: decay, delta-rule correction, rank-1
+    update."""
     row = x_ptr + node * C
     kj = _l2(tl.load(row + HKDK + kh * DK + dk).to(tl.float32))
     vj = tl.load(row + 2 * HKDK + dv).to(tl.float32)
-    gj, bj = _gates(a_ptr, b_ptr, A_ptr, dtb_ptr, node, h, sab)
     S = S * tl.exp(gj)
     u = (vj - tl.sum(S * kj[:, None], 0)) * bj
     return S + kj[:, None] * u[None, :]
 
 
 @triton.jit
-def _tree_kernel(x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, state_ptr, slots_ptr, parents_ptr, anc_ptr, o_ptr,
+def _update_raw(S, x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, node, h, kh, C, sab, HKDK, dk, dv, DK: tl.constexpr):
+    """:func:`_update` with the gates computed from the raw projections."""
+    gj, bj = _gates(a_ptr, b_ptr, A_ptr, dtb_ptr, node, h, sab)
+    return _update(S, x_ptr, node, kh, C, HKDK, dk, dv, gj, bj, DK)
+
+
+@triton.jit
+def _tree_kernel(x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, state_ptr, slots_ptr, parents_ptr, anc_ptr, o_ptr, g_out_ptr,
                  W, HK, HV, C, sab, q_scale,
-                 DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, COMMIT: tl.constexpr):
+                 DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, COMMIT: tl.constexpr,
+                 GATES_OUT: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -78,8 +90,14 @@ def _tree_kernel(x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, state_ptr, slots_ptr, pare
                 bits = tl.load(anc_ptr + b * W + p)
                 for j in range(0, p + 1):
                     if ((bits >> j) & 1) != 0:
-                        S = _update(S, x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, b * W + j, h, kh, C, sab, HKDK, dk, dv, DK)
-        S = _update(S, x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, node, h, kh, C, sab, HKDK, dk, dv, DK)
+                        S = _update_raw(S, x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, b * W + j, h, kh, C, sab, HKDK, dk,
+                                        dv, DK)
+        gi, bi = _gates(a_ptr, b_ptr, A_ptr, dtb_ptr, node, h, sab)
+        if GATES_OUT:
+            if vb == 0:
+                tl.store(g_out_ptr + (node * HV + h) * 2, gi)
+                tl.store(g_out_ptr + (node * HV + h) * 2 + 1, bi)
+        S = _update(S, x_ptr, node, kh, C, HKDK, dk, dv, gi, bi, DK)
         qi = _l2(tl.load(x_ptr + node * C + kh * DK + dk).to(tl.float32)) * q_scale
         tl.store(o_ptr + (node * HV + h) * DV + cols, tl.sum(S * qi[:, None], 0))
     if COMMIT:
@@ -104,7 +122,38 @@ def _commit_kernel(x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, state_ptr, slots_ptr, pa
     n = tl.load(n_ptr + b)
     for d in range(n):
         node = b * W + tl.load(path_ptr + b * W + d)
-        S = _update(S, x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, node, h, kh, C, sab, HKDK, dk, dv, DK)
+        S = _update_raw(S, x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, node, h, kh, C, sab, HKDK, dk, dv, DK)
+    tl.store(state_ptr + s_off + dk[:, None] * DV + cols[None, :], S)
+
+
+@triton.jit
+def _commit_layers_kernel(x_ptr, g_ptr, state_ptr, slots_ptr, path_ptr, n_ptr,
+                          W, HK, HV, C, NVB, sxl, sgl, ssl,
+                          DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    """Grid ``(B, HV, L * NVB)``: program ``(b, h, l * NVB + vb)`` commits layer ``l``'s columns
+    ``[vb * BV, (vb + 1) * BV)`` of value head ``h`` of row ``b``, with the gates the tree forward
+    stored (``g_ptr``: ``[L, B * W, HV, 2]`` float32)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    lv = tl.program_id(2)
+    layer = (lv // NVB).to(tl.int64)
+    vb = lv % NVB
+    kh = h % HK
+    HKDK = HK * DK
+    dk = tl.arange(0, DK)
+    cols = vb * BV + tl.arange(0, BV)
+    dv = h * DV + cols
+    x_l = x_ptr + layer * sxl
+    g_l = g_ptr + layer * sgl
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    s_off = layer * ssl + (slot * HV + h) * DK * DV
+    S = tl.load(state_ptr + s_off + dk[:, None] * DV + cols[None, :])
+    n = tl.load(n_ptr + b)
+    for d in range(n):
+        node = b * W + tl.load(path_ptr + b * W + d)
+        gj = tl.load(g_l + (node * HV + h) * 2)
+        bj = tl.load(g_l + (node * HV + h) * 2 + 1)
+        S = _update(S, x_l, node, kh, C, HKDK, dk, dv, gj, bj, DK)
     tl.store(state_ptr + s_off + dk[:, None] * DV + cols[None, :], S)
 
 
@@ -126,14 +175,16 @@ def _layout(conv_out, a, b, state_pool, head_k_dim):
 
 
 def pool_gdn_tree(conv_out, a, b, A, dt_bias, state_pool: torch.Tensor, slots: torch.Tensor, parents: torch.Tensor,
-                  ancestors: torch.Tensor | None, commit: bool, key_heads: int, head_k_dim: int) -> torch.Tensor:
+                  ancestors: torch.Tensor | None, commit: bool, key_heads: int, head_k_dim: int,
+                  gates_out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of ``kernels.gated_delta.reference.pool_gdn_tree`` (same arguments and
     result). ``ancestors`` is required unless ``commit`` (chains never restart); ``a`` and ``b``
-    may be column slices of one projection (same strides).
+    may be column slices of one projection (same strides). ``gates_out`` (``[B, W, HV, 2]``
+    float32, contiguous) receives each node's ``(g, beta)`` as the kernel computed them.
 
     Raises:
         ValueError: a state pool that is not contiguous float32, head dims that are not powers of
-            two, or a tree without ``ancestors``.
+            two, a tree without ``ancestors``, or a ``gates_out`` of another shape or layout.
     """
     conv_out, a, b = _layout(conv_out, a, b, state_pool, head_k_dim)
     if not commit and ancestors is None:
@@ -144,10 +195,20 @@ def pool_gdn_tree(conv_out, a, b, A, dt_bias, state_pool: torch.Tensor, slots: t
     out = torch.empty(bsz, w, hv, dv, device=conv_out.device, dtype=torch.float32)
     parents, slots = parents.contiguous(), slots.contiguous()
     anc = ancestors.contiguous() if ancestors is not None else parents
+    if gates_out is not None:
+        _check_gates(gates_out, bsz, w, hv)
     _tree_kernel[(bsz, hv, dv // bv)](conv_out, a, b, A, dt_bias, state_pool, slots, parents, anc, out,
+                                       gates_out if gates_out is not None else out,
                                        w, key_heads, hv, c, a.stride(1), dk ** -0.5,
-                                       DK=dk, DV=dv, BV=bv, COMMIT=bool(commit), num_warps=4)
+                                       DK=dk, DV=dv, BV=bv, COMMIT=bool(commit), GATES_OUT=gates_out is not None,
+                                       num_warps=4)
     return out
+
+
+def _check_gates(g: torch.Tensor, bsz: int, w: int, hv: int) -> None:
+    if g.dtype != torch.float32 or not g.is_contiguous() or tuple(g.shape[-4:]) != (bsz, w, hv, 2):
+        raise ValueError(f"gates must be contiguous float32 [..., B, W, HV, 2] = [..., {bsz}, {w}, {hv}, 2], "
+                         f"got {tuple(g.shape)} {g.dtype}")
 
 
 def pool_gdn_commit(state_pool: torch.Tensor, slots: torch.Tensor, conv_out, a, b, A, dt_bias, path: torch.Tensor,
@@ -160,3 +221,33 @@ def pool_gdn_commit(state_pool: torch.Tensor, slots: torch.Tensor, conv_out, a, 
     bv = _block_v(dv)
     _commit_kernel[(bsz, hv, dv // bv)](conv_out, a, b, A, dt_bias, state_pool, slots, path, n_accept,
                                          w, key_heads, hv, c, a.stride(1), DK=dk, DV=dv, BV=bv, num_warps=4)
+
+
+def pool_gdn_commit_layers(state_pools: torch.Tensor, slots: torch.Tensor, conv_outs: torch.Tensor, gates: torch.Tensor,
+                           path: torch.Tensor, n_accept: torch.Tensor, key_heads: int, head_k_dim: int) -> None:
+    """Triton version of ``kernels.gated_delta.reference.pool_gdn_commit_layers`` (same arguments):
+    every layer's commit in one launch, grid ``(B, HV, L x Dv / BV)``.
+
+    Raises:
+        ValueError: layouts the kernel cannot read (non-contiguous pools or inputs, gates not
+            ``[L, B, W, HV, 2]`` float32).
+    """
+    if state_pools.dtype != torch.float32 or not state_pools.is_contiguous():
+        raise ValueError("state_pools must be contiguous float32")
+    if not conv_outs.is_contiguous():
+        raise ValueError("conv_outs must be contiguous")
+    nl, bsz, w, c = conv_outs.shape
+    hv, dk, dv = state_pools.shape[2], state_pools.shape[3], state_pools.shape[4]
+    if head_k_dim & (head_k_dim - 1) or dv & (dv - 1):
+        raise ValueError("head dims must be powers of two")
+    _check_gates(gates, bsz, w, hv)
+    if state_pools.shape[0] != nl or gates.shape[0] != nl:
+        raise ValueError(f"layer counts differ: state {state_pools.shape[0]}, conv {nl}, gates {gates.shape[0]}")
+    if bsz == 0 or nl == 0:
+        return
+    path, n_accept = path.contiguous(), n_accept.contiguous()
+    bv = _block_v(dv)
+    nvb = dv // bv
+    _commit_layers_kernel[(bsz, hv, nl * nvb)](conv_outs, gates, state_pools, slots, path, n_accept,
+                                               w, key_heads, hv, c, nvb, conv_outs.stride(0), gates.stride(0),
+                                               state_pools.stride(0), DK=dk, DV=dv, BV=bv, num_warps=4)

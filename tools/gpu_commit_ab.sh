@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Issue 18 goal 3 on the GPU machine: the verify step and its commit on a 9B-shaped Qwen3.5, this
+# tree against an older commit (`.stage/base.tgz`: `git archive` of its code), back-to-back calls:
+#
+#   bash tools/gpu_commit_ab.sh prep     # wheels, the synthetic 9B (bf16; tokenizer from .stage/tok.gguf,
+#                                        # tools/tokenizer_gguf.py) in the background, GPU tests of the
+#                                        # GDN / conv kernels and the hybrid engine -> $OUT/gpu-tests.txt
+#   bash tools/gpu_commit_ab.sh ab       # tools/verify_commit_bench.py: after, before, after, before
+#                                        # (REPS each, default 3) -> $OUT/{after,before}-N.{txt,json}
+#
+# Carry: .whl (gguf wheel at least), .stage/base.tgz, .stage/tok.gguf. The machine keeps /tmp while warm.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; M=/tmp/models; mkdir -p "$M" "$OUT"
+export PYTHONPATH=/tmp/site:$PWD:$PWD/proto PYTHONUNBUFFERED=1
+[ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+  .whl/*.whl || exit 1
+F=$M/q35-9b-bf16.gguf
+case "${1:-}" in
+  prep)
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/device.txt"
+    cp .stage/tok.gguf $M/tok.gguf
+    if [ ! -e /tmp/synth.started ]; then
+      touch /tmp/synth.started
+      setsid nohup bash -c "python3 -m fixtures.synth --arch qwen35 --preset 9b --dtype bf16 --vocab-size 0 \
+        --vocab-from $M/tok.gguf --out $F.part --no-progress --threads 16 > /tmp/synth.log 2>&1 && mv $F.part $F" \
+        > /dev/null 2>&1 < /dev/null &
+    fi
+    timeout 480 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_conv_kernels.py \
+      tests/test_batched_engine_gpu.py -k "gated_delta or gdn or conv or qwen35_streams or reused_slot" \
+      > "$OUT/gpu-tests.txt" 2>&1
+    tail -3 "$OUT/gpu-tests.txt"; cat /tmp/synth.log; ls -la $M
+    ;;
+  ab)
+    for i in $(seq 1 60); do [ -e $F ] && break; sleep 5; done
+    [ -e $F ] || { echo "no $F"; cat /tmp/synth.log; exit 1; }
+    rm -rf /tmp/base && mkdir -p /tmp/base && tar -xzf .stage/base.tgz -C /tmp/base
+    cp tools/verify_commit_bench.py /tmp/base/tools/
+    for n in 1 2; do
+      python3 tools/verify_commit_bench.py --model $F --reps "${REPS:-3}" --label "after-$n" \
+        --json "$OUT/after-$n.json" > "$OUT/after-$n.txt" 2>&1; tail -6 "$OUT/after-$n.txt"
+      (cd /tmp/base && PYTHONPATH=/tmp/site:$PWD:$PWD/proto python3 tools/verify_commit_bench.py --model $F \
+        --reps "${REPS:-3}" --label "before-$n" --json "$OUT/before-$n.json" > "$OUT/before-$n.txt" 2>&1)
+      tail -6 "$OUT/before-$n.txt"
+    done
+    ;;
+  *) echo "usage: $0 prep|ab" >&2; exit 2 ;;
+esac
