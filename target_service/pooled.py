@@ -176,6 +176,9 @@ class PoolBackend:
         #: is one launch for all layers: pre-conv inputs and conv outputs ``[L, B, W, C]``, gates
         #: ``[L, B, W, HV, 2]`` float32 (allocated at the first GDN layer)
         self.stack: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        #: per node the bit mask of its leaf children (the Triton tree walk's order; computed once
+        #: per step with the stack)
+        self.leaf_kids: torch.Tensor | None = None
         self.b, self.w = st.tokens.shape
 
     def attend(self, layer: int, q, k, v, scale: float, cos, sin) -> torch.Tensor:
@@ -208,10 +211,11 @@ class PoolBackend:
             self.stack = (torch.empty((n, *x.shape), device=x.device, dtype=x.dtype),
                           torch.empty((n, *x.shape), device=x.device, dtype=x.dtype),
                           torch.empty((n, *bw, pool.recurrent.shape[2], 2), device=x.device, dtype=torch.float32))
+            self.leaf_kids = gdn_ops.leaf_children(st.parents)
         xs, cs, gs = self.stack
         conv_out = conv_ops.pool_conv_silu(x, pool.conv[j], st.slots, st.window, lw["conv"], out=cs[j], x_save=xs[j])
         o = gdn_ops.pool_gdn_tree(conv_out, a3, b3, lw["a"], lw["dt_bias"], pool.recurrent[j], st.slots, st.parents,
-                                  st.ancestors, False, key_heads, head_k_dim, gates_out=gs[j])
+                                  st.ancestors, False, key_heads, head_k_dim, gates_out=gs[j], leaf_kids=self.leaf_kids)
         self.saved[layer] = (key_heads, head_k_dim)
         return o.reshape(self.b * self.w, *o.shape[2:])
 

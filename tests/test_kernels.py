@@ -209,6 +209,68 @@ def test_gated_delta_kernels(dtype, b, w, hk, hv, dk):
     assert rel(st, sr) < 1e-5
 
 
+def _anc_bits(parents: list[int]) -> list[int]:
+    bits: list[int] = []
+    for i, p in enumerate(parents):
+        bits.append((1 << i) | (bits[p] if p >= 0 else 0))
+    return [x - (1 << 64) if x >= 1 << 63 else x for x in bits]
+
+
+@pytest.mark.parametrize("shape", ["ddtree", "branches", "random", "chain", "wide64"])
+def test_gdn_tree_walks_same_bits(shape, monkeypatch):
+    """The tree walk that computes leaf children from a copy of their parent's state and continues
+    from an ancestor (``TREE_WALK = "leaves"``) gives exactly the outputs and gates of the walk that
+    replays every restart from the committed state, on trees that exercise each case: a chain with a
+    leaf off every node (bench.gpu's shape), side branches with children (continue from an
+    ancestor, and restarts), random trees with padding, and a plain chain; and matches the reference
+    to float32 rounding."""
+    from kernels.gated_delta import reference as R
+    from kernels.gated_delta import triton as T
+
+    w = 16 if DEV == "cuda" else 12
+    if shape == "wide64":                                  # node 63 (the sign bit) a leaf child
+        w = 64
+        par = [[-1] + list(range(31)) + [d % 32 for d in range(32)]]
+    elif shape == "ddtree":
+        half = w // 2
+        par = [[-1] + list(range(half - 1)) + [d % half for d in range(w - half)]]
+    elif shape == "branches":
+        par = [[-1, 0, 1, 0, 3, 2, 4, 3, 7, 5, 0, 10][:w] + list(range(11, w - 1))]
+    elif shape == "chain":
+        par = [[-1] + list(range(w - 1))]
+    else:
+        gen0 = torch.Generator().manual_seed(3)
+        p, _ = rand_tree(gen0, 2, w, pad=0.2)
+        par = p.cpu().tolist()
+    b, hk, hv, dk, s = len(par), 1, 2, 16, 4
+    gen = torch.Generator().manual_seed(11 + w)
+    c = 2 * hk * dk + hv * dk
+    conv = torch.randn(b, w, c, generator=gen).to(DEV)
+    a, bb = torch.randn(b, w, hv, generator=gen).to(DEV), torch.randn(b, w, hv, generator=gen).to(DEV)
+    A, dtb = (-2 * torch.rand(hv, generator=gen)).to(DEV), torch.randn(hv, generator=gen).to(DEV)
+    state = (torch.randn(s, hv, dk, dk, generator=gen) * 0.1).to(DEV)
+    slots = torch.arange(b, device=DEV)
+    parents = torch.tensor(par, device=DEV)
+    anc = torch.tensor([_anc_bits(r) for r in par], device=DEV)
+    outs = {}
+    for walk in ("replay", "leaves"):
+        monkeypatch.setattr(T, "TREE_WALK", walk)
+        g = torch.empty(b, w, hv, 2, device=DEV)
+        st = state.clone()
+        outs[walk] = (T.pool_gdn_tree(conv, a, bb, A, dtb, st, slots, parents, anc, False, hk, dk, gates_out=g), g)
+        assert torch.equal(st, state)
+    assert torch.equal(outs["leaves"][0], outs["replay"][0]) and torch.equal(outs["leaves"][1], outs["replay"][1])
+    kids_t = T.leaf_children(parents)
+    assert torch.equal(kids_t, T.leaf_children_reference(parents))
+    kids = kids_t.cpu().tolist()
+    for r, prow in enumerate(par):
+        leaves = {j for j in range(w) if j not in prow}
+        want = [sum(1 << j for j in range(w) if prow[j] == i and j in leaves) for i in range(w)]
+        assert [k % (1 << 64) for k in kids[r]] == want
+    ref = R.pool_gdn_tree(conv, a, bb, A, dtb, state.clone(), slots, parents, anc, False, hk, dk)
+    assert rel(outs["leaves"][0], ref) < 1e-5
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gdn_commit_layers(dtype):
     """The commit of several GDN layers in one launch, from the gates the tree forward stored

@@ -5,8 +5,10 @@
 #   bash tools/gpu_commit_ab.sh prep     # wheels, the synthetic 9B (bf16; tokenizer from .stage/tok.gguf,
 #                                        # tools/tokenizer_gguf.py) in the background, GPU tests of the
 #                                        # GDN / conv kernels and the hybrid engine -> $OUT/gpu-tests.txt
-#   bash tools/gpu_commit_ab.sh ab       # tools/verify_commit_bench.py: after, before, after, before
-#                                        # (REPS each, default 3) -> $OUT/{after,before}-N.{txt,json}
+#   bash tools/gpu_commit_ab.sh ab       # tools/verify_commit_bench.py, twice in turn: after, after with
+#                                        # DFLASH_GDN_TREE_WALK=replay, before (REPS each, default 3)
+#                                        # -> $OUT/{after,replay,before}-N.{txt,json}
+#   bash tools/gpu_commit_ab.sh all      # prep, then ab (one call)
 #
 # Carry: .whl (gguf wheel at least), .stage/base.tgz, .stage/tok.gguf. The machine keeps /tmp while warm.
 set -uo pipefail
@@ -16,8 +18,7 @@ export PYTHONPATH=/tmp/site:$PWD:$PWD/proto PYTHONUNBUFFERED=1
 [ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
   .whl/*.whl || exit 1
 F=$M/q35-9b-bf16.gguf
-case "${1:-}" in
-  prep)
+prep() {
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/device.txt"
     cp .stage/tok.gguf $M/tok.gguf
     if [ ! -e /tmp/synth.started ]; then
@@ -27,11 +28,11 @@ case "${1:-}" in
         > /dev/null 2>&1 < /dev/null &
     fi
     timeout 480 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_conv_kernels.py \
-      tests/test_batched_engine_gpu.py -k "gated_delta or gdn or conv or qwen35_streams or reused_slot" \
+      tests/test_batched_engine_gpu.py -k "gated_delta or gdn or conv or qwen35_streams or reused_slot or walks" \
       > "$OUT/gpu-tests.txt" 2>&1
     tail -3 "$OUT/gpu-tests.txt"; cat /tmp/synth.log; ls -la $M
-    ;;
-  ab)
+}
+ab() {
     for i in $(seq 1 60); do [ -e $F ] && break; sleep 5; done
     [ -e $F ] || { echo "no $F"; cat /tmp/synth.log; exit 1; }
     rm -rf /tmp/base && mkdir -p /tmp/base && tar -xzf .stage/base.tgz -C /tmp/base
@@ -39,10 +40,19 @@ case "${1:-}" in
     for n in 1 2; do
       python3 tools/verify_commit_bench.py --model $F --reps "${REPS:-3}" --label "after-$n" \
         --json "$OUT/after-$n.json" > "$OUT/after-$n.txt" 2>&1; tail -6 "$OUT/after-$n.txt"
+      DFLASH_GDN_TREE_WALK=replay python3 tools/verify_commit_bench.py --model $F --reps "${REPS:-3}" \
+        --label "replay-$n" --json "$OUT/replay-$n.json" > "$OUT/replay-$n.txt" 2>&1; tail -6 "$OUT/replay-$n.txt"
       (cd /tmp/base && PYTHONPATH=/tmp/site:$PWD:$PWD/proto python3 tools/verify_commit_bench.py --model $F \
         --reps "${REPS:-3}" --label "before-$n" --json "$OUT/before-$n.json" > "$OUT/before-$n.txt" 2>&1)
       tail -6 "$OUT/before-$n.txt"
     done
-    ;;
-  *) echo "usage: $0 prep|ab" >&2; exit 2 ;;
+}
+# everything in one archive (the device tool returns only so many files)
+pack() { (cd "$OUT" && tar czf commit-ab.tgz --exclude commit-ab.tgz ./*.txt ./*.json 2>/dev/null && rm -f ./*.json ./replay-*.txt ./before-*.txt); }
+trap pack EXIT
+case "${1:-}" in
+  prep) prep ;;
+  ab) ab ;;
+  all) prep; ab ;;
+  *) echo "usage: $0 prep|ab|all" >&2; exit 2 ;;
 esac

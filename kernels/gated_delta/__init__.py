@@ -24,10 +24,21 @@ def _impl(t):
 
 
 def pool_gdn_tree(conv_out, a, b, A, dt_bias, state_pool, slots, parents, ancestors, commit, key_heads, head_k_dim,
-                  gates_out=None):
+                  gates_out=None, leaf_kids=None):
     """:func:`kernels.gated_delta.reference.pool_gdn_tree`, by its Triton version on CUDA."""
     return _impl(conv_out).pool_gdn_tree(conv_out, a, b, A, dt_bias, state_pool, slots, parents, ancestors, commit,
-                                         key_heads, head_k_dim, gates_out)
+                                         key_heads, head_k_dim, gates_out, leaf_kids)
+
+
+def leaf_children(parents):
+    """Per node of ``[B, W]`` trees the bit mask of its leaf children (``int64 [B, W]``), which
+    the Triton tree walk reads (``kernels.gated_delta.triton.leaf_children``); ``None`` where the
+    reference runs (it does not use it)."""
+    if not use_triton(parents):
+        return None
+    from kernels.gated_delta import triton as tri
+
+    return tri.leaf_children(parents)
 
 
 def pool_gdn_commit(state_pool, slots, conv_out, a, b, A, dt_bias, path, n_accept, key_heads, head_k_dim):
@@ -47,6 +58,7 @@ __all__ = [
     "gdn_step",
     "gdn_update",
     "l2norm",
+    "leaf_children",
     "pool_gdn_commit",
     "pool_gdn_commit_layers",
     "pool_gdn_tree",

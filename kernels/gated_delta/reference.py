@@ -136,7 +136,7 @@ def gdn_qkv(conv_out: torch.Tensor, key_heads: int, head_k_dim: int) -> tuple[to
 
 def pool_gdn_tree(conv_out, a, b, A, dt_bias, state_pool: torch.Tensor, slots: torch.Tensor, parents: torch.Tensor,
                   ancestors: torch.Tensor | None, commit: bool, key_heads: int, head_k_dim: int,
-                  gates_out: torch.Tensor | None = None) -> torch.Tensor:
+                  gates_out: torch.Tensor | None = None, leaf_kids: torch.Tensor | None = None) -> torch.Tensor:
     """Gated delta rule over a batch of token trees, from pooled committed states, starting from a
     layer's raw inputs.
 
@@ -157,6 +157,8 @@ def pool_gdn_tree(conv_out, a, b, A, dt_bias, state_pool: torch.Tensor, slots: t
         commit: see above. key_heads, head_k_dim: ``Hk``, ``Dk``.
         gates_out: optional ``[B, W, HV, 2]`` float32, receives each node's ``(g, beta)`` (for
             :func:`pool_gdn_commit_layers`).
+        leaf_kids: the Triton version's walk order hint (``kernels.gated_delta.triton.leaf_children``;
+            unused here).
 
     Returns:
         ``[B, W, HV, Dv]`` float32 outputs ``S_i^T q_i``.

@@ -13,6 +13,14 @@ layers' causal conv is ``kernels.conv``.
   so a verify step keeps only the layer's raw inputs for the commit (docs/ARCHITECTURE.md,
   "State and rollback"); the cost is the replayed updates, zero for a chain and small for the
   shallow siblings of a DDTree.
+* Trees walk as ``_tree_walk_kernel`` does: a node whose parent is not the node whose state the
+  program holds continues from that state when it is an ancestor of the parent (replaying only the
+  nodes between them), else restarts from the committed state; and right after a node, each of its
+  *leaf* children is computed from a copy of its state, so the siblings a DDTree hangs off its
+  main chain cost one update each instead of a replay of their ancestry (a 16-node tree of a chain
+  of 8 with a leaf off each chain node: 16 updates instead of 52). Every node's state is still
+  reached by the same updates in the same order, so its output has the same bits whatever the
+  walk (``TREE_WALK`` = ``replay`` keeps the first kernel's walk for A/B runs).
 * :func:`pool_gdn_commit`: the same programs replay the accepted path from the committed state
   and write the state once.
 * :func:`pool_gdn_commit_layers`: the commit of every GDN layer of a verify step in one launch
@@ -26,9 +34,16 @@ bit for bit.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+#: how a tree (not a committed chain) is walked: ``leaves`` (``_tree_walk_kernel``) or ``replay``
+#: (``_tree_kernel``, every restart replays from the committed state); ``DFLASH_GDN_TREE_WALK``
+#: overrides it (A/B runs). Both give the same bits.
+TREE_WALK = os.environ.get("DFLASH_GDN_TREE_WALK", "leaves")
 
 
 @triton.jit
@@ -105,6 +120,93 @@ def _tree_kernel(x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, state_ptr, slots_ptr, pare
 
 
 @triton.jit
+def _node_out(S, x_ptr, o_ptr, node, h, kh, HV, C, dk, cols, q_scale, DK: tl.constexpr, DV: tl.constexpr):
+    """Store node ``node``'s output ``S^T q`` (``q`` L2-normalised and scaled)."""
+    qi = _l2(tl.load(x_ptr + node * C + kh * DK + dk).to(tl.float32)) * q_scale
+    tl.store(o_ptr + (node * HV + h) * DV + cols, tl.sum(S * qi[:, None], 0))
+
+
+@triton.jit
+def _node_update(S, x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, g_out_ptr, node, h, kh, HV, C, sab, HKDK, dk, dv, vb,
+                 DK: tl.constexpr, GATES_OUT: tl.constexpr):
+    """:func:`_update_raw` of a node visited for its own output, storing its gates when asked."""
+    gi, bi = _gates(a_ptr, b_ptr, A_ptr, dtb_ptr, node, h, sab)
+    if GATES_OUT:
+        if vb == 0:
+            tl.store(g_out_ptr + (node * HV + h) * 2, gi)
+            tl.store(g_out_ptr + (node * HV + h) * 2 + 1, bi)
+    return _update(S, x_ptr, node, kh, C, HKDK, dk, dv, gi, bi, DK)
+
+
+@triton.jit
+def _bit_index(low):
+    """Index of the one set bit of the int64 ``low`` (a power of two, or ``-2**63`` for bit 63):
+    the exponent of its exact float32 value."""
+    e = low.to(tl.float32).to(tl.int32, bitcast=True)
+    return ((e >> 23) & 255) - 127
+
+
+@triton.jit
+def _tree_walk_kernel(x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, state_ptr, slots_ptr, parents_ptr, anc_ptr, kids_ptr, o_ptr,
+                      g_out_ptr, W, HK, HV, C, sab, q_scale,
+                      DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, GATES_OUT: tl.constexpr):
+    """The tree forward without most replays (module docstring): grid and results as
+    :func:`_tree_kernel` without ``COMMIT``; ``kids_ptr``: per node the bit mask of its leaf
+    children (:func:`leaf_children`)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    kh = h % HK
+    HKDK = HK * DK
+    dk = tl.arange(0, DK)
+    cols = vb * BV + tl.arange(0, BV)
+    dv = h * DV + cols
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    s_off = (slot * HV + h) * DK * DV
+    S0 = tl.load(state_ptr + s_off + dk[:, None] * DV + cols[None, :])
+    S = S0
+    row = b * W
+    done = tl.load(kids_ptr + row) * 0                 # nodes already computed as leaf children
+    cur = done - 1                                     # the node whose state S holds (-1: committed)
+    for i in range(W):
+        if ((done >> i) & 1) == 0:
+            node = row + i
+            p = tl.load(parents_ptr + node)
+            m = tl.load(kids_ptr + node)
+            if p != cur:
+                # S -> the state after p: from S when cur is an ancestor of p (replay the nodes
+                # between them), else from the committed state (replay p's whole ancestry)
+                if p >= 0:
+                    bits = tl.load(anc_ptr + row + p)
+                    if cur >= 0:
+                        if ((bits >> cur) & 1) != 0:
+                            bits = bits & ~tl.load(anc_ptr + row + cur)
+                        else:
+                            S = S0
+                    else:
+                        S = S0
+                    for j in range(0, p + 1):
+                        if ((bits >> j) & 1) != 0:
+                            S = _update_raw(S, x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, row + j, h, kh, C, sab, HKDK,
+                                            dk, dv, DK)
+                else:
+                    S = S0
+            S = _node_update(S, x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, g_out_ptr, node, h, kh, HV, C, sab, HKDK, dk,
+                             dv, vb, DK, GATES_OUT)
+            _node_out(S, x_ptr, o_ptr, node, h, kh, HV, C, dk, cols, q_scale, DK, DV)
+            cur = p * 0 + i
+            # the leaf children of node i, each from a copy of S
+            done = done | m
+            while m != 0:
+                low = m & (-m)
+                j = row + _bit_index(low)
+                T = _node_update(S, x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, g_out_ptr, j, h, kh, HV, C, sab, HKDK, dk,
+                                 dv, vb, DK, GATES_OUT)
+                _node_out(T, x_ptr, o_ptr, j, h, kh, HV, C, dk, cols, q_scale, DK, DV)
+                m = m ^ low
+
+
+@triton.jit
 def _commit_kernel(x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, state_ptr, slots_ptr, path_ptr, n_ptr,
                    W, HK, HV, C, sab,
                    DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
@@ -176,11 +278,13 @@ def _layout(conv_out, a, b, state_pool, head_k_dim):
 
 def pool_gdn_tree(conv_out, a, b, A, dt_bias, state_pool: torch.Tensor, slots: torch.Tensor, parents: torch.Tensor,
                   ancestors: torch.Tensor | None, commit: bool, key_heads: int, head_k_dim: int,
-                  gates_out: torch.Tensor | None = None) -> torch.Tensor:
+                  gates_out: torch.Tensor | None = None, leaf_kids: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of ``kernels.gated_delta.reference.pool_gdn_tree`` (same arguments and
     result). ``ancestors`` is required unless ``commit`` (chains never restart); ``a`` and ``b``
     may be column slices of one projection (same strides). ``gates_out`` (``[B, W, HV, 2]``
-    float32, contiguous) receives each node's ``(g, beta)`` as the kernel computed them.
+    float32, contiguous) receives each node's ``(g, beta)`` as the kernel computed them;
+    ``leaf_kids`` is :func:`leaf_children` of ``parents`` (computed here when not given: a step
+    computes it once for all its layers).
 
     Raises:
         ValueError: a state pool that is not contiguous float32, head dims that are not powers of
@@ -197,11 +301,63 @@ def pool_gdn_tree(conv_out, a, b, A, dt_bias, state_pool: torch.Tensor, slots: t
     anc = ancestors.contiguous() if ancestors is not None else parents
     if gates_out is not None:
         _check_gates(gates_out, bsz, w, hv)
+    if not commit and TREE_WALK == "leaves":
+        kids = leaf_kids.contiguous() if leaf_kids is not None else leaf_children(parents)
+        _tree_walk_kernel[(bsz, hv, dv // bv)](conv_out, a, b, A, dt_bias, state_pool, slots, parents, anc, kids, out,
+                                                gates_out if gates_out is not None else out,
+                                                w, key_heads, hv, c, a.stride(1), dk ** -0.5,
+                                                DK=dk, DV=dv, BV=bv, GATES_OUT=gates_out is not None, num_warps=4)
+        return out
     _tree_kernel[(bsz, hv, dv // bv)](conv_out, a, b, A, dt_bias, state_pool, slots, parents, anc, out,
                                        gates_out if gates_out is not None else out,
                                        w, key_heads, hv, c, a.stride(1), dk ** -0.5,
                                        DK=dk, DV=dv, BV=bv, COMMIT=bool(commit), GATES_OUT=gates_out is not None,
                                        num_warps=4)
+    return out
+
+
+@triton.jit
+def _leaf_kids_kernel(par_ptr, out_ptr, W, WP: tl.constexpr):
+    """Grid ``(B,)``: row ``b``'s :func:`leaf_children` in one program."""
+    row = tl.program_id(0).to(tl.int64) * W
+    idx = tl.arange(0, WP)
+    par = tl.load(par_ptr + row + idx, mask=idx < W, other=-2)
+    leaf = (tl.max((par[:, None] == idx[None, :]).to(tl.int32), 0) == 0) & (idx < W)    # [j]: no child
+    bit = tl.full([WP], 1, tl.int64) << idx.to(tl.int64)
+    child = (par[None, :] == idx[:, None]) & leaf[None, :]                             # [i, j]
+    tl.store(out_ptr + row + idx, tl.sum(tl.where(child, bit[None, :], 0), 1), mask=idx < W)
+
+
+def leaf_children_reference(parents: torch.Tensor) -> torch.Tensor:
+    """:func:`leaf_children` in PyTorch ops (its test oracle)."""
+    w = parents.shape[1]
+    ar = torch.arange(w, device=parents.device)
+    child = parents[:, :, None] == ar                      # [B, j, i]: node j's parent is node i
+    leaf = ~child.any(1)                                   # [B, j]: node j has no child
+    bits = torch.ones(w, dtype=torch.int64, device=parents.device) << ar
+    return ((child & leaf[:, :, None]).long() * bits[:, None]).sum(1)
+
+
+def leaf_children(parents: torch.Tensor) -> torch.Tensor:
+    """Per node, the bit mask of its children that have no child themselves (bit ``j`` = node
+    ``j``), for the tree walk: one launch, graph-safe (no host reads).
+
+    Args:
+        parents: ``[B, W]`` int64, ``W <= 64`` (``-1``: the root or a padded node).
+
+    Returns:
+        ``[B, W]`` int64 (bit 63 as the sign bit).
+
+    Raises:
+        ValueError: ``W > 64``.
+    """
+    bsz, w = parents.shape
+    if w > 64:
+        raise ValueError(f"trees of at most 64 nodes, got {w}")
+    parents = parents.contiguous()
+    out = torch.empty_like(parents)
+    if bsz and w:
+        _leaf_kids_kernel[(bsz,)](parents, out, w, WP=max(2, triton.next_power_of_2(w)), num_warps=1)
     return out
 
 
