@@ -621,3 +621,124 @@ def test_target_over_the_hop_answers_as_over_grpc(tiny, dtype, monkeypatch):
         server.stop(None)
         serving.stop_local_hop(server)
         loop.stop()
+
+
+# ------------------------------------------------------------------------------------------------
+# the drafter's Propose on the same-host hop: the rows read in place (draft_service.servicer.parse_propose_request)
+
+
+def _writable(data: bytes) -> memoryview:
+    """``data`` in a writable buffer, as the hop's frames come (localhop.recv_frame)."""
+    return memoryview(bytearray(data))
+
+
+def _propose_batch(n: int, width: int = 2880, rows=lambda i: 1 + i % 4, mixed: bool = False) -> ProposeItems:
+    batch = ProposeItems()
+    g = torch.Generator().manual_seed(n)
+    for i in range(n):
+        r = rows(i)
+        f = None
+        if r:
+            w = width + (2 if mixed and i == n - 1 else 0)
+            t = torch.randn(r, w, generator=g).to(torch.bfloat16)
+            f = C.Rows(common_pb2.DTYPE_BF16, w, r, t.view(torch.uint8).numpy().tobytes())
+        batch.add(f"s{i}", 5 + i, 10 * i + r, 15, 4, 6, f)
+    return batch
+
+
+@pytest.mark.parametrize("case", ["serialized", "message", "small", "no-rows", "mixed", "read-only", "twice"])
+def test_propose_rows_in_place_read_as_the_message(case):
+    """parse_propose_request of a writable buffer leaves a columnar request's rows where they are
+    (ProposeInPlace: the tensor shares the buffer) and the items read from it are the items the
+    message gives (features equal); anything else is parsed as FromString parses it."""
+    from draft_service.servicer import ProposeInPlace, parse_propose_request, propose_columns
+
+    n = {"small": 2}.get(case, 16)
+    batch = _propose_batch(n, rows=(lambda i: 0) if case == "no-rows" else (lambda i: 1 + i % 4), mixed=case == "mixed")
+    req = batch.request(True, case != "message")
+    pieces = getattr(req, "pieces", None)   # (mixed widths: a message per item)
+    wire = b"".join(bytes(p) for p in pieces) if pieces is not None else req.SerializeToString()
+    if case == "twice":   # the rows' bytes set twice (the last wins): parsed as it is
+        wire += b"".join(bytes(p) for p in pieces[1:])   # (the tail again: header and rows)
+    want = draft_pb2.ProposeRequest.FromString(wire)
+    buf = wire if case == "read-only" else _writable(wire)
+    got = parse_propose_request(buf)
+    in_place = case in ("serialized", "message")
+    assert (type(got) is ProposeInPlace) == in_place
+    if not in_place:
+        assert got == want
+        return
+    assert got.message.columns.features.rows_data.data == b""
+    t = got.message.columns.features.rows_data
+    t.data = bytes(got.rows_data)
+    assert got.message == want
+    mine = propose_columns(want.columns)
+    theirs = propose_columns(got.message.columns, parse_propose_request(buf).rows_data)
+    assert len(mine) == len(theirs) == n
+    for a, b in zip(mine, theirs):
+        assert a._replace(features=None) == b._replace(features=None)
+        assert torch.equal(a.features, b.features)
+    import numpy as np
+
+    again = parse_propose_request(buf)
+    first = propose_columns(again.message.columns, again.rows_data)[0].features
+    aligned = np.frombuffer(again.rows_data, np.uint8).ctypes.data % 2 == 0
+    first[0, 0] = 1.0   # where the rows are aligned to bf16 the tensor shares the buffer (no copy); else a copy
+    one = torch.tensor([1.0], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    assert (bytes(again.rows_data[:2]) == one) == aligned
+    assert aligned or case == "message"   # (the orchestrator's layout puts the rows at an even offset here)
+
+
+def test_drafter_over_the_hop_answers_as_over_grpc(tiny, monkeypatch):
+    """A real draft service registered by add_to_server with its same-host hop: Propose over the
+    hop, as the orchestrator sends it (its rows after the message, in a buffer they are read in
+    place from), answers what gRPC answers, step after step, for sessions fed the same rows."""
+    from dflash_grpc.localhop import recv_frame
+    from draft_service import servicer as draft_servicer
+    from draft_service.servicer import SERVICE_NAME, DraftServiceServicer, add_to_server
+    from orchestrator.peers import LocalHopCall, open_local, open_stream
+
+    method = "/dflash_grpc.v1.DraftService/Propose"
+    servicer = DraftServiceServicer.from_paths(tiny[1], tiny[0], max_sessions=16, max_context=64)
+    parsed = []
+    parse = draft_servicer.parse_propose_request
+    monkeypatch.setattr(draft_servicer, "parse_propose_request", lambda data: parsed.append(parse(data)) or parsed[-1])
+    monkeypatch.setattr(draft_servicer, "ZERO_COPY_FROM", 0)   # (the tiny drafter's rows are a few KB)
+
+    def add(server):
+        add_to_server(servicer, server)
+        return [SERVICE_NAME]
+
+    server, _, port = serving.make_server(add, "127.0.0.1:0", max_workers=4, local_hop=True)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
+    try:
+        width = servicer.config.hidden_size * len(servicer.config.target_layer_ids)
+        call = open_local(serving.local_endpoint(server), method, draft_pb2.ProposeResponse.FromString)
+        assert isinstance(call, LocalHopCall) and recv_frame is not None
+        stub = draft_pb2_grpc.DraftServiceStub(channel)
+        over_grpc = open_stream(channel, method, stub.Propose, draft_pb2.ProposeResponse.FromString)
+        g = torch.Generator().manual_seed(5)
+        held = [0] * 6
+        for step in range(3):
+            rows = [3 + (i + step) % 2 for i in range(6)]
+            feats = [torch.randn(r, width, generator=g).to(torch.bfloat16) for r in rows]
+            replies = {}
+            for form, c in (("h", call), ("g", over_grpc)):
+                batch = ProposeItems()
+                for i, (r, f) in enumerate(zip(rows, feats)):
+                    batch.add(f"{form}{i}", 7 + i, held[i] + r, 6, 3, 3,
+                              C.Rows(common_pb2.DTYPE_BF16, width, r, f.view(torch.uint8).numpy().tobytes()))
+                replies[form] = [(r.status.code if r.status else 0, r.tokens, r.parents)
+                                 for r in propose_results(c.exchange(batch.request(True, True), timeout=60), 6)]
+            assert replies["h"] == replies["g"], step
+            assert all(code == 0 for code, _, _ in replies["h"]) and replies["h"][0][1]
+            held = [h + r for h, r in zip(held, rows)]
+        call.close()
+        over_grpc.close()
+        assert [type(r).__name__ for r in parsed].count("ProposeInPlace") == 3   # the hop's; gRPC's are messages
+        assert len(parsed) == 6
+    finally:
+        channel.close()
+        server.stop(None)
+        serving.stop_local_hop(server)
+        servicer.close()

@@ -287,7 +287,10 @@ def serve_draft(local_hop: bool) -> None:
                                     tokenizer_fingerprint=tokenizer_fingerprint(open_gguf(default_model_path())))
 
     def add(server):
-        draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
+        # as the draft service's main registers it (older checkouts: the generated registration)
+        import draft_service.servicer as ds
+
+        getattr(ds, "add_to_server", draft_pb2_grpc.add_DraftServiceServicer_to_server)(servicer, server)
         return [SERVICE_NAME]
 
     server, _, port = serving.make_server(add, "127.0.0.1:0", max_workers=worker_threads(0, engine.max_sessions),
