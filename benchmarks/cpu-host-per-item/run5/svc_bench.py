@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 import host_per_item as hpi  # noqa: E402
 from dflash_grpc import serving  # noqa: E402
-from dflash_grpc.columns import fill_trees, pack_i32, Rows  # noqa: E402
+from dflash_grpc.columns import fill_trees, Rows  # noqa: E402
 from dflash_grpc.localhop import LocalContext, resolve  # noqa: E402
 from dflash_grpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc  # noqa: E402
 from dflash_grpc.wire import fill_tensor  # noqa: E402
