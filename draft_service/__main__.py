@@ -60,10 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     tune_malloc()   # large messages every tick: reuse their memory
     token = auth_token_from_args(args, ap, warn_open=True)  # before loading: a bad file fails at once
 
-    from dflash_grpc.v1 import draft_pb2_grpc
     from draft_service import default_drafter_path
     from draft_service.drafter import DrafterError
-    from draft_service.servicer import SERVICE_NAME, DraftServiceServicer
+    from draft_service.servicer import SERVICE_NAME, DraftServiceServicer, add_to_server
     from runtime.defaults import default_model_path
 
     target = cfg.target or default_model_path()
@@ -104,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         serve_metrics(cfg.metrics_port, cfg.host, servicer.loop, "draft")
 
     def add(server):
-        draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
+        add_to_server(servicer, server)   # (Propose's rows read in place on the hop: parse_propose_request)
         return [SERVICE_NAME]
 
     max_workers = worker_threads(cfg.max_workers, servicer.max_sessions)

@@ -49,14 +49,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, NamedTuple
 
 import grpc
 import torch
 
-from dflash_grpc.columns import COLUMNAR, ColumnsError, fill_trees, unpack_i32
+from dflash_grpc.columns import COLUMNAR, ColumnsError, fill_trees, unpack_i32, varint
 from dflash_grpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from dflash_grpc.wire import WireError, tensor_from_proto
+from dflash_grpc.wire import _FROM_WIRE, _ITEMSIZE, WireError, tensor_from_proto
 from draft_service.config import DraftConfig
 from draft_service.batched import BatchedDrafter, DraftItem, ReferenceDrafterEngine, all_finite
 from draft_service.drafter import DFlashDrafter
@@ -110,10 +110,143 @@ def decode_item(item: draft_pb2.ProposeItem) -> DraftItem:
     return DraftItem(session_id, features, item.root_token, item.committed_length, t.budget, t.top_k, t.max_depth)
 
 
-def propose_columns(columns: draft_pb2.ProposeColumns) -> list[DraftItem]:
+#: the least bytes of a Propose request whose feature rows :func:`parse_propose_request` leaves in
+#: place (below, a few items' rows: copying them costs less than the walk)
+ZERO_COPY_FROM = 1 << 16
+
+
+class ProposeInPlace(NamedTuple):
+    """A columnar Propose request parsed without copying its feature rows
+    (:func:`parse_propose_request`): the message, its ``columns.features.rows_data`` tensor
+    without its bytes, and ``rows_data``, those bytes as a (writable) view of the buffer the request
+    came in, which the rows' tensor then shares."""
+
+    message: draft_pb2.ProposeRequest
+    rows_data: memoryview
+
+
+def _read_varint(buf, o: int) -> tuple[int, int]:
+    """The varint at ``buf[o]`` and the offset after it (IndexError past the end)."""
+    value = shift = 0
+    while True:
+        b = buf[o]
+        o += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, o
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+def _fields(buf, start: int, end: int, number: int) -> list[tuple[int, int, int]]:
+    """Every occurrence of the length-delimited field ``number`` in the message ``buf[start:end]``:
+    ``(header start, payload start, payload end)`` each.
+
+    Raises:
+        ValueError: the message does not walk cleanly (a group, another wire type for ``number``,
+            a length past the end).
+    """
+    found, o = [], start
+    while o < end:
+        head = o
+        tag, o = _read_varint(buf, o)
+        wire = tag & 7
+        if wire == 0:
+            _, o = _read_varint(buf, o)
+        elif wire == 1:
+            o += 8
+        elif wire == 5:
+            o += 4
+        elif wire == 2:
+            n, o = _read_varint(buf, o)
+            if tag >> 3 == number:
+                found.append((head, o, o + n))
+            o += n
+        else:
+            raise ValueError("a group")
+        if tag >> 3 == number and wire != 2:
+            raise ValueError(f"field {number} is not length-delimited")
+        if o > end:
+            raise ValueError("a length past the end")
+    return found
+
+
+#: ``ProposeRequest.columns`` (2) ``.features`` (7) ``.rows_data`` (2) ``.data`` (3)
+_ROWS_PATH = (2, 7, 2, 3)
+
+
+def parse_propose_request(data) -> draft_pb2.ProposeRequest | ProposeInPlace:
+    """A Propose request from its wire bytes (the Propose method's deserializer,
+    :func:`add_to_server`). A columnar request that came in a writable buffer (the same-host hop's
+    frame, :func:`dflash_grpc.localhop.recv_frame`) keeps its feature rows there
+    (:class:`ProposeInPlace`): the message is parsed without them (the lengths around them
+    rewritten) and the rows' tensor is a view of that buffer (parsing them into the message,
+    reading them out and copying them into a tensor were three copies of every row: about 1.5 MB
+    a tick at 64 streams; issue 23). The orchestrator sends them as a second ``columns`` field
+    after the message (:func:`dflash_grpc.columns.features_tail`), which a parser merges; any
+    occurrence is found. Anything else (read-only bytes, as gRPC gives them; under
+    :data:`ZERO_COPY_FROM` bytes; no rows, or their bytes twice) is parsed as it is.
+
+    Raises:
+        google.protobuf.message.DecodeError: bytes that do not parse (as ``FromString``).
+    """
+    view = memoryview(data)
+    if view.readonly or len(view) < ZERO_COPY_FROM or view.ndim != 1 or view.itemsize != 1:
+        return draft_pb2.ProposeRequest.FromString(data)
+    try:
+        paths = [()]
+        for number in _ROWS_PATH:
+            paths = [(*p, f) for p in paths for f in _fields(view, *(p[-1][1:] if p else (0, len(view))), number)]
+    except (IndexError, ValueError):
+        return draft_pb2.ProposeRequest.FromString(data)
+    if len(paths) != 1:   # no rows, or bytes set twice (the last wins): as it is
+        return draft_pb2.ProposeRequest.FromString(data)
+    path = paths[0]
+    data_head, data_start, data_end = path[3]
+    removed = data_end - data_head                 # the data field, header and all
+    headers = []
+    for (head, start, end), number in zip(path[2::-1], _ROWS_PATH[2::-1]):   # rows_data, features, columns
+        header = varint(number << 3 | 2) + varint(end - start - removed)
+        removed += (start - head) - len(header)
+        headers.append((head, start, header))
+    pieces, o = [], 0
+    for head, start, header in reversed(headers):  # outer first
+        pieces += [view[o:head], header]
+        o = start
+    pieces += [view[o:data_head], view[data_end:]]
+    return ProposeInPlace(draft_pb2.ProposeRequest.FromString(b"".join(pieces)), view[data_start:data_end])
+
+
+def _tensor_in_place(msg: common_pb2.Tensor, data: memoryview) -> torch.Tensor:
+    """:func:`~dflash_grpc.wire.tensor_from_proto` of ``msg`` (a 2-D tensor) with ``data`` (writable)
+    as its bytes, shared, not copied (copied only where they are not aligned to the dtype).
+
+    Raises:
+        WireError: unknown dtype, not 2-D, a negative dimension, or not ``prod(shape) * itemsize`` bytes.
+    """
+    dtype = _FROM_WIRE.get(msg.dtype)
+    if dtype is None:
+        raise WireError(f"unsupported wire dtype {msg.dtype}")
+    shape = msg.shape[:]
+    if len(shape) != 2 or min(shape) < 0:
+        raise WireError(f"a tensor of shape {tuple(shape)}, not [rows, width]")
+    itemsize = _ITEMSIZE[dtype]
+    if len(data) != shape[0] * shape[1] * itemsize:
+        raise WireError(f"tensor of shape {tuple(shape)} and dtype {dtype} needs {shape[0] * shape[1] * itemsize} "
+                        f"bytes, got {len(data)}")
+    if not len(data):
+        return torch.empty(shape, dtype=dtype)
+    t = torch.frombuffer(data, dtype=dtype).view(shape)
+    return t if t.data_ptr() % itemsize == 0 else t.clone()
+
+
+def propose_columns(columns: draft_pb2.ProposeColumns, rows_data: memoryview | None = None) -> list[DraftItem]:
     """The engine items of a columnar Propose message (each item's feature rows a view of one
     tensor decoded from the message; an item of 0 rows has None). An empty session id is left
-    for :func:`check_session` to refuse, for that item only.
+    for :func:`check_session` to refuse, for that item only. ``rows_data``: the bytes of the
+    features' tensor where the message was parsed without them (:class:`ProposeInPlace`): the
+    tensor is made over them.
 
     Raises:
         ColumnsError: columns that do not fit together (lengths, the features' rows, dtype, shape
@@ -135,7 +268,7 @@ def propose_columns(columns: draft_pb2.ProposeColumns) -> list[DraftItem]:
     total = sum(rows)
     if total:
         try:
-            t = tensor_from_proto(fc.rows_data)
+            t = tensor_from_proto(fc.rows_data) if rows_data is None else _tensor_in_place(fc.rows_data, rows_data)
         except WireError as e:
             raise ColumnsError(f"features: {e}") from None
         if t.dim() != 2 or t.shape[0] != total:
@@ -365,7 +498,8 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
             mask_token_id=c.mask_token_id,
         )
 
-    def propose(self, request: draft_pb2.ProposeRequest, owner: Owner | None = None) -> draft_pb2.ProposeResponse:
+    def propose(self, request: draft_pb2.ProposeRequest | ProposeInPlace,
+                owner: Owner | None = None) -> draft_pb2.ProposeResponse:
         """One result per item, in order; the items that decode go to the engine as one batch
         (for ``owner``: an item naming another owner's session is refused, ``NOT_OWNER``; None:
         unchecked). A columnar request is answered as columns.
@@ -373,6 +507,10 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         Raises:
             ColumnsError: a columnar request whose columns do not fit together.
         """
+        if type(request) is ProposeInPlace:   # (parse_propose_request: the rows left where they came)
+            outs, done = run_items(self.loop, propose_columns(request.message.columns, request.rows_data), check_session,
+                                   owner)
+            return propose_columns_response(outs, done)
         if request.HasField("columns"):
             outs, done = run_items(self.loop, propose_columns(request.columns), check_session, owner)
             return propose_columns_response(outs, done)
@@ -394,4 +532,22 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         return self.loop.call(lambda: len(self.engine.sessions))
 
 
-__all__ = ["DraftServiceServicer", "FEATURES", "SERVICE_NAME", "decode_item", "file_sha256"]
+def add_to_server(servicer: DraftServiceServicer, server) -> None:
+    """Register ``servicer`` on ``server`` as ``draft_pb2_grpc.add_DraftServiceServicer_to_server``
+    does, with Propose's requests parsed by :func:`parse_propose_request` (on the same-host hop,
+    a columnar request's feature rows stay in the buffer they came in; over gRPC it is
+    ``ProposeRequest.FromString``)."""
+    handlers = {
+        "Info": grpc.unary_unary_rpc_method_handler(servicer.Info, draft_pb2.DrafterInfoRequest.FromString,
+                                                    draft_pb2.DrafterInfo.SerializeToString),
+        "Propose": grpc.stream_stream_rpc_method_handler(servicer.Propose, parse_propose_request,
+                                                         draft_pb2.ProposeResponse.SerializeToString),
+        "Release": grpc.unary_unary_rpc_method_handler(servicer.Release, common_pb2.ReleaseRequest.FromString,
+                                                       common_pb2.ReleaseResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+__all__ = ["DraftServiceServicer", "FEATURES", "ProposeInPlace", "SERVICE_NAME", "add_to_server", "decode_item",
+           "file_sha256", "parse_propose_request"]

@@ -22,12 +22,14 @@ stream for its whole life, holds the caller's lease (:meth:`runtime.step_loop.St
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import grpc
 import torch
 
-from dflash_grpc.columns import COLUMNAR, ColumnsError, pack_i32, read_trees
+from dflash_grpc.columns import COLUMNAR, ColumnsError, pack_i32, read_trees, varint
+from dflash_grpc.localhop import Frames
 from dflash_grpc.transport import MAX_MESSAGE_BYTES
 from dflash_grpc.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dflash_grpc.wire import fill_tensor, tensor_to_proto
@@ -109,12 +111,11 @@ def verify_columns(columns: target_pb2.VerifyColumns) -> list[tuple[str, list[in
     return [(sid, tokens, parents) for sid, (tokens, parents) in zip(sids, read_trees(columns.trees, len(sids)))]
 
 
-def verify_columns_response(items, outs, done) -> target_pb2.VerifyResponse:
-    """The ``VerifyResponse`` answering a columnar request's ``items`` (engine items, in order)
-    with their outcomes ``outs`` and the batch's timing ``done``, as columns (the refused items by
-    index; every item's feature rows in one bf16 tensor). When the items' features differ in
-    width (sessions that asked for other layers), one tensor cannot hold them: the reply is then
-    per item (:func:`verify_response`), which a columnar client reads too."""
+def _columns_reply(items, outs, done):
+    """The columnar reply's message without its feature rows, and those rows: ``(response,
+    feats)`` (``response.columns.features.rows`` set, ``rows_data`` not; ``feats`` the accepted
+    items' ``[rows, width]`` tensors with rows, in order), or the per-item reply when the items'
+    widths differ (:func:`verify_columns_response`)."""
     response = target_pb2.VerifyResponse(compute_s=done.compute_s, batch_items=done.batch_items, queue_s=done.queue_s,
                                          device_s=done.device_s)
     cols = response.columns
@@ -151,9 +152,67 @@ def verify_columns_response(items, outs, done) -> target_pb2.VerifyResponse:
     cols.bonus_tokens = pack_i32(bonus)
     cols.committed_lengths = pack_i32(lengths)
     cols.features.rows = pack_i32(rows)
+    return response, feats
+
+
+def verify_columns_response(items, outs, done) -> target_pb2.VerifyResponse:
+    """The ``VerifyResponse`` answering a columnar request's ``items`` (engine items, in order)
+    with their outcomes ``outs`` and the batch's timing ``done``, as columns (the refused items by
+    index; every item's feature rows in one bf16 tensor). When the items' features differ in
+    width (sessions that asked for other layers), one tensor cannot hold them: the reply is then
+    per item (:func:`verify_response`), which a columnar client reads too."""
+    built = _columns_reply(items, outs, done)
+    if type(built) is not tuple:
+        return built
+    response, feats = built
     if feats:
-        fill_tensor(cols.features.rows_data, feats[0] if len(feats) == 1 else torch.cat(feats), torch.bfloat16)
+        fill_tensor(response.columns.features.rows_data, feats[0] if len(feats) == 1 else torch.cat(feats),
+                    torch.bfloat16)
     return response
+
+
+def _host_bytes(f: torch.Tensor) -> memoryview | None:
+    """The memory of ``f`` as a byte view (format ``B``; ``f`` must outlive it), or None unless
+    ``f`` is a contiguous 2-D bf16 CPU tensor (what the wire carries as it is)."""
+    if f.dtype is not torch.bfloat16 or f.dim() != 2 or not f.is_cpu or not f.is_contiguous():
+        return None
+    return memoryview((ctypes.c_char * f.nbytes).from_address(f.data_ptr())).cast("B")
+
+
+def verify_columns_frames(items, outs, done) -> Frames | target_pb2.VerifyResponse:
+    """:func:`verify_columns_response`'s reply for the same-host hop: its wire bytes as
+    :class:`~dflash_grpc.localhop.Frames`, the feature rows sent from the items' own tensors (one
+    buffer each, not copied: ``torch.cat``, the bytes read out, set into the message and its
+    serialisation were four copies of every row, about 1.5 MB a tick at 64 streams; issue 23).
+    The bytes are exactly ``verify_columns_response(...).SerializeToString()``: a message's fields
+    are written in field-number order, and the rows are the last field of the last field at each
+    level (``VerifyResponse.columns`` 6, ``.features`` 7, ``.rows_data`` 2, ``Tensor.data`` 3), so
+    they end the message; only the three lengths around them are written here. The message as
+    :func:`verify_columns_response` builds it where no item has rows, or one's rows are not a
+    contiguous bf16 CPU tensor."""
+    built = _columns_reply(items, outs, done)
+    if type(built) is not tuple:
+        return built
+    response, feats = built
+    views = [_host_bytes(f) for f in feats]
+    if not feats or None in views:
+        if feats:
+            fill_tensor(response.columns.features.rows_data, feats[0] if len(feats) == 1 else torch.cat(feats),
+                        torch.bfloat16)
+        return response
+    n = sum(map(len, views))
+    cols = response.columns
+    features = cols.features
+    fc = common_pb2.FeatureColumns(rows=features.rows).SerializeToString()
+    cols.ClearField("features")
+    body = cols.SerializeToString()            # the columns' fields before ``features`` (1-6)
+    response.ClearField("columns")
+    top = response.SerializeToString()         # the reply's fields before ``columns`` (2-5)
+    tensor = common_pb2.Tensor(dtype=common_pb2.DTYPE_BF16, shape=(sum(f.shape[0] for f in feats), feats[0].shape[1]))
+    head = tensor.SerializeToString() + b"\x1a" + varint(n)                   # Tensor.data (3): the rows follow
+    fc += b"\x12" + varint(len(head) + n) + head                              # FeatureColumns.rows_data (2)
+    body += b"\x3a" + varint(len(fc) + n) + fc                                # VerifyResultColumns.features (7)
+    return Frames([top + b"\x32" + varint(len(body) + n) + body, *views], feats)   # VerifyResponse.columns (6)
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -236,16 +295,18 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         context.add_callback(scope.close)
         with scope:
             try:
-                yield from self._verify(request_iterator, owner)
+                # on the same-host hop a columnar reply goes as its wire bytes (verify_columns_frames)
+                yield from self._verify(request_iterator, owner, getattr(context, "accepts_frames", False))
             except ColumnsError as e:
                 abort_with(context, InvalidArgument(f"malformed columns: {e}"))
 
-    def _verify(self, request_iterator, owner):
+    def _verify(self, request_iterator, owner, frames: bool = False):
+        columns_reply = verify_columns_frames if frames else verify_columns_response
         for request in request_iterator:
             if request.HasField("columns"):
                 items = verify_columns(request.columns)
                 outs, done = run_items(self.loop, items, _same, owner)
-                yield verify_columns_response(items, outs, done)
+                yield columns_reply(items, outs, done)
                 continue
             items = request.items
             outs, done = run_items(self.loop, items, _decode_verify_item, owner)

@@ -493,3 +493,252 @@ def test_varint_is_protobufs_encoding_at_every_length():
 
     for n in (0, 1, 0x7F, 0x80, 300, 0x3FFF, 0x4000, 1 << 21, (1 << 35) + 5, (1 << 63) - 1):
         assert varint(n) == _VarintBytes(n), n
+
+
+# ------------------------------------------------------------------------------------------------
+# the target's columnar reply on the same-host hop, as wire bytes (target_service.servicer.verify_columns_frames)
+
+
+def _outcome(k: int, rows: int | None, width: int = 6, seed: int = 0, dtype=torch.bfloat16, contiguous=True):
+    from target_service.engine import VerifyOutcome
+
+    feats = None
+    if rows is not None:
+        g = torch.Generator().manual_seed(seed)
+        feats = torch.randn(rows, width * (1 if contiguous else 2), generator=g).to(dtype)
+        if not contiguous:
+            feats = feats[:, ::2]
+    return VerifyOutcome(list(range(k + 1)), [10 + i for i in range(k)], 40 + k, 7 + k, feats)
+
+
+@pytest.mark.parametrize("case", ["mixed", "one", "none", "noncontiguous", "f32", "widths", "many"])
+def test_target_frames_are_the_bytes_of_the_columns_reply(case):
+    """verify_columns_frames's buffers joined are byte for byte the SerializeToString of
+    verify_columns_response's reply (and parse to it); where the rows cannot go as they are (none,
+    not contiguous, not bf16, widths that differ) it returns that reply itself."""
+    from runtime.errors import InvalidArgument, Reason
+    from runtime.step_loop import BatchResult
+    from dflash_grpc.localhop import Frames
+    from target_service.servicer import verify_columns_frames, verify_columns_response
+
+    refused = InvalidArgument("bad tree", reason=Reason.INVALID_TREE)
+    outs = {
+        "mixed": [_outcome(2, 3, seed=1), refused, _outcome(0, None), _outcome(1, 0), _outcome(3, 4, seed=2)],
+        "one": [_outcome(1, 2, seed=3)],
+        "none": [_outcome(1, None), refused],
+        "noncontiguous": [_outcome(1, 2, seed=4), _outcome(2, 3, seed=5, contiguous=False)],
+        "f32": [_outcome(1, 2, seed=6, dtype=torch.float32)],
+        "widths": [_outcome(1, 2, width=6), _outcome(1, 2, width=4)],
+        "many": [_outcome(i % 4, i % 4 + 1, width=2880, seed=i) for i in range(70)],
+    }[case]
+    items = [(f"s{i}", [1], [-1]) for i in range(len(outs))]
+    done = BatchResult([], 0.00125, len(outs), 3e-5, 0.0)
+    want = verify_columns_response(items, outs, done)
+    got = verify_columns_frames(items, outs, done)
+    if case in ("mixed", "one", "many"):
+        assert type(got) is Frames
+        wire = b"".join(bytes(b) for b in got.buffers)
+        assert wire == want.SerializeToString()
+        assert target_pb2.VerifyResponse.FromString(wire) == want
+        assert len(got.buffers) == 1 + sum(1 for o in outs if not isinstance(o, Exception)
+                                           and o.features is not None and o.features.shape[0])
+    else:
+        assert type(got) is target_pb2.VerifyResponse and got == want
+    assert want.HasField("columns") == (case != "widths")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_target_over_the_hop_answers_as_over_grpc(tiny, dtype, monkeypatch):
+    """A real target served with its same-host hop: each columnar Verify reply read from the hop
+    (as wire bytes, parsed as the orchestrator parses them) is the reply gRPC gives for the same
+    request, feature bytes included; sent as Frames where the engine's rows are bf16 (the
+    reference engine's are its model's float32: cast here, as the wire casts them), as a
+    message where not."""
+    from dflash_grpc.localhop import Frames
+    from orchestrator.messages import parse_verify_reply
+    from orchestrator.peers import LocalHopCall, open_local, open_stream
+    from runtime.step_loop import StepLoop
+    from target_service import servicer as target_servicer
+    from target_service.__main__ import build_engine
+    from target_service.servicer import TargetServicer
+
+    sent = []
+    frames = target_servicer.verify_columns_frames
+    monkeypatch.setattr(target_servicer, "verify_columns_frames",
+                        lambda *a: sent.append(frames(*a)) or sent[-1])
+
+    method = "/dflash_grpc.v1.TargetService/Verify"
+    engine, info = build_engine(tiny[0], max_sessions=10, max_context=CONTEXT, max_tree_width=8, max_tree_depth=8,
+                                engine="reference")
+    verify_batch = engine.verify_batch
+
+    def cast(items):   # the engine's rows in ``dtype`` (the wire carries bf16 either way)
+        outs = verify_batch(items)
+        for o in outs:
+            if not isinstance(o, Exception) and o.features is not None:
+                o.features = o.features.to(dtype)
+        return outs
+
+    engine.verify_batch = cast
+    loop = StepLoop(engine, name="frames-target")
+    servicer = TargetServicer(loop, info)
+
+    def add(server):
+        target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
+        return ["dflash_grpc.v1.TargetService"]
+
+    server, _, port = serving.make_server(add, "127.0.0.1:0", max_workers=4, local_hop=True)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
+    try:
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+        call = open_local(serving.local_endpoint(server), method, parse_verify_reply)
+        assert isinstance(call, LocalHopCall)
+        over_grpc = open_stream(channel, method, stub.Verify, target_pb2.VerifyResponse.FromString)
+        roots = {}
+        for form in ("h", "g"):   # the same prompts in two sets of sessions: one per transport
+            roots[form] = [_prefill(stub, f"{form}{i}", [1 + i, 2, 3], layers=(0, 1) if i != 2 else ()).first_token
+                           for i in range(5)]
+        assert roots["h"] == roots["g"]
+        for step in range(3):
+            replies = {}
+            for form, c in (("h", call), ("g", over_grpc)):
+                trees = [([r, (r + 1) % VOCAB, 7], [-1, 0, 1]) for r in roots[form]]
+                trees[3] = ([1], [-1])   # not the session's root: refused
+                req = verify_request(True, [f"{form}{i}" for i in range(5)], [len(t) for t, _ in trees],
+                                     [x for t, _ in trees for x in t], [x for _, p in trees for x in p])
+                replies[form] = verify_results(c.exchange(req, timeout=30), 5)
+            h, g = ([(r.status.code if r.status else 0, r.accepted, r.bonus, r.length,
+                      bytes(r.features.data) if r.features is not None else b"") for r in replies[f]] for f in "hg")
+            assert h == g, step
+            assert h[0][4] and not h[2][4] and h[3][0] == IA.value[0]
+            for form in ("h", "g"):
+                roots[form] = [r[2] if r[0] == 0 else roots[form][i] for i, r in enumerate(h if form == "h" else g)]
+        call.close()
+        over_grpc.close()
+        assert len(sent) == 3 and {type(r) for r in sent} == {Frames if dtype is torch.bfloat16 else target_pb2.VerifyResponse}
+    finally:
+        channel.close()
+        server.stop(None)
+        serving.stop_local_hop(server)
+        loop.stop()
+
+
+# ------------------------------------------------------------------------------------------------
+# the drafter's Propose on the same-host hop: the rows read in place (draft_service.servicer.parse_propose_request)
+
+
+def _writable(data: bytes) -> memoryview:
+    """``data`` in a writable buffer, as the hop's frames come (localhop.recv_frame)."""
+    return memoryview(bytearray(data))
+
+
+def _propose_batch(n: int, width: int = 2880, rows=lambda i: 1 + i % 4, mixed: bool = False) -> ProposeItems:
+    batch = ProposeItems()
+    g = torch.Generator().manual_seed(n)
+    for i in range(n):
+        r = rows(i)
+        f = None
+        if r:
+            w = width + (2 if mixed and i == n - 1 else 0)
+            t = torch.randn(r, w, generator=g).to(torch.bfloat16)
+            f = C.Rows(common_pb2.DTYPE_BF16, w, r, t.view(torch.uint8).numpy().tobytes())
+        batch.add(f"s{i}", 5 + i, 10 * i + r, 15, 4, 6, f)
+    return batch
+
+
+@pytest.mark.parametrize("case", ["serialized", "message", "small", "no-rows", "mixed", "read-only", "twice"])
+def test_propose_rows_in_place_read_as_the_message(case):
+    """parse_propose_request of a writable buffer leaves a columnar request's rows where they are
+    (ProposeInPlace: the tensor shares the buffer) and the items read from it are the items the
+    message gives (features equal); anything else is parsed as FromString parses it."""
+    from draft_service.servicer import ProposeInPlace, parse_propose_request, propose_columns
+
+    n = {"small": 2}.get(case, 16)
+    batch = _propose_batch(n, rows=(lambda i: 0) if case == "no-rows" else (lambda i: 1 + i % 4), mixed=case == "mixed")
+    req = batch.request(True, case != "message")
+    pieces = getattr(req, "pieces", None)   # (mixed widths: a message per item)
+    wire = b"".join(bytes(p) for p in pieces) if pieces is not None else req.SerializeToString()
+    if case == "twice":   # the rows' bytes set twice (the last wins): parsed as it is
+        wire += b"".join(bytes(p) for p in pieces[1:])   # (the tail again: header and rows)
+    want = draft_pb2.ProposeRequest.FromString(wire)
+    buf = wire if case == "read-only" else _writable(wire)
+    got = parse_propose_request(buf)
+    in_place = case in ("serialized", "message")
+    assert (type(got) is ProposeInPlace) == in_place
+    if not in_place:
+        assert got == want
+        return
+    assert got.message.columns.features.rows_data.data == b""
+    t = got.message.columns.features.rows_data
+    t.data = bytes(got.rows_data)
+    assert got.message == want
+    mine = propose_columns(want.columns)
+    theirs = propose_columns(got.message.columns, parse_propose_request(buf).rows_data)
+    assert len(mine) == len(theirs) == n
+    for a, b in zip(mine, theirs):
+        assert a._replace(features=None) == b._replace(features=None)
+        assert torch.equal(a.features, b.features)
+    import numpy as np
+
+    again = parse_propose_request(buf)
+    first = propose_columns(again.message.columns, again.rows_data)[0].features
+    aligned = np.frombuffer(again.rows_data, np.uint8).ctypes.data % 2 == 0
+    first[0, 0] = 1.0   # where the rows are aligned to bf16 the tensor shares the buffer (no copy); else a copy
+    one = torch.tensor([1.0], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    assert (bytes(again.rows_data[:2]) == one) == aligned
+    assert aligned or case == "message"   # (the orchestrator's layout puts the rows at an even offset here)
+
+
+def test_drafter_over_the_hop_answers_as_over_grpc(tiny, monkeypatch):
+    """A real draft service registered by add_to_server with its same-host hop: Propose over the
+    hop, as the orchestrator sends it (its rows after the message, in a buffer they are read in
+    place from), answers what gRPC answers, step after step, for sessions fed the same rows."""
+    from dflash_grpc.localhop import recv_frame
+    from draft_service import servicer as draft_servicer
+    from draft_service.servicer import SERVICE_NAME, DraftServiceServicer, add_to_server
+    from orchestrator.peers import LocalHopCall, open_local, open_stream
+
+    method = "/dflash_grpc.v1.DraftService/Propose"
+    servicer = DraftServiceServicer.from_paths(tiny[1], tiny[0], max_sessions=16, max_context=64)
+    parsed = []
+    parse = draft_servicer.parse_propose_request
+    monkeypatch.setattr(draft_servicer, "parse_propose_request", lambda data: parsed.append(parse(data)) or parsed[-1])
+    monkeypatch.setattr(draft_servicer, "ZERO_COPY_FROM", 0)   # (the tiny drafter's rows are a few KB)
+
+    def add(server):
+        add_to_server(servicer, server)
+        return [SERVICE_NAME]
+
+    server, _, port = serving.make_server(add, "127.0.0.1:0", max_workers=4, local_hop=True)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
+    try:
+        width = servicer.config.hidden_size * len(servicer.config.target_layer_ids)
+        call = open_local(serving.local_endpoint(server), method, draft_pb2.ProposeResponse.FromString)
+        assert isinstance(call, LocalHopCall) and recv_frame is not None
+        stub = draft_pb2_grpc.DraftServiceStub(channel)
+        over_grpc = open_stream(channel, method, stub.Propose, draft_pb2.ProposeResponse.FromString)
+        g = torch.Generator().manual_seed(5)
+        held = [0] * 6
+        for step in range(3):
+            rows = [3 + (i + step) % 2 for i in range(6)]
+            feats = [torch.randn(r, width, generator=g).to(torch.bfloat16) for r in rows]
+            replies = {}
+            for form, c in (("h", call), ("g", over_grpc)):
+                batch = ProposeItems()
+                for i, (r, f) in enumerate(zip(rows, feats)):
+                    batch.add(f"{form}{i}", 7 + i, held[i] + r, 6, 3, 3,
+                              C.Rows(common_pb2.DTYPE_BF16, width, r, f.view(torch.uint8).numpy().tobytes()))
+                replies[form] = [(r.status.code if r.status else 0, r.tokens, r.parents)
+                                 for r in propose_results(c.exchange(batch.request(True, True), timeout=60), 6)]
+            assert replies["h"] == replies["g"], step
+            assert all(code == 0 for code, _, _ in replies["h"]) and replies["h"][0][1]
+            held = [h + r for h, r in zip(held, rows)]
+        call.close()
+        over_grpc.close()
+        assert [type(r).__name__ for r in parsed].count("ProposeInPlace") == 3   # the hop's; gRPC's are messages
+        assert len(parsed) == 6
+    finally:
+        channel.close()
+        server.stop(None)
+        serving.stop_local_hop(server)
+        servicer.close()

@@ -235,6 +235,7 @@ def _control(engine_clock: _Clock | None, extra=None):
         cmd = line.strip()
         if cmd == "engine":
             print(json.dumps({"engine_s": engine_clock.s if engine_clock else 0.0, "cpu_s": time.process_time(),
+                              "sys_s": os.times().system,
                               **(extra() if extra else {})}), flush=True)
         elif cmd == "quit":
             break
@@ -286,7 +287,10 @@ def serve_draft(local_hop: bool) -> None:
                                     tokenizer_fingerprint=tokenizer_fingerprint(open_gguf(default_model_path())))
 
     def add(server):
-        draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
+        # as the draft service's main registers it (older checkouts: the generated registration)
+        import draft_service.servicer as ds
+
+        getattr(ds, "add_to_server", draft_pb2_grpc.add_DraftServiceServicer_to_server)(servicer, server)
         return [SERVICE_NAME]
 
     server, _, port = serving.make_server(add, "127.0.0.1:0", max_workers=worker_threads(0, engine.max_sessions),
@@ -481,6 +485,8 @@ def run_level(services: dict[str, Service], orch: Service, n: int, tokens: int, 
             eng = b[k][0]["engine_s"] - a[k][0]["engine_s"]
             row[f"{k}_us{suffix}"] = (cpu - eng) / max(m, 1) * 1e6
             row[f"{k}_engine_us{suffix}"] = eng / max(m, 1) * 1e6
+            if "sys_s" in b[k][0] and "sys_s" in a[k][0]:   # the kernel's share (syscalls, wake-ups, page faults)
+                row[f"{k}_sys_us{suffix}"] = (b[k][0]["sys_s"] - a[k][0]["sys_s"]) / max(m, 1) * 1e6
         if want_threads:
             t0s, t1s = start[k][1], end[k][1]
             row[f"{k}_threads"] = {name: round((t1s.get(name, 0) - t0s.get(name, 0)) / max(witems, 1) * 1e6, 1)
@@ -603,7 +609,8 @@ def main() -> int:
                           flush=True)
                     if args.threads:
                         for k in services:
-                            print(f"      {k}: " + ", ".join(f"{name} {v}" for name, v in
+                            sys_us = f" (of which in the kernel {row[f'{k}_sys_us']:.1f})" if f"{k}_sys_us" in row else ""
+                            print(f"      {k}{sys_us}: " + ", ".join(f"{name} {v}" for name, v in
                                                           sorted(row[f"{k}_threads"].items(), key=lambda x: -x[1])),
                                   flush=True)
         if args.repeats > 1:
