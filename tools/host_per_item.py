@@ -2,7 +2,7 @@
 
     python tools/host_per_item.py [--streams 1,16,64] [--modes ar,spec] [--tokens 128] [--repeats 1]
                                   [--stream-interval-ms MS] [--stream-hold-max-ms MS] [--no-local-hop] [--threads]
-                                  [--py-spy DIR] [--json FILE]
+                                  [--scheduler-set NAME=VALUE ...] [--py-spy DIR] [--json FILE]
     python tools/host_per_item.py --summary LABEL=GLOB [LABEL=GLOB ...]   # median [min, max] of --json runs
 
 Four processes, as in production: the target service, the draft service and the orchestrator,
@@ -301,7 +301,7 @@ def serve_draft(local_hop: bool) -> None:
 
 
 def serve_orchestrator(target: str, draft: str, local_hop: bool, stream_interval_ms: float,
-                       stream_hold_max_ms: float | None = None) -> None:
+                       stream_hold_max_ms: float | None = None, settings: list[str] | None = None) -> None:
     """As ``python -m orchestrator --target TARGET --draft DRAFT`` (CUDA defaults: the target says cuda:0)."""
     import uuid
 
@@ -328,8 +328,12 @@ def serve_orchestrator(target: str, draft: str, local_hop: bool, stream_interval
     extra = {"stream_interval_ms": stream_interval_ms} if stream_interval_ms else {}   # (older checkouts: none)
     if stream_hold_max_ms is not None:
         extra["stream_hold_max_ms"] = stream_hold_max_ms
-    sched = Scheduler(tpeer, dpeer, max_sessions=cfg.max_sessions, max_queue=cfg.max_queue, step_nodes=cfg.step_nodes,
-                      step_timeout=cfg.step_timeout, history_bytes=cfg.history_bytes, **extra)
+    for kv in settings or ():   # --scheduler-set NAME=VALUE: a Scheduler keyword (a number)
+        name, _, value = kv.partition("=")
+        extra[name] = float(value) if "." in value or "e" in value else int(value)
+    kwargs = dict(max_sessions=cfg.max_sessions, max_queue=cfg.max_queue, step_nodes=cfg.step_nodes,
+                  step_timeout=cfg.step_timeout, history_bytes=cfg.history_bytes)
+    sched = Scheduler(tpeer, dpeer, **{**kwargs, **extra})
     servicer = GenerationServicer(tpeer, dpeer, GGUFTokenizer.from_gguf(default_model_path()), cfg.max_tokens,
                                   default_tree(cfg), sched)
 
@@ -554,6 +558,9 @@ def main() -> int:
                     help="the orchestrator's --stream-interval-ms (tokens held up to this long go out as one message)")
     ap.add_argument("--stream-hold-max-ms", type=float, default=None,
                     help="the orchestrator's --stream-hold-max-ms (the adaptive hold's most; 0: off; default: its default)")
+    ap.add_argument("--scheduler-set", action="append", default=[], metavar="NAME=VALUE",
+                    help="a keyword of the orchestrator's Scheduler (a number), e.g. history_bytes=0 or "
+                         "stream_host_share=0.1 (repeatable; default: the config's defaults)")
     ap.add_argument("--threads", action="store_true", help="CPU per item split by thread name")
     ap.add_argument("--py-spy", default=None, metavar="DIR", help="py-spy record -f raw of each service per level")
     ap.add_argument("--json", default=None, metavar="FILE", help="every row as JSON lines")
@@ -575,13 +582,15 @@ def main() -> int:
         elif args.role == "draft":
             serve_draft(hop)
         else:
-            serve_orchestrator(args.target, args.draft, hop, args.stream_interval_ms, args.stream_hold_max_ms)
+            serve_orchestrator(args.target, args.draft, hop, args.stream_interval_ms, args.stream_hold_max_ms,
+                               args.scheduler_set)
         return 0
 
     flag = [] if hop else ["--no-local-hop"]
     target = Service("target", flag)
     draft = Service("draft", flag)
     hold = [] if args.stream_hold_max_ms is None else ["--stream-hold-max-ms", str(args.stream_hold_max_ms)]
+    hold += [f"--scheduler-set={kv}" for kv in args.scheduler_set]
     orch = Service("orchestrator", [*flag, *hold, "--stream-interval-ms", str(args.stream_interval_ms), "--target", f"127.0.0.1:{target.port}", "--draft", f"127.0.0.1:{draft.port}"])
     services = {"orchestrator": orch, "target": target, "draft": draft}
     rows = []
