@@ -53,7 +53,7 @@ VPY="$WORK/venv/bin/python"
 DEPS="$("$PYTHON" -c "import sysconfig; p = sysconfig.get_paths(); print(p['purelib']); print(p['platlib'])" | sort -u)"
 VSITE="$("$VPY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
 printf '%s\n' "$DEPS" > "$VSITE/_dflash_deps.pth"
-"$PYTHON" -m pip --python "$VPY" install -q --no-deps "$WHEEL"
+env -u PYTHONPATH "$PYTHON" -m pip --python "$VPY" install -q --no-deps "$WHEEL"   # (a PYTHONPATH naming the checkout would make pip see it installed)
 
 # 3. From outside the checkout, with nothing of it on the path.
 cd "$WORK"
