@@ -54,7 +54,7 @@ from typing import Iterable, Iterator, NamedTuple
 import grpc
 import torch
 
-from dflash_grpc.columns import COLUMNAR, ColumnsError, fill_trees, unpack_i32, varint
+from dflash_grpc.columns import COLUMNAR, ColumnsError, fill_trees, length_delimited, unpack_i32, varint
 from dflash_grpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from dflash_grpc.wire import _FROM_WIRE, _ITEMSIZE, WireError, tensor_from_proto
 from draft_service.config import DraftConfig
@@ -125,53 +125,6 @@ class ProposeInPlace(NamedTuple):
     rows_data: memoryview
 
 
-def _read_varint(buf, o: int) -> tuple[int, int]:
-    """The varint at ``buf[o]`` and the offset after it (IndexError past the end)."""
-    value = shift = 0
-    while True:
-        b = buf[o]
-        o += 1
-        value |= (b & 0x7F) << shift
-        if b < 0x80:
-            return value, o
-        shift += 7
-        if shift > 63:
-            raise ValueError("varint too long")
-
-
-def _fields(buf, start: int, end: int, number: int) -> list[tuple[int, int, int]]:
-    """Every occurrence of the length-delimited field ``number`` in the message ``buf[start:end]``:
-    ``(header start, payload start, payload end)`` each.
-
-    Raises:
-        ValueError: the message does not walk cleanly (a group, another wire type for ``number``,
-            a length past the end).
-    """
-    found, o = [], start
-    while o < end:
-        head = o
-        tag, o = _read_varint(buf, o)
-        wire = tag & 7
-        if wire == 0:
-            _, o = _read_varint(buf, o)
-        elif wire == 1:
-            o += 8
-        elif wire == 5:
-            o += 4
-        elif wire == 2:
-            n, o = _read_varint(buf, o)
-            if tag >> 3 == number:
-                found.append((head, o, o + n))
-            o += n
-        else:
-            raise ValueError("a group")
-        if tag >> 3 == number and wire != 2:
-            raise ValueError(f"field {number} is not length-delimited")
-        if o > end:
-            raise ValueError("a length past the end")
-    return found
-
-
 #: ``ProposeRequest.columns`` (2) ``.features`` (7) ``.rows_data`` (2) ``.data`` (3)
 _ROWS_PATH = (2, 7, 2, 3)
 
@@ -197,7 +150,8 @@ def parse_propose_request(data) -> draft_pb2.ProposeRequest | ProposeInPlace:
     try:
         paths = [()]
         for number in _ROWS_PATH:
-            paths = [(*p, f) for p in paths for f in _fields(view, *(p[-1][1:] if p else (0, len(view))), number)]
+            paths = [(*p, f) for p in paths
+                     for f in length_delimited(view, *(p[-1][1:] if p else (0, len(view))), number)]
     except (IndexError, ValueError):
         return draft_pb2.ProposeRequest.FromString(data)
     if len(paths) != 1:   # no rows, or bytes set twice (the last wins): as it is

@@ -13,7 +13,7 @@ from itertools import accumulate
 from typing import NamedTuple, Sequence
 
 from dflash_grpc.columns import (ColumnsError, Rows, varint, feature_parts, features_tail, fill_features, fill_trees,
-                                 index_statuses, pack_i32, read_features, read_trees, unpack_i32)
+                                 index_statuses, length_delimited, pack_i32, read_features, read_trees, unpack_i32)
 from dflash_grpc.v1 import common_pb2, draft_pb2, target_pb2
 from runtime.tree import TreeError, tree_depths
 
@@ -77,50 +77,15 @@ def verify_results(reply: target_pb2.VerifyResponse, count: int) -> list[Verifie
 ZERO_COPY_FROM = 1 << 16
 
 
-def _read_varint(buf, o: int) -> tuple[int, int]:
-    """The varint at ``buf[o]`` and the offset after it (IndexError past the end)."""
-    b = buf[o]
-    if b < 0x80:   # (one byte: tags and small lengths)
-        return b, o + 1
-    value = shift = 0
-    while True:
-        b = buf[o]
-        o += 1
-        value |= (b & 0x7F) << shift
-        if b < 0x80:
-            return value, o
-        shift += 7
-        if shift > 63:
-            raise ValueError("varint too long")
-
-
 def _field_at(buf, start: int, end: int, number: int) -> tuple[int, int, int] | None:
     """The one length-delimited field ``number`` of the message ``buf[start:end]``: ``(header
     start, payload start, payload end)``; None when it is absent, occurs twice, has another wire
     type, or the message does not walk cleanly (a group, a length past the end)."""
-    found, o = None, start
-    while o < end:
-        head = o
-        tag, o = _read_varint(buf, o)
-        wire = tag & 7
-        if wire == 0:
-            _, o = _read_varint(buf, o)
-        elif wire == 1:
-            o += 8
-        elif wire == 5:
-            o += 4
-        elif wire == 2:
-            n, o = _read_varint(buf, o)
-            if tag >> 3 == number:
-                if found is not None:
-                    return None
-                found = (head, o, o + n)
-            o += n
-        else:
-            return None
-        if o > end:
-            return None
-    return found
+    try:
+        found = length_delimited(buf, start, end, number)
+    except (ValueError, IndexError):
+        return None
+    return found[0] if len(found) == 1 else None
 
 
 class VerifyReply:

@@ -196,8 +196,12 @@ def pool_gdn_commit(state_pool: torch.Tensor, slots: torch.Tensor, conv_out, a, 
         path: ``[B, W]`` int64 node indices, root first; entries at ``>= n_accept[r]`` ignored.
         n_accept: ``[B]`` int64 path lengths (``k + 1 >= 1``).
     """
-    q, k, v = gdn_qkv(conv_out, key_heads, head_k_dim)
-    g, beta = gdn_gates(a, b, A, dt_bias)
+    _, k, v = gdn_qkv(conv_out, key_heads, head_k_dim)
+    _commit_paths(state_pool, slots, k, v, *gdn_gates(a, b, A, dt_bias), path, n_accept)
+
+
+def _commit_paths(state_pool, slots, k, v, g, beta, path, n_accept) -> None:
+    """:func:`gdn_update` along each row's accepted path from ``state_pool[slots[r]]``, written back."""
     reps = v.shape[2] // k.shape[2]
     for r in range(slots.shape[0]):
         s = int(slots[r])
@@ -224,13 +228,4 @@ def pool_gdn_commit_layers(state_pools: torch.Tensor, slots: torch.Tensor, conv_
     """
     for layer in range(conv_outs.shape[0]):
         _, k, v = gdn_qkv(conv_outs[layer], key_heads, head_k_dim)
-        g, beta = gates[layer, ..., 0], gates[layer, ..., 1]
-        reps = v.shape[2] // k.shape[2]
-        pool = state_pools[layer]
-        for r in range(slots.shape[0]):
-            s = int(slots[r])
-            state = pool[s]
-            for d in range(int(n_accept[r])):
-                j = int(path[r, d])
-                state = gdn_update(state, k[r, j].repeat(reps, 1), v[r, j], g[r, j], beta[r, j])
-            pool[s] = state
+        _commit_paths(state_pools[layer], slots, k, v, gates[layer, ..., 0], gates[layer, ..., 1], path, n_accept)

@@ -80,20 +80,27 @@ def _update_raw(S, x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, node, h, kh, C, sab, HKD
 
 
 @triton.jit
-def _tree_kernel(x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, state_ptr, slots_ptr, parents_ptr, anc_ptr, o_ptr, g_out_ptr,
-                 W, HK, HV, C, sab, q_scale,
-                 DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, COMMIT: tl.constexpr,
-                 GATES_OUT: tl.constexpr):
+def _program(slots_ptr, HK, HV, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    """What a program of grid ``(B, HV, Dv / BV)`` works on: ``(b, h, vb, kh, HKDK, dk, cols, dv,
+    s_off)`` = its row, value head, column block, key head, ``Hk * Dk``, the key-dim and value
+    column ranges, the value columns in the projection, and its state tile's offset in one layer of
+    the pool (``slot * HV + h`` tiles of ``Dk x Dv``)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
     kh = h % HK
-    HKDK = HK * DK
     dk = tl.arange(0, DK)
     cols = vb * BV + tl.arange(0, BV)
-    dv = h * DV + cols
     slot = tl.load(slots_ptr + b).to(tl.int64)
-    s_off = (slot * HV + h) * DK * DV
+    return b, h, vb, kh, HK * DK, dk, cols, h * DV + cols, (slot * HV + h) * DK * DV
+
+
+@triton.jit
+def _tree_kernel(x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, state_ptr, slots_ptr, parents_ptr, anc_ptr, o_ptr, g_out_ptr,
+                 W, HK, HV, C, sab, q_scale,
+                 DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, COMMIT: tl.constexpr,
+                 GATES_OUT: tl.constexpr):
+    b, h, vb, kh, HKDK, dk, cols, dv, s_off = _program(slots_ptr, HK, HV, DK, DV, BV)
     S0 = tl.load(state_ptr + s_off + dk[:, None] * DV + cols[None, :])
     S = S0
     for i in range(W):
@@ -153,16 +160,7 @@ def _tree_walk_kernel(x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, state_ptr, slots_ptr,
     """The tree forward without most replays (module docstring): grid and results as
     :func:`_tree_kernel` without ``COMMIT``; ``kids_ptr``: per node the bit mask of its leaf
     children (:func:`leaf_children`)."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    vb = tl.program_id(2)
-    kh = h % HK
-    HKDK = HK * DK
-    dk = tl.arange(0, DK)
-    cols = vb * BV + tl.arange(0, BV)
-    dv = h * DV + cols
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    s_off = (slot * HV + h) * DK * DV
+    b, h, vb, kh, HKDK, dk, cols, dv, s_off = _program(slots_ptr, HK, HV, DK, DV, BV)
     S0 = tl.load(state_ptr + s_off + dk[:, None] * DV + cols[None, :])
     S = S0
     row = b * W
@@ -210,16 +208,7 @@ def _tree_walk_kernel(x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, state_ptr, slots_ptr,
 def _commit_kernel(x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, state_ptr, slots_ptr, path_ptr, n_ptr,
                    W, HK, HV, C, sab,
                    DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    vb = tl.program_id(2)
-    kh = h % HK
-    HKDK = HK * DK
-    dk = tl.arange(0, DK)
-    cols = vb * BV + tl.arange(0, BV)
-    dv = h * DV + cols
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    s_off = (slot * HV + h) * DK * DV
+    b, h, vb, kh, HKDK, dk, cols, dv, s_off = _program(slots_ptr, HK, HV, DK, DV, BV)
     S = tl.load(state_ptr + s_off + dk[:, None] * DV + cols[None, :])
     n = tl.load(n_ptr + b)
     for d in range(n):

@@ -174,6 +174,62 @@ def varint(n: int) -> bytes:
     return bytes(out)
 
 
+def read_varint(buf, o: int) -> tuple[int, int]:
+    """The protobuf varint at ``buf[o]`` (any indexable of byte values) and the offset after it.
+
+    Raises:
+        IndexError: past the end of ``buf``. ValueError: longer than 10 bytes.
+    """
+    b = buf[o]
+    if b < 0x80:   # (one byte: tags and small lengths)
+        return b, o + 1
+    value = shift = 0
+    while True:
+        b = buf[o]
+        o += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, o
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+def length_delimited(buf, start: int, end: int, number: int) -> list[tuple[int, int, int]]:
+    """Every occurrence of the length-delimited field ``number`` in the serialised message
+    ``buf[start:end]`` (protobuf wire format: tag varints, wire types 0, 1, 2, 5), as ``(header
+    start, payload start, payload end)`` offsets: how the services find a message's feature rows in
+    the buffer it came in without parsing them.
+
+    Raises:
+        ValueError: the message does not walk cleanly (a group, another wire type for ``number``,
+            a length past the end). IndexError: a varint past the end of ``buf``.
+    """
+    found, o = [], start
+    while o < end:
+        head = o
+        tag, o = read_varint(buf, o)
+        wire = tag & 7
+        if wire == 0:
+            _, o = read_varint(buf, o)
+        elif wire == 1:
+            o += 8
+        elif wire == 5:
+            o += 4
+        elif wire == 2:
+            n, o = read_varint(buf, o)
+            if tag >> 3 == number:
+                found.append((head, o, o + n))
+            o += n
+        else:
+            raise ValueError("a group")
+        if tag >> 3 == number and wire != 2:
+            raise ValueError(f"field {number} is not length-delimited")
+        if o > end:
+            raise ValueError("a length past the end")
+    return found
+
+
 def features_tail(path: Sequence[int], parts: Sequence[Rows | None], got: tuple | None = None) -> list:
     """The wire bytes that set the ``rows_data`` tensor of the ``FeatureColumns`` reached by the
     message fields ``path`` (field numbers from the outermost message: ``(2, 7)`` is
@@ -263,5 +319,6 @@ def index_statuses(refused, count: int) -> dict[int, common_pb2.ItemStatus]:
     return out
 
 
-__all__ = ["COLUMNAR", "ColumnsError", "Rows", "feature_parts", "features_tail", "fill_features", "fill_trees", "index_statuses", "pack_i32",
+__all__ = ["COLUMNAR", "ColumnsError", "Rows", "feature_parts", "features_tail", "fill_features", "fill_trees", "index_statuses",
+           "length_delimited", "pack_i32", "read_varint",
            "read_features", "read_trees", "unpack_i32", "varint"]
