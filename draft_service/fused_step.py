@@ -15,7 +15,7 @@ the kernels the target engine uses (docs/ARCHITECTURE.md, "The drafter step"):
   one launch, with ``cos`` / ``sin`` read from a table made once
   (``kernels.rope.reference.rope_table``: the float64 angles rounded to float32, which is what
   the reference's ``apply_rope`` computes with);
-* ``kernels.activation.silu_mul`` for SwiGLU;
+* ``kernels.linear.linear_swiglu`` for the gate-up projection and SwiGLU;
 * ``kernels.attention.pool_attention`` with the layer's window on sliding layers
   (``DrafterConfig.layer_window``; the kernel skips key tiles below the window);
 * ``kernels.topk.topk_log_softmax`` for the per-depth top-K of the log-softmax (two launches
@@ -37,8 +37,7 @@ import math
 import torch
 
 from kernels import attention as attn_ops
-from kernels.activation import silu_mul
-from kernels.linear import linear
+from kernels.linear import linear, linear_swiglu
 from kernels.norm import add_rms_norm, rms_norm
 from kernels.quant import QuantizedWeight, embedding
 from kernels.rope import rope_store
@@ -141,7 +140,7 @@ class FusedDrafter:
                                         max_splits=max_splits)
             x, h = add_rms_norm(x, linear(o.reshape(n, nh * D), lw.o), lw.ffn_norm, self.eps)
             nxt = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.drafter.output_norm.weight
-            x, h = add_rms_norm(x, linear(silu_mul(linear(h, lw.gate_up)), lw.down), nxt, self.eps)
+            x, h = add_rms_norm(x, linear(linear_swiglu(h, lw.gate_up), lw.down), nxt, self.eps)
         hidden = h.reshape(b, B, -1)[:, 1:].reshape(b * (B - 1), -1)
         logits = linear(hidden, self.head, torch.float32)                       # [b*(B-1), V]
         values, indices = topk_log_softmax(logits, k)

@@ -86,6 +86,38 @@ def test_wide_rows_bit_identical_to_one_row(dtype):
         T.linear(x, w)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", [None, ALT], ids=["default", "alt"])
+def test_linear_swiglu(dtype, config):
+    """The gate-up projection with SwiGLU in one launch: on a GPU bit for bit the skinny
+    projection (the same config) followed by ``silu_mul`` (within :data:`TOL` under the interpreter
+    and against the reference), its rows the bits of a 1-row call at 16, 37 and 64 rows and, with
+    ``wide``, past 64 (on a GPU)."""
+    from kernels.activation import triton as A
+
+    gen = torch.Generator().manual_seed(9)
+    f, k = 40, 96
+    w = rand(gen, 2 * f, k, dtype=dtype)
+    x = rand(gen, 130, k, dtype=dtype)
+    y = T.linear_swiglu(x[:64], w, config=config)
+    assert y.shape == (64, f) and y.dtype == dtype
+    assert_bits_on_gpu(y, A.silu_mul(T.linear(x[:64], w, config=config)), TOL[dtype])
+    assert rel(y, R.linear_swiglu(x[:64], w)) < TOL[dtype]
+    for m in (16, 37):
+        assert_bits_on_gpu(T.linear_swiglu(x[:m], w, config=config), y[:m], TOL[dtype], m)
+    for i in (0, 15, 16, 63):
+        assert_bits_on_gpu(T.linear_swiglu(x[i:i + 1], w, config=config)[0], y[i], TOL[dtype], i)
+    if config is None:
+        yw = T.linear_swiglu(x, w, wide=True)
+        assert_bits_on_gpu(yw, A.silu_mul(T.linear(x, w, wide=True)), TOL[dtype])
+        for i in (0, 64, 129):
+            assert_bits_on_gpu(T.linear_swiglu(x[i:i + 1], w)[0], yw[i], TOL[dtype], i)
+    with pytest.raises(ValueError):
+        T.linear_swiglu(x[:2], w[:-1])                                     # odd rows
+    with pytest.raises(ValueError, match="at most 64"):
+        T.linear_swiglu(x, w)
+
+
 def test_batch_invariant_dispatch(monkeypatch):
     """``kernels.linear.linear`` past 64 rows: the reference (cuBLAS on a GPU) outside
     ``batch_invariant``, the Triton kernel's wide tiles inside it (nested, per thread)."""
@@ -129,7 +161,8 @@ def test_bad_arguments():
 def test_dispatch_and_mlp_then_norm(monkeypatch):
     """``kernels.linear.linear``: on the CPU the reference (``F.linear``); with the Triton kernels
     (``DFLASH_KERNELS=triton``: the interpreter) the skinny kernel up to 64 rows, the reference
-    above; ``mlp_then_norm`` is ``silu_mul``, the down projection, then ``add_rms_norm``."""
+    above; ``mlp_then_norm`` is the gate-up projection and ``silu_mul`` (``linear_swiglu``: fused
+    where the skinny kernel runs, the same bits), the down projection, then ``add_rms_norm``."""
     import kernels.linear as L
     from kernels.activation import silu_mul
     from kernels.norm import add_rms_norm
@@ -147,6 +180,7 @@ def test_dispatch_and_mlp_then_norm(monkeypatch):
             want = L.linear(silu_mul(gu), lw["down"])
             tri = rows <= 64 and (mode == "triton" or DEV == "cuda")
             assert torch.equal(want, (T if tri else R).linear(silu_mul(gu), lw["down"])), (mode, rows)
+            assert torch.equal(L.linear_swiglu(h, lw["gate_up"]), silu_mul(gu)), (mode, rows)
             xo, ho = mlp_then_norm(x, h, lw, norm, 1e-6)
             xw, hw = add_rms_norm(x, want, norm, 1e-6)
             assert torch.equal(xo, xw) and torch.equal(ho, hw)

@@ -9,6 +9,9 @@
 #                                        # DFLASH_GDN_TREE_WALK=replay, before (REPS each, default 3)
 #                                        # -> $OUT/{after,replay,before}-N.{txt,json}
 #   bash tools/gpu_commit_ab.sh all      # prep, then ab (one call)
+#   MODEL=FILE bash tools/gpu_commit_ab.sh ab   # the same A/B on another GGUF (no synth)
+#   bash tools/gpu_commit_ab.sh smoltests       # after `gpu_run.sh stage` x4: the SmolLM2 file joined, then the
+#                                               # GPU tests of the kernels and both engines -> $OUT/gpu-tests.txt
 #
 # Carry: .whl (gguf wheel at least), .stage/base.tgz, .stage/tok.gguf. The machine keeps /tmp while warm.
 set -uo pipefail
@@ -32,7 +35,18 @@ prep() {
       > "$OUT/gpu-tests.txt" 2>&1
     tail -3 "$OUT/gpu-tests.txt"; cat /tmp/synth.log; ls -la $M
 }
+smoltests() {
+    local smol=$M/SmolLM2-135M-Instruct.Q4_1.gguf
+    [ -s $smol ] || { cat /tmp/stage/part-* > $smol.tmp && [ "$(sha256sum $smol.tmp | cut -d' ' -f1)" = "$(cut -d' ' -f1 .stage/sha256)" ] \
+      && mv $smol.tmp $smol; } || { echo "SmolLM2 parts missing"; exit 1; }
+    nvidia-smi -L > "$OUT/device.txt"
+    DFLASH_MODEL=$smol timeout 540 python3 -m pytest -q -p no:cacheprovider tests/test_linear_kernels.py tests/test_kernels.py \
+      tests/test_batched_engine_gpu.py tests/test_draft_batched.py tests/test_drafter_fused.py tests/test_qwen3.py \
+      > "$OUT/gpu-tests.txt" 2>&1
+    tail -3 "$OUT/gpu-tests.txt"
+}
 ab() {
+    F=${MODEL:-$F}
     for i in $(seq 1 60); do [ -e $F ] && break; sleep 5; done
     [ -e $F ] || { echo "no $F"; cat /tmp/synth.log; exit 1; }
     rm -rf /tmp/base && mkdir -p /tmp/base && tar -xzf .stage/base.tgz -C /tmp/base
@@ -40,7 +54,7 @@ ab() {
     for n in 1 2; do
       python3 tools/verify_commit_bench.py --model $F --reps "${REPS:-3}" --label "after-$n" \
         --json "$OUT/after-$n.json" > "$OUT/after-$n.txt" 2>&1; tail -6 "$OUT/after-$n.txt"
-      DFLASH_GDN_TREE_WALK=replay python3 tools/verify_commit_bench.py --model $F --reps "${REPS:-3}" \
+      [ -z "${MODEL:-}" ] && DFLASH_GDN_TREE_WALK=replay python3 tools/verify_commit_bench.py --model $F --reps "${REPS:-3}" \
         --label "replay-$n" --json "$OUT/replay-$n.json" > "$OUT/replay-$n.txt" 2>&1; tail -6 "$OUT/replay-$n.txt"
       (cd /tmp/base && PYTHONPATH=/tmp/site:$PWD:$PWD/proto python3 tools/verify_commit_bench.py --model $F \
         --reps "${REPS:-3}" --label "before-$n" --json "$OUT/before-$n.json" > "$OUT/before-$n.txt" 2>&1)
@@ -53,6 +67,7 @@ trap pack EXIT
 case "${1:-}" in
   prep) prep ;;
   ab) ab ;;
+  smoltests) smoltests ;;
   all) prep; ab ;;
-  *) echo "usage: $0 prep|ab|all" >&2; exit 2 ;;
+  *) echo "usage: $0 prep|ab|all|smoltests" >&2; exit 2 ;;
 esac

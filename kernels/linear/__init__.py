@@ -1,5 +1,6 @@
 """Linear projections: the skinny Triton kernel on CUDA for at most 64 rows (any number inside
-:func:`batch_invariant`), PyTorch otherwise; GGUF block-quantized weights through :mod:`kernels.quant`."""
+:func:`batch_invariant`), PyTorch otherwise; GGUF block-quantized weights through :mod:`kernels.quant`;
+:func:`linear_swiglu`, the gate-up projection with SwiGLU fused in the same way."""
 
 import torch
 
@@ -30,4 +31,19 @@ def linear(x, weight, out_dtype=None):
     return reference.linear(x, weight, out_dtype)
 
 
-__all__ = ["batch_invariant", "invariant", "linear"]
+def linear_swiglu(x, weight):
+    """``silu_mul(linear(x, weight))`` for a gate-up weight ``[2F, K]``
+    (:func:`kernels.linear.reference.linear_swiglu`): one Triton launch where :func:`linear` would
+    run the skinny kernel (its bits, then ``silu_mul``'s); otherwise (cuBLAS rows, quantized or
+    packed weights, the CPU) :func:`linear` and then ``kernels.activation.silu_mul``."""
+    if isinstance(weight, torch.Tensor):
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        mod = impl("linear", x, weight)
+        if mod.__name__.endswith(".triton") and (rows <= 64 or invariant()):
+            return mod.linear_swiglu(x, weight, wide=rows > 64)
+    from kernels.activation import silu_mul
+
+    return silu_mul(linear(x, weight))
+
+
+__all__ = ["batch_invariant", "invariant", "linear", "linear_swiglu"]

@@ -222,6 +222,79 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
     tl.store(y_ptr + rm[:, None] * sym + rn[None, :], out, mask=mm[:, None] & nm[None, :])
 
 
+@triton.jit(do_not_specialize=["M"])
+def _skinny_swiglu_kernel(x_ptr, w_ptr, y_ptr, M, F, K, sxm, swn, sym,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """``y = silu(x @ w[:F]^T) * (x @ w[F:]^T)`` for one block of ``BLOCK_N`` output features: the
+    gate and up tiles of :func:`_skinny_kernel` side by side (same slices, same order, each rounded
+    to ``x``'s dtype), then ``kernels.activation.triton``'s arithmetic."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid = tl.program_id(0)
+    rn = (pid // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    nm = rn < F
+    mm = rm < M
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        km = rk < K
+        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+        wm = nm[:, None] & km[None, :]
+        wg = tl.load(w_ptr + rn[:, None].to(tl.int64) * swn + rk[None, :], mask=wm, other=0.0)
+        wu = tl.load(w_ptr + (rn[:, None] + F).to(tl.int64) * swn + rk[None, :], mask=wm, other=0.0)
+        if IEEE:
+            acc_g += tl.dot(x, tl.trans(wg), input_precision="ieee")
+            acc_u += tl.dot(x, tl.trans(wu), input_precision="ieee")
+        else:
+            acc_g += tl.dot(x, tl.trans(wg))
+            acc_u += tl.dot(x, tl.trans(wu))
+    g = acc_g.to(x_ptr.dtype.element_ty).to(tl.float32)
+    u = acc_u.to(x_ptr.dtype.element_ty).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty)
+    out = (act.to(tl.float32) * u).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rm[:, None] * sym + rn[None, :], out, mask=mm[:, None] & nm[None, :])
+
+
+def linear_swiglu(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None, wide: bool = False) -> torch.Tensor:
+    """Triton version of ``kernels.linear.reference.linear_swiglu``: the gate-up projection and
+    SwiGLU in one launch, bit for bit :func:`linear` (with the config of the whole ``[2F, K]``
+    weight) followed by ``kernels.activation.triton.silu_mul`` (each output element sees the same
+    ``BLOCK_K`` slices in the same order and the same roundings), for the same rows as
+    :func:`linear` (``wide``: any number, in :func:`wide_config`'s tiles).
+
+    Args:
+        x: ``[..., K]`` float16 / bfloat16 / float32.
+        weight: ``[2F, K]`` (gate rows, then up rows), same dtype, contiguous last dim.
+        config: launch config (default :func:`config_for` ``(2F, K, dtype)``).
+
+    Returns:
+        ``[..., F]`` in ``x``'s dtype.
+
+    Raises:
+        ValueError: as :func:`linear`, or an odd number of weight rows.
+    """
+    k = x.shape[-1]
+    n = weight.shape[0]
+    if weight.shape[-1] != k or n % 2:
+        raise ValueError(f"x [..., {k}] does not match a gate-up weight {tuple(weight.shape)}")
+    if weight.stride(-1) != 1:
+        raise ValueError("weight must have a contiguous last dim")
+    x2 = skinny_rows(x, k, None if wide else MAX_ROWS)
+    m, f = x2.shape[0], n // 2
+    y = torch.empty(m, f, device=x.device, dtype=x.dtype)
+    cfg = config or config_for(n, k, x.dtype)
+    block_m = BLOCK_M
+    if m > MAX_ROWS:
+        block_m, cfg = wide_config(cfg, x.dtype)
+    if m and f:
+        _skinny_swiglu_kernel[(triton.cdiv(f, cfg.block_n) * triton.cdiv(m, block_m),)](
+            x2, weight, y, m, f, k, x2.stride(0), weight.stride(0), y.stride(0),
+            BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=x2.dtype == torch.float32,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y.reshape(*x.shape[:-1], f)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
            config: Config | None = None, wide: bool = False) -> torch.Tensor:
     """Triton version of ``kernels.linear.reference.linear`` for at most :data:`MAX_ROWS` rows

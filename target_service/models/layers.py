@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from kernels.activation import silu_mul
-from kernels.linear import linear
+from kernels.linear import linear, linear_swiglu
 from kernels.norm import add_rms_norm
 from kernels.norm.reference import rms_norm  # noqa: F401 (the reference; models call kernels.norm)
 from kernels.rope.reference import apply_rope, apply_rope_rows, rope_cos_sin, rope_table  # noqa: F401 (re-exported)
@@ -25,11 +25,12 @@ def mlp_then_norm(x: torch.Tensor, h: torch.Tensor, lw: dict, next_norm: torch.T
     ``lw["down"]`` ``[H, F]``), its residual add to ``x``, and the next norm (the next layer's
     input norm, or the output norm), fused: returns ``(x + mlp(h), next_norm(x + mlp(h)))``.
 
-    ``silu(gate) * up`` runs as its own kernel (``kernels.activation.silu_mul``) before the down
-    projection: a SwiGLU prologue fused into the skinny kernel saved the launch but measured 3-4x
-    slower than the two kernels on an H200 (4B down projection: 100 vs 24 us at one row;
-    ``benchmarks/gpu/sweep-linear.json``), so it was removed."""
-    return add_rms_norm(x, linear(silu_mul(linear(h, lw["gate_up"])), lw["down"]), next_norm, eps)
+    ``silu(gate) * up`` is the gate-up projection's epilogue (``kernels.linear.linear_swiglu``: one
+    launch, the bits of the projection then ``silu_mul``). A SwiGLU *prologue* of the down
+    projection instead (each program recomputing the activation of its input) measured 3-4x slower
+    than the two kernels on an H200 (4B down projection: 100 vs 24 us at one row;
+    ``benchmarks/gpu/sweep-linear.json``) and was removed."""
+    return add_rms_norm(x, linear(linear_swiglu(h, lw["gate_up"]), lw["down"]), next_norm, eps)
 
 
 def moe_ffn(h: torch.Tensor, lw: dict, top_k: int, norm_topk: bool = True) -> torch.Tensor:
