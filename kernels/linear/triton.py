@@ -182,15 +182,16 @@ def config_for(n: int, k: int, dtype: torch.dtype) -> Config:
 WIDE_SMEM = 200 << 10
 
 
-def wide_config(cfg: Config, dtype: torch.dtype) -> tuple[int, Config]:
+def wide_config(cfg: Config, dtype: torch.dtype, weight_tiles: int = 1) -> tuple[int, Config]:
     """``(BLOCK_M, config)`` for more than :data:`MAX_ROWS` rows with the bits of ``cfg``: 64 x
     ``max(64, BLOCK_N)`` tiles, 4 warps, ``cfg``'s ``BLOCK_K`` (the one field that orders a row's
     float32 sum) and as many of its stages as fit :data:`WIDE_SMEM`. Measured on an H200
     (``benchmarks/gpu/invariant``): every row equal, bit for bit, to a 1-row call with ``cfg``,
     for SmolLM2's and a 9B's projections, and 2-5x faster than ``cfg``'s 16-row tiles at 128-1024
-    rows (about 1.7x cuBLAS)."""
+    rows (about 1.7x cuBLAS). ``weight_tiles``: weight tiles per stage (2 for
+    :func:`linear_swiglu`'s gate and up)."""
     bn = max(64, cfg.block_n)
-    per_stage = (64 + bn) * cfg.block_k * torch.finfo(dtype).bits // 8
+    per_stage = (64 + weight_tiles * bn) * cfg.block_k * torch.finfo(dtype).bits // 8
     stages = max(1, min(cfg.num_stages, WIDE_SMEM // per_stage))
     return 64, Config(bn, cfg.block_k, 4, stages)
 
@@ -286,7 +287,11 @@ def linear_swiglu(x: torch.Tensor, weight: torch.Tensor, config: Config | None =
     cfg = config or config_for(n, k, x.dtype)
     block_m = BLOCK_M
     if m > MAX_ROWS:
-        block_m, cfg = wide_config(cfg, x.dtype)
+        block_m, cfg = wide_config(cfg, x.dtype, weight_tiles=2)
+    else:   # two weight tiles a stage: fewer stages where they would not fit (the order of the sums
+            # does not depend on the stages)
+        per_stage = (BLOCK_M + 2 * cfg.block_n) * cfg.block_k * torch.finfo(x.dtype).bits // 8
+        cfg = dataclasses.replace(cfg, num_stages=max(1, min(cfg.num_stages, WIDE_SMEM // per_stage)))
     if m and f:
         _skinny_swiglu_kernel[(triton.cdiv(f, cfg.block_n) * triton.cdiv(m, block_m),)](
             x2, weight, y, m, f, k, x2.stride(0), weight.stride(0), y.stride(0),
