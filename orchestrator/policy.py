@@ -32,6 +32,14 @@ nearest smaller batch measured, when its own is not yet: :meth:`DraftPolicy.expe
 decoded plainly for its whole life (no feature rows, no drafter session), except a probe request
 now and then, which keeps drafting measured at that size.
 
+A plain tick of requests that may draft still pays those costs, so it is dearer than a plain tick
+of requests that may not (:data:`BARE`: requests admitted plainly, or that asked for no
+speculation). On an H200 with the shipped SmolLM2 pair at 16 streams a drafting tick cost 4.1x a
+tick of plain decoding for 3.3x its tokens, yet beat the dearer plain ticks, so the policy drafted
+at every level (``benchmarks/gpu/concurrency/run12-long``). Where bare ticks are measured at a
+batch size, admission compares drafting with them (:meth:`DraftPolicy.expected`); where not, with
+the plain ticks of drafting requests, as before.
+
 This module imports nothing of the project and no torch: the orchestrator's unit tests drive it
 with synthetic costs.
 """
@@ -44,6 +52,11 @@ log = logging.getLogger(__name__)
 
 #: Modes of a tick.
 DRAFT, PLAIN = "draft", "plain"
+#: A tick none of whose requests carries what drafting costs every tick (feature rows gathered and
+#: kept, a drafter session): every request in it started plainly (:meth:`DraftPolicy.admit`) or asked
+#: for no speculation. Not a choice of :meth:`DraftPolicy.choose`, only a cost measured
+#: (:meth:`DraftPolicy.observe`): what a request admitted plainly is charged.
+BARE = "bare"
 
 
 def batch_bucket(batch: int) -> int:
@@ -160,16 +173,26 @@ class DraftPolicy:
         per admission probe): ``refresh``, doubled per re-measurement that confirmed the choice."""
         return self._interval.get(batch_bucket(batch), self.refresh)
 
-    def _pick(self, b: int, batch: int, requests) -> str:
+    def _pick(self, b: int, batch: int, requests, plain: str = PLAIN) -> str:
         """The faster mode of a warm bucket for ``batch`` requests, ``requests`` the ids of those
-        that may draft (None: all of them, at the prior)."""
+        that may draft (None: all of them, at the prior); ``plain``: the plain ticks to compare
+        with (:data:`PLAIN`, or :data:`BARE` for admission)."""
         if requests is None:
             drafted = batch * self.prior()
         else:
             drafted = sum(self.tokens(r) for r in requests) + (batch - len(requests))
         draft = drafted / self._secs[(b, DRAFT)]
-        plain = batch / self._secs[(b, PLAIN)]
-        return DRAFT if draft >= plain else PLAIN
+        rate = batch / self._secs[(b, plain)]
+        return DRAFT if draft >= rate else PLAIN
+
+    def _admit_faster(self, batch: int) -> str | None:
+        """:meth:`faster` for admission: against bare ticks where the bucket has them measured
+        (and drafting), else against the plain ticks of drafting requests."""
+        b = batch_bucket(batch)
+        if (self.prior() is not None and self._count.get((b, DRAFT), 0) > self.warmup
+                and self._count.get((b, BARE), 0) > self.warmup):
+            return self._pick(b, batch, None, BARE)
+        return self.faster(batch)
 
     def choose(self, batch: int, requests=None) -> str:
         """The mode of the next tick of ``batch`` requests, ``requests`` the ids of those that may
@@ -202,16 +225,17 @@ class DraftPolicy:
         return self._pick(b, batch, None)
 
     def expected(self, batch: int) -> str | None:
-        """The mode expected faster at ``batch``'s bucket: :meth:`faster` where the bucket is
-        measured; else :data:`PLAIN` when the nearest smaller measured bucket found plain faster
+        """The mode expected faster at ``batch``'s bucket for a request starting there: drafting
+        against bare ticks where both are measured, else :meth:`faster`; where the bucket is not
+        measured, :data:`PLAIN` when the nearest smaller measured bucket found plain faster
         (drafting's gain only shrinks as a batch grows: the verify turns compute-bound and the
         host work per tick grows with the requests, module docstring), else None."""
-        mode = self.faster(batch)
+        mode = self._admit_faster(batch)
         if mode is not None:
             return mode
         b = batch_bucket(batch) >> 1
         while b >= 1:
-            mode = self.faster(b)
+            mode = self._admit_faster(b)
             if mode is not None:
                 return PLAIN if mode == PLAIN else None
             b >>= 1
@@ -238,14 +262,21 @@ class DraftPolicy:
         return mode
 
     def observe(self, batch: int, mode: str, tokens: int, seconds: float) -> None:
-        """A tick of ``batch`` requests ran in ``mode`` and emitted ``tokens`` in ``seconds``
-        (the whole tick: Propose, verify and the orchestrator's own work). A drafting tick whose
-        items were not :meth:`note`-d adds its tokens per request to the prior."""
+        """A tick of ``batch`` requests ran in ``mode`` (:data:`DRAFT`, :data:`PLAIN`, or
+        :data:`BARE` for a tick of requests that may not draft) and emitted ``tokens`` in
+        ``seconds`` (the whole tick: Propose, verify and the orchestrator's own work). A drafting
+        tick whose items were not :meth:`note`-d adds its tokens per request to the prior."""
         if seconds <= 0 or batch <= 0:
             return
         b = batch_bucket(batch)
         key = (b, mode)
         n = self._count.get(key, 0)
+        if mode == BARE:   # a cost only: no choice was made, nothing to re-measure
+            if n >= 1:
+                old = self._secs.get(key)
+                self._secs[key] = seconds if old is None else old + self.alpha * (seconds - old)
+            self._count[key] = n + 1
+            return
         before = self.faster(batch)
         if mode == DRAFT and not self._noted:
             self._add_prior(tokens, batch)
@@ -276,4 +307,4 @@ class DraftPolicy:
         return out
 
 
-__all__ = ["DRAFT", "PLAIN", "DraftPolicy", "batch_bucket"]
+__all__ = ["BARE", "DRAFT", "PLAIN", "DraftPolicy", "batch_bucket"]

@@ -75,7 +75,7 @@ from orchestrator.messages import (CheckedTrees, ProposeItems, TreeChecker, join
                                    verify_request)
 from orchestrator.peers import (DirectStreamCall, DraftDeadline, DraftPeer, ExchangeTimeout, LocalHopCall, StreamCall,
                                 StreamError, TargetPeer, drafter_mismatch, status_code)
-from orchestrator.policy import DRAFT, PLAIN, DraftPolicy
+from orchestrator.policy import BARE, DRAFT, PLAIN, DraftPolicy
 from orchestrator.stats import AcceptanceStats
 from runtime.errors import Reason
 from runtime.tree import TreeError, tree_depths
@@ -906,6 +906,8 @@ class Scheduler:
         # resync's feature rows to the drafter (a cost of the request's start, not of drafting)
         if mode is not None and (mode == PLAIN or (trees and not resync_rows)):
             self.policy.observe(len(batch), mode, emitted, tick_s)
+        elif self.policy is not None and not any(r.speculative for r in batch):
+            self.policy.observe(len(batch), BARE, emitted, tick_s)   # what a request started plainly pays
         metrics.observe_tick(len(batch), draft_s, verify_s, tick_s - draft_s - verify_s)
         self._adapt_hold(len(batch), tick_s)
 

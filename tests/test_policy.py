@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from orchestrator.policy import DRAFT, PLAIN, DraftPolicy, batch_bucket
+from orchestrator.policy import BARE, DRAFT, PLAIN, DraftPolicy, batch_bucket
 
 
 def test_batch_bucket_is_the_power_of_two_at_or_above():
@@ -97,6 +97,33 @@ def test_admits_requests_plain_where_plain_ticks_are_faster_with_a_probe_per_ref
     got = [policy.admit(7) for _ in range(3 * every)]
     assert got == ([PLAIN] * (every - 1) + [DRAFT]) * 3                 # one probe per interval
     assert policy.admissions == {DRAFT: 24, PLAIN: 3 * (every - 1)}
+
+def test_admission_compares_drafting_with_bare_ticks_where_measured():
+    """Plain ticks of requests that may draft still pay drafting's per-tick costs; once ticks of
+    requests that may not (BARE) are measured at a batch size, a request starting there is judged
+    against those: here drafting (3.3 tokens per request in 11.7 ms at 16 requests) beats the
+    dearer plain ticks (6 ms) but not bare ones (2.9 ms, the measured shape of
+    benchmarks/gpu/concurrency/run12-long). Bare ticks are a cost only: they change no choice
+    between drafting and plain ticks."""
+    policy, rng = DraftPolicy(refresh=16), random.Random(3)
+
+    def cost(mode, batch):
+        return (round(3.3 * batch), 11.7e-3) if mode == DRAFT else (batch, 6.0e-3)
+
+    chosen = _drive(policy, cost, 16, 200, rng)
+    assert chosen[-100:].count(DRAFT) >= 95                       # drafting beats the dear plain ticks
+    assert policy.expected(16) == DRAFT and policy.admit(16) == DRAFT
+    for _ in range(policy.warmup + 2):
+        policy.observe(16, BARE, 16, 2.9e-3 * rng.uniform(0.9, 1.1))
+    assert policy.choose(16, [f"r{i}" for i in range(16)]) == DRAFT    # the tick choice is unchanged
+    assert policy.expected(16) == PLAIN
+    every = policy.interval(16)
+    modes = [policy.admit(16) for _ in range(2 * every)]
+    assert modes.count(DRAFT) == 2 and modes.count(PLAIN) == 2 * every - 2   # plain, a drafting probe per interval
+    # a bucket without bare ticks keeps judging by the plain ticks of drafting requests
+    _drive(policy, cost, 4, 100, rng)
+    assert policy.expected(4) == DRAFT
+
 
 def _tokens(req) -> list[int]:
     """Every token a submitted request streams, in order, until its finish (a failure fails the test)."""
