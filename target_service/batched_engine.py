@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 
 import numpy as np
 import torch
@@ -42,8 +41,6 @@ log = logging.getLogger(__name__)
 #: the smallest (batch, width) bucket that holds it (:class:`TargetConfig` holds the numbers); the default
 #: batch buckets follow the session slots (:func:`runtime.config.batch_buckets_for`).
 WIDTH_BUCKETS = TargetConfig.width_buckets
-#: weight of a step's seconds in its shape's decayed mean (:attr:`BatchedEngine.step_seconds`)
-STEP_ALPHA = 0.2
 
 
 @dataclasses.dataclass
@@ -199,12 +196,6 @@ class BatchedEngine:
         #: steps run, forwards (graphs captured: :attr:`captures`)
         self.steps = 0
         self.forwards = 0
-        #: per step shape ``(batch bucket, width bucket)``, a decayed mean of its seconds (host
-        #: packing, the step and reading its results): what :meth:`_plan` weighs a split by
-        self.step_seconds: dict[tuple[int, int], float] = {}
-        #: verify batches whose root-only items ran as a step of their own (:meth:`_plan`)
-        self.width_splits = 0
-        self._step_seen: set[tuple[int, int]] = set()
 
     # ------------------------------------------------------------------ shapes
     @property
@@ -425,32 +416,7 @@ class BatchedEngine:
     def _plan(self, ready: list) -> list[list]:
         """Split the ready items (in order) into steps whose bucketed shape ``(batch bucket,
         width bucket)`` holds at most ``max_step_tokens`` nodes (one of :meth:`buckets`; any width
-        alone) and whose rows fit the largest batch bucket.
-
-        With padded buckets, the root-only items (plain decoding beside trees) run as a step of
-        their own when the measured seconds of the two steps' shapes (:attr:`step_seconds`) are
-        less than those of the one step that would pad each of them to the trees' width: a few
-        drafting requests among many plain ones would otherwise make every row as wide as their
-        trees (issue 23). Each row's result does not depend on its step's shape (docs/ARCHITECTURE.md,
-        "Width invariance"), so the split changes only the time. Shapes not yet measured: one step."""
-        if self.pad and len(ready) > 1:
-            plain = [item for item in ready if len(item[2]) == 1]
-            trees = [item for item in ready if len(item[2]) > 1]
-            if plain and trees and self._split_pays(len(plain), trees, len(ready)):
-                self.width_splits += 1
-                return self._group(plain) + self._group(trees)
-        return self._group(ready)
-
-    def _split_pays(self, n_plain: int, trees: list, n: int) -> bool:
-        wb = self._bucket(max(len(item[2]) for item in trees), self.width_buckets)
-        shapes = [(self._bucket(n, self.batch_buckets), wb), (self._bucket(n_plain, self.batch_buckets), 1),
-                  (self._bucket(len(trees), self.batch_buckets), wb)]
-        if any(k[0] * k[1] > self.max_step_tokens and k[0] > 1 for k in shapes) or n > self.batch_buckets[-1]:
-            return False   # (more than one step either way: left to _group)
-        secs = [self.step_seconds.get(k) for k in shapes]
-        return None not in secs and secs[1] + secs[2] < secs[0]
-
-    def _group(self, ready: list) -> list[list]:
+        alone) and whose rows fit the largest batch bucket."""
         groups, cur, width = [], [], 0
         max_rows = self.batch_buckets[-1] if self.pad else len(ready) or 1
         for item in ready:
@@ -482,7 +448,6 @@ class BatchedEngine:
             if s.feature_layers else f[..., :0]
 
     def _step(self, group: list) -> list[VerifyOutcome]:
-        t0 = time.perf_counter()
         b = len(group)
         w = max(len(item[2]) for item in group)
         wb = self._bucket(w, self.width_buckets)
@@ -518,9 +483,4 @@ class BatchedEngine:
             if s.feature_layers and runner.out_feats is not None:
                 feats = self._session_features(runner.out_feats[r, :n], s).clone()
             outs.append(VerifyOutcome(nodes, [tokens[j] for j in nodes[1:]], s.root, s.length, feats))
-        key, dt = (lay.batch, lay.width), time.perf_counter() - t0
-        if key in self._step_seen:   # (a shape's first step may have captured its graph)
-            old = self.step_seconds.get(key)
-            self.step_seconds[key] = dt if old is None else old + STEP_ALPHA * (dt - old)
-        self._step_seen.add(key)
         return outs

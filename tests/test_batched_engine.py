@@ -208,30 +208,6 @@ def test_padding_and_other_sessions_untouched(tiny_qwen35):
     assert c.length == length_c
 
 
-def test_plain_items_run_apart_from_trees_when_measured_faster(tiny_qwen35):
-    """Root-only items beside trees run as their own step when the measured shapes say the two
-    steps are faster than one padded to the trees' width (``_plan``), with outcomes equal to the
-    one-step run's; unmeasured shapes, or a split measured slower, keep one step."""
-    def run(split: bool | None):
-        engine = BatchedEngine(tiny_qwen35, max_sessions=4, max_context=64, max_tree_width=8, max_tree_depth=6,
-                               pad_to_buckets=True, batch_buckets=(1, 2, 4))
-        s = Sampling.checked(0.0, 0, 0.0, 0)
-        roots = {sid: engine.prefill(sid, p, s, []).first_token
-                 for sid, p in (("a", [3, 4, 5]), ("b", [6, 7]), ("c", [8, 9, 10, 11]))}
-        if split is not None:   # (4, 4) the padded step; (2, 1) the plain items; (1, 4) the tree
-            engine.step_seconds.update({(4, 4): 1.0, (2, 1): 0.1 if split else 0.6, (1, 4): 0.1 if split else 0.6})
-        items = [("a", [roots["a"]], [-1]), ("b", [roots["b"], 12, 13, 14], [-1, 0, 0, 1]), ("c", [roots["c"]], [-1])]
-        outs = engine.verify_batch(items)
-        more = engine.verify_batch([(sid, [o.bonus_token], [-1]) for sid, o in zip("abc", outs)])
-        return [(o.accepted_nodes, o.bonus_token, o.committed_length) for o in outs + more], engine.width_splits
-
-    one, n_one = run(None)
-    apart, n_apart = run(True)
-    slower, n_slower = run(False)
-    assert (n_one, n_apart, n_slower) == (0, 1, 0)
-    assert apart == one == slower
-
-
 def test_reused_slot_carries_nothing(tiny_qwen35):
     s = Sampling.checked(0.0, 0, 0.0, 0)
     fresh = BatchedEngine(tiny_qwen35, max_sessions=1, max_context=64, max_tree_width=8)
