@@ -241,12 +241,13 @@ class PoolBackend:
                 would be incomplete).
         """
         st, pool = self.st, self.pool
+        if self.stack is not None and (len(self.saved) != pool.recurrent.shape[0] or len(set(self.saved.values())) != 1):
+            # (checked before any state is written: a slot's K/V and recurrent state stay together)
+            raise RuntimeError(f"the forward ran {len(self.saved)} of {pool.recurrent.shape[0]} GDN layers "
+                               "(or layers of different head shapes): cannot commit them together")
         attn_ops.pool_kv_commit(pool.k, pool.v, st.slots, st.lengths, path, n_accept)
         if self.stack is None:
             return
-        if len(self.saved) != pool.recurrent.shape[0] or len(set(self.saved.values())) != 1:
-            raise RuntimeError(f"the forward ran {len(self.saved)} of {pool.recurrent.shape[0]} GDN layers "
-                               "(or layers of different head shapes): cannot commit them together")
         hk, dk = next(iter(self.saved.values()))
         xs, cs, gs = self.stack
         last = path.gather(1, (n_accept - 1).clamp(min=0)[:, None])[:, 0]

@@ -262,6 +262,11 @@ def test_gdn_tree_walks_same_bits(shape, monkeypatch):
     assert torch.equal(outs["leaves"][0], outs["replay"][0]) and torch.equal(outs["leaves"][1], outs["replay"][1])
     kids_t = T.leaf_children(parents)
     assert torch.equal(kids_t, T.leaf_children_reference(parents))
+    assert torch.equal(T.leaf_children(parents.int()), kids_t)              # int32 parents: the same int64 masks
+    if shape == "wide64":
+        monkeypatch.setattr(T, "TREE_WALK", "leaves")
+        o32 = T.pool_gdn_tree(conv, a, bb, A, dtb, state.clone(), slots, parents.int(), anc, False, hk, dk)
+        assert torch.equal(o32, outs["leaves"][0])
     kids = kids_t.cpu().tolist()
     for r, prow in enumerate(par):
         leaves = {j for j in range(w) if j not in prow}

@@ -286,12 +286,14 @@ def pool_gdn_tree(conv_out, a, b, A, dt_bias, state_pool: torch.Tensor, slots: t
     hv, dk, dv = state_pool.shape[1], state_pool.shape[2], state_pool.shape[3]
     bv = _block_v(dv)
     out = torch.empty(bsz, w, hv, dv, device=conv_out.device, dtype=torch.float32)
-    parents, slots = parents.contiguous(), slots.contiguous()
+    parents, slots = parents.to(torch.int64).contiguous(), slots.contiguous()   # (the walk's bit masks: int64)
+    if bsz == 0 or w == 0:
+        return out
     anc = ancestors.contiguous() if ancestors is not None else parents
     if gates_out is not None:
         _check_gates(gates_out, bsz, w, hv)
     if not commit and TREE_WALK == "leaves":
-        kids = leaf_kids.contiguous() if leaf_kids is not None else leaf_children(parents)
+        kids = leaf_kids.to(torch.int64).contiguous() if leaf_kids is not None else leaf_children(parents)
         _tree_walk_kernel[(bsz, hv, dv // bv)](conv_out, a, b, A, dt_bias, state_pool, slots, parents, anc, kids, out,
                                                 gates_out if gates_out is not None else out,
                                                 w, key_heads, hv, c, a.stride(1), dk ** -0.5,
@@ -343,7 +345,7 @@ def leaf_children(parents: torch.Tensor) -> torch.Tensor:
     bsz, w = parents.shape
     if w > 64:
         raise ValueError(f"trees of at most 64 nodes, got {w}")
-    parents = parents.contiguous()
+    parents = parents.to(torch.int64).contiguous()     # (the masks are int64 whatever the parents)
     out = torch.empty_like(parents)
     if bsz and w:
         _leaf_kids_kernel[(bsz,)](parents, out, w, WP=max(2, triton.next_power_of_2(w)), num_warps=1)
@@ -388,9 +390,11 @@ def pool_gdn_commit_layers(state_pools: torch.Tensor, slots: torch.Tensor, conv_
     _check_gates(gates, bsz, w, hv)
     if state_pools.shape[0] != nl or gates.shape[0] != nl:
         raise ValueError(f"layer counts differ: state {state_pools.shape[0]}, conv {nl}, gates {gates.shape[0]}")
-    if bsz == 0 or nl == 0:
+    if dk != head_k_dim:
+        raise ValueError(f"state pools hold Dk = {dk}, the layers' head_k_dim is {head_k_dim}")
+    if bsz == 0 or nl == 0 or w == 0:
         return
-    path, n_accept = path.contiguous(), n_accept.contiguous()
+    path, n_accept, slots = path.contiguous(), n_accept.contiguous(), slots.contiguous()
     bv = _block_v(dv)
     nvb = dv // bv
     _commit_layers_kernel[(bsz, hv, nl * nvb)](conv_outs, gates, state_pools, slots, path, n_accept,
