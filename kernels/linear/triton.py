@@ -196,19 +196,24 @@ def wide_config(cfg: Config, dtype: torch.dtype, weight_tiles: int = 1) -> tuple
     return 64, Config(bn, cfg.block_k, 4, stages)
 
 
+@triton.jit
+def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's output columns and rows and their masks: a 1-D grid, row blocks fastest, so
+    the (up to 4) programs that share a weight block run side by side and a 17..64-row call reads
+    each weight byte from HBM once (the others hit L2)."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid = tl.program_id(0)
+    rn = (pid // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return rn, rm, rn < N, rm < M
+
+
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     """``y = x @ w^T`` for one block of output features; the result is rounded to ``x``'s dtype
     first (as ``F.linear`` rounds it) and then stored in ``y``'s dtype."""
-    # 1-D grid, row blocks fastest: the (up to 4) programs that share a weight block run side by
-    # side, so a 17..64-row call reads each weight byte from HBM once (the others hit L2).
-    num_m = tl.cdiv(M, BLOCK_M)
-    pid = tl.program_id(0)
-    rn = (pid // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
-    nm = rn < N
-    mm = rm < M
+    rn, rm, nm, mm = _tile(M, N, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -229,12 +234,7 @@ def _skinny_swiglu_kernel(x_ptr, w_ptr, y_ptr, M, F, K, sxm, swn, sym,
     """``y = silu(x @ w[:F]^T) * (x @ w[F:]^T)`` for one block of ``BLOCK_N`` output features: the
     gate and up tiles of :func:`_skinny_kernel` side by side (same slices, same order, each rounded
     to ``x``'s dtype), then ``kernels.activation.triton``'s arithmetic."""
-    num_m = tl.cdiv(M, BLOCK_M)
-    pid = tl.program_id(0)
-    rn = (pid // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
-    nm = rn < F
-    mm = rm < M
+    rn, rm, nm, mm = _tile(M, F, BLOCK_M, BLOCK_N)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
