@@ -162,8 +162,12 @@ def test_scheduler_stops_drafting_where_it_does_not_pay_and_stays_lossless(tiny_
             assert time.monotonic() < deadline
             time.sleep(0.05)
         plain = run(sched, False, 60)
+        # a request that may not draft: its ticks are bare, a cost measured, never a choice
+        bare = sched.policy._count.get((1, BARE), 0)
+        assert bare >= 50 and sched.policy.choices == {DRAFT: 0, PLAIN: 0}
         spec = run(sched, True, 60)
         assert spec == plain
+        assert sched.policy._count.get((1, BARE), 0) == bare   # ticks of a request that may draft are not bare
         choices = sched.policy.choices
         assert choices[DRAFT] >= 3 and choices[PLAIN] > choices[DRAFT], choices
         # plain ticks are now measured faster at one request: a new one starts plain for life
@@ -174,6 +178,7 @@ def test_scheduler_stops_drafting_where_it_does_not_pay_and_stays_lossless(tiny_
         assert run(sched, True, 60) == plain
         assert sched.policy.admissions[PLAIN] == before[PLAIN] + 1
         assert sched.policy.choices[DRAFT] == drafted[DRAFT]   # no tick had a request that may draft
+        assert sched.policy._count[(1, BARE)] >= bare + 50      # the request started plainly: bare ticks
 
 
 def test_an_unmeasured_bucket_starts_requests_plain_where_a_smaller_one_found_plain_faster():
