@@ -195,9 +195,9 @@ def logit_errors(got: list[torch.Tensor], ref: list[torch.Tensor]) -> dict:
 
 class SiteTimer:
     """Time of every linear of a model's forward by site (``qkv``, ``o``, ``gate_up``, ``down``,
-    ``lm_head``, ``other``): ``target_service.models.llama.linear`` and
-    ``target_service.models.layers.linear`` wrapped in CUDA events (CPU: ``perf_counter``) while
-    the block runs. :meth:`collect` turns the records into times (after a sync)."""
+    ``lm_head``, ``other``): ``target_service.models.llama.linear``,
+    ``target_service.models.layers.linear`` and ``.linear_swiglu`` (the gate-up site) wrapped in
+    CUDA events (CPU: ``perf_counter``) while the block runs. :meth:`collect` turns the records into times (after a sync)."""
 
     def __init__(self, model):
         self.label = {}
@@ -213,30 +213,33 @@ class SiteTimer:
         import target_service.models.layers as LY
         import target_service.models.llama as LL
 
-        self._mods = [(m, m.linear) for m in (LL, LY)]
-        orig = LL.linear
+        self._mods = [(m, "linear", m.linear) for m in (LL, LY)] + [(LY, "linear_swiglu", LY.linear_swiglu)]
 
-        def linear(x, weight, out_dtype=None):
-            lab = self.label.get(id(weight), "other")
-            if self.cuda:
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                y = orig(x, weight, out_dtype)
-                e.record()
-            else:
-                s = time.perf_counter()
-                y = orig(x, weight, out_dtype)
-                e = time.perf_counter()
-            self.records.append((lab, s, e))
-            return y
+        def timed(orig):
+            def call(x, weight, *args):
+                lab = self.label.get(id(weight), "other")
+                if self.cuda:
+                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    s.record()
+                    y = orig(x, weight, *args)
+                    e.record()
+                else:
+                    s = time.perf_counter()
+                    y = orig(x, weight, *args)
+                    e = time.perf_counter()
+                self.records.append((lab, s, e))
+                return y
+            return call
 
-        for m, _ in self._mods:
-            m.linear = linear
+        # (llama's and layers' ``linear`` are the same function, kernels.linear.linear)
+        wrapped = {"linear": timed(LL.linear), "linear_swiglu": timed(LY.linear_swiglu)}
+        for m, name, _ in self._mods:
+            setattr(m, name, wrapped[name])
         return self
 
     def __exit__(self, *exc):
-        for m, f in self._mods:
-            m.linear = f
+        for m, name, f in self._mods:
+            setattr(m, name, f)
 
     def collect(self) -> tuple[dict[str, list[float]], float]:
         """``({site: [microseconds per call]}, span in microseconds from the first call's start to
