@@ -14,7 +14,7 @@ Reads, from one run's directory:
 Writes one markdown page: the end-to-end table (tok/s per configuration and layout, the spread
 over repeats, ratios to llama.cpp and to the same layout's AR, tau) with each step's breakdown in
 milliseconds (draft device, draft-service host work, verify device, target host work, gRPC and
-queue, orchestrator), and the concurrency table (aggregate tok/s, speculative over AR). Device
+queue, orchestrator, GPU idle), and the concurrency table (aggregate tok/s, speculative over AR). Device
 times come from the engine benchmark (batch 1), host times are the services' step times
 (``compute_s``) minus them.
 """
@@ -69,8 +69,8 @@ def _device_ms(engine: dict | None, config: str) -> tuple[float | None, float | 
 def e2e_table(runs: dict[str, list[dict]], engine: dict | None, llama: float | None) -> list[str]:
     """Markdown lines of the end-to-end table (``runs``: label -> repeats of bench results)."""
     L = ["| layout | config | tau | tok/s (median [min, max], n) | / llama.cpp | / own AR | step ms | draft device | "
-         "draft host | verify device | verify host | gRPC + queue | orchestrator | lossless |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+         "draft host | verify device | verify host | gRPC + queue | orchestrator | GPU idle | lossless |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, reps in runs.items():
         configs = list(reps[0]["configs"])
         ar = statistics.median(r["configs"]["ar"]["tokens_per_second"] for r in reps) if "ar" in configs else None
@@ -89,7 +89,8 @@ def e2e_table(runs: dict[str, list[dict]], engine: dict | None, llama: float | N
                 f"{fmt(med / llama if llama else None)}x | {fmt(med / ar if ar else None)}x | {st['total']:.2f} | "
                 f"{fmt(dd)} | {fmt(None if dd is None else st['draft_compute'] - dd)} | {fmt(vd)} | "
                 f"{fmt(None if vd is None else st['verify_compute'] - vd)} | {st['grpc_and_queue']:.2f} | "
-                f"{st['orchestrator']:.2f} | {'yes' if all(r.get('lossless') for r in rows) else 'NO'} |")
+                f"{st['orchestrator']:.2f} | {fmt(None if dd is None or vd is None else st['total'] - dd - vd)} | "
+                f"{'yes' if all(r.get('lossless') for r in rows) else 'NO'} |")
     return L
 
 
@@ -132,7 +133,8 @@ def report(d: str, command: str = "") -> str:
           "of the same file in the same run (batch 1, CUDA events around the replayed step); host = the "
           "service's step time (its "
           "`compute_s`) minus that; gRPC + queue = the exchange round trips minus the services' step times; "
-          "orchestrator = the rest of the tick.", ""]
+          "orchestrator = the rest of the tick; GPU idle = the step less its draft and verify device time "
+          "(everything the GPU waits on per step).", ""]
     if runs:
         L += e2e_table(runs, engine, llama) + [""]
     if conc:

@@ -148,6 +148,7 @@ def test_step_report_tables(tmp_path):
     assert cells[:4] == ["colocated", "tree:15:4", "3.70", "1050 [1000, 1100], 2"]
     assert cells[4:6] == ["2.10x", "1.62x"]                 # 1050 / 500, 1050 / 650
     assert cells[7:11] == ["0.35", "0.55", "1.10", "0.50"]  # draft device / host, verify device / host
+    assert cells[13] == "1.55"                              # GPU idle: 3.0 - 0.35 - 1.1
 
 
 def test_step_report_prefers_the_services_own_device_times(tmp_path):
@@ -168,3 +169,4 @@ def test_step_report_prefers_the_services_own_device_times(tmp_path):
     row = next(line for line in report(str(tmp_path)).splitlines() if "| tree:15:4 |" in line)
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert cells[7:11] == ["0.50", "0.40", "1.30", "0.30"]  # draft device / host, verify device / host
+    assert cells[13:] == ["1.20", "yes"]                    # GPU idle: 3.0 - 0.5 - 1.3
