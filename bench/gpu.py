@@ -315,11 +315,10 @@ def bench_engine(path: str, name: str, reps: int = 5, hf: bool = False, max_cont
 
 
 @torch.no_grad()
-def commit_timing(engine, width: int = 16, reps: int = 20, graph: bool = False) -> dict:
-    """Milliseconds of the commit of a ``width``-node chain whose whole path is accepted, on the
-    spare slot (CUDA events around the commit only): eager, or with ``graph`` the commit alone
-    captured as a CUDA graph and replayed (how it runs inside the served step, whose graph holds
-    it: ``target_service.pooled.run_step``)."""
+def chain_forward(engine, width: int):
+    """The eager forward of a ``width``-node chain (tokens ``0..width-1``) on ``engine``'s spare
+    slot at ``L = 0``, not committed: its :class:`target_service.pooled.PoolBackend`, whose
+    ``commit`` the caller runs (:func:`commit_timing`; tests)."""
     import numpy as np
 
     from target_service.pooled import StepLayout, StepTensors, forward
@@ -333,7 +332,15 @@ def commit_timing(engine, width: int = 16, reps: int = 20, graph: bool = False) 
     v["ancestors"][0] = [(1 << (i + 1)) - 1 for i in range(width)]
     v["n_nodes"][0], v["slots"][0], v["lengths"][0] = width, engine.pool.spare, 0
     st = StepTensors.from_buffer(lay, torch.from_numpy(buf).to(engine.device), engine.conv_kernel)
-    _, _, backend = forward(engine.model, engine.pool, st, engine.rope, engine.taps, commit_chain=False)
+    return forward(engine.model, engine.pool, st, engine.rope, engine.taps, commit_chain=False)[2]
+
+
+def commit_timing(engine, width: int = 16, reps: int = 20, graph: bool = False) -> dict:
+    """Milliseconds of the commit of a ``width``-node chain whose whole path is accepted, on the
+    spare slot (CUDA events around the commit only): eager, or with ``graph`` the commit alone
+    captured as a CUDA graph and replayed (how it runs inside the served step, whose graph holds
+    it: ``target_service.pooled.run_step``)."""
+    backend = chain_forward(engine, width)
     path = torch.arange(width, device=engine.device)[None]
     n_acc = torch.full((1,), width, device=engine.device)
     commit = lambda: backend.commit(path, n_acc)  # noqa: E731

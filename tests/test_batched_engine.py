@@ -211,22 +211,11 @@ def test_padding_and_other_sessions_untouched(tiny_qwen35):
 def test_commit_refuses_a_forward_that_missed_gdn_layers_before_writing(tiny_qwen35):
     """The commit writes every GDN layer's state from inputs the forward stacked; if a layer's
     inputs are missing it raises before any state (K/V included) is written."""
-    import numpy as np
-
-    from target_service.pooled import StepLayout, StepTensors, forward
+    from bench.gpu import chain_forward
 
     engine = BatchedEngine(tiny_qwen35, max_sessions=2, max_context=64, max_tree_width=8, pad_to_buckets=True)
     w = 4
-    lay = StepLayout(1, w)
-    buf = np.zeros(lay.size, dtype=np.int64)
-    v = lay.host_views(buf)
-    v["tokens"][0] = np.arange(w)
-    v["parents"][0] = np.arange(-1, w - 1)
-    v["depth"][0] = np.arange(w)
-    v["ancestors"][0] = [(1 << (i + 1)) - 1 for i in range(w)]
-    v["n_nodes"][0], v["slots"][0], v["lengths"][0] = w, engine.pool.spare, 0
-    st = StepTensors.from_buffer(lay, torch.from_numpy(buf), engine.conv_kernel)
-    _, _, backend = forward(engine.model, engine.pool, st, engine.rope, engine.taps, commit_chain=False)
+    backend = chain_forward(engine, w)
     assert backend.stack is not None and len(backend.saved) == engine.pool.recurrent.shape[0]
     backend.saved.pop(next(iter(backend.saved)))
     before = [t.clone() for t in (engine.pool.k, engine.pool.v, engine.pool.recurrent, engine.pool.conv)]
