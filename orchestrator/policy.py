@@ -270,22 +270,14 @@ class DraftPolicy:
             return
         b = batch_bucket(batch)
         key = (b, mode)
-        n = self._count.get(key, 0)
         if mode == BARE:   # a cost only: no choice was made, nothing to re-measure
-            if n >= 1:
-                old = self._secs.get(key)
-                self._secs[key] = seconds if old is None else old + self.alpha * (seconds - old)
-            self._count[key] = n + 1
+            self._add_cost(key, seconds)
             return
         before = self.faster(batch)
         if mode == DRAFT and not self._noted:
             self._add_prior(tokens, batch)
         self._noted = 0
-        # the first tick is only counted; later ones go into the decayed mean
-        if n >= 1:
-            old = self._secs.get(key)
-            self._secs[key] = seconds if old is None else old + self.alpha * (seconds - old)
-        self._count[key] = n + 1
+        self._add_cost(key, seconds)
         self.choices[mode] = self.choices.get(mode, 0) + 1
         self._since[key] = 0
         other = (b, PLAIN if mode == DRAFT else DRAFT)
@@ -294,6 +286,15 @@ class DraftPolicy:
             after = self.faster(batch)
             self._interval[b] = (min(self.max_refresh, 2 * self.interval(batch)) if after == before
                                  else self.refresh)
+
+    def _add_cost(self, key: tuple[int, str], seconds: float) -> None:
+        """A tick of ``key`` = ``(bucket, mode)`` took ``seconds``: counted, and, from the second
+        on (the first carries one-time work), folded into the decayed mean with weight ``alpha``."""
+        n = self._count.get(key, 0)
+        if n >= 1:
+            old = self._secs.get(key)
+            self._secs[key] = seconds if old is None else old + self.alpha * (seconds - old)
+        self._count[key] = n + 1
 
     def rates(self) -> dict[int, dict[str, float]]:
         """Expected tokens per second per request, per warm-enough bucket and mode: the prior

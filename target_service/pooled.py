@@ -169,9 +169,9 @@ class PoolBackend:
         self.pool, self.st = pool, st
         self.commit_chain, self.causal, self.splits, self.fla = commit_chain, causal, splits, fla
         self.max_splits = max_splits
-        #: per GDN layer of a tree step, what its commit needs: pre-conv inputs, conv output,
-        #: raw gates, layer weights, key heads and head dim
-        self.saved: dict[int, tuple] = {}
+        #: per GDN layer a tree step ran, its ``(key heads, head dim)`` (its commit inputs are in
+        #: :attr:`stack`; :meth:`commit` checks every layer ran, with one head shape)
+        self.saved: dict[int, tuple[int, int]] = {}
         #: a tree step's commit inputs stacked over the GDN layers (pool order), so that the commit
         #: is one launch for all layers: pre-conv inputs and conv outputs ``[L, B, W, C]``, gates
         #: ``[L, B, W, HV, 2]`` float32 (allocated at the first GDN layer)
