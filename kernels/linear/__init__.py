@@ -19,16 +19,24 @@ def linear(x, weight, out_dtype=None):
         if isinstance(weight, quant.PackedWeight):
             return torch.cat([linear(x, p, out_dtype) for p in weight.parts], dim=-1)
         return quant.linear(x, weight, out_dtype)
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows <= 64:
-        return impl("linear", x, weight).linear(x, weight, out_dtype)
-    if invariant():
-        mod = impl("linear", x, weight)
-        if mod.__name__.endswith(".triton"):
-            return mod.linear(x, weight, out_dtype, wide=True)
+    skinny = _skinny(x, weight)
+    if skinny is not None:
+        mod, wide = skinny
+        return mod.linear(x, weight, out_dtype, wide=wide)
     from kernels.linear import reference
 
     return reference.linear(x, weight, out_dtype)
+
+
+def _skinny(x, weight):
+    """``(kernels.linear.triton, wide)`` where the skinny Triton kernel takes ``x @ weight^T`` (at
+    most 64 rows, or any number inside :func:`batch_invariant`: ``wide``), else None (the
+    reference: cuBLAS on a GPU, the CPU)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows > 64 and not invariant():
+        return None
+    mod = impl("linear", x, weight)
+    return (mod, rows > 64) if mod.__name__.endswith(".triton") else None
 
 
 def linear_swiglu(x, weight):
@@ -36,11 +44,10 @@ def linear_swiglu(x, weight):
     (:func:`kernels.linear.reference.linear_swiglu`): one Triton launch where :func:`linear` would
     run the skinny kernel (its bits, then ``silu_mul``'s); otherwise (cuBLAS rows, quantized or
     packed weights, the CPU) :func:`linear` and then ``kernels.activation.silu_mul``."""
-    if isinstance(weight, torch.Tensor):
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        mod = impl("linear", x, weight)
-        if mod.__name__.endswith(".triton") and (rows <= 64 or invariant()):
-            return mod.linear_swiglu(x, weight, wide=rows > 64)
+    skinny = _skinny(x, weight) if isinstance(weight, torch.Tensor) else None
+    if skinny is not None:
+        mod, wide = skinny
+        return mod.linear_swiglu(x, weight, wide=wide)
     from kernels.activation import silu_mul
 
     return silu_mul(linear(x, weight))

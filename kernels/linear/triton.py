@@ -191,9 +191,16 @@ def wide_config(cfg: Config, dtype: torch.dtype, weight_tiles: int = 1) -> tuple
     rows (about 1.7x cuBLAS). ``weight_tiles``: weight tiles per stage (2 for
     :func:`linear_swiglu`'s gate and up)."""
     bn = max(64, cfg.block_n)
-    per_stage = (64 + weight_tiles * bn) * cfg.block_k * torch.finfo(dtype).bits // 8
-    stages = max(1, min(cfg.num_stages, WIDE_SMEM // per_stage))
-    return 64, Config(bn, cfg.block_k, 4, stages)
+    return 64, Config(bn, cfg.block_k, 4, _stages_fitting(cfg.num_stages, 64, bn, cfg.block_k, dtype, weight_tiles))
+
+
+def _stages_fitting(stages: int, block_m: int, block_n: int, block_k: int, dtype: torch.dtype,
+                    weight_tiles: int = 1) -> int:
+    """At most ``stages`` pipeline stages of a ``block_m`` x ``block_k`` input tile and
+    ``weight_tiles`` ``block_n`` x ``block_k`` weight tiles that fit :data:`WIDE_SMEM` (at least
+    one). The order of a row's sums does not depend on the stages."""
+    per_stage = (block_m + weight_tiles * block_n) * block_k * torch.finfo(dtype).bits // 8
+    return max(1, min(stages, WIDE_SMEM // per_stage))
 
 
 @triton.jit
@@ -288,10 +295,9 @@ def linear_swiglu(x: torch.Tensor, weight: torch.Tensor, config: Config | None =
     block_m = BLOCK_M
     if m > MAX_ROWS:
         block_m, cfg = wide_config(cfg, x.dtype, weight_tiles=2)
-    else:   # two weight tiles a stage: fewer stages where they would not fit (the order of the sums
-            # does not depend on the stages)
-        per_stage = (BLOCK_M + 2 * cfg.block_n) * cfg.block_k * torch.finfo(x.dtype).bits // 8
-        cfg = dataclasses.replace(cfg, num_stages=max(1, min(cfg.num_stages, WIDE_SMEM // per_stage)))
+    else:   # two weight tiles a stage: fewer stages where they would not fit
+        cfg = dataclasses.replace(cfg, num_stages=_stages_fitting(cfg.num_stages, BLOCK_M, cfg.block_n, cfg.block_k,
+                                                                  x.dtype, 2))
     if m and f:
         _skinny_swiglu_kernel[(triton.cdiv(f, cfg.block_n) * triton.cdiv(m, block_m),)](
             x2, weight, y, m, f, k, x2.stride(0), weight.stride(0), y.stride(0),
