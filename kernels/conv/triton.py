@@ -142,16 +142,18 @@ def _check(x: torch.Tensor, conv_pool: torch.Tensor, window: torch.Tensor, weigh
         raise ValueError(f"window {tuple(window.shape)} is not [B, W, K-1] = {(bsz, w, km1)}")
 
 
-def _commit(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, window: torch.Tensor,
+def _commit(xs: torch.Tensor, pools: torch.Tensor, slots: torch.Tensor, window: torch.Tensor,
             last: torch.Tensor | None) -> None:
-    bsz, w, c = x.shape
-    km1 = conv_pool.shape[1]
-    if km1 == 0 or bsz == 0:
+    """The conv commit of ``L`` layers in one launch: ``xs`` ``[L, B, W, C]``, ``pools``
+    ``[L, S, K-1, C]`` (one layer: ``x[None]``, ``conv_pool[None]``)."""
+    nl, bsz, w, c = xs.shape
+    km1 = pools.shape[2]
+    if km1 == 0 or bsz == 0 or nl == 0:
         return
-    _conv_commit_kernel[(bsz, triton.cdiv(c, BLOCK_C), 1)](
-        x, conv_pool, slots, window, last if last is not None else slots, w, c, x.stride(0), x.stride(1),
-        conv_pool.stride(0), conv_pool.stride(1), 0, 0, KM1=km1, KP=max(2, triton.next_power_of_2(km1)),
-        BLOCK_C=BLOCK_C, HAS_LAST=last is not None, num_warps=4)
+    _conv_commit_kernel[(bsz, triton.cdiv(c, BLOCK_C), nl)](
+        xs, pools, slots, window, last if last is not None else slots, w, c, xs.stride(1), xs.stride(2),
+        pools.stride(1), pools.stride(2), xs.stride(0), pools.stride(0), KM1=km1,
+        KP=max(2, triton.next_power_of_2(km1)), BLOCK_C=BLOCK_C, HAS_LAST=last is not None, num_warps=4)
 
 
 def _conv(x, conv_pool, slots, window, weight, commit: bool, silu: bool, block_w: int | None,
@@ -178,7 +180,7 @@ def _conv(x, conv_pool, slots, window, weight, commit: bool, silu: bool, block_w
         BLOCK_W=bw, BLOCK_C=bc, SILU=silu, COMMIT=fused, SAVE_X=x_save is not None, num_warps=4,
         enable_fp_fusion=False)
     if commit and not fused:
-        _commit(x, conv_pool, slots, window, None)
+        _commit(x[None], conv_pool[None], slots, window, None)
     return out
 
 
@@ -226,7 +228,7 @@ def pool_conv_commit(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tens
     for the batch, grid ``(B, cdiv(C, BLOCK_C))``; ``last`` ``[B]`` int64 is read in the kernel
     (graph-safe). The rows are copied, so the new state equals the reference's bit for bit."""
     _check(x, conv_pool, window)
-    _commit(x, conv_pool, slots, window, last.contiguous())
+    _commit(x[None], conv_pool[None], slots, window, last.contiguous())
 
 
 def pool_conv_commit_layers(xs: torch.Tensor, conv_pools: torch.Tensor, slots: torch.Tensor, window: torch.Tensor,
@@ -241,11 +243,4 @@ def pool_conv_commit_layers(xs: torch.Tensor, conv_pools: torch.Tensor, slots: t
         raise ValueError(f"xs [L, B, W, C] and conv_pools [L, S, K-1, C] disagree: {tuple(xs.shape)}, "
                          f"{tuple(conv_pools.shape)}")
     _check(xs[0], conv_pools[0], window)
-    nl, bsz, w, c = xs.shape
-    km1 = conv_pools.shape[2]
-    if km1 == 0 or bsz == 0 or nl == 0:
-        return
-    _conv_commit_kernel[(bsz, triton.cdiv(c, BLOCK_C), nl)](
-        xs, conv_pools, slots, window, last.contiguous(), w, c, xs.stride(1), xs.stride(2),
-        conv_pools.stride(1), conv_pools.stride(2), xs.stride(0), conv_pools.stride(0), KM1=km1,
-        KP=max(2, triton.next_power_of_2(km1)), BLOCK_C=BLOCK_C, HAS_LAST=True, num_warps=4)
+    _commit(xs, conv_pools, slots, window, last.contiguous())

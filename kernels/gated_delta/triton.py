@@ -96,6 +96,25 @@ def _program(slots_ptr, HK, HV, DK: tl.constexpr, DV: tl.constexpr, BV: tl.const
 
 
 @triton.jit
+def _node_out(S, x_ptr, o_ptr, node, h, kh, HV, C, dk, cols, q_scale, DK: tl.constexpr, DV: tl.constexpr):
+    """Store node ``node``'s output ``S^T q`` (``q`` L2-normalised and scaled)."""
+    qi = _l2(tl.load(x_ptr + node * C + kh * DK + dk).to(tl.float32)) * q_scale
+    tl.store(o_ptr + (node * HV + h) * DV + cols, tl.sum(S * qi[:, None], 0))
+
+
+@triton.jit
+def _node_update(S, x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, g_out_ptr, node, h, kh, HV, C, sab, HKDK, dk, dv, vb,
+                 DK: tl.constexpr, GATES_OUT: tl.constexpr):
+    """:func:`_update_raw` of a node visited for its own output, storing its gates when asked."""
+    gi, bi = _gates(a_ptr, b_ptr, A_ptr, dtb_ptr, node, h, sab)
+    if GATES_OUT:
+        if vb == 0:
+            tl.store(g_out_ptr + (node * HV + h) * 2, gi)
+            tl.store(g_out_ptr + (node * HV + h) * 2 + 1, bi)
+    return _update(S, x_ptr, node, kh, C, HKDK, dk, dv, gi, bi, DK)
+
+
+@triton.jit
 def _tree_kernel(x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, state_ptr, slots_ptr, parents_ptr, anc_ptr, o_ptr, g_out_ptr,
                  W, HK, HV, C, sab, q_scale,
                  DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, COMMIT: tl.constexpr,
@@ -114,35 +133,11 @@ def _tree_kernel(x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, state_ptr, slots_ptr, pare
                     if ((bits >> j) & 1) != 0:
                         S = _update_raw(S, x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, b * W + j, h, kh, C, sab, HKDK, dk,
                                         dv, DK)
-        gi, bi = _gates(a_ptr, b_ptr, A_ptr, dtb_ptr, node, h, sab)
-        if GATES_OUT:
-            if vb == 0:
-                tl.store(g_out_ptr + (node * HV + h) * 2, gi)
-                tl.store(g_out_ptr + (node * HV + h) * 2 + 1, bi)
-        S = _update(S, x_ptr, node, kh, C, HKDK, dk, dv, gi, bi, DK)
-        qi = _l2(tl.load(x_ptr + node * C + kh * DK + dk).to(tl.float32)) * q_scale
-        tl.store(o_ptr + (node * HV + h) * DV + cols, tl.sum(S * qi[:, None], 0))
+        S = _node_update(S, x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, g_out_ptr, node, h, kh, HV, C, sab, HKDK, dk,
+                         dv, vb, DK, GATES_OUT)
+        _node_out(S, x_ptr, o_ptr, node, h, kh, HV, C, dk, cols, q_scale, DK, DV)
     if COMMIT:
         tl.store(state_ptr + s_off + dk[:, None] * DV + cols[None, :], S)
-
-
-@triton.jit
-def _node_out(S, x_ptr, o_ptr, node, h, kh, HV, C, dk, cols, q_scale, DK: tl.constexpr, DV: tl.constexpr):
-    """Store node ``node``'s output ``S^T q`` (``q`` L2-normalised and scaled)."""
-    qi = _l2(tl.load(x_ptr + node * C + kh * DK + dk).to(tl.float32)) * q_scale
-    tl.store(o_ptr + (node * HV + h) * DV + cols, tl.sum(S * qi[:, None], 0))
-
-
-@triton.jit
-def _node_update(S, x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, g_out_ptr, node, h, kh, HV, C, sab, HKDK, dk, dv, vb,
-                 DK: tl.constexpr, GATES_OUT: tl.constexpr):
-    """:func:`_update_raw` of a node visited for its own output, storing its gates when asked."""
-    gi, bi = _gates(a_ptr, b_ptr, A_ptr, dtb_ptr, node, h, sab)
-    if GATES_OUT:
-        if vb == 0:
-            tl.store(g_out_ptr + (node * HV + h) * 2, gi)
-            tl.store(g_out_ptr + (node * HV + h) * 2 + 1, bi)
-    return _update(S, x_ptr, node, kh, C, HKDK, dk, dv, gi, bi, DK)
 
 
 @triton.jit
