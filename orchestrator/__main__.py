@@ -27,7 +27,7 @@ from orchestrator import peers
 from orchestrator.config import OrchestratorConfig
 from orchestrator.local_target import LocalTargetPeer
 from orchestrator.peers import DraftPeer, TargetPeer, drafter_mismatch
-from orchestrator.lanes import make_scheduler
+from orchestrator.scheduler import Scheduler
 from orchestrator.servicer import GenerationServicer, default_tree
 from runtime.config import add_flags, from_args, worker_threads
 from runtime.defaults import default_model_path
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     if asked > cfg.max_sessions:
         log.warning("the target holds fewer sessions than --max-sessions: that many requests decode at once, the "
                     "rest queue", extra={"asked": asked, "max_sessions": cfg.max_sessions, "max_queue": cfg.max_queue})
-    scheduler = make_scheduler(target, draft, lanes=cfg.lanes, max_sessions=cfg.max_sessions, max_queue=cfg.max_queue, step_nodes=cfg.step_nodes,
+    scheduler = Scheduler(target, draft, max_sessions=cfg.max_sessions, max_queue=cfg.max_queue, step_nodes=cfg.step_nodes,
                           step_timeout=cfg.step_timeout, history_bytes=cfg.history_bytes,
                           draft_deadline_factor=cfg.draft_deadline_factor, draft_deadline_min_ms=cfg.draft_deadline_min_ms,
                           draft_deadline_ms=cfg.draft_deadline_ms, draft_deadline_row_us=cfg.draft_deadline_row_us,

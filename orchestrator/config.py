@@ -127,10 +127,6 @@ class OrchestratorConfig:
     stream_host_share: float = setting(
         0.25, "share of one core the orchestrator's Generate messages may take before the adaptive hold "
         "(stream_hold_max_ms) coalesces ticks (0: never hold)")
-    lanes: int = setting(
-        1, "schedulers over the same target and drafter, each with its own requests and streams, so one lane's "
-        "Verify runs while another's Propose does (two micro-batches in flight; docs/ARCHITECTURE.md, 'Lanes'); "
-        "1: one scheduler")
     draft_history_mib: float = setting(
         64.0, "feature history kept per request to resume drafting after a drafter restart (MiB)")
     max_prompt_chars: int = setting(

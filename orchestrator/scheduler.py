@@ -315,7 +315,6 @@ class Scheduler:
             several requests in a tick, their tokens are held (as with ``stream_interval_ms``)
             long enough that streaming takes at most ``stream_host_share`` of one core (its
             messages' measured cost), at most ``stream_hold_max_ms``; either 0: never.
-        thread_name: the name of the scheduler's thread (:class:`orchestrator.lanes.Lanes` numbers theirs).
     """
 
     def __init__(self, target: TargetPeer, draft: DraftPeer, *, max_sessions: int,
@@ -329,7 +328,7 @@ class Scheduler:
                  draft_policy: str = OrchestratorConfig.draft_policy,
                  stream_interval_ms: float = OrchestratorConfig.stream_interval_ms,
                  stream_hold_max_ms: float = OrchestratorConfig.stream_hold_max_ms,
-                 stream_host_share: float = OrchestratorConfig.stream_host_share, thread_name: str = "scheduler"):
+                 stream_host_share: float = OrchestratorConfig.stream_host_share):
         self.target = target
         self.draft = draft
         self.info = target.info()
@@ -342,7 +341,6 @@ class Scheduler:
         self.hold_max = max(0.0, float(stream_hold_max_ms)) / 1e3
         self.stream_share = max(0.0, float(stream_host_share))
         self.hold = 0.0             # seconds a request's tokens are held now (_adapt_hold)
-        self.lanes = 1              # schedulers sharing this process's host (orchestrator.lanes): the hold's batch is theirs together
         self.message_s = 0.0        # measured CPU seconds of one Generate message (note_message)
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
@@ -381,7 +379,7 @@ class Scheduler:
         self._trees = TreeChecker()   # the drafted trees' shapes seen, checked once each
         #: when to draft (orchestrator.policy): measured per batch bucket, or None: whenever a drafter is up
         self.policy: DraftPolicy | None = DraftPolicy() if draft_policy == "measured" else None
-        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
+        self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ handler side
@@ -925,14 +923,14 @@ class Scheduler:
         orchestrator 100-200 us of host time on the CPU box (a handler thread's wake, the
         message, grpc's send and its completion: tools/host_per_item.py), and the handler
         threads share the GIL with the ticks. A request's tokens are therefore held (as with
-        ``stream_interval_ms``) for :attr:`hold` = ``batch x lanes x message_s / stream_host_share``
+        ``stream_interval_ms``) for :attr:`hold` = ``batch x message_s / stream_host_share``
         seconds at most ``stream_hold_max_ms``: the messages of a tick's requests then take at
         most that share of the host's time, wherever ticks come faster than that; ticks slower
         than the hold (the device's, or a few streams') stream every tick as before, as does a
         tick of one request (its per-tick latency is kept)."""
         hold = 0.0
         if batch >= 2 and self.hold_max and self.stream_share:
-            hold = min(self.hold_max, batch * self.lanes * self.message_s / self.stream_share)
+            hold = min(self.hold_max, batch * self.message_s / self.stream_share)
             if hold < tick_s / 2:   # shorter than a tick: nothing would wait
                 hold = 0.0
         self.hold = hold

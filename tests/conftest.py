@@ -398,13 +398,13 @@ def orchestrator_in_process(model_path: str, target_port: int, draft_port: int |
     """The orchestrator in this process, as ``python -m orchestrator`` builds it: ``TargetPeer`` and
     ``DraftPeer`` (their channels carry ``metadata``, e.g. the peers' token and the
     ``dflash-owner`` / ``dflash-owner-epoch`` pair; no other channel of the process does), a
-    ``Scheduler`` (``max_sessions``, ``max_queue``, ``scheduler_kw``; ``lanes=N``: :class:`orchestrator.lanes.Lanes`) and ``GenerationServicer``
+    ``Scheduler`` (``max_sessions``, ``max_queue``, ``scheduler_kw``) and ``GenerationServicer``
     with the GGUF tokenizer of ``model_path``, served by ``make_server`` on a free loopback port.
     Yields ``(servicer, port)``; stops the scheduler (releasing what it holds) afterwards."""
     from dflash_grpc import serving
     from dflash_grpc.v1 import generation_pb2_grpc
     from orchestrator.peers import DraftPeer, TargetPeer
-    from orchestrator.lanes import make_scheduler
+    from orchestrator.scheduler import Scheduler
     from orchestrator.servicer import GenerationServicer
     from runtime.tokenizer import GGUFTokenizer
 
@@ -416,7 +416,7 @@ def orchestrator_in_process(model_path: str, target_port: int, draft_port: int |
     finally:
         serving.set_client_metadata(before)
     try:
-        sched = make_scheduler(target, draft, max_sessions=max_sessions, max_queue=max_queue, **scheduler_kw)
+        sched = Scheduler(target, draft, max_sessions=max_sessions, max_queue=max_queue, **scheduler_kw)
         try:
             servicer = GenerationServicer(target, draft, GGUFTokenizer.from_gguf(model_path), max_tokens, None, sched)
 

@@ -310,10 +310,7 @@ def serve_orchestrator(target: str, draft: str, local_hop: bool, stream_interval
     from orchestrator import peers
     from orchestrator.config import OrchestratorConfig
     from orchestrator.peers import DraftPeer, TargetPeer
-    try:
-        from orchestrator.lanes import make_scheduler
-    except ImportError:   # an older checkout: one scheduler
-        from orchestrator.scheduler import Scheduler as make_scheduler
+    from orchestrator.scheduler import Scheduler
     from orchestrator.servicer import GenerationServicer, default_tree
     from runtime.config import worker_threads
     from runtime.defaults import default_model_path
@@ -336,7 +333,7 @@ def serve_orchestrator(target: str, draft: str, local_hop: bool, stream_interval
         extra[name] = float(value) if "." in value or "e" in value else int(value)
     kwargs = dict(max_sessions=cfg.max_sessions, max_queue=cfg.max_queue, step_nodes=cfg.step_nodes,
                   step_timeout=cfg.step_timeout, history_bytes=cfg.history_bytes)
-    sched = make_scheduler(tpeer, dpeer, **{**kwargs, **extra})   # (--scheduler-set lanes=2: orchestrator.lanes)
+    sched = Scheduler(tpeer, dpeer, **{**kwargs, **extra})
     servicer = GenerationServicer(tpeer, dpeer, GGUFTokenizer.from_gguf(default_model_path()), cfg.max_tokens,
                                   default_tree(cfg), sched)
 
