@@ -113,7 +113,32 @@ def markdown(sweep: dict[str, Any], llama: dict[int, float], reference: dict[str
             + ("" if proj is None else
                f" {_f(s and s.get('tau'), '{:.2f}')} | {_f(ref_tau.get(row['streams']), '{:.2f}')} | "
                f"{_f(proj.get(row['streams']))} | {_x(proj.get(row['streams']), ll)} | {_x(proj.get(row['streams']), agg(a))} |"))
-    return "\n".join(lines)
+    ticks = tick_table(sweep)
+    return "\n".join(lines) + ("\n\n" + ticks if ticks else "")
+
+
+def tick_table(sweep: dict[str, Any]) -> str:
+    """Where a request's tick went at each level (markdown; ``bench.serving``'s ``tick_ms``:
+    milliseconds per verify forward, means over the level's requests): the tick, the Propose
+    exchange as the orchestrator saw it (the draft service's step time / its device time), the
+    Verify exchange likewise, and the orchestrator's part (the tick less both exchanges). Empty
+    when the sweep recorded none (older JSON)."""
+    lines = []
+    for mode, levels in sweep.get("modes", {}).items():
+        for r in levels:
+            t = r.get("tick_ms")
+            if not t:
+                continue
+            lines.append(f"| {mode} | {r['concurrency']} | {_f(r.get('tau'), '{:.2f}')} | {t['tick']:.2f} | "
+                         f"{t['draft_exchange']:.2f} ({t['draft_compute']:.2f} / {t['draft_device']:.2f}) | "
+                         f"{t['verify_exchange']:.2f} ({t['verify_compute']:.2f} / {t['verify_device']:.2f}) | "
+                         f"{t['orchestrator']:.2f} |")
+    if not lines:
+        return ""
+    return "\n".join(["Where a tick went, ms per verify forward of a request (means over the level's requests; "
+                      "exchange (service step / device)):", "",
+                      "| mode | streams | tau | tick | Propose (draft step / device) | Verify (target step / device) | "
+                      "orchestrator |", "|---|---|---|---|---|---|---|"] + lines)
 
 
 def write_png(sweep: dict[str, Any], llama: dict[int, float], path: str, title: str = "") -> None:

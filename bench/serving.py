@@ -186,7 +186,8 @@ def _streams(address: str, jobs: list[tuple[int, list[str]]], request: GenerateR
     ``g / k``; a request's first chunk is its time to first token, not counted), ``outputs`` (each
     request's token ids, in order), ``errors``, and from each request's final statistics
     ``emitted`` (tokens) and ``forwards`` (target verify forwards) summed, ``tau``'s parts."""
-    out = [{"stream": j, "tokens": 0, "seconds": 0.0, "itl": [], "outputs": [], "errors": [], "emitted": 0.0, "forwards": 0}
+    out = [{"stream": j, "tokens": 0, "seconds": 0.0, "itl": [], "outputs": [], "errors": [], "emitted": 0.0, "forwards": 0,
+            "parts": dict.fromkeys(TICK_PARTS, 0.0)}
            for j, _ in jobs]
     clients = [Client(address, timeout=timeout) for _ in jobs]
 
@@ -204,6 +205,8 @@ def _streams(address: str, jobs: list[tuple[int, list[str]]], request: GenerateR
                     if st is not None and st.target_forwards:   # the request's final statistics
                         rec["emitted"] += st.mean_acceptance_length * st.target_forwards
                         rec["forwards"] += st.target_forwards
+                        for name, field in TICK_PARTS.items():
+                            rec["parts"][name] += getattr(st, field)
                     if chunk.token_ids:
                         if last is not None:
                             rec["itl"].extend([(now - last) / len(chunk.token_ids)] * len(chunk.token_ids))
@@ -226,6 +229,13 @@ def _streams(address: str, jobs: list[tuple[int, list[str]]], request: GenerateR
         for c in clients:
             c.close()
     return out
+
+
+#: A request's final statistics (``AcceptanceStats`` fields, seconds) summed per level into
+#: ``tick_ms``: each part's milliseconds per target verify forward (one tick of the request), by name
+TICK_PARTS = {"tick": "decode_time_s", "draft_exchange": "draft_time_s", "draft_compute": "draft_compute_s",
+              "draft_device": "draft_device_s", "verify_exchange": "verify_time_s", "verify_compute": "verify_compute_s",
+              "verify_device": "verify_device_s"}
 
 
 def _streams_process(args) -> list[dict[str, Any]]:
@@ -274,6 +284,10 @@ def _run_level(address: str, prompts: Sequence[str], n: int, requests_per_stream
     errors = [e for r in recs for e in r["errors"]]
     itl = [x for r in recs for x in r["itl"]]
     forwards = sum(r["forwards"] for r in recs)
+    tick_ms = None
+    if forwards:
+        tick_ms = {name: sum(r["parts"][name] for r in recs) / forwards * 1e3 for name in TICK_PARTS}
+        tick_ms["orchestrator"] = tick_ms["tick"] - tick_ms["draft_exchange"] - tick_ms["verify_exchange"]
     mismatches = None
     if reference is not None:
         mismatches = sum(1 for (_, ps), r in zip(jobs, recs) for p, ids in zip(ps, r["outputs"])
@@ -291,6 +305,7 @@ def _run_level(address: str, prompts: Sequence[str], n: int, requests_per_stream
         "itl_p99_ms": None if not itl else _percentile(itl, 99) * 1e3,
         "mismatches": mismatches,
         "tau": sum(r["emitted"] for r in recs) / forwards if forwards else None,
+        "tick_ms": tick_ms,
         "errors": len(errors),
         "first_error": errors[0] if errors else None,
     }
@@ -314,7 +329,11 @@ def run_concurrency(address: str, prompts: Sequence[str], levels: Sequence[int],
         per_stream_tokens_per_second, mean/min_stream_tokens_per_second, itl_p50_ms, itl_p99_ms
         (inter-token latency over every streamed token but a request's first), mismatches, tau
         (tokens per target verify forward over the level's requests, from their final statistics;
-        None when none reported any), errors, first_error]}}``. A failed request counts as an error of its level (e.g.
+        None when none reported any), tick_ms (where a tick of a request went, milliseconds per
+        verify forward, from the requests' final statistics: ``tick`` (decode time), the Propose and
+        Verify exchanges as the orchestrator saw them, the services' step time and device time for
+        them, and ``orchestrator`` = tick less both exchanges; None when no forward was reported),
+        errors, first_error]}}``. A failed request counts as an error of its level (e.g.
         RESOURCE_EXHAUSTED past the server's session slots) and adds no tokens.
     """
     if not prompts:

@@ -320,7 +320,10 @@ class _FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
         yield generation_pb2.GenerateResponse(finished=True, finish_reason=generation_pb2.FINISH_REASON_LENGTH,
                                               stats=generation_pb2.AcceptanceStats(
                                                   requests=1, generated_tokens=5, target_forwards=2 if spec else 5,
-                                                  mean_acceptance_length=2.5 if spec else 1.0))
+                                                  mean_acceptance_length=2.5 if spec else 1.0, decode_time_s=0.02,
+                                                  draft_time_s=0.006 if spec else 0.0, verify_time_s=0.01,
+                                                  draft_compute_s=0.004 if spec else 0.0, verify_compute_s=0.008,
+                                                  draft_device_s=0.002 if spec else 0.0, verify_device_s=0.005))
 
     def GetStats(self, request, context):
         with self.lock:
@@ -392,6 +395,12 @@ def test_run_concurrency(fake, monkeypatch):
     # tau from the requests' final statistics (tokens per verify forward over the level)
     assert [r["tau"] for r in res["modes"]["spec"]] == [pytest.approx(2.5)] * 2
     assert [r["tau"] for r in res["modes"]["ar"]] == [pytest.approx(1.0)] * 2
+    # where a tick went: each request's seconds over its forwards (ms per forward), the orchestrator the rest
+    t = res["modes"]["spec"][1]["tick_ms"]   # 2 forwards per request: 20 ms / 2 per tick
+    assert t["tick"] == pytest.approx(10.0) and t["draft_exchange"] == pytest.approx(3.0)
+    assert t["verify_exchange"] == pytest.approx(5.0) and t["orchestrator"] == pytest.approx(2.0)
+    assert t["verify_device"] == pytest.approx(2.5) and t["draft_compute"] == pytest.approx(2.0)
+    assert res["modes"]["ar"][0]["tick_ms"]["tick"] == pytest.approx(4.0)   # 5 forwards
     assert len(fake.requests) == 2 * (2 + 6)
     spec = [r for r in fake.requests if r.speculative.enabled]
     assert len(spec) == 8 and {r.prompt for r in fake.requests} == {"p0", "p1"}
