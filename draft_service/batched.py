@@ -684,7 +684,10 @@ class BatchedDrafter:
         return results  # type: ignore[return-value]
 
     def _step(self, part: list[tuple]) -> list[ProposeOutcome]:
-        """One batched step for ``part`` (at most one item per session)."""
+        """One batched step for ``part`` (at most one item per session). The per-step values go
+        into the runner's pinned buffer as one assignment per field, not per item; every item's
+        rows beyond what the step carries are appended first, all items' together
+        (:meth:`_append_eager`); each tree is two slices of the step's host tree lists."""
         A = self.append_rows
         new: list[DraftSession] = []
         try:
@@ -704,23 +707,35 @@ class BatchedDrafter:
             keys = max(s.length + f.shape[0] for (_, _, f, _), s in zip(part, sessions)) + self.config.block_size
             runner = self._runner(self._bucket(b), rows, splits_for(keys, self.split_buckets))
             t0 = time.perf_counter()
-            slots, held, n_rows, roots, budget, top_k, depths = (runner.view(n) for n in _FIELDS)
-            for r, ((_, item, feats, depth), s) in enumerate(zip(part, sessions)):
+            held_l, n_l, excess = [], [], []
+            feats_host = runner.feats_host
+            for r, ((_, _, feats, _), s) in enumerate(zip(part, sessions)):
                 n = feats.shape[0]
                 start = s.length
-                if n > rows:  # the excess first, eagerly, in chunks
-                    self._append_eager(s.slot, start, feats[: n - rows])
+                if n > rows:  # the excess first (_append_eager), the step carries the last rows
+                    excess.append((s.slot, start, feats[: n - rows]))
                     start += n - rows
                     feats = feats[n - rows :]
                     n = rows
-                slots[r], held[r], n_rows[r], roots[r] = s.slot, start, n, int(item.root_token)
-                budget[r], top_k[r], depths[r] = int(item.budget), int(item.top_k), depth
+                held_l.append(start)
+                n_l.append(n)
                 if n:
-                    runner.feats_host[r, :n].copy_(feats)
+                    feats_host[r, :n].copy_(feats)
+            host = runner.host_np
+            for name, values in (("slots", [s.slot for s in sessions]), ("held", held_l), ("n_rows", n_l),
+                                 ("roots", [int(it.root_token) for _, it, _, _ in part]),
+                                 ("budget", [int(it.budget) for _, it, _, _ in part]),
+                                 ("top_k", [int(it.top_k) for _, it, _, _ in part]),
+                                 ("depth", [d for _, _, _, d in part])):
+                host[_FIELDS.index(name), :b] = values
+            if excess:
+                self._append_eager(excess)
             runner.fill_padding(b)
             res = runner.run()
             # the step's table, copied once (the outcomes keep views of it)
             lp, tok = res.logprobs[:b].copy(), res.tokens[:b].copy()
+            if res.trees is not None:   # every row's tree as host lists, in three conversions
+                tree_tokens, tree_parents, counts = (a[:b].tolist() for a in res.trees)
             self.steps += 1
             self.step_s += time.perf_counter() - t0
         except BaseException:
@@ -729,39 +744,45 @@ class BatchedDrafter:
             raise
         outs = []
         limit = self.tree_layout.nodes if self.tree_layout is not None else -1
+        t0 = time.perf_counter()
         for r, ((_, item, feats, depth), s) in enumerate(zip(part, sessions)):
             s.length += feats.shape[0]
             self.sessions[s.session_id] = s
-            t0 = time.perf_counter()
             table = TopK(lp[r, :depth], tok[r, :depth])
             if res.trees is not None and (item.budget <= limit or item.top_k <= 1):
-                n = int(res.trees[2][r])
-                tokens, parents = res.trees[0][r, :n].tolist(), res.trees[1][r, :n].tolist()
+                n = counts[r]
+                tokens, parents = tree_tokens[r][:n], tree_parents[r][:n]
             else:   # no device trees, or a DDTree larger than they hold
                 tokens, parents = build_tree(int(item.root_token), table, int(item.budget), int(item.top_k))
-            self.tree_s += time.perf_counter() - t0
-            self.trees += 1
             outs.append(ProposeOutcome(tokens, parents, s.length, table))
+        self.tree_s += time.perf_counter() - t0
+        self.trees += len(outs)
         return outs
 
     def _bucket(self, n: int) -> int:
         return bucket_for(n, self.buckets()) if self.fixed else n
 
-    def _append_eager(self, slot: int, start: int, features: torch.Tensor) -> None:
-        """Append ``features`` ``[m, N*H]`` at rows ``start..`` of ``slot``, ``prefill_chunk`` rows
-        per forward (exact shapes, eager), on the fused kernels when the step runs on them (the
-        same arithmetic as the rows the step appends; the plain-PyTorch ``write_context`` was 22%
-        of the draft service's propose time in a one-stream GPU profile, ``tools/gpu_run.sh
-        pyspy``), else with ``write_context``."""
+    def _append_eager(self, parts: list[tuple[int, int, torch.Tensor]]) -> None:
+        """Append each ``(slot, start, features [m, N*H])`` of ``parts`` at rows ``start..`` of
+        ``slot`` before the step: the rows of all parts flattened into one sequence, each row with
+        its own slot and position (a batch of ``rows`` items of one row each), ``prefill_chunk``
+        rows per forward (exact shapes, eager), on the fused kernels when the step runs on them
+        (the same arithmetic as the rows the step appends), else with ``write_context``. One
+        forward for several new sessions' prompts where each used to take its own (at 64 streams
+        a third of the drafter's step went to appending prompts one session at a time:
+        ``benchmarks/gpu/step/run11/pyspy``)."""
         dev = self.device
-        slots = torch.tensor([slot], device=dev)
-        for c0 in range(0, features.shape[0], self.prefill_chunk):
-            f = features[c0 : c0 + self.prefill_chunk].to(device=dev, dtype=self.dtype)
-            starts = torch.tensor([start + c0], device=dev)
+        slots = torch.cat([torch.full((f.shape[0],), slot, dtype=torch.long) for slot, _, f in parts])
+        rows = torch.cat([torch.arange(start, start + f.shape[0], dtype=torch.long) for _, start, f in parts])
+        feats = parts[0][2] if len(parts) == 1 else torch.cat([f for _, _, f in parts])
+        slots, rows = slots.to(dev), rows.to(dev)
+        for c0 in range(0, feats.shape[0], self.prefill_chunk):
+            f = feats[c0 : c0 + self.prefill_chunk].to(device=dev, dtype=self.dtype)
+            sl, at = slots[c0 : c0 + self.prefill_chunk], rows[c0 : c0 + self.prefill_chunk]
             if self.fused is not None:
-                self.fused._context(self.pool, slots, starts, f[None])
+                self.fused._context(self.pool, sl, at, f[:, None])
             else:
-                write_context(self.drafter, self.pool, slots, starts, f[None])
+                write_context(self.drafter, self.pool, sl, at, f[:, None])
             self.eager_rows += f.shape[0]
 
 
