@@ -79,6 +79,7 @@ from draft_service.tree import TopK, build_tree
 from kernels import attention as attn_ops
 from kernels.attention import default_splits, split_buckets, splits_for
 from kernels.ddtree import PackedLayout, step_output
+from kernels.linear import batch_invariant
 from kernels.topk.reference import topk_log_softmax as topk_reference
 from runtime.errors import EngineError, FailedPrecondition, InvalidArgument, Reason, ResourceExhausted
 from runtime.graphs import GraphSet, StepGraph, batch_buckets_for, bucket_for, capped_buckets, slots_for_budget
@@ -776,14 +777,19 @@ class BatchedDrafter:
         rows = torch.cat([torch.arange(start, start + f.shape[0], dtype=torch.long) for _, start, f in parts])
         feats = parts[0][2] if len(parts) == 1 else torch.cat([f for _, _, f in parts])
         slots, rows = slots.to(dev), rows.to(dev)
-        for c0 in range(0, feats.shape[0], self.prefill_chunk):
-            f = feats[c0 : c0 + self.prefill_chunk].to(device=dev, dtype=self.dtype)
-            sl, at = slots[c0 : c0 + self.prefill_chunk], rows[c0 : c0 + self.prefill_chunk]
-            if self.fused is not None:
-                self.fused._context(self.pool, sl, at, f[:, None])
-            else:
-                write_context(self.drafter, self.pool, sl, at, f[:, None])
-            self.eager_rows += f.shape[0]
+        # batch-invariant projections: the skinny Triton kernel's tiles for any number of rows, so a
+        # row's context does not depend on which rows share its chunk, and no cuBLAS call of a new
+        # row count each step (its heuristics: the largest part of an eager append at 64 streams,
+        # benchmarks/gpu/step/run14-pyspy)
+        with batch_invariant():
+            for c0 in range(0, feats.shape[0], self.prefill_chunk):
+                f = feats[c0 : c0 + self.prefill_chunk].to(device=dev, dtype=self.dtype)
+                sl, at = slots[c0 : c0 + self.prefill_chunk], rows[c0 : c0 + self.prefill_chunk]
+                if self.fused is not None:
+                    self.fused._context(self.pool, sl, at, f[:, None])
+                else:
+                    write_context(self.drafter, self.pool, sl, at, f[:, None])
+                self.eager_rows += f.shape[0]
 
 
 __all__ = ["BatchedDrafter", "DraftItem", "ProposeOutcome", "ReferenceDrafterEngine", "StepResult", "DEFAULT_TREE_NODES",
