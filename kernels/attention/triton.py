@@ -169,6 +169,12 @@ def _combine_kernel(part_ptr, lse_ptr, out_ptr, HQ, W, SPLITS, sob, sow, soh,
     tl.store(out_ptr + b * sob + w * sow + head * soh + d, out.to(out_ptr.dtype.element_ty))
 
 
+#: Launch overrides for sweeps (``tools/attention_sweep.py``; None: the rule below). A change of
+#: ``BLOCK_N`` changes the order of a row's sums, which stays width-invariant as long as every
+#: step of a process uses the same value; the warps and stages do not reorder a row's sums.
+TREE_LAUNCH: dict = {"block_n": None, "num_warps": 4, "num_stages": None, "chunk": None}
+
+
 def _block_m(rows: int, causal: bool) -> int:
     return int(min(64, max(16, triton.next_power_of_2(rows)))) if causal else 16
 
@@ -212,9 +218,10 @@ def pool_attention(
     assert q.stride(-1) == 1 and k_pool.stride(-1) == 1 and k_pool.stride() == v_pool.stride()
     out = torch.empty(bsz, w, hq, d, device=q.device, dtype=q.dtype)
     block_m = _block_m(w * g, causal) if causal else max(16, triton.next_power_of_2(g))
-    block_n = 64 if d <= 64 else (32 if d <= 128 else 16)
+    block_n = TREE_LAUNCH["block_n"] or (64 if d <= 64 else (32 if d <= 128 else 16))
     if q.dtype == torch.float32:
         block_n = min(block_n, 32)
+    chunk = TREE_LAUNCH.get("chunk") or CHUNK
     splits = max(1, int(splits))
     if splits > 1:
         part = torch.empty(bsz * w * hq * splits * d, device=q.device, dtype=torch.float32)
@@ -226,12 +233,13 @@ def pool_attention(
     slots, lengths, anc = slots.contiguous(), lengths.contiguous(), anc.contiguous()
     _pool_attention_kernel[grid](
         q, k_pool, v_pool, slots, lengths, anc, out, part, lse, float(scale), max(0, int(window)),
-        w, g, hkv, splits, CHUNK if splits > 1 else 1 << 30,
+        w, g, hkv, splits, chunk if splits > 1 else 1 << 30,
         q.stride(0), q.stride(1), q.stride(2),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal), IEEE=q.dtype == torch.float32,
-        WINDOW=int(window) > 0, num_warps=4,
+        WINDOW=int(window) > 0, num_warps=TREE_LAUNCH["num_warps"],
+        **({} if TREE_LAUNCH["num_stages"] is None else {"num_stages": TREE_LAUNCH["num_stages"]}),
     )
     if splits > 1:
         _combine_kernel[(bsz * w * hq,)](part, lse, out, hq, w, splits, out.stride(0), out.stride(1), out.stride(2),
