@@ -12,6 +12,8 @@ tile, warps, pipeline stages, and ``CHUNK``, the keys per split: more splits at 
 more programs in flight), each with the splits the engine would use (``ceil((L + W) / CHUNK)``).
 Microseconds per call: a CUDA graph of 20 calls, median of 10 replays. Also checks each
 launch's output against the default launch's (max abs difference: the tile size reorders sums).
+``s``d in a launch's name is the module's stages (:data:`kernels.attention.triton.TREE_STAGES` for
+the tree launch since session 15, Triton's default before).
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.tree import analyze_tree
 
     dev = torch.device("cuda")
-    grid = {"block_n": (32, 64, 128), "num_warps": (1, 2, 4), "num_stages": (None, 2), "chunk": (64, 128, CHUNK)}
+    grid = {"block_n": (32, 64, 128), "num_warps": (1, 2, 4), "num_stages": (None, 1, 3), "chunk": (64, 128, CHUNK)}
     if args.quick:
         grid = {"block_n": (32, 64), "num_warps": (1, 4), "num_stages": (None,), "chunk": (64, CHUNK)}
     default = dict(tri.TREE_LAUNCH)
