@@ -50,7 +50,7 @@ rows its earlier items appended).
   session slots, then the slot count: 1, 2, 4, ... 64 for 64 slots), ``append_rows`` (``A``,
   default the block size: a verify commits at most ``B`` rows) feature rows per session and step;
   rows beyond ``A`` (the first call carries the whole prompt, or after a fallback) are appended
-  eagerly in chunks before the step. Per-step values (slots, held rows, row counts, roots) are
+  eagerly before the step, all of its items' rows together in chunks (:meth:`BatchedDrafter._append_eager`). Per-step values (slots, held rows, row counts, roots) are
   read from one pinned int64 buffer and the features from one pinned ``[batch, A, N*H]`` buffer
   (model dtype), both copied to the device once; each bucket's step is one CUDA graph captured at
   start (:meth:`BatchedDrafter.capture`), replayed every step; one host synchronisation per step.
