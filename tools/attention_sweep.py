@@ -10,7 +10,7 @@ keys ``L``; query / kv heads and head size of SmolLM2, and of a Qwen3.5-9B full-
 under each launch of a grid (:data:`kernels.attention.triton.TREE_LAUNCH`: ``BLOCK_N`` keys per
 tile, warps, pipeline stages, and ``CHUNK``, the keys per split: more splits at one session are
 more programs in flight), each with the splits the engine would use (``ceil((L + W) / CHUNK)``).
-Microseconds per call: a CUDA graph of 20 calls, median of 10 replays. Also checks each
+Microseconds per call (``tools/sweep_quant.Timer``: a CUDA graph of 20 calls, median of 10 replays). Also checks each
 launch's output against the default launch's (max abs difference: the tile size reorders sums).
 ``s``d in a launch's name is the module's stages (:data:`kernels.attention.triton.TREE_STAGES` for
 the tree launch since session 15, Triton's default before).
@@ -25,7 +25,7 @@ import math
 import statistics
 import sys
 
-sys.path[:0] = [".", "proto"]
+sys.path[:0] = [".", "proto", "tools"]
 
 import torch  # noqa: E402
 
@@ -34,30 +34,6 @@ SHAPES = [("smol 1x1 L200", 1, 1, 200, 9, 3, 64), ("smol 1x16 L200", 1, 16, 200,
           ("smol 1x1 L1000", 1, 1, 1000, 9, 3, 64), ("smol 64x1 L200", 64, 1, 200, 9, 3, 64),
           ("smol 64x8 L200", 64, 8, 200, 9, 3, 64), ("smol 16x16 L500", 16, 16, 500, 9, 3, 64),
           ("9b 1x1 L1000", 1, 1, 1000, 16, 4, 256), ("9b 1x16 L1000", 1, 16, 1000, 16, 4, 256)]
-
-
-def timed(fn, calls: int = 20, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,8 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     from kernels.attention import CHUNK
     from kernels.attention import triton as tri
     from runtime.tree import analyze_tree
+    from sweep_quant import Timer
 
     dev = torch.device("cuda")
+    timed = Timer(dev, 20, 10)
     grid = {"block_n": (32, 64, 128), "num_warps": (1, 2, 4), "num_stages": (None, 1, 3), "chunk": (64, 128, CHUNK)}
     if args.quick:
         grid = {"block_n": (32, 64), "num_warps": (1, 4), "num_stages": (None,), "chunk": (64, CHUNK)}
@@ -100,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             splits = max(1, math.ceil((L + w) / launch["chunk"]))
             try:
                 fn = lambda: tri.pool_attention(q, k, v, slots, lengths, anc, scale, False, splits, 0, splits)  # noqa: E731
-                us = timed(fn)
+                us = timed(lambda i: fn())
                 out = fn().float()
             except Exception as e:  # noqa: BLE001 - a launch the compiler refuses: noted
                 print(f"#   {label} {launch}: {type(e).__name__}: {str(e)[:100]}")

@@ -35,7 +35,6 @@ twice the L2, median of 10 replays), at 1 and 16 rows of ``x``, and checked agai
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -137,23 +136,15 @@ CASES = [(4096, 4096), (12288, 4096), (4096, 12288)]
 
 def configs(n: int, k: int) -> dict:
     """``(BLOCK_N, warps, split_k)`` tried: BLOCK_N 16-64, 2-8 warps, ``K`` split to about 512-1024 programs."""
-    out = {}
-    for bn in (16, 32, 64):
-        for w in (2, 4, 8):
-            for target in (512, 1024):
-                split = 1
-                while (n // bn) * split < target and k % (256 * split * 2) == 0:
-                    split *= 2
-                out[f"bn{bn}-w{w}-s{split}"] = (bn, w, split)
-    return out
+    import sweep_quant as sq
+
+    return sq.probe_launches(n, k, (16, 32, 64), (2, 4, 8), (512, 1024))
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=None)
-    p.add_argument("--smoke", action="store_true", help="CPU check of the kernel against the reference (interpreter)")
-    a = p.parse_args()
     import sweep_quant as sq
+
+    a = sq.probe_args(__doc__)
 
     from kernels.quant import reference as R
     from kernels.quant import triton as T
@@ -176,19 +167,13 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for n, k in CASES:
         w0, ws, calls = sq.cold_weights("Q4_K", n, k, dev)
-        src = [w.data for w in ws]
-        dst = torch.empty_like(src[0])
-        copy = timer(lambda i: dst.copy_(src[i % len(src)]), calls)
+        copy = sq.copy_us(ws, timer, calls)
         x1 = torch.randn(1, k, device=dev).to(torch.bfloat16)
         x16 = torch.randn(16, k, device=dev).to(torch.bfloat16)
         engine1 = timer(lambda i: T.linear(x1, ws[i % len(ws)]), calls)
         engine16 = timer(lambda i: T.linear(x16, ws[i % len(ws)]), calls)
-        got = {}
-        for label, (bn, nw, split) in configs(n, k).items():
-            try:
-                got[label] = timer(lambda i: q4k_sb(x1, ws[i % len(ws)], bn, nw, split), calls)
-            except Exception as e:  # noqa: BLE001 - a config the compiler refuses: noted
-                print(f"# {n}x{k} {label}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+        got = sq.time_launches(timer, calls, configs(n, k), lambda i, bn, nw, split: q4k_sb(x1, ws[i % len(ws)], bn, nw, split),
+                               f"{n}x{k}")
         if not got:
             print(f"| {n} x {k} | no config compiled |")
             continue

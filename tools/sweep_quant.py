@@ -113,6 +113,53 @@ def random_weight(name: str, n: int, k: int, device, seed: int = 0):
     return QuantizedWeight(raw.reshape(n, -1).contiguous(), name, (n, k))
 
 
+def probe_launches(n: int, k: int, block_ns, warps, targets) -> dict:
+    """``{"bn{BLOCK_N}-w{warps}-s{split}": (BLOCK_N, warps, split)}``: a probe kernel's launch grid
+    over a k-quant weight ``[N, K]`` (``tools/quant_gemv_probe.py``, ``tools/quant_sb_probe.py``):
+    each ``BLOCK_N`` and warp count, with ``K`` split (powers of two, 256-element super-blocks) until
+    the launch has at least each of ``targets`` programs."""
+    out = {}
+    for bn in block_ns:
+        for w in warps:
+            for target in targets:
+                split = 1
+                while (n // bn) * split < target and k % (256 * split * 2) == 0:
+                    split *= 2
+                out[f"bn{bn}-w{w}-s{split}"] = (bn, w, split)
+    return out
+
+
+def probe_args(doc: str):
+    """The command line of a kernel probe (``tools/quant_gemv_probe.py``, ``tools/quant_sb_probe.py``):
+    ``--out FILE.json`` and ``--smoke`` (a CPU check under the Triton interpreter)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None)
+    p.add_argument("--smoke", action="store_true", help="CPU check of the kernel against the reference (interpreter)")
+    return p.parse_args()
+
+
+def copy_us(ws: list, timer: "Timer", calls: int) -> float:
+    """Microseconds to copy one of the weights ``ws`` (cycling through them, as the kernels read
+    them): the bandwidth floor of a call."""
+    src = [w.data for w in ws]
+    dst = torch.empty_like(src[0])
+    return timer(lambda i: dst.copy_(src[i % len(src)]), calls)
+
+
+def time_launches(timer: "Timer", calls: int, launches: dict, run, what: str = "") -> dict:
+    """``{label: microseconds}`` of ``run(i, *launch)`` for each ``label -> launch`` of ``launches``;
+    a launch the compiler refuses is printed (``# what label: error``) and left out."""
+    got = {}
+    for label, launch in launches.items():
+        try:
+            got[label] = timer(lambda i: run(i, *launch), calls)
+        except Exception as e:  # noqa: BLE001 - a config the compiler refuses: noted
+            print(f"# {what} {label}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+    return got
+
+
 def cold_weights(name: str, n: int, k: int, device) -> tuple:
     """``(w0, copies, calls)`` for timing one ``[n, k]`` ``name`` weight from HBM: ``w0`` (seed 0),
     enough seeded copies to span twice the L2 cache (at least 2) for a graph of calls to cycle
