@@ -127,6 +127,45 @@ def test_pool_attention(dtype, b, w, hq, hkv, d, causal, splits):
     assert rel(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("b,w,hq,hkv,d,splits", [(3, 7, 6, 2, 16, 1), (2, 12, 2, 1, 32, 3), (2, 5, 9, 3, 64, 2)])
+def test_pool_attention_nodes_per_program_same_bits(dtype, b, w, hq, hkv, d, splits):
+    """A tree step with several nodes per program (:func:`_pool_tree_nodes_kernel`: the context
+    tiles read once for the nodes sharing a program, each node's own tail tile apart) gives every
+    row the bits of one node per program (bit for bit on a GPU, where the batched verify takes it
+    from ``NODES_FROM`` programs on; the interpreter within ``TOL``), and matches the reference.
+    Trees with padded nodes, contexts of 0 to ~700 keys over one to three 256-key splits."""
+    from kernels.attention import reference
+    from kernels.attention import triton as tri
+
+    if dtype == torch.bfloat16 and DEV == "cpu":
+        pytest.skip("the interpreter's bfloat16 dot is broken; bfloat16 runs on the GPU")
+    gen = torch.Generator().manual_seed(w * d + splits)
+    s, r = 4, 780
+    k = torch.randn(s, r, hkv, d, generator=gen).to(DEV, dtype)
+    v = torch.randn(s, r, hkv, d, generator=gen).to(DEV, dtype)
+    q = torch.randn(b, w, hq, d, generator=gen).to(DEV, dtype)
+    slots = torch.randperm(s, generator=gen)[:b].to(DEV)
+    lengths = torch.randint(0, r - w, (b,), generator=gen).to(DEV)
+    lengths[0] = 0
+    _, anc = rand_tree(gen, b, w, pad=0.2)
+    fit = max(16, 1 << (hq // hkv - 1).bit_length()) // (hq // hkv)
+    outs = {}
+    saved = dict(tri.TREE_LAUNCH)
+    try:
+        for nodes in (1, 2, fit):
+            tri.TREE_LAUNCH["nodes"] = nodes
+            outs[nodes] = tri.pool_attention(q, k, v, slots, lengths, anc, 0.3, False, splits=splits)
+    finally:
+        tri.TREE_LAUNCH.clear()
+        tri.TREE_LAUNCH.update(saved)
+    tol = TOL.get(dtype, 2e-2)
+    for nodes in (2, fit):
+        assert_bits_on_gpu(outs[nodes], outs[1], tol, nodes)
+    ref = reference.pool_attention(q.float(), k.float(), v.float(), slots, lengths, anc, 0.3, False)
+    assert rel(outs[fit], ref) < tol
+
+
 @pytest.mark.parametrize("w,window,causal,splits", [(4, 20, False, 2), (6, 3, False, 1), (5, 9, True, 2)],
                          ids=["drafter-block", "window-below-block", "causal"])
 def test_pool_attention_sliding_window(w, window, causal, splits):

@@ -40,6 +40,44 @@ from kernels.attention import CHUNK, default_splits  # noqa: F401 (re-exported)
 
 
 @triton.jit
+def _attend_tile(q, k_ptr, v_ptr, krow, col_ok, visible, d, skr, sm_scale, m_i, l_i, acc, IEEE: tl.constexpr):
+    """One key tile of the online softmax: the keys at pool rows ``krow`` ``[BLOCK_N]`` (of the
+    slot and kv head ``k_ptr`` / ``v_ptr`` point at; columns not ``col_ok`` read as zeros), the
+    scores of the query rows ``q`` ``[BLOCK_M, D]`` where ``visible`` ``[BLOCK_M, BLOCK_N]``, the
+    rest ``-inf``; returns the updated ``(m_i, l_i, acc)``. A row that sees none of the tile keeps
+    its state bit for bit (``alpha`` 1 and ``p`` 0, or all still ``-inf`` / zero)."""
+    kt = tl.load(k_ptr + krow[None, :].to(tl.int64) * skr + d[:, None], mask=col_ok[None, :], other=0.0)
+    if IEEE:
+        s = tl.dot(q, kt, input_precision="ieee")
+    else:
+        s = tl.dot(q, kt)
+    s = s * sm_scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    vt = tl.load(v_ptr + krow[:, None].to(tl.int64) * skr + d[None, :], mask=col_ok[:, None], other=0.0)
+    if IEEE:
+        pv = tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(vt.dtype), vt)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _ancestor_rows(cols, L, bit, rank, jw):
+    """Pool rows of the key columns ``cols`` for a tree node with ancestor bits ``bit`` and their
+    depths ``rank`` (``[64]`` each): a position below ``L`` is its own row; position ``P >= L``
+    holds the ancestor of depth ``P - L``, at scratch row ``L + its index``."""
+    e = cols - L
+    hit = (bit[None, :] != 0) & (rank[None, :] == e[:, None])
+    return tl.where(e < 0, cols, L + tl.sum(tl.where(hit, jw[None, :], 0), 1)).to(tl.int64)
+
+
+@triton.jit
 def _pool_attention_kernel(
     q_ptr, k_ptr, v_ptr, slots_ptr, lengths_ptr, anc_ptr, out_ptr, part_ptr, lse_ptr,
     sm_scale, window,
@@ -105,16 +143,7 @@ def _pool_attention_kernel(
         elif start + BLOCK_N <= L:
             krow = cols.to(tl.int64)   # a block of the context alone: no ancestor lookup (the rows below give the same)
         else:
-            # position P >= L holds the ancestor of depth P - L, at scratch row L + its index
-            e = cols - L
-            hit = (bit[None, :] != 0) & (rank[None, :] == e[:, None])
-            krow = tl.where(e < 0, cols, L + tl.sum(tl.where(hit, jw[None, :], 0), 1)).to(tl.int64)
-        kt = tl.load(k_ptr + base + krow[None, :].to(tl.int64) * skr + d[:, None], mask=col_ok[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(q, kt, input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
-        s = s * sm_scale
+            krow = _ancestor_rows(cols, L, bit, rank, jw)
         if CAUSAL:
             j = cols - L
             visible = col_ok[None, :] & ((j[None, :] < 0) | (j[None, :] <= w[:, None]))
@@ -123,29 +152,97 @@ def _pool_attention_kernel(
         if WINDOW:
             dist = (L + w)[:, None] - krow[None, :]     # query row L + w, key at pool row krow
             visible = visible & (dist <= window - 1) & (dist >= 1 - window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        vt = tl.load(v_ptr + base + krow[:, None].to(tl.int64) * skr + d[None, :], mask=col_ok[:, None], other=0.0)
-        if IEEE:
-            pv = tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(vt.dtype), vt)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k_ptr + base, v_ptr + base, krow, col_ok, visible, d, skr, sm_scale,
+                                     m_i, l_i, acc, IEEE)
+    _store_rows(out_ptr, part_ptr, lse_ptr, acc, m_i, l_i, b, w, head, row_ok, d, split, SPLITS, W, HKV * G,
+                sob, sow, soh, D)
+
+
+@triton.jit
+def _store_rows(out_ptr, part_ptr, lse_ptr, acc, m_i, l_i, b, w, head, row_ok, d, split, SPLITS, W, HQ, sob, sow, soh,
+                D: tl.constexpr):
+    """The rows' result: with one split the normalised output of each row (node ``w``, query
+    head ``head``), else its split's normalised partial ``[B, W, Hq, SPLITS, D]`` and
+    log-sum-exp ``[B, W, Hq, SPLITS]`` for :func:`_combine_kernel`."""
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if SPLITS == 1:
         tl.store(out_ptr + b * sob + w[:, None] * sow + head[:, None] * soh + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
-        # partials: [B, W, Hq, SPLITS, D] and lse [B, W, Hq, SPLITS]
-        hq = HKV * G
-        idx = ((b * W + w) * hq + head) * SPLITS + split
+        idx = ((b * W + w) * HQ + head) * SPLITS + split
         tl.store(part_ptr + idx[:, None].to(tl.int64) * D + d[None, :], out, mask=row_ok[:, None])
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
         tl.store(lse_ptr + idx, lse, mask=row_ok)
+
+
+@triton.jit
+def _pool_tree_nodes_kernel(
+    q_ptr, k_ptr, v_ptr, slots_ptr, lengths_ptr, anc_ptr, out_ptr, part_ptr, lse_ptr,
+    sm_scale, W, G, HKV, SPLITS, CHUNK,
+    sqb, sqw, sqh, sks, skr, skh, sob, sow, soh,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NODES: tl.constexpr, IEEE: tl.constexpr,
+):
+    """:func:`_pool_attention_kernel`'s tree step (no window) with ``NODES`` tree nodes per program
+    (their ``G`` query heads each, node-major rows of the same ``BLOCK_M`` tile): a key tile of
+    the committed context (the same keys for every node) is read once for all of them; a tile
+    reaching past ``L`` (each node's own ancestors) runs once per node with only that node's rows
+    visible, the others keeping their state bit for bit (:func:`_attend_tile`). Every row sees
+    the tiles the one-node kernel gives it, in the same order, through the same tile shape and
+    warps: the same bits (``tests/test_kernels.py`` checks it on the GPU); ``NODES`` only changes
+    how many programs share the reads."""
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    split = tl.program_id(2)
+    b = pid_bh // HKV
+    kvh = pid_bh % HKV
+    L = tl.load(lengths_ptr + b)
+    slot = tl.load(slots_ptr + b)
+    d = tl.arange(0, D)
+    r = tl.arange(0, BLOCK_M)
+    rnode = r // G                                   # the row's node within the program
+    w = pid_m * NODES + rnode
+    row_ok = (r < NODES * G) & (w < W)
+    head = kvh * G + r % G
+    jw = tl.arange(0, 64)
+    # each row's keys end at its node's L + depth + 1 (the split's end for the row: hi_r)
+    anc_r = tl.load(anc_ptr + b * W + w, mask=row_ok, other=0)
+    depth_r = tl.zeros([BLOCK_M], tl.int32)
+    for j in tl.static_range(64):
+        depth_r += ((anc_r >> j) & 1).to(tl.int32)
+    total_r = L + depth_r
+    lo = split * CHUNK
+    if split == SPLITS - 1:
+        hi_r = total_r
+    else:
+        hi_r = tl.minimum(lo + CHUNK, total_r)
+    hi = tl.max(tl.where(row_ok, hi_r, 0), 0)
+    q = tl.load(q_ptr + b * sqb + w[:, None] * sqw + head[:, None] * sqh + d[None, :], mask=row_ok[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    base = slot.to(tl.int64) * sks + kvh * skh
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        if start + BLOCK_N <= L:   # the committed context: every node's keys, read once
+            col_ok = cols < hi
+            visible = (cols[None, :] < hi_r[:, None]) & row_ok[:, None]
+            m_i, l_i, acc = _attend_tile(q, k_ptr + base, v_ptr + base, cols.to(tl.int64), col_ok, visible, d, skr,
+                                         sm_scale, m_i, l_i, acc, IEEE)
+        else:
+            for j in tl.static_range(NODES):
+                node = pid_m * NODES + j
+                if node < W:
+                    anc = tl.load(anc_ptr + b * W + node)
+                    bit = ((anc >> jw.to(tl.int64)) & 1).to(tl.int32)
+                    rank = tl.cumsum(bit, 0) - 1
+                    hi_j = tl.minimum(lo + CHUNK, L + tl.sum(bit, 0))
+                    if split == SPLITS - 1:
+                        hi_j = L + tl.sum(bit, 0)
+                    col_ok = cols < hi_j
+                    visible = col_ok[None, :] & (row_ok & (rnode == j))[:, None]
+                    m_i, l_i, acc = _attend_tile(q, k_ptr + base, v_ptr + base, _ancestor_rows(cols, L, bit, rank, jw),
+                                                 col_ok, visible, d, skr, sm_scale, m_i, l_i, acc, IEEE)
+    _store_rows(out_ptr, part_ptr, lse_ptr, acc, m_i, l_i, b, w, head, row_ok, d, split, SPLITS, W, HKV * G,
+                sob, sow, soh, D)
 
 
 @triton.jit
@@ -177,9 +274,23 @@ def _combine_kernel(part_ptr, lse_ptr, out_ptr, HQ, W, SPLITS, sob, sow, soh,
 #: (keys per tile), ``num_warps`` and ``chunk`` (keys per split) change the order of a row's sums,
 #: which stays width-invariant only when every step of a process uses the same values; the
 #: causal (prefill) launch keeps Triton's default stages unless ``num_stages`` is set here.
-TREE_LAUNCH: dict = {"block_n": None, "num_warps": 4, "num_stages": None, "chunk": None}
+TREE_LAUNCH: dict = {"block_n": None, "num_warps": 4, "num_stages": None, "chunk": None, "nodes": None}
+#: a tree step of at least this many (batch row, kv head, node) programs runs several nodes per
+#: program (:func:`_pool_tree_nodes_kernel`, as many as fit the 16-row tile); fewer keep one each
+#: (more programs in flight for one session's few nodes). Either gives the same bits.
+NODES_FROM = 512
 #: stages of the tree launch when ``TREE_LAUNCH["num_stages"]`` is None
 TREE_STAGES = 2
+
+
+def _nodes_per_program(programs: int, fit: int) -> int:
+    """Tree nodes per program for a tree step of ``programs`` one-node programs: ``fit`` (as many
+    as the tile holds) from :data:`NODES_FROM` programs on, else 1; ``TREE_LAUNCH["nodes"]``
+    overrides (for sweeps and tests). Never changes a row's bits (:func:`_pool_tree_nodes_kernel`)."""
+    forced = TREE_LAUNCH.get("nodes")
+    if forced:
+        return max(1, min(int(forced), fit))
+    return fit if programs >= NODES_FROM and fit > 1 else 1
 
 
 def _stages(causal: bool) -> dict:
@@ -245,8 +356,21 @@ def pool_attention(
     else:
         part = lse = out
     anc = ancestors if ancestors is not None else lengths
-    grid = (bsz * hkv, triton.cdiv(w * g, block_m) if causal else w, splits)
     slots, lengths, anc = slots.contiguous(), lengths.contiguous(), anc.contiguous()
+    nodes = _nodes_per_program(bsz * hkv * w, block_m // g) if not causal and not window and ancestors is not None else 1
+    if nodes > 1:
+        _pool_tree_nodes_kernel[(bsz * hkv, triton.cdiv(w, nodes), splits)](
+            q, k_pool, v_pool, slots, lengths, anc, out, part, lse, float(scale),
+            w, g, hkv, splits, chunk if splits > 1 else 1 << 30,
+            q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            D=d, BLOCK_M=block_m, BLOCK_N=block_n, NODES=nodes, IEEE=q.dtype == torch.float32,
+            num_warps=TREE_LAUNCH["num_warps"], **_stages(False))
+        if splits > 1:
+            _combine_kernel[(bsz * w * hq,)](part, lse, out, hq, w, splits, out.stride(0), out.stride(1), out.stride(2),
+                                             D=d, BLOCK_S=triton.next_power_of_2(max(splits, max_splits or 1)))
+        return out
+    grid = (bsz * hkv, triton.cdiv(w * g, block_m) if causal else w, splits)
     _pool_attention_kernel[grid](
         q, k_pool, v_pool, slots, lengths, anc, out, part, lse, float(scale), max(0, int(window)),
         w, g, hkv, splits, chunk if splits > 1 else 1 << 30,
