@@ -375,7 +375,7 @@ def commit_timing(engine, width: int = 16, reps: int = 20, graph: bool = False) 
 _FAMILIES = (("quant linear (ours)", ("_qlinear_kernel", "_split_sum_kernel")),
              ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90_", "cublas", "splitk", "_skinny")),
              ("gdn conv (ours)", ("_conv_kernel", "_conv_commit_kernel")), ("kv commit (ours)", ("_kv_commit_kernel",)),
-             ("attention (ours)", ("_pool_attention", "_combine")), ("gated delta (ours)", ("_tree_kernel", "_commit_kernel")),
+             ("attention (ours)", ("_pool_attention", "_pool_tree_nodes", "_combine")), ("gated delta (ours)", ("_tree_kernel", "_commit_kernel")),
              ("norms (ours)", ("_rms_kernel",)), ("rope+kv (ours)", ("_rope_store",)), ("swiglu (ours)", ("_silu_mul",)),
              ("top-k (ours)", ("_topk_lsm",)),
              ("sampler (ours)", ("sample", "threshold", "philox", "_argmax", "_reduce")),

@@ -735,8 +735,6 @@ class BatchedDrafter:
             res = runner.run()
             # the step's table, copied once (the outcomes keep views of it)
             lp, tok = res.logprobs[:b].copy(), res.tokens[:b].copy()
-            if res.trees is not None:   # every row's tree as host lists, in three conversions
-                tree_tokens, tree_parents, counts = (a[:b].tolist() for a in res.trees)
             self.steps += 1
             self.step_s += time.perf_counter() - t0
         except BaseException:
@@ -746,6 +744,8 @@ class BatchedDrafter:
         outs = []
         limit = self.tree_layout.nodes if self.tree_layout is not None else -1
         t0 = time.perf_counter()
+        if res.trees is not None:   # every row's tree as host lists, in three conversions
+            tree_tokens, tree_parents, counts = (a[:b].tolist() for a in res.trees)
         for r, ((_, item, feats, depth), s) in enumerate(zip(part, sessions)):
             s.length += feats.shape[0]
             self.sessions[s.session_id] = s
@@ -764,32 +764,48 @@ class BatchedDrafter:
         return bucket_for(n, self.buckets()) if self.fixed else n
 
     def _append_eager(self, parts: list[tuple[int, int, torch.Tensor]]) -> None:
-        """Append each ``(slot, start, features [m, N*H])`` of ``parts`` at rows ``start..`` of
-        ``slot`` before the step: the rows of all parts flattened into one sequence, each row with
-        its own slot and position (a batch of ``rows`` items of one row each), ``prefill_chunk``
-        rows per forward (exact shapes, eager), on the fused kernels when the step runs on them
-        (the same arithmetic as the rows the step appends), else with ``write_context``. One
-        forward for several new sessions' prompts where each used to take its own (at 64 streams
-        a third of the drafter's step went to appending prompts one session at a time:
-        ``benchmarks/gpu/step/run11/pyspy``)."""
-        dev = self.device
-        slots = torch.cat([torch.full((f.shape[0],), slot, dtype=torch.long) for slot, _, f in parts])
-        rows = torch.cat([torch.arange(start, start + f.shape[0], dtype=torch.long) for _, start, f in parts])
-        feats = parts[0][2] if len(parts) == 1 else torch.cat([f for _, _, f in parts])
-        slots, rows = slots.to(dev), rows.to(dev)
-        # batch-invariant projections: the skinny Triton kernel's tiles for any number of rows, so a
-        # row's context does not depend on which rows share its chunk, and no cuBLAS call of a new
-        # row count each step (its heuristics: the largest part of an eager append at 64 streams,
-        # benchmarks/gpu/step/run14-pyspy)
+        """Append each ``(slot, start, features [m, N*H])`` of ``parts`` (any float dtype, CPU or
+        device; converted to the model dtype) at rows ``start..`` of ``slot`` before the step: the
+        rows of all parts taken as one sequence, each row with its own slot and position (a batch
+        of rows of one row each), ``prefill_chunk`` rows per forward (exact shapes, eager; a chunk
+        gathers its rows from the parts it spans, so no copy of every part's rows at once), on the
+        fused kernels when the step runs on them, else with ``write_context``. The projections run
+        in :func:`kernels.linear.batch_invariant` (the skinny Triton tiles for any number of rows),
+        so a row's context does not depend on the rows that share its chunk (the step's own rows,
+        over 64 in a batch, go through cuBLAS: their bits may differ from these, which only the
+        drafter's proposals see). One forward for several new sessions' prompts where each used to
+        take its own, and no cuBLAS call of a new row count each step (at 64 streams a third of the
+        drafter's step went to appending prompts one session at a time, mostly cuBLAS:
+        ``benchmarks/gpu/step/run14-pyspy``)."""
+        chunk = self.prefill_chunk
         with batch_invariant():
-            for c0 in range(0, feats.shape[0], self.prefill_chunk):
-                f = feats[c0 : c0 + self.prefill_chunk].to(device=dev, dtype=self.dtype)
-                sl, at = slots[c0 : c0 + self.prefill_chunk], rows[c0 : c0 + self.prefill_chunk]
-                if self.fused is not None:
-                    self.fused._context(self.pool, sl, at, f[:, None])
-                else:
-                    write_context(self.drafter, self.pool, sl, at, f[:, None])
-                self.eager_rows += f.shape[0]
+            pieces, n = [], 0           # (slot, start, features) of the chunk being gathered, its rows
+            for slot, start, f in parts:
+                at = 0
+                while at < f.shape[0]:
+                    take = min(chunk - n, f.shape[0] - at)
+                    pieces.append((slot, start + at, f[at : at + take]))
+                    n += take
+                    at += take
+                    if n == chunk:
+                        self._append_rows(pieces)
+                        pieces, n = [], 0
+            if pieces:
+                self._append_rows(pieces)
+
+    def _append_rows(self, pieces: list[tuple[int, int, torch.Tensor]]) -> None:
+        """One eager forward of :meth:`_append_eager`: the rows of ``pieces`` (``(slot, start,
+        features [m, N*H])`` each) together, row ``i`` of a piece at row ``start + i`` of its slot."""
+        dev = self.device
+        slots = torch.cat([torch.full((f.shape[0],), slot, dtype=torch.long) for slot, _, f in pieces]).to(dev)
+        rows = torch.cat([torch.arange(start, start + f.shape[0], dtype=torch.long) for _, start, f in pieces]).to(dev)
+        f = pieces[0][2] if len(pieces) == 1 else torch.cat([p[2] for p in pieces])
+        f = f.to(device=dev, dtype=self.dtype)
+        if self.fused is not None:
+            self.fused._context(self.pool, slots, rows, f[:, None])
+        else:
+            write_context(self.drafter, self.pool, slots, rows, f[:, None])
+        self.eager_rows += f.shape[0]
 
 
 __all__ = ["BatchedDrafter", "DraftItem", "ProposeOutcome", "ReferenceDrafterEngine", "StepResult", "DEFAULT_TREE_NODES",
