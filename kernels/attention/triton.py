@@ -23,6 +23,15 @@ target-only decoding in bf16; tests/test_kernels.py checks it on the GPU; Triton
 interpreter sums position-independently, so there it checks only the mapping). Causal prefill
 chunks use taller blocks (they are not compared with anything).
 
+Several nodes per program (:func:`_pool_tree_nodes_kernel`): a tree step of at least
+:data:`NODES_FROM` one-node programs (many sessions' trees) runs as many nodes per program as the
+16-row tile holds; the committed context's key tiles (the same keys for every node) are read once
+for them, a tile reaching past ``L`` runs once per node with the other nodes' rows masked (their
+state is left bit for bit: ``alpha`` 1, ``p`` 0). Each row sees the same tiles in the same order
+through the same tile shape and warps as with one node per program, so the bits are the same
+(tests/test_kernels.py checks it on the GPU); 64 sessions of 8 nodes on an H200 54.9 -> 36.3 us
+a layer (``benchmarks/gpu/attention/session15-nodes``). A sliding window keeps one node per program.
+
 Sliding window (``window`` > 0, the drafter's sliding layers): a separately compiled variant
 (``WINDOW``) masks key rows farther than ``window - 1`` from the query row ``L + i`` and starts
 each split's loop at the first tile (at its fixed absolute start) that reaches the window, so
