@@ -106,6 +106,20 @@ def test_pool_attention_fewer_splits_same_bits(dtype, causal):
         assert_bits_on_gpu(fewer, every, TOL[dtype], (lengths, splits))
 
 
+def pool_inputs(gen: torch.Generator, b: int, w: int, hq: int, hkv: int, d: int, dtype, pad: float = 0.0):
+    """``(k, v, q, slots, lengths, anc)`` for :func:`pool_attention`: a pool of 4 slots x 780 rows,
+    ``b`` batch rows of ``w``-node random trees (``pad`` of the nodes padding) at random slots,
+    committed lengths below ``780 - w`` (several 256-key chunks)."""
+    s, r = 4, 780
+    k = torch.randn(s, r, hkv, d, generator=gen).to(DEV, dtype)
+    v = torch.randn(s, r, hkv, d, generator=gen).to(DEV, dtype)
+    q = torch.randn(b, w, hq, d, generator=gen).to(DEV, dtype)
+    slots = torch.randperm(s, generator=gen)[:b].to(DEV)
+    lengths = torch.randint(0, r - w, (b,), generator=gen).to(DEV)
+    _, anc = rand_tree(gen, b, w, pad=pad)
+    return k, v, q, slots, lengths, anc
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("b,w,hq,hkv,d,causal,splits", [(2, 5, 6, 2, 16, False, 1), (3, 7, 4, 1, 32, False, 3),
                                                           (2, 9, 4, 2, 16, True, 2), (1, 64, 2, 1, 16, False, 2)])
@@ -114,14 +128,7 @@ def test_pool_attention(dtype, b, w, hq, hkv, d, causal, splits):
     from kernels.attention import reference
     from kernels.attention import triton as tri
 
-    gen = torch.Generator().manual_seed(b * w + d)
-    s, r = 4, 780
-    k = torch.randn(s, r, hkv, d, generator=gen).to(DEV, dtype)
-    v = torch.randn(s, r, hkv, d, generator=gen).to(DEV, dtype)
-    q = torch.randn(b, w, hq, d, generator=gen).to(DEV, dtype)
-    slots = torch.randperm(s, generator=gen)[:b].to(DEV)
-    lengths = torch.randint(0, r - w, (b,), generator=gen).to(DEV)
-    _, anc = rand_tree(gen, b, w, pad=0.0)
+    k, v, q, slots, lengths, anc = pool_inputs(torch.Generator().manual_seed(b * w + d), b, w, hq, hkv, d, dtype)
     ref = reference.pool_attention(q.float(), k.float(), v.float(), slots, lengths, anc, 0.3, causal)
     out = tri.pool_attention(q, k, v, slots, lengths, anc, 0.3, causal, splits=splits)
     assert rel(out, ref) < TOL[dtype]
@@ -140,15 +147,9 @@ def test_pool_attention_nodes_per_program_same_bits(dtype, b, w, hq, hkv, d, spl
 
     if dtype == torch.bfloat16 and DEV == "cpu":
         pytest.skip("the interpreter's bfloat16 dot is broken; bfloat16 runs on the GPU")
-    gen = torch.Generator().manual_seed(w * d + splits)
-    s, r = 4, 780
-    k = torch.randn(s, r, hkv, d, generator=gen).to(DEV, dtype)
-    v = torch.randn(s, r, hkv, d, generator=gen).to(DEV, dtype)
-    q = torch.randn(b, w, hq, d, generator=gen).to(DEV, dtype)
-    slots = torch.randperm(s, generator=gen)[:b].to(DEV)
-    lengths = torch.randint(0, r - w, (b,), generator=gen).to(DEV)
+    k, v, q, slots, lengths, anc = pool_inputs(torch.Generator().manual_seed(w * d + splits), b, w, hq, hkv, d, dtype,
+                                               pad=0.2)
     lengths[0] = 0
-    _, anc = rand_tree(gen, b, w, pad=0.2)
     fit = max(16, 1 << (hq // hkv - 1).bit_length()) // (hq // hkv)
     outs = {}
     saved = dict(tri.TREE_LAUNCH)

@@ -49,6 +49,15 @@ from kernels.attention import CHUNK, default_splits  # noqa: F401 (re-exported)
 
 
 @triton.jit
+def _program(lengths_ptr, slots_ptr, HKV):
+    """This program's place in the grid ``(batch row x kv head, row block, split)``: ``(pid_m,
+    split, b, kvh, L, slot)``, with the batch row's committed length and pool slot."""
+    pid_bh = tl.program_id(0)
+    b = pid_bh // HKV
+    return tl.program_id(1), tl.program_id(2), b, pid_bh % HKV, tl.load(lengths_ptr + b), tl.load(slots_ptr + b)
+
+
+@triton.jit
 def _attend_tile(q, k_ptr, v_ptr, krow, col_ok, visible, d, skr, sm_scale, m_i, l_i, acc, IEEE: tl.constexpr):
     """One key tile of the online softmax: the keys at pool rows ``krow`` ``[BLOCK_N]`` (of the
     slot and kv head ``k_ptr`` / ``v_ptr`` point at; columns not ``col_ok`` read as zeros), the
@@ -97,13 +106,7 @@ def _pool_attention_kernel(
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     IEEE: tl.constexpr, WINDOW: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    split = tl.program_id(2)
-    b = pid_bh // HKV
-    kvh = pid_bh % HKV
-    L = tl.load(lengths_ptr + b)
-    slot = tl.load(slots_ptr + b)
+    pid_m, split, b, kvh, L, slot = _program(lengths_ptr, slots_ptr, HKV)
 
     d = tl.arange(0, D)
     if CAUSAL:
@@ -198,13 +201,7 @@ def _pool_tree_nodes_kernel(
     the tiles the one-node kernel gives it, in the same order, through the same tile shape and
     warps: the same bits (``tests/test_kernels.py`` checks it on the GPU); ``NODES`` only changes
     how many programs share the reads."""
-    pid_bh = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    split = tl.program_id(2)
-    b = pid_bh // HKV
-    kvh = pid_bh % HKV
-    L = tl.load(lengths_ptr + b)
-    slot = tl.load(slots_ptr + b)
+    pid_m, split, b, kvh, L, slot = _program(lengths_ptr, slots_ptr, HKV)
     d = tl.arange(0, D)
     r = tl.arange(0, BLOCK_M)
     rnode = r // G                                   # the row's node within the program
