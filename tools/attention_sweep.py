@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="fewer launches")
+    ap.add_argument("--nodes-ab", action="store_true",
+                    help="only the default launch, with one node per program against the automatic choice "
+                         "(kernels.attention.triton.NODES_FROM) and every node count that fits")
     args = ap.parse_args(argv)
     from bench.gpu import _tree_shape
     from kernels.attention import CHUNK
@@ -52,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     grid = {"block_n": (32, 64, 128), "num_warps": (1, 2, 4), "num_stages": (None, 1, 3), "chunk": (64, 128, CHUNK)}
     if args.quick:
         grid = {"block_n": (32, 64), "num_warps": (1, 4), "num_stages": (None,), "chunk": (64, CHUNK)}
+    if args.nodes_ab:
+        grid = {"nodes": (None, 1, 2, 4, 8)}
     default = dict(tri.TREE_LAUNCH)
     rows = []
     print(f"# {torch.cuda.get_device_name()}: pool_attention, bf16, us per call")
@@ -69,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         scale = 1.0 / math.sqrt(d)
         results = {}
         ref = None
-        base_launch = {"block_n": 64 if d <= 64 else 32, "num_warps": 4, "num_stages": None, "chunk": CHUNK}
-        launches = [base_launch] + [dict(zip(grid, v)) for v in itertools.product(*grid.values())]
+        base_launch = {"block_n": 64 if d <= 64 else 32, "num_warps": 4, "num_stages": None, "chunk": CHUNK, "nodes": 1}
+        launches = [base_launch] + [{**base_launch, **dict(zip(grid, v))} for v in itertools.product(*grid.values())]
         for launch in launches:
             if d > 128 and launch["block_n"] > 32:
                 continue
@@ -87,9 +92,10 @@ def main(argv: list[str] | None = None) -> int:
                 tri.TREE_LAUNCH.clear()
                 tri.TREE_LAUNCH.update(default)
             ref = out if ref is None else ref    # the default launch runs first
-            key = f"bn{launch['block_n']}-w{launch['num_warps']}-s{launch['num_stages'] or 'd'}-c{launch['chunk']}"
+            key = (f"bn{launch['block_n']}-w{launch['num_warps']}-s{launch['num_stages'] or 'd'}-c{launch['chunk']}"
+                   f"-n{launch['nodes'] or 'auto'}")
             results[key] = dict(us=us, splits=splits, diff=float((out - ref).abs().max()))
-        base_key = f"bn{64 if d <= 64 else 32}-w4-sd-c{CHUNK}"
+        base_key = f"bn{64 if d <= 64 else 32}-w4-sd-c{CHUNK}-n1"
         best = min(results, key=lambda k_: results[k_]["us"])
         base = results.get(base_key, {}).get("us")
         top = sorted(results, key=lambda k_: results[k_]["us"])[:4]
