@@ -722,13 +722,12 @@ class BatchedDrafter:
                 n_l.append(n)
                 if n:
                     feats_host[r, :n].copy_(feats)
-            host = runner.host_np
             for name, values in (("slots", [s.slot for s in sessions]), ("held", held_l), ("n_rows", n_l),
                                  ("roots", [int(it.root_token) for _, it, _, _ in part]),
                                  ("budget", [int(it.budget) for _, it, _, _ in part]),
                                  ("top_k", [int(it.top_k) for _, it, _, _ in part]),
                                  ("depth", [d for _, _, _, d in part])):
-                host[_FIELDS.index(name), :b] = values
+                runner.view(name)[:b] = values
             if excess:
                 self._append_eager(excess)
             runner.fill_padding(b)

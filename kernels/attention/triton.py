@@ -364,29 +364,19 @@ def pool_attention(
     anc = ancestors if ancestors is not None else lengths
     slots, lengths, anc = slots.contiguous(), lengths.contiguous(), anc.contiguous()
     nodes = _nodes_per_program(bsz * hkv * w, block_m // g) if not causal and not window and ancestors is not None else 1
+    args = (q, k_pool, v_pool, slots, lengths, anc, out, part, lse, float(scale))
+    strides = (q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+               out.stride(0), out.stride(1), out.stride(2))
+    shape = (w, g, hkv, splits, chunk if splits > 1 else 1 << 30)
+    launch = dict(D=d, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+                  num_warps=TREE_LAUNCH["num_warps"], **_stages(causal))
     if nodes > 1:
-        _pool_tree_nodes_kernel[(bsz * hkv, triton.cdiv(w, nodes), splits)](
-            q, k_pool, v_pool, slots, lengths, anc, out, part, lse, float(scale),
-            w, g, hkv, splits, chunk if splits > 1 else 1 << 30,
-            q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            D=d, BLOCK_M=block_m, BLOCK_N=block_n, NODES=nodes, IEEE=q.dtype == torch.float32,
-            num_warps=TREE_LAUNCH["num_warps"], **_stages(False))
-        if splits > 1:
-            _combine_kernel[(bsz * w * hq,)](part, lse, out, hq, w, splits, out.stride(0), out.stride(1), out.stride(2),
-                                             D=d, BLOCK_S=triton.next_power_of_2(max(splits, max_splits or 1)))
-        return out
-    grid = (bsz * hkv, triton.cdiv(w * g, block_m) if causal else w, splits)
-    _pool_attention_kernel[grid](
-        q, k_pool, v_pool, slots, lengths, anc, out, part, lse, float(scale), max(0, int(window)),
-        w, g, hkv, splits, chunk if splits > 1 else 1 << 30,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal), IEEE=q.dtype == torch.float32,
-        WINDOW=int(window) > 0, num_warps=TREE_LAUNCH["num_warps"],
-        **_stages(causal),
-    )
+        _pool_tree_nodes_kernel[(bsz * hkv, triton.cdiv(w, nodes), splits)](*args, *shape, *strides, NODES=nodes,
+                                                                            **launch)
+    else:
+        grid = (bsz * hkv, triton.cdiv(w * g, block_m) if causal else w, splits)
+        _pool_attention_kernel[grid](*args, max(0, int(window)), *shape, *strides, CAUSAL=bool(causal),
+                                     WINDOW=int(window) > 0, **launch)
     if splits > 1:
         _combine_kernel[(bsz * w * hq,)](part, lse, out, hq, w, splits, out.stride(0), out.stride(1), out.stride(2),
                                          D=d, BLOCK_S=triton.next_power_of_2(max(splits, max_splits or 1)))
