@@ -22,8 +22,6 @@ one-row decode), which this one-row probe does not have to keep.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 sys.path[:0] = [".", "proto", "tools"]
@@ -114,13 +112,7 @@ def main() -> int:
     from kernels.quant import triton as T
 
     if a.smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        w = sq.random_weight("Q4_K", 40, 512, torch.device("cpu"))
-        x = torch.randn(1, 512)
-        for bn, nw, split in ((16, 1, 1), (32, 2, 2)):
-            err = sq.rel(q4k_gemv(x, w, bn, nw, split, torch.float32), R.linear(x, w, torch.float32))
-            print(f"smoke bn{bn} split{split}: rel err {err:.1e}")
-            assert err < 1e-5, err
+        sq.probe_smoke(q4k_gemv, torch.randn(1, 512), ((16, 1, 1), (32, 2, 2)), 1e-5)
         return 0
     dev = torch.device("cuda")
     timer = sq.Timer(dev, 20, 10)
@@ -141,9 +133,7 @@ def main() -> int:
         print(f"| {n} x {k} | {w0.nbytes / 2**20:.2f} | {copy:.1f} | {engine:.1f} | {got[best]:.1f} | {best} | "
               f"{got[best] / engine:.2f}x | {err:.1e} |", flush=True)
         rows.append(dict(n=n, k=k, mib=w0.nbytes / 2**20, copy_us=copy, engine_us=engine, gemv_us=got, rel_err=err))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    sq.write_rows(a.out, rows)
     return 0
 
 

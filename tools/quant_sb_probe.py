@@ -35,8 +35,6 @@ twice the L2, median of 10 replays), at 1 and 16 rows of ``x``, and checked agai
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 sys.path[:0] = [".", "proto", "tools"]
@@ -45,6 +43,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from kernels.linear.triton import _tile  # noqa: E402
 from kernels.quant.triton import _bytes_w, _f16w, _split_sum_kernel  # noqa: E402
 
 #: bytes of a Q4_K super-block (256 elements)
@@ -59,11 +58,7 @@ def _q4k_sb_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
     """``y = x @ dequant(w)^T`` for a Q4_K weight (uint8 ``[N, K / 256 * 144]``), one program per
     (``BLOCK_N`` features, ``BLOCK_M`` rows, ``K / SPLIT_K`` range); with ``SPLIT_K`` > 1 ``y_ptr``
     is the float32 scratch ``[SPLIT_K, M, N]``. Accumulator transposed, ``[BLOCK_N, BLOCK_M]``."""
-    num_m = tl.cdiv(M, BLOCK_M)
-    pid = tl.program_id(0)
-    rn = (pid // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
-    mm = rm < M
+    rn, rm, _, mm = _tile(M, N, BLOCK_M, BLOCK_N)
     row = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * swn
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     col = tl.arange(0, 16)                       # a group's column of the scale tiles (0..3 used)
@@ -150,13 +145,7 @@ def main() -> int:
     from kernels.quant import triton as T
 
     if a.smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        w = sq.random_weight("Q4_K", 40, 512, torch.device("cpu"))
-        x = torch.randn(3, 512).to(torch.bfloat16)
-        for bn, nw, split in ((16, 4, 1), (32, 4, 2)):
-            err = sq.rel(q4k_sb(x, w, bn, nw, split, torch.float32), R.linear(x.float(), w, torch.float32))
-            print(f"smoke bn{bn} split{split}: rel err {err:.1e}")
-            assert err < 1e-3, err
+        sq.probe_smoke(q4k_sb, torch.randn(3, 512).to(torch.bfloat16), ((16, 4, 1), (32, 4, 2)), 1e-3)
         return 0
     dev = torch.device("cuda")
     timer = sq.Timer(dev, 20, 10)
@@ -188,9 +177,7 @@ def main() -> int:
               f"{got[best] / engine1:.2f}x | {engine16:.1f} | {p16:.1f} | {err:.1e} | {equal} |", flush=True)
         rows.append(dict(n=n, k=k, mib=w0.nbytes / 2**20, copy_us=copy, engine_us=engine1, engine16_us=engine16,
                          probe_us=got, probe16_us=p16, best=best, rel_err=err, rows_bit_equal=equal))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    sq.write_rows(a.out, rows)
     return 0
 
 

@@ -160,6 +160,28 @@ def time_launches(timer: "Timer", calls: int, launches: dict, run, what: str = "
     return got
 
 
+def probe_smoke(probe, x: torch.Tensor, launches, tol: float) -> None:
+    """A kernel probe's CPU self-test (``--smoke``, under the Triton interpreter): ``probe(x, w,
+    BLOCK_N, warps, split_k, float32)`` on a random ``[40, 512]`` Q4_K weight against
+    ``kernels.quant.reference.linear`` for each ``(BLOCK_N, warps, split_k)`` of ``launches``,
+    relative error below ``tol`` (AssertionError otherwise)."""
+    from kernels.quant import reference as R
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    w = random_weight("Q4_K", 40, 512, torch.device("cpu"))
+    for bn, nw, split in launches:
+        err = rel(probe(x, w, bn, nw, split, torch.float32), R.linear(x.float(), w, torch.float32))
+        print(f"smoke bn{bn} split{split}: rel err {err:.1e}")
+        assert err < tol, err
+
+
+def write_rows(path: str | None, rows) -> None:
+    """``rows`` as indented JSON into ``path`` (a tool's ``--out``; None: nothing)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 def cold_weights(name: str, n: int, k: int, device) -> tuple:
     """``(w0, copies, calls)`` for timing one ``[n, k]`` ``name`` weight from HBM: ``w0`` (seed 0),
     enough seeded copies to span twice the L2 cache (at least 2) for a graph of calls to cycle

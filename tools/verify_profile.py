@@ -17,10 +17,9 @@ so every call's trees start at the sessions' current bonus tokens.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-sys.path[:0] = [".", "proto"]
+sys.path[:0] = [".", "proto", "tools"]
 
 import torch  # noqa: E402
 
@@ -35,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from bench.gpu import _tree_shape, profile_kernels
+    from sweep_quant import write_rows
     from runtime.sampling import Sampling
     from target_service.__main__ import build_engine
 
@@ -71,9 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         for t in prof["top"][:6]:
             print(f"    {t['us']:8.1f} us  {t['count']:4d}x  {t['name']}")
         rows.append(dict(batch=b, width=w, **prof))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_rows(args.out, rows)
     return 0
 
 
