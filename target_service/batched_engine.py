@@ -190,9 +190,15 @@ class BatchedEngine:
         #: the step runners, keyed ``(batch, width, prefill, splits)``
         self.graphs = GraphSet(self._build_runner, self.cuda_graphs)
         #: prefill chunk sizes replayed as graphs (CUDA graphs only): powers of two up to
-        #: ``prefill_chunk``; a prompt is cut into chunks of exactly these sizes, largest first,
-        #: so no chunk is padded (padding nodes of a chain would be committed)
+        #: ``prefill_chunk`` (:meth:`next_prefill_tokens` says how a prompt is cut into them)
         self.prefill_buckets = tuple(1 << i for i in range(max(1, prefill_chunk).bit_length())) if self.cuda_graphs else ()
+        #: a prompt's last chunk runs padded in the next bucket up (one replay for its remainder)
+        #: instead of as chunks of exactly the buckets, largest first (a 150-token prompt: one
+        #: replay of 256 instead of four, 128 + 16 + 4 + 2; every replay costs about one decode
+        #: step's launches whatever its rows). Only without GDN layers: a chain's recurrent and conv
+        #: state would take in the padding nodes (their K/V rows lie past the committed length,
+        #: where nothing reads them). A function of the model alone, never of the load.
+        self.pad_prefill = bool(self.prefill_buckets) and not shape.gdn_layers
         #: steps run, forwards (graphs captured: :attr:`captures`)
         self.steps = 0
         self.forwards = 0
@@ -310,12 +316,25 @@ class BatchedEngine:
 
     def next_prefill_tokens(self, job: PrefillJob) -> int:
         """The prompt tokens :meth:`run_prefill` commits next for ``job``: ``min(prefill_chunk,
-        tokens left)``, rounded down to a power of two when chunks replay as graphs. A function of
-        the prompt alone, never of the load: a prompt is cut into the same chunks (the same
-        GEMM shapes, so the same bits) whether it is prefilled alone or beside others, which
-        keeps a request's tokens equal to its single-stream run (issue 23)."""
+        tokens left)``; when chunks replay as graphs, rounded down to a power of two unless the
+        chunk may run padded (:meth:`_prefill_width`). A function of the prompt alone, never of
+        the load: a prompt is cut into the same chunks (the same GEMM shapes, so the same bits)
+        whether it is prefilled alone or beside others, which keeps a request's tokens equal to
+        its single-stream run (issue 23)."""
         n = max(1, min(self.prefill_chunk, len(job.prompt) - job.done))
-        return 1 << (n.bit_length() - 1) if self.prefill_buckets else n
+        if not self.prefill_buckets or self._prefill_width(job.done, n) > n:
+            return n
+        return 1 << (n.bit_length() - 1)
+
+    def _prefill_width(self, start: int, n: int) -> int:
+        """The width of the graph that runs ``n`` prompt tokens from row ``start``: the bucket at or
+        above ``n`` with :attr:`pad_prefill` when the padded chunk's scratch rows fit the slot
+        (``start + width <= max_context + max_tree_width``: the pool's rows and the rotary
+        table's), else ``n`` (a chunk of exactly a bucket, or eager)."""
+        if not self.pad_prefill:
+            return n
+        w = 1 << (n - 1).bit_length()
+        return w if start + w <= self.max_context + self.max_tree_width else n
 
     @torch.no_grad()
     def run_prefill(self, job: PrefillJob, budget: int) -> int:
@@ -328,16 +347,18 @@ class BatchedEngine:
             return 0
         start = job.done
         n = self.next_prefill_tokens(job)
-        if self.prefill_buckets:                     # graphs: a captured chunk of exactly a power of two
-            runner = self._prefill_runner(n)
+        w = self._prefill_width(start, n) if self.prefill_buckets else n
+        if self.prefill_buckets:                     # graphs: a captured chunk of a power of two (padded: w > n)
+            runner = self._prefill_runner(w)
             v = runner.views
         else:                                        # eager: a chunk of any size
             layout = StepLayout(1, n)
             buf = np.zeros(layout.size, dtype=np.int64)
             v = layout.host_views(buf)
-        v["tokens"][0] = job.prompt[start : start + n]
-        v["parents"][0] = np.arange(-1, n - 1)
-        v["depth"][0] = np.arange(n)
+        v["tokens"][0, :n] = job.prompt[start : start + n]
+        v["tokens"][0, n:] = 0                       # padding: a causal chunk's valid rows never read it
+        v["parents"][0] = np.arange(-1, w - 1)
+        v["depth"][0] = np.arange(w)
         v["ancestors"][0] = 0                        # causal chunks read no ancestor masks
         v["n_nodes"][0], v["slots"][0], v["lengths"][0] = n, s.slot, start
         self._fill_sampling(v, 0, s)
@@ -350,7 +371,7 @@ class BatchedEngine:
             first, feats = out.ints[0], out.features
         self.forwards += 1
         if self.taps:
-            job.state.append(self._session_features(feats[0], s).cpu().clone())
+            job.state.append(self._session_features(feats[0, :n], s).cpu().clone())
         job.done = start + n
         s.length = job.done
         if job.done == len(job.prompt):

@@ -293,13 +293,18 @@ def choose(logits: torch.Tensor, st: StepTensors, positions: torch.Tensor, width
 
 
 def prefill_step(model, pool, st: StepTensors, rope, taps: list[int], fla: bool = False) -> StepOutputs:
-    """One prefill chunk (``B = 1``, a chain of ``W`` prompt tokens committed whole, causal
-    attention); graph-safe unless ``fla`` (:class:`PoolBackend`). ``ints`` = ``[token chosen after
-    the chunk]`` (meaningful after the prompt's last chunk), ``features`` ``[1, W, F]`` the tapped
-    rows or ``None``."""
+    """One prefill chunk (``B = 1``, a chain of ``n_nodes`` prompt tokens committed whole, causal
+    attention, in a step of ``W >= n_nodes`` rows); graph-safe unless ``fla`` (:class:`PoolBackend`).
+    ``ints`` = ``[token chosen after the chunk's last prompt token]`` (row ``n_nodes - 1``;
+    meaningful after the prompt's last chunk), ``features`` ``[1, W, F]`` the tapped rows or
+    ``None``. Rows past ``n_nodes`` are padding: causal attention keeps them out of the prompt's
+    rows, and their K/V land past the committed length, where nothing reads them; a model with
+    GDN layers would commit them into its recurrent and conv state, so its chunks are never
+    padded (``BatchedEngine.pad_prefill``)."""
     w = st.tokens.shape[1]
     x, feats, _ = forward(model, pool, st, rope, taps, commit_chain=True, causal=True, fla=fla)
-    first = choose(model.logits(x[-1:]), st, st.positions[:, -1] + 1, 1)
+    last = (st.n_nodes[:1] - 1).clamp(min=0)                                    # [1]: the chunk's last prompt row
+    first = choose(model.logits(x.index_select(0, last)), st, st.positions.reshape(-1).index_select(0, last) + 1, 1)
     features = torch.cat([feats[i] for i in taps], dim=-1).reshape(1, w, -1) if taps else None
     return StepOutputs(first.reshape(-1), features)
 

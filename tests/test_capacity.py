@@ -348,3 +348,62 @@ def test_prefill_chunks_do_not_depend_on_the_load(tiny_model):
         loop.stop()
     assert chunks == {f"t{i}": [20, 3] for i in range(3)}
     assert got == want
+
+
+def _chunked(engine, pad: bool):
+    """``engine`` prefilling as on CUDA graphs (chunks replayed through the prefill runners, here
+    eagerly on the CPU): power-of-two buckets up to its ``prefill_chunk``, the last chunk padded or not."""
+    engine.prefill_buckets = tuple(1 << i for i in range(engine.prefill_chunk.bit_length()))
+    engine.pad_prefill = pad
+    return engine
+
+
+def test_padded_prefill_chunk_commits_what_exact_chunks_commit(tiny_model):
+    """A prompt's remainder run as one chunk padded to the next bucket (``pad_prefill``: 23 tokens
+    with 16-token chunks -> 16 + 7 in a width-8 step, not 16 + 4 + 2 + 1) commits the same K/V
+    rows, taps the same features and chooses the same first token as chunks of exactly the
+    buckets (float32 on the CPU: equal within 1e-5; the GEMM shapes differ), and decoding goes on
+    with the same tokens. Padding never reaches the slot's committed rows: the rows past the
+    prompt are rewritten by the next tokens before anything reads them."""
+    s = Sampling.checked(0.0, 0, 0.0, 0)
+    prompt = [(5 * j) % 90 + 3 for j in range(23)]
+    layers = [0, 1]
+    runs = {}
+    for pad in (False, True):
+        eng = _chunked(_engine(tiny_model, max_sessions=2, max_context=40, prefill_chunk=16, pad_to_buckets=True), pad)
+        sizes = []
+        run = eng.run_prefill
+
+        def recording(job, budget, _run=run, _sizes=sizes):
+            n = _run(job, budget)
+            _sizes.append(n)
+            return n
+
+        eng.run_prefill = recording
+        out = eng.prefill("a", prompt, s, layers)
+        slot = eng.sessions["a"].slot
+        kv = (eng.pool.k[0][slot, : len(prompt)].clone(), eng.pool.v[-1][slot, : len(prompt)].clone())
+        toks = [out.first_token]
+        for _ in range(5):
+            toks.append(eng.verify("a", [toks[-1]], [-1]).bonus_token)
+        runs[pad] = (sizes, out, kv, toks, sorted(w for w in eng._prefill_runners))
+    (sizes0, out0, kv0, toks0, w0), (sizes1, out1, kv1, toks1, w1) = runs[False], runs[True]
+    assert sizes0 == [16, 4, 2, 1] and sizes1 == [16, 7]
+    assert w0 == [1, 2, 4, 16] and w1 == [8, 16]
+    assert out1.first_token == out0.first_token and out1.committed_length == out0.committed_length == len(prompt)
+    torch.testing.assert_close(out1.features, out0.features, rtol=1e-5, atol=1e-5)
+    for a, b in zip(kv1, kv0):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert toks1 == toks0
+
+
+def test_padded_prefill_stays_inside_the_slot(tiny_model):
+    """A padded chunk's scratch rows must fit the slot (``max_context + max_tree_width`` rows and
+    rotary positions): near the end of the context the remainder runs as exact buckets instead."""
+    eng = _chunked(_engine(tiny_model, max_sessions=1, max_context=24, max_tree_width=8, prefill_chunk=16,
+                           pad_to_buckets=True), True)
+    assert eng._prefill_width(0, 7) == 8          # rows 0..7 of 32
+    assert eng._prefill_width(16, 7) == 8         # rows 16..23
+    assert eng._prefill_width(20, 9) == 9         # 16 rows from 20 would pass 32: not padded
+    eng.pad_prefill = False
+    assert eng._prefill_width(0, 7) == 7

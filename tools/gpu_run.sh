@@ -234,7 +234,7 @@ load_sweep() {
   else
     echo "llama-batched-bench not built (stage with LLAMA_TARGETS=\"... llama-batched-bench\"): no llama.cpp column" | tee "$OUT/llama-batched$tag.txt"
   fi
-  python3 -m client.cli bench --device cuda --model "$model" "$@" --prompts 16 --max-tokens 128 --configs ar,tree:15:4 \
+  python3 -m client.cli bench --device cuda --model "$model" "$@" ${BENCH_ARGS:-} --prompts 16 --max-tokens 128 --configs ar,tree:15:4 \
     --concurrency "$levels" --requests-per-stream "${REQUESTS_PER_STREAM:-2}" \
     --orchestrator-args="${ORCH_ARGS:-}" --json "$OUT/concurrency$tag.json" --out "$OUT/concurrency$tag.txt"
   python3 -m bench.concurrency_report "$OUT/concurrency$tag.json" --llama "$OUT/llama-batched$tag.txt" \
@@ -246,7 +246,8 @@ load_sweep() {
 cmd_concurrency() {
   # issue 23's sweep on the shipped SmolLM2 pair (load_sweep). CONCURRENCY (default 1,4,16,32,64;
   # 1,4,8,16,32,64,128,256 works: bench gives the services --max-sessions of the largest level),
-  # REQUESTS_PER_STREAM (2), LLAMA_NPL (default: CONCURRENCY), ORCH_ARGS.
+  # REQUESTS_PER_STREAM (2), LLAMA_NPL (default: CONCURRENCY), ORCH_ARGS, BENCH_ARGS (e.g. --colocate:
+  # the target inside the orchestrator's process).
   local smol; smol=$(timed_start) || exit 1
   local levels=${CONCURRENCY:-1,4,16,32,64}
   load_sweep "$smol" "" "$levels" "${LLAMA_NPL:-$levels}" "" ""
