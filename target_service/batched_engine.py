@@ -18,6 +18,7 @@ error and the step runs as if it were absent.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 
@@ -66,6 +67,19 @@ class PoolSession:
         """The seed's 64 bits as a signed int64 value."""
         s = self.sampling.seed & ((1 << 64) - 1)
         return s - (1 << 64) if s >= 1 << 63 else s
+
+
+def prefill_sizes(prefill_chunk: int, padded: bool) -> tuple[int, ...]:
+    """The prefill chunk sizes captured as graphs (``BatchedEngine.prefill_buckets``), ascending:
+    the powers of two up to ``prefill_chunk`` where a prompt's last chunk runs padded to the next
+    one (``padded``); otherwise also every size up to 32 and every multiple of 32 up to
+    ``prefill_chunk``, so that chunks of exactly these sizes, largest first, cut any remainder
+    under ``prefill_chunk`` in at most two (a multiple of 32, then the rest)."""
+    chunk = max(1, int(prefill_chunk))
+    sizes = {1 << i for i in range(chunk.bit_length())}
+    if not padded:
+        sizes |= set(range(1, min(32, chunk) + 1)) | set(range(32, chunk + 1, 32))
+    return tuple(sorted(sizes))
 
 
 class _Runner(StepGraph):
@@ -189,16 +203,20 @@ class BatchedEngine:
         self.split_buckets = split_buckets(self.max_splits) if self.pad else (self.max_splits,)
         #: the step runners, keyed ``(batch, width, prefill, splits)``
         self.graphs = GraphSet(self._build_runner, self.cuda_graphs)
-        #: prefill chunk sizes replayed as graphs (CUDA graphs only): powers of two up to
-        #: ``prefill_chunk`` (:meth:`next_prefill_tokens` says how a prompt is cut into them)
-        self.prefill_buckets = tuple(1 << i for i in range(max(1, prefill_chunk).bit_length())) if self.cuda_graphs else ()
         #: a prompt's last chunk runs padded in the next bucket up (one replay for its remainder)
         #: instead of as chunks of exactly the buckets, largest first (a 150-token prompt: one
         #: replay of 256 instead of four, 128 + 16 + 4 + 2; every replay costs about one decode
-        #: step's launches whatever its rows). Only without GDN layers: a chain's recurrent and conv
-        #: state would take in the padding nodes (their K/V rows lie past the committed length,
-        #: where nothing reads them). A function of the model alone, never of the load.
-        self.pad_prefill = bool(self.prefill_buckets) and not shape.gdn_layers
+        #: step's launches whatever its rows: ``benchmarks/gpu/concurrency/run16-prefill``). Only
+        #: without GDN layers: a chain's recurrent and conv state would take in the padding nodes
+        #: (their K/V rows lie past the committed length, where nothing reads them). A function of
+        #: the model alone, never of the load.
+        self.pad_prefill = self.cuda_graphs and not shape.gdn_layers
+        #: prefill chunk sizes replayed as graphs (CUDA graphs only), up to ``prefill_chunk``: powers
+        #: of two where the last chunk runs padded; with GDN layers, whose chunks are never padded,
+        #: also every size up to 32 and every multiple of 32, so a remainder under ``prefill_chunk``
+        #: takes at most two replays (150 tokens: 128 + 22, not 128 + 16 + 4 + 2).
+        #: :meth:`next_prefill_tokens` cuts a prompt into them.
+        self.prefill_buckets = prefill_sizes(prefill_chunk, self.pad_prefill) if self.cuda_graphs else ()
         #: steps run, forwards (graphs captured: :attr:`captures`)
         self.steps = 0
         self.forwards = 0
@@ -316,15 +334,15 @@ class BatchedEngine:
 
     def next_prefill_tokens(self, job: PrefillJob) -> int:
         """The prompt tokens :meth:`run_prefill` commits next for ``job``: ``min(prefill_chunk,
-        tokens left)``; when chunks replay as graphs, rounded down to a power of two unless the
-        chunk may run padded (:meth:`_prefill_width`). A function of the prompt alone, never of
+        tokens left)``; when chunks replay as graphs, rounded down to the largest of
+        :attr:`prefill_buckets` unless the chunk may run padded (:meth:`_prefill_width`). A function of the prompt alone, never of
         the load: a prompt is cut into the same chunks (the same GEMM shapes, so the same bits)
         whether it is prefilled alone or beside others, which keeps a request's tokens equal to
         its single-stream run (issue 23)."""
         n = max(1, min(self.prefill_chunk, len(job.prompt) - job.done))
         if not self.prefill_buckets or self._prefill_width(job.done, n) > n:
             return n
-        return 1 << (n.bit_length() - 1)
+        return self.prefill_buckets[bisect.bisect_right(self.prefill_buckets, n) - 1]   # the largest bucket <= n
 
     def _prefill_width(self, start: int, n: int) -> int:
         """The width of the graph that runs ``n`` prompt tokens from row ``start``: the bucket at or
@@ -348,7 +366,7 @@ class BatchedEngine:
         start = job.done
         n = self.next_prefill_tokens(job)
         w = self._prefill_width(start, n) if self.prefill_buckets else n
-        if self.prefill_buckets:                     # graphs: a captured chunk of a power of two (padded: w > n)
+        if self.prefill_buckets:                     # graphs: a captured chunk of a bucket's size (padded: w > n)
             runner = self._prefill_runner(w)
             v = runner.views
         else:                                        # eager: a chunk of any size

@@ -350,10 +350,11 @@ def test_prefill_chunks_do_not_depend_on_the_load(tiny_model):
     assert got == want
 
 
-def _chunked(engine, pad: bool):
+def _chunked(engine, pad: bool, sizes: tuple[int, ...] | None = None):
     """``engine`` prefilling as on CUDA graphs (chunks replayed through the prefill runners, here
-    eagerly on the CPU): power-of-two buckets up to its ``prefill_chunk``, the last chunk padded or not."""
-    engine.prefill_buckets = tuple(1 << i for i in range(engine.prefill_chunk.bit_length()))
+    eagerly on the CPU): power-of-two buckets up to its ``prefill_chunk`` (or ``sizes``), the last
+    chunk padded or not."""
+    engine.prefill_buckets = sizes or tuple(1 << i for i in range(engine.prefill_chunk.bit_length()))
     engine.pad_prefill = pad
     return engine
 
@@ -407,3 +408,17 @@ def test_padded_prefill_stays_inside_the_slot(tiny_model):
     assert eng._prefill_width(20, 9) == 9         # 16 rows from 20 would pass 32: not padded
     eng.pad_prefill = False
     assert eng._prefill_width(0, 7) == 7
+
+
+def test_prefill_sizes():
+    """The graph buckets of prefill chunks: powers of two when the last chunk runs padded; else
+    also 1..32 and the multiples of 32, so a remainder takes at most two chunks."""
+    from target_service.batched_engine import prefill_sizes
+
+    assert prefill_sizes(512, True) == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    fine = prefill_sizes(512, False)
+    assert fine == tuple(range(1, 33)) + tuple(range(64, 513, 32))
+    assert prefill_sizes(16, False) == tuple(range(1, 17)) and prefill_sizes(1, False) == (1,)
+    for n in range(1, 513):     # largest bucket <= n, then the rest: at most two chunks, exact sizes
+        a = max(w for w in fine if w <= n)
+        assert a == n or (n - a) in fine

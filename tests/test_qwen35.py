@@ -222,3 +222,45 @@ def test_engine_oracle_drafts_equal_autoregressive(synth_models, temperature):
     engine.release(["sp"])
     assert got[:n] == ref
     assert accepted >= 10
+
+
+def test_gdn_prefill_in_fewer_exact_chunks_commits_the_same(synth_models):
+    """A GDN model's prompt is never padded (its recurrent and conv state would take in the
+    padding); its graph buckets (``prefill_sizes(..., padded=False)``) hold every size up to 32, so
+    23 tokens with 16-token chunks run as 16 + 7 instead of 16 + 4 + 2 + 1, through the prefill
+    runners (eager on the CPU) with the same first token, features, committed state (float32:
+    within 1e-4) and the same tokens decoded after."""
+    from target_service.batched_engine import BatchedEngine, prefill_sizes
+    from runtime.sampling import Sampling
+
+    model = Qwen35Model.from_gguf(synth_models[(2, False)].path)
+    s = Sampling.checked(0.0, 0, 0.0, 0)
+    prompt = [(7 * j) % 200 + 3 for j in range(23)]
+    runs = {}
+    for fine in (False, True):
+        eng = BatchedEngine(model, max_sessions=2, max_context=48, max_tree_width=8, max_tree_depth=6,
+                            width_buckets=(1, 4, 8), prefill_chunk=16, pad_to_buckets=True)
+        eng.prefill_buckets = prefill_sizes(16, False) if fine else (1, 2, 4, 8, 16)
+        assert not eng.pad_prefill                      # GDN layers: never padded
+        sizes = []
+        run = eng.run_prefill
+
+        def recording(job, budget, _run=run, _sizes=sizes):
+            n = _run(job, budget)
+            _sizes.append(n)
+            return n
+
+        eng.run_prefill = recording
+        out = eng.prefill("a", prompt, s, [0, 1])
+        slot = eng.sessions["a"].slot
+        state = [t[slot].clone() for t in (*eng.pool.recurrent, *eng.pool.conv)]
+        toks = [out.first_token]
+        for _ in range(5):
+            toks.append(eng.verify("a", [toks[-1]], [-1]).bonus_token)
+        runs[fine] = (sizes, out, state, toks)
+    (s0, o0, st0, t0), (s1, o1, st1, t1) = runs[False], runs[True]
+    assert s0 == [16, 4, 2, 1] and s1 == [16, 7]
+    assert o1.first_token == o0.first_token and t1 == t0
+    torch.testing.assert_close(o1.features, o0.features, rtol=1e-4, atol=1e-4)
+    for a, b in zip(st1, st0):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

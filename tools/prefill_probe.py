@@ -1,5 +1,6 @@
-"""What a prompt's prefill costs on the target's batched engine, with its last chunk padded to one
-replay (``BatchedEngine.pad_prefill``) or cut into chunks of exactly the graph buckets (GPU).
+"""What a prompt's prefill costs on the target's batched engine (GPU), cut as it is now (the last
+chunk padded to one replay, ``BatchedEngine.pad_prefill``; with GDN layers, chunks of the finer
+exact sizes of ``prefill_sizes``) or as before (chunks of exactly the powers of two, largest first).
 
     python tools/prefill_probe.py --model TARGET.gguf [--lengths 40,100,150,200,300,500]
                                   [--reps 10] [--out prefill.json]
@@ -8,7 +9,7 @@ One engine as the target service builds it (CUDA graphs of every prefill bucket 
 captured first), one session at a time: ``prefill`` of a prompt of each length (random tokens),
 then ``release``; wall milliseconds per prompt (the engine's own host sync included), median
 [min, max] of ``--reps`` after 2 of warm-up, both ways alternating per repetition, plus a
-root-only verify step of one session for scale. Without ``--model``: a llama of SmolLM2-135M's
+X
 shapes with its 49,152-token vocabulary (random weights; prefill cost does not depend on them).
 """
 
@@ -47,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         from fixtures.tiny_models import write_tiny_llama
 
         path = os.path.join(tempfile.mkdtemp(), "smollm2-shape.gguf")
-        write_tiny_llama(path, vocab=49152, hidden=576, layers=30, heads=9, kv_heads=3, ffn=1536, tied=True, std=0.02,
-                         name="llama with SmolLM2-135M shapes")
+        write_tiny_llama(path, vocab=626, hidden=576, layers=30, heads=9, kv_heads=3, ffn=1536, tied=True, std=0.02,
+                         name="llama with SmolLM2-135M shapes, vocab 626")
     from runtime.gguf_loader import open_gguf
 
     g = open_gguf(path)
@@ -56,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     taps = sorted({min(i, n_layers - 1) for i in (1, 8, 15, 22, 29)})      # the shipped drafter's 5 layers of 30
     eng, _ = build_engine(path, device=args.device, engine="batched", max_sessions=4, feature_layers=taps)
     layers = list(eng.taps)
-    can_pad = eng.pad_prefill
+    # "now": the engine's own chunking (the last chunk padded; with GDN layers, the finer exact
+    # buckets); "before": chunks of exactly the powers of two (a subset of the buckets captured)
+    now = (eng.pad_prefill, eng.prefill_buckets)
+    before = (False, tuple(w for w in eng.prefill_buckets if w & (w - 1) == 0))
     s = Sampling.checked(0.0, 0, 0.0, 0)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     vocab = eng.cfg.vocab_size
@@ -68,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         chunks: dict[bool, list[int]] = {}
         for rep in range(args.reps + 2):
             for pad in (False, True):
-                eng.pad_prefill = pad and can_pad
+                eng.pad_prefill, eng.prefill_buckets = now if pad else before
                 sizes = []
                 run = eng.run_prefill
 
@@ -90,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         row = {"tokens": n, "exact_ms": _stats(times[False]), "padded_ms": _stats(times[True]),
                "exact_chunks": chunks[False], "padded_chunks": chunks[True]}
         rows.append(row)
-        print(f"{n:5d} tokens: exact {row['exact_ms']['median']:.3f} ms {chunks[False]}  "
-              f"padded {row['padded_ms']['median']:.3f} ms {chunks[True]}", flush=True)
+        print(f"{n:5d} tokens: before {row['exact_ms']['median']:.3f} ms {chunks[False]}  "
+              f"now {row['padded_ms']['median']:.3f} ms {chunks[True]}", flush=True)
     tok = eng.prefill("d", [5] * 64, s, layers).first_token
     step = []
     for i in range(args.reps + 2):
