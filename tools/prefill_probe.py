@@ -52,9 +52,12 @@ def main(argv: list[str] | None = None) -> int:
                          name="llama with SmolLM2-135M shapes, vocab 626")
     from runtime.gguf_loader import open_gguf
 
+    from draft_service.drafter import default_target_layer_ids
+
     g = open_gguf(path)
-    n_layers = int(g.get(f"{g.get('general.architecture')}.block_count"))
-    taps = sorted({min(i, n_layers - 1) for i in (1, 8, 15, 22, 29)})      # the shipped drafter's 5 layers of 30
+    arch = g.get("general.architecture")
+    n_layers = int(g.get(f"{arch}.block_count")) - int(g.get(f"{arch}.nextn_predict_layers", 0) or 0)   # (MTP blocks)
+    taps = default_target_layer_ids(n_layers, min(5, n_layers))             # a drafter's 5 layers, as shipped
     eng, _ = build_engine(path, device=args.device, engine="batched", max_sessions=4, feature_layers=taps)
     layers = list(eng.taps)
     # "now": the engine's own chunking (the last chunk padded; with GDN layers, the finer exact
