@@ -84,18 +84,20 @@ def prefill_sizes(prefill_chunk: int, padded: bool) -> tuple[int, ...]:
 
 class _Runner(StepGraph):
     """The target's step (a :class:`runtime.graphs.StepGraph`) of one ``(B, W)`` shape: the verify
-    of ``B`` trees of at most ``W`` nodes, or with ``prefill`` one prefill chunk of exactly ``W``
-    prompt tokens (``B = 1``).
+    of ``B`` trees of at most ``W`` nodes, or with ``prefill`` one prefill chunk of at most ``W``
+    prompt tokens (``B = 1``; the rows past ``n_nodes`` are padding: ``prefill_step``).
 
     Buffers: ``host`` / ``dev``, the packed int64 step inputs (:class:`StepLayout`, ``views`` its
     numpy fields); ``out_host`` / ``out_dev``, one byte buffer holding the int64 results
     (``out_ints``: ``[B*W]`` accepted path, ``[B]`` accepted counts, ``[B]`` bonus tokens; for a
     prefill chunk the first int is the token chosen after it) and the tapped features
     (``out_feats``: ``[B, W, len(taps) * H]`` in the model dtype, ``None`` without taps), so the
-    step ends with one device-to-host copy."""
+    step ends with one device-to-host copy. ``out``: a ``(host, device)`` pair of byte buffers
+    whose first bytes hold ``out_host`` / ``out_dev`` (the prefill runners, which never run at
+    once, share the largest one's: ``BatchedEngine._prefill_out``)."""
 
     def __init__(self, engine: "BatchedEngine", batch: int, width: int, prefill: bool = False, splits: int = 1,
-                 share: "_Runner | None" = None):
+                 share: "_Runner | None" = None, out: "tuple[torch.Tensor, torch.Tensor] | None" = None):
         super().__init__(engine.device)
         self.engine, self.layout, self.prefill = engine, StepLayout(batch, width), prefill
         #: the attention kernel's key-range splits of this step (``kernels.attention.splits_for``)
@@ -113,8 +115,11 @@ class _Runner(StepGraph):
         feat = engine.feature_width
         item = torch.empty(0, dtype=engine.dtype).element_size()
         nbytes = n_ints * 8 + batch * width * feat * item
-        self.out_host = self.host_buffer(nbytes, dtype=torch.uint8)
-        self.out_dev = self.device_twin(self.out_host)
+        if out is not None:
+            self.out_host, self.out_dev = out[0][:nbytes], out[1][:nbytes]
+        else:
+            self.out_host = self.host_buffer(nbytes, dtype=torch.uint8)
+            self.out_dev = self.device_twin(self.out_host)
         self.out_ints, self.out_feats = self._views(self.out_host, n_ints, batch, width, feat)
         self._dev_ints, self._dev_feats = self._views(self.out_dev, n_ints, batch, width, feat)
 
@@ -216,7 +221,9 @@ class BatchedEngine:
         #: also every size up to 32 and every multiple of 32, so a remainder under ``prefill_chunk``
         #: takes at most two replays (150 tokens: 128 + 22, not 128 + 16 + 4 + 2).
         #: :meth:`next_prefill_tokens` cuts a prompt into them.
-        self.prefill_buckets = prefill_sizes(prefill_chunk, self.pad_prefill) if self.cuda_graphs else ()
+        self.prefill_buckets = prefill_sizes(min(prefill_chunk, self.max_context), self.pad_prefill) if self.cuda_graphs else ()
+        #: the prefill runners' shared output buffers (:meth:`_prefill_out`)
+        self._prefill_bufs: tuple[torch.Tensor, torch.Tensor] | None = None
         #: steps run, forwards (graphs captured: :attr:`captures`)
         self.steps = 0
         self.forwards = 0
@@ -246,7 +253,20 @@ class BatchedEngine:
         the buffers of its shape's full-split runner (built first)."""
         b, w, prefill, splits = key
         share = None if prefill or splits == self.max_splits else self.graphs.get((b, w, False, self.max_splits))
-        return _Runner(self, b, w, prefill, splits, share)
+        return _Runner(self, b, w, prefill, splits, share, self._prefill_out() if prefill else None)
+
+    def _prefill_out(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output byte buffers (host, device) the prefill runners share: sized for the widest
+        prefill bucket (one chunk's ints and features), made on first use and again after a tap
+        change. One set, not one per chunk size: a GDN model captures 47 sizes at the default
+        ``prefill_chunk`` (about 4,800 rows of features in all against 512)."""
+        w = max(self.prefill_buckets or (self.prefill_chunk,))
+        item = torch.empty(0, dtype=self.dtype).element_size()
+        nbytes = (w + 2) * 8 + w * self.feature_width * item
+        if self._prefill_bufs is None or self._prefill_bufs[0].numel() < nbytes:
+            host = StepGraph(self.device).host_buffer(nbytes, dtype=torch.uint8)
+            self._prefill_bufs = (host, StepGraph(self.device).device_twin(host))
+        return self._prefill_bufs
 
     def _bucket(self, n: int, buckets: tuple[int, ...]) -> int:
         return bucket_for(n, buckets) if self.pad else n
@@ -345,14 +365,16 @@ class BatchedEngine:
         return self.prefill_buckets[bisect.bisect_right(self.prefill_buckets, n) - 1]   # the largest bucket <= n
 
     def _prefill_width(self, start: int, n: int) -> int:
-        """The width of the graph that runs ``n`` prompt tokens from row ``start``: the bucket at or
-        above ``n`` with :attr:`pad_prefill` when the padded chunk's scratch rows fit the slot
-        (``start + width <= max_context + max_tree_width``: the pool's rows and the rotary
-        table's), else ``n`` (a chunk of exactly a bucket, or eager)."""
+        """The width of the graph that runs ``n`` prompt tokens from row ``start``: with
+        :attr:`pad_prefill`, the power of two at or above ``n`` when it is a captured bucket (a
+        ``prefill_chunk`` that is not a power of two never pads past itself) and the padded chunk's
+        scratch rows fit the slot (``start + width <= max_context + max_tree_width``: the pool's
+        rows and the rotary table's); else ``n`` (a chunk of exactly a bucket, or eager)."""
         if not self.pad_prefill:
             return n
         w = 1 << (n - 1).bit_length()
-        return w if start + w <= self.max_context + self.max_tree_width else n
+        fits = w in self.prefill_buckets and start + w <= self.max_context + self.max_tree_width
+        return w if fits else n
 
     @torch.no_grad()
     def run_prefill(self, job: PrefillJob, budget: int) -> int:

@@ -410,6 +410,26 @@ def test_padded_prefill_stays_inside_the_slot(tiny_model):
     assert eng._prefill_width(0, 7) == 7
 
 
+def test_padded_prefill_only_into_captured_buckets(tiny_model):
+    """A ``prefill_chunk`` that is not a power of two (12: buckets 1, 2, 4, 8) never pads past its
+    buckets (a 12-token chunk in an uncaptured width-16 graph): full chunks round down to 8, the
+    remainder pads up to a bucket; and every prefill runner writes into one shared pair of output
+    buffers (sized for the widest bucket), not one per chunk size."""
+    eng = _chunked(_engine(tiny_model, max_sessions=1, max_context=40, max_tree_width=8, prefill_chunk=12,
+                           pad_to_buckets=True), True, sizes=(1, 2, 4, 8))
+    assert eng._prefill_width(0, 12) == 12 and eng._prefill_width(0, 7) == 8 and eng._prefill_width(0, 3) == 4
+    job = eng.start_prefill("a", [(3 * j) % 90 + 3 for j in range(23)], Sampling.checked(0.0, 0, 0.0, 0), [0])
+    sizes = []
+    while job.outcome is None:
+        sizes.append(eng.run_prefill(job, 64))
+    assert sizes == [8, 8, 7]              # 8 + 8, then 7 padded to 8
+    runners = eng._prefill_runners
+    assert sorted(runners) == [8]
+    host, dev = eng._prefill_bufs
+    for r in runners.values():
+        assert r.out_host.data_ptr() == host.data_ptr() and r.out_dev.data_ptr() == dev.data_ptr()
+
+
 def test_prefill_sizes():
     """The graph buckets of prefill chunks: powers of two when the last chunk runs padded; else
     also 1..32 and the multiples of 32, so a remainder takes at most two chunks."""

@@ -9,8 +9,12 @@ One engine as the target service builds it (CUDA graphs of every prefill bucket 
 captured first), one session at a time: ``prefill`` of a prompt of each length (random tokens),
 then ``release``; wall milliseconds per prompt (the engine's own host sync included), median
 [min, max] of ``--reps`` after 2 of warm-up, both ways alternating per repetition, plus a
-X
-shapes with its 49,152-token vocabulary (random weights; prefill cost does not depend on them).
+root-only verify step of one session for scale. In the JSON, ``exact_ms`` / ``exact_chunks`` are
+"before" and ``padded_ms`` / ``padded_chunks`` "now" (the names of the first run's file). Without
+``--model``: a llama of SmolLM2-135M's shapes with a 626-token vocabulary
+(``fixtures.tiny_models``' tokenizer; random weights), whose LM head is smaller than SmolLM2's:
+pass the real file for the real cost. The tapped layers are those a drafter of 5 target layers
+reads (``draft_service.drafter.default_target_layer_ids``).
 """
 
 from __future__ import annotations
