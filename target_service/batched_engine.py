@@ -413,10 +413,11 @@ class BatchedEngine:
         if self.taps:
             job.state.append(self._session_features(feats[0, :n], s).cpu().clone())
         job.done = start + n
+        job.chunks.append(n)
         s.length = job.done
         if job.done == len(job.prompt):
             s.root, s.ready = int(first), True
-            job.outcome = PrefillOutcome(s.root, s.length, torch.cat(job.state) if job.state else None)
+            job.outcome = PrefillOutcome(s.root, s.length, torch.cat(job.state) if job.state else None, tuple(job.chunks))
         return n
 
     def prefill(self, session_id: str, prompt: list[int], sampling: Sampling, feature_layers: list[int]) -> PrefillOutcome:

@@ -84,11 +84,14 @@ class Session:
 
 @dataclasses.dataclass
 class PrefillOutcome:
-    """First token (the next root), committed length, and prompt-row features ``[L, N*H]`` or ``None``."""
+    """First token (the next root), committed length, prompt-row features ``[L, N*H]`` or ``None``,
+    and the prompt tokens of each forward that committed it (``chunks``, in order; empty where
+    the engine does not record them)."""
 
     first_token: int
     committed_length: int
     features: torch.Tensor | None
+    chunks: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -103,6 +106,8 @@ class PrefillJob:
     done: int = 0
     outcome: PrefillOutcome | None = None
     state: object = None
+    #: prompt tokens committed by each chunk so far (``BatchedEngine.run_prefill``)
+    chunks: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

@@ -331,23 +331,14 @@ def test_prefill_chunks_do_not_depend_on_the_load(tiny_model):
     alone = _engine(tiny_model, max_sessions=4, prefill_chunk=20)
     want = [alone.prefill(f"a{i}", p, s, []).first_token for i, p in enumerate(prompts)]
     eng = _engine(tiny_model, max_sessions=4, prefill_chunk=20)
-    chunks: dict[str, list[int]] = {}
-    run = eng.run_prefill
-
-    def recording(job, budget):
-        n = run(job, budget)
-        chunks.setdefault(job.session_id, []).append(n)
-        return n
-
-    eng.run_prefill = recording
     loop = StepLoop(eng, prefill_budget=36)   # 20 + 16: the second chunk of a tick would have been cut to 16
     try:
         futs = [loop.submit_prefill(f"t{i}", p, s, []) for i, p in enumerate(prompts)]
-        got = [f.result(timeout=60).first_token for f in futs]
+        outs = [f.result(timeout=60) for f in futs]
     finally:
         loop.stop()
-    assert chunks == {f"t{i}": [20, 3] for i in range(3)}
-    assert got == want
+    assert [o.chunks for o in outs] == [(20, 3)] * 3
+    assert [o.first_token for o in outs] == want
 
 
 def _chunked(engine, pad: bool, sizes: tuple[int, ...] | None = None):
@@ -372,16 +363,8 @@ def test_padded_prefill_chunk_commits_what_exact_chunks_commit(tiny_model):
     runs = {}
     for pad in (False, True):
         eng = _chunked(_engine(tiny_model, max_sessions=2, max_context=40, prefill_chunk=16, pad_to_buckets=True), pad)
-        sizes = []
-        run = eng.run_prefill
-
-        def recording(job, budget, _run=run, _sizes=sizes):
-            n = _run(job, budget)
-            _sizes.append(n)
-            return n
-
-        eng.run_prefill = recording
         out = eng.prefill("a", prompt, s, layers)
+        sizes = list(out.chunks)
         slot = eng.sessions["a"].slot
         kv = (eng.pool.k[0][slot, : len(prompt)].clone(), eng.pool.v[-1][slot, : len(prompt)].clone())
         toks = [out.first_token]

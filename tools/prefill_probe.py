@@ -80,22 +80,12 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.reps + 2):
             for pad in (False, True):
                 eng.pad_prefill, eng.prefill_buckets = now if pad else before
-                sizes = []
-                run = eng.run_prefill
-
-                def recording(job, budget, _run=run, _sizes=sizes):
-                    k = _run(job, budget)
-                    _sizes.append(k)
-                    return k
-
-                eng.run_prefill = recording
                 sync()
                 t0 = time.perf_counter()
-                eng.prefill("p", prompt, s, layers)
+                out = eng.prefill("p", prompt, s, layers)
                 dt = time.perf_counter() - t0
-                eng.run_prefill = run
                 eng.release(["p"])
-                chunks[pad] = sizes
+                chunks[pad] = list(out.chunks)
                 if rep >= 2:
                     times[pad].append(dt * 1e3)
         row = {"tokens": n, "exact_ms": _stats(times[False]), "padded_ms": _stats(times[True]),
