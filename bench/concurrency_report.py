@@ -7,8 +7,9 @@ JSON) beside ``llama-batched-bench``'s aggregate decode on the same file (its ma
 Per level: llama.cpp's S_TG (tokens/s of the decode phase, all sequences), our AR and speculative
 aggregate tokens/s (every stream's generated tokens / the level's wall time), each against
 llama.cpp and spec / AR, per-stream tokens/s, p50 / p99 inter-token latency and whether every
-request's tokens equal its single-stream AR reference (``mismatches``). The PNG: aggregate tokens/s
-against streams, both systems (needs matplotlib).
+request's tokens equal its single-stream AR reference (``mismatches``). Then, where the sweep
+recorded them, time to first token (p50 / p99, :func:`ttft_table`) and where a tick went
+(:func:`tick_table`). The PNG: aggregate tokens/s against streams, both systems (needs matplotlib).
 
 ``--project-tau``: another sweep's JSON (the shipped SmolLM2 pair's, whose drafter is trained)
 whose speculative ``tau`` per level projects this sweep's speculative throughput (a target with a
@@ -113,8 +114,29 @@ def markdown(sweep: dict[str, Any], llama: dict[int, float], reference: dict[str
             + ("" if proj is None else
                f" {_f(s and s.get('tau'), '{:.2f}')} | {_f(ref_tau.get(row['streams']), '{:.2f}')} | "
                f"{_f(proj.get(row['streams']))} | {_x(proj.get(row['streams']), ll)} | {_x(proj.get(row['streams']), agg(a))} |"))
-    ticks = tick_table(sweep)
-    return "\n".join(lines) + ("\n\n" + ticks if ticks else "")
+    ticks, ttft = tick_table(sweep), ttft_table(sweep)
+    return "\n".join(lines) + "".join("\n\n" + t for t in (ttft, ticks) if t)
+
+
+def ttft_table(sweep: dict[str, Any]) -> str:
+    """Time to first token per level (markdown; ``bench.serving``'s ``ttft_p50_ms`` /
+    ``ttft_p99_ms``: a request's call to its first chunk of tokens, its prompt's prefill and the
+    queue before it included), AR / spec. Empty when the sweep recorded none (older JSON)."""
+    modes = sweep.get("modes", {})
+    by_level: dict[int, dict[str, dict]] = {}
+    for mode, levels in modes.items():
+        for r in levels:
+            if r.get("ttft_p50_ms") is not None:
+                by_level.setdefault(r["concurrency"], {})[mode] = r
+    if not by_level:
+        return ""
+    lines = ["Time to first token, ms (a request's call to its first tokens: its prefill and the queue before it):", "",
+             "| streams | TTFT p50 AR / spec | TTFT p99 AR / spec |", "|---|---|---|"]
+    for n in sorted(by_level):
+        a, s = by_level[n].get("ar"), by_level[n].get("spec")
+        lines.append(f"| {n} | {_f(a and a.get('ttft_p50_ms'), '{:.2f}')} / {_f(s and s.get('ttft_p50_ms'), '{:.2f}')} | "
+                     f"{_f(a and a.get('ttft_p99_ms'), '{:.2f}')} / {_f(s and s.get('ttft_p99_ms'), '{:.2f}')} |")
+    return "\n".join(lines)
 
 
 def tick_table(sweep: dict[str, Any]) -> str:

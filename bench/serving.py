@@ -183,10 +183,12 @@ def _streams(address: str, jobs: list[tuple[int, list[str]]], request: GenerateR
     its prompts in turn, all starting at ``barrier``. Per stream: ``tokens`` (generated), ``seconds``
     (wall, first request's start to last one's end), ``itl`` (seconds per token between consecutive
     chunks of a request: a chunk of ``k`` tokens ``g`` seconds after the previous adds ``k`` samples
-    ``g / k``; a request's first chunk is its time to first token, not counted), ``outputs`` (each
-    request's token ids, in order), ``errors``, and from each request's final statistics
+    ``g / k``; a request's first chunk is its time to first token, not counted), ``ttft`` (seconds
+    from each request's call to its first chunk of tokens: its prefill, queueing and first token),
+    ``outputs`` (each request's token ids, in order), ``errors``, and from each request's final statistics
     ``emitted`` (tokens) and ``forwards`` (target verify forwards) summed, ``tau``'s parts."""
-    out = [{"stream": j, "tokens": 0, "seconds": 0.0, "itl": [], "outputs": [], "errors": [], "emitted": 0.0, "forwards": 0,
+    out = [{"stream": j, "tokens": 0, "seconds": 0.0, "itl": [], "ttft": [], "outputs": [], "errors": [], "emitted": 0.0,
+            "forwards": 0,
             "parts": dict.fromkeys(TICK_PARTS, 0.0)}
            for j, _ in jobs]
     clients = [Client(address, timeout=timeout) for _ in jobs]
@@ -198,6 +200,7 @@ def _streams(address: str, jobs: list[tuple[int, list[str]]], request: GenerateR
         for prompt in prompts:
             ids: list[int] = []
             last = None
+            start = time.monotonic()
             try:
                 for chunk in clients[slot].stream(prompt, request=request):
                     now = time.monotonic()
@@ -210,6 +213,8 @@ def _streams(address: str, jobs: list[tuple[int, list[str]]], request: GenerateR
                     if chunk.token_ids:
                         if last is not None:
                             rec["itl"].extend([(now - last) / len(chunk.token_ids)] * len(chunk.token_ids))
+                        else:
+                            rec["ttft"].append(now - start)
                         last = now
                         ids.extend(chunk.token_ids)
             except DFlashError as e:
@@ -283,6 +288,7 @@ def _run_level(address: str, prompts: Sequence[str], n: int, requests_per_stream
     per_stream = [r["tokens"] / r["seconds"] if r["seconds"] > 0 else 0.0 for r in recs]
     errors = [e for r in recs for e in r["errors"]]
     itl = [x for r in recs for x in r["itl"]]
+    ttft = [x for r in recs for x in r.get("ttft", ())]
     forwards = sum(r["forwards"] for r in recs)
     tick_ms = None
     if forwards:
@@ -303,6 +309,8 @@ def _run_level(address: str, prompts: Sequence[str], n: int, requests_per_stream
         "min_stream_tokens_per_second": min(per_stream),
         "itl_p50_ms": None if not itl else _percentile(itl, 50) * 1e3,
         "itl_p99_ms": None if not itl else _percentile(itl, 99) * 1e3,
+        "ttft_p50_ms": None if not ttft else _percentile(ttft, 50) * 1e3,
+        "ttft_p99_ms": None if not ttft else _percentile(ttft, 99) * 1e3,
         "mismatches": mismatches,
         "tau": sum(r["emitted"] for r in recs) / forwards if forwards else None,
         "tick_ms": tick_ms,
@@ -327,7 +335,8 @@ def run_concurrency(address: str, prompts: Sequence[str], levels: Sequence[int],
         ``{"levels": [...], "max_tokens": m, "requests_per_stream": r, "modes": {mode: [per level:
         concurrency, requests, generated_tokens, wall_s, aggregate_tokens_per_second,
         per_stream_tokens_per_second, mean/min_stream_tokens_per_second, itl_p50_ms, itl_p99_ms
-        (inter-token latency over every streamed token but a request's first), mismatches, tau
+        (inter-token latency over every streamed token but a request's first), ttft_p50_ms,
+        ttft_p99_ms (time to first token: a request's call to its first chunk), mismatches, tau
         (tokens per target verify forward over the level's requests, from their final statistics;
         None when none reported any), tick_ms (where a tick of a request went, milliseconds per
         verify forward, from the requests' final statistics: ``tick`` (decode time), the Propose and
@@ -354,7 +363,7 @@ def format_concurrency(result: dict[str, Any]) -> str:
     """The load sweep as a fixed-width text table (one row per mode and level)."""
     lines = [f"concurrency sweep: up to {result['max_tokens']} new tokens, {result['requests_per_stream']} request(s) per stream",
              f"{'mode':<6} {'streams':>7} {'tok/s':>9} {'per stream':>10} {'min':>7} {'ITL p50':>8} {'ITL p99':>8} "
-             f"{'tokens':>7} {'wall s':>7} {'errors':>6} {'lossless':>8}"]
+             f"{'TTFT p50':>8} {'TTFT p99':>8} {'tokens':>7} {'wall s':>7} {'errors':>6} {'lossless':>8}"]
 
     def ms(v):
         return "-" if v is None else f"{v:.2f}"
@@ -366,6 +375,7 @@ def format_concurrency(result: dict[str, Any]) -> str:
             lines.append(f"{name:<6} {r['concurrency']:>7} {r['aggregate_tokens_per_second']:>9.1f} "
                          f"{r['mean_stream_tokens_per_second']:>10.1f} {r['min_stream_tokens_per_second']:>7.1f} "
                          f"{ms(r.get('itl_p50_ms')):>8} {ms(r.get('itl_p99_ms')):>8} "
+                         f"{ms(r.get('ttft_p50_ms')):>8} {ms(r.get('ttft_p99_ms')):>8} "
                          f"{r['generated_tokens']:>7} {r['wall_s']:>7.2f} {r['errors']:>6} {lossless:>8}")
     return "\n".join(lines)
 

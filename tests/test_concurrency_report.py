@@ -33,14 +33,19 @@ def test_parse_and_table(tmp_path):
     assert lines[3].startswith("| 4 | 2,733 | 2,000 | 0.73x | 2,733 | 1.00x | 1.37x |") and "NO (2, 0 err)" in lines[3]
     assert "| - |" in markdown(SWEEP, {}).splitlines()[2]   # no llama.cpp figures
     assert "Where a tick went" not in markdown(SWEEP, {})       # a sweep without tick_ms: no second table
+    assert "Time to first token" not in markdown(SWEEP, {})     # nor without ttft (older JSON)
     import json
 
     ticked = json.loads(json.dumps(SWEEP))
     ticked["modes"]["spec"][1].update(tau=3.2, tick_ms={"tick": 10.0, "draft_exchange": 3.0, "draft_compute": 2.0,
                                                         "draft_device": 1.0, "verify_exchange": 5.0, "verify_compute": 4.0,
                                                         "verify_device": 2.5, "orchestrator": 2.0})
+    ticked["modes"]["ar"][0].update(ttft_p50_ms=3.0, ttft_p99_ms=9.5)
+    ticked["modes"]["spec"][0].update(ttft_p50_ms=4.25, ttft_p99_ms=12.0)
     text = markdown(ticked, {})
     assert "| spec | 4 | 3.20 | 10.00 | 3.00 (2.00 / 1.00) | 5.00 (4.00 / 2.50) | 2.00 |" in text.splitlines()
+    assert "| 1 | 3.00 / 4.25 | 9.50 / 12.00 |" in text.splitlines()
+    assert "| 4 |" not in text.split("Time to first token")[1].split("Where a tick went")[0]   # no TTFT there
 
 
 def test_cli_writes_table_and_png(tmp_path):

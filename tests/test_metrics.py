@@ -392,6 +392,8 @@ def test_run_concurrency(fake, monkeypatch):
         assert all(r["aggregate_tokens_per_second"] > 0 and len(r["per_stream_tokens_per_second"]) == r["concurrency"] for r in rows)
         assert [r["mismatches"] for r in rows] == [1, 3]   # stream j's requests: prompts 2j, 2j+1 (mod 2): one p1 each
         assert all(r["itl_p50_ms"] is None or r["itl_p99_ms"] >= r["itl_p50_ms"] >= 0 for r in rows)
+        # every request streamed tokens, so each level has a time to first token
+        assert all(r["ttft_p99_ms"] >= r["ttft_p50_ms"] > 0 for r in rows)
     # tau from the requests' final statistics (tokens per verify forward over the level)
     assert [r["tau"] for r in res["modes"]["spec"]] == [pytest.approx(2.5)] * 2
     assert [r["tau"] for r in res["modes"]["ar"]] == [pytest.approx(1.0)] * 2
@@ -406,7 +408,7 @@ def test_run_concurrency(fake, monkeypatch):
     assert len(spec) == 8 and {r.prompt for r in fake.requests} == {"p0", "p1"}
     json.dumps(res)
     table = format_concurrency(res)
-    assert "spec" in table and "streams" in table
+    assert "spec" in table and "streams" in table and "TTFT p50" in table
     # more streams than a client process runs: spread over client processes, the same accounting
     monkeypatch.setattr(serving_bench, "STREAMS_PER_PROCESS", 2)
     fake.requests.clear()
