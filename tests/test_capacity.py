@@ -425,3 +425,39 @@ def test_prefill_sizes():
     for n in range(1, 513):     # largest bucket <= n, then the rest: at most two chunks, exact sizes
         a = max(w for w in fine if w <= n)
         assert a == n or (n - a) in fine
+
+
+def test_prefill_chunking_stays_in_its_graphs_and_its_slot(tiny_model):
+    """For any ``prefill_chunk``, context and prompt length, the chunks the engine would run as
+    graphs (``next_prefill_tokens`` and ``_prefill_width``, both ways: padded for a model without
+    GDN layers, the finer exact sizes for one with them) cover the prompt in order, each chunk's
+    graph is a captured bucket (or the chunk runs in its exact size), no graph is wider than the
+    chunk limit, no scratch row passes the slot (``max_context + max_tree_width``), and a padded
+    chunk is only ever a prompt's last."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from target_service.batched_engine import prefill_sizes
+    from target_service.engine import PrefillJob
+
+    eng = _engine(tiny_model, max_sessions=1, max_context=24, max_tree_width=8, prefill_chunk=16, pad_to_buckets=True)
+
+    @settings(max_examples=300, deadline=None)
+    @given(chunk=st.integers(1, 3000), context=st.integers(2, 2048), width=st.sampled_from([1, 8, 16, 64]),
+           padded=st.booleans(), data=st.data())
+    def check(chunk, context, width, padded, data):
+        eng.prefill_chunk, eng.max_context, eng.max_tree_width = chunk, context, width
+        eng.pad_prefill = padded
+        eng.prefill_buckets = prefill_sizes(min(chunk, context), padded)
+        n = data.draw(st.integers(1, context - 1))
+        job = PrefillJob("p", [3] * n, None, [])
+        while job.done < n:
+            k = eng.next_prefill_tokens(job)
+            w = eng._prefill_width(job.done, k)
+            assert 1 <= k <= min(chunk, n - job.done) and w >= k
+            assert w == k or (padded and w in eng.prefill_buckets and job.done + k == n)
+            assert w in eng.prefill_buckets and w <= max(eng.prefill_buckets) <= min(chunk, context)
+            assert job.done + w <= context + width
+            job.done += k
+
+    check()
