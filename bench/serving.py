@@ -288,7 +288,7 @@ def _run_level(address: str, prompts: Sequence[str], n: int, requests_per_stream
     per_stream = [r["tokens"] / r["seconds"] if r["seconds"] > 0 else 0.0 for r in recs]
     errors = [e for r in recs for e in r["errors"]]
     itl = [x for r in recs for x in r["itl"]]
-    ttft = [x for r in recs for x in r.get("ttft", ())]
+    ttft = [x for r in recs for x in r["ttft"]]
     forwards = sum(r["forwards"] for r in recs)
     tick_ms = None
     if forwards:

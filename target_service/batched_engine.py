@@ -82,6 +82,13 @@ def prefill_sizes(prefill_chunk: int, padded: bool) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
+def _out_bytes(engine: "BatchedEngine", batch: int, width: int) -> int:
+    """Bytes of a ``(batch, width)`` step's results (:class:`_Runner`'s output buffer): the int64
+    path, accepted counts and bonus tokens, then the tapped features in the model dtype."""
+    item = torch.empty(0, dtype=engine.dtype).element_size()
+    return (batch * width + 2 * batch) * 8 + batch * width * engine.feature_width * item
+
+
 class _Runner(StepGraph):
     """The target's step (a :class:`runtime.graphs.StepGraph`) of one ``(B, W)`` shape: the verify
     of ``B`` trees of at most ``W`` nodes, or with ``prefill`` one prefill chunk of at most ``W``
@@ -113,8 +120,7 @@ class _Runner(StepGraph):
         self.dev = self.device_twin(self.host)
         n_ints = batch * width + 2 * batch
         feat = engine.feature_width
-        item = torch.empty(0, dtype=engine.dtype).element_size()
-        nbytes = n_ints * 8 + batch * width * feat * item
+        nbytes = _out_bytes(engine, batch, width)
         if out is not None:
             self.out_host, self.out_dev = out[0][:nbytes], out[1][:nbytes]
         else:
@@ -260,9 +266,7 @@ class BatchedEngine:
         prefill bucket (one chunk's ints and features), made on first use and again after a tap
         change. One set, not one per chunk size: a GDN model captures 47 sizes at the default
         ``prefill_chunk`` (about 4,800 rows of features in all against 512)."""
-        w = max(self.prefill_buckets or (self.prefill_chunk,))
-        item = torch.empty(0, dtype=self.dtype).element_size()
-        nbytes = (w + 2) * 8 + w * self.feature_width * item
+        nbytes = _out_bytes(self, 1, max(self.prefill_buckets or (self.prefill_chunk,)))
         if self._prefill_bufs is None or self._prefill_bufs[0].numel() < nbytes:
             host = StepGraph(self.device).host_buffer(nbytes, dtype=torch.uint8)
             self._prefill_bufs = (host, StepGraph(self.device).device_twin(host))
@@ -353,16 +357,24 @@ class BatchedEngine:
         return PrefillJob(session_id, list(prompt), sampling, list(feature_layers), state=[])
 
     def next_prefill_tokens(self, job: PrefillJob) -> int:
-        """The prompt tokens :meth:`run_prefill` commits next for ``job``: ``min(prefill_chunk,
-        tokens left)``; when chunks replay as graphs, rounded down to the largest of
-        :attr:`prefill_buckets` unless the chunk may run padded (:meth:`_prefill_width`). A function of the prompt alone, never of
-        the load: a prompt is cut into the same chunks (the same GEMM shapes, so the same bits)
-        whether it is prefilled alone or beside others, which keeps a request's tokens equal to
-        its single-stream run (issue 23)."""
+        """The prompt tokens :meth:`run_prefill` commits next for ``job`` (:meth:`_next_chunk`)."""
+        return self._next_chunk(job)[0]
+
+    def _next_chunk(self, job: PrefillJob) -> tuple[int, int]:
+        """``(tokens, width)`` of ``job``'s next chunk: ``min(prefill_chunk, tokens left)`` tokens;
+        when chunks replay as graphs, rounded down to the largest of :attr:`prefill_buckets` unless
+        the chunk may run padded in a wider graph (:meth:`_prefill_width`). A function of the
+        prompt alone, never of the load: a prompt is cut into the same chunks (the same GEMM
+        shapes, so the same bits) whether it is prefilled alone or beside others, which keeps a
+        request's tokens equal to its single-stream run (issue 23)."""
         n = max(1, min(self.prefill_chunk, len(job.prompt) - job.done))
-        if not self.prefill_buckets or self._prefill_width(job.done, n) > n:
-            return n
-        return self.prefill_buckets[bisect.bisect_right(self.prefill_buckets, n) - 1]   # the largest bucket <= n
+        if not self.prefill_buckets:
+            return n, n
+        w = self._prefill_width(job.done, n)
+        if w > n:
+            return n, w
+        n = self.prefill_buckets[bisect.bisect_right(self.prefill_buckets, n) - 1]   # the largest bucket <= n
+        return n, n
 
     def _prefill_width(self, start: int, n: int) -> int:
         """The width of the graph that runs ``n`` prompt tokens from row ``start``: with
@@ -386,8 +398,7 @@ class BatchedEngine:
         if s is None:
             return 0
         start = job.done
-        n = self.next_prefill_tokens(job)
-        w = self._prefill_width(start, n) if self.prefill_buckets else n
+        n, w = self._next_chunk(job)
         if self.prefill_buckets:                     # graphs: a captured chunk of a bucket's size (padded: w > n)
             runner = self._prefill_runner(w)
             v = runner.views
