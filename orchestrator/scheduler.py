@@ -850,12 +850,15 @@ class Scheduler:
         info = self.draft.state()
         return info if info is not None and drafter_mismatch(info, self.info) is None else None
 
-    def _pipelines(self, requests: int) -> bool:
+    def _pipelines(self, requests: int, ready: list[Request]) -> bool:
         """Whether a tick of ``requests`` (all of them, in flight or not) runs as two alternating
         groups (:meth:`_step`): ``pipeline_from`` set and reached, ticks drafting whenever the
-        drafter is up (no policy), and the drafter usable now."""
+        drafter is up (no policy), the drafter usable now, and some request of ``ready`` (the
+        group to go next) drafting. Plain ticks never split: a target step costs about the same
+        for half the requests (on an H200 two groups of plain ticks made 0.6x the tokens of one:
+        benchmarks/gpu/concurrency/run17-pipeline)."""
         return (0 < self.pipeline_from <= requests and self.policy is None
-                and self._drafter() is not None)
+                and any(r.speculative for r in ready) and self._drafter() is not None)
 
     def _step(self, ready: list[Request]) -> None:
         """One turn of the tick loop over ``ready`` (the open requests whose item is not in flight).
@@ -875,19 +878,19 @@ class Scheduler:
         if flight is None:
             if not ready:
                 return
-            if not self._pipelines(len(ready)) or len(ready) < 2:
+            if len(ready) < 2 or not self._pipelines(len(ready), ready):
                 self._tick(ready)
                 return
             first = ready[: (len(ready) + 1) // 2]   # the first group goes alone; the rest form the next
-            self._launch(self._start_tick(first))
+            self._launch(self._start_tick(first, len(ready)))
             return
         total = len(ready) + len(flight[0].batch)
         even = (total + 1) // 2
         if len(ready) > even + max(1, total // 8):
             ready = ready[:even]
-        tick = self._start_tick(ready) if ready else None
+        tick = self._start_tick(ready, total) if ready else None
         out = self._land()
-        if tick is not None and not isinstance(out, grpc.RpcError) and self._pipelines(total):
+        if tick is not None and not isinstance(out, grpc.RpcError) and self._pipelines(total, ready):
             self._launch(tick)
             tick = None
         self._finish_tick(flight[0], out)
@@ -909,6 +912,7 @@ class Scheduler:
             self._verify = self.target.verify_stream(None)
         for r in tick.batch:
             r.in_flight = True
+        tick.t1 = time.perf_counter()   # (its Verify's seconds count from here: the wait for the other group's is the orchestrator's)
         self._flight = (tick, self._verifier.submit(self._exchange_verify, tick, _no_flush))
         self.pipelined_ticks += 1
 
@@ -952,11 +956,14 @@ class Scheduler:
             out = e
         self._finish_tick(tick, out)
 
-    def _start_tick(self, batch: list[Request]) -> _Tick:
+    def _start_tick(self, batch: list[Request], sharing: int = 0) -> _Tick:
         """A tick's first half: the policy's choice, the Propose exchange (:meth:`_propose_trees`)
-        and the ``VerifyRequest`` of every request's tree (a root-only item where none)."""
+        and the ``VerifyRequest`` of every request's tree (a root-only item where none).
+        ``sharing``: the requests that share ``step_nodes`` (0: ``batch``'s; with two groups in
+        flight, both groups', so a request's tree is as large as in one tick of them all)."""
         t0 = time.perf_counter()
-        budget = adaptive_budget(len(batch), self.step_nodes, want=1 << 30)  # the cap; each tree: _propose_trees
+        sharing = sharing or len(batch)
+        budget = adaptive_budget(sharing, self.step_nodes, want=1 << 30)  # the cap; each tree: _propose_trees
         self.budget_now = budget
         drafter = self._drafter() if budget > 0 else None
         mode = None   # the policy's choice, when it had one to make (some request may draft)
@@ -969,7 +976,7 @@ class Scheduler:
         draft_s, resync_rows = 0.0, 0
         columnar = len(batch) >= COLUMNS_FROM and COLUMNAR in self.info.features
         if drafter is not None:
-            trees, draft_s, resync_rows = self._propose_trees(batch, drafter, columnar)
+            trees, draft_s, resync_rows = self._propose_trees(batch, drafter, columnar, sharing)
         t1 = time.perf_counter()
         sids = [r.session_id for r in batch]
         if isinstance(trees, CheckedTrees):   # every item's tree, as the drafter packed them
@@ -1100,14 +1107,15 @@ class Scheduler:
                 hold = 0.0
         self.hold = hold
 
-    def _propose_trees(self, batch: list[Request], drafter: draft_pb2.DrafterInfo, columnar: bool = False
-                       ) -> tuple[dict[int, tuple[list[int], list[int], int]] | CheckedTrees, float, int]:
+    def _propose_trees(self, batch: list[Request], drafter: draft_pb2.DrafterInfo, columnar: bool = False,
+                       sharing: int = 0) -> tuple[dict[int, tuple[list[int], list[int], int]] | CheckedTrees, float, int]:
         """One Propose for every request that drafts this tick: their trimmed trees by batch
         index, with their depths (:func:`fit_tree`), the exchange's seconds, and the feature rows
         it carried beyond a step's worth (new or re-created drafter sessions). When every request
         drafts, ``columnar`` (the Verify goes as columns) and the reply's trees are all fit to
         verify as they came (:class:`~orchestrator.messages.TreeChecker`, checked at once), the
-        trees are those columns (:class:`~orchestrator.messages.CheckedTrees`), not read per item."""
+        trees are those columns (:class:`~orchestrator.messages.CheckedTrees`), not read per item.
+        ``sharing``: the requests sharing ``step_nodes`` (:meth:`_start_tick`; 0: ``batch``'s)."""
         block = drafter.model.block_size or 1
         width_cap = self.info.max_tree_width or 1
         depth_cap = self.info.max_tree_depth or 10**9
@@ -1130,7 +1138,7 @@ class Scheduler:
         who: list[tuple[int, int]] = []   # (batch index, max_depth) of each item
         extra_rows = 0  # feature rows beyond a step's worth (new or re-created sessions)
         extra_bytes = 0  # their bytes (RESYNC_BYTES)
-        max_context, n, step_nodes = self.info.max_context, len(batch), self.step_nodes
+        max_context, n, step_nodes = self.info.max_context, sharing or len(batch), self.step_nodes
         shares: dict[tuple[int, int], int] = {}   # adaptive_budget of this tick, by (want, min_nodes)
         tree_nodes: dict[int, int] = {}   # (the same, for a tree of each budget: read per item)
         depth_cap = min(block - 1, depth_cap)
