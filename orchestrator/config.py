@@ -127,10 +127,6 @@ class OrchestratorConfig:
     stream_host_share: float = setting(
         0.25, "share of one core the orchestrator's Generate messages may take before the adaptive hold "
         "(stream_hold_max_ms) coalesces ticks (0: never hold)")
-    pipeline_from: int = setting(
-        0, "from this many requests decoding with the drafter up (draft policy always), the batch runs as two groups "
-        "whose ticks alternate: one group's Verify is in flight while the other's Propose runs, so the drafter and "
-        "the target work at the same time (0: never; docs/ARCHITECTURE.md, 'Two groups in flight')")
     draft_history_mib: float = setting(
         64.0, "feature history kept per request to resume drafting after a drafter restart (MiB)")
     max_prompt_chars: int = setting(

@@ -57,13 +57,11 @@ with reason ``draft_deadline``) and shown in ``DrafterStatus.detail``.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 
 import grpc
 
@@ -184,7 +182,6 @@ class Request:
     flush_at: float = 0.0           # its tokens are handed to the handler from then on (stream_interval)
     enqueued: float = dataclasses.field(default_factory=time.monotonic)
     closed: bool = False            # the handler is done with it (finished, cancelled, failed)
-    in_flight: bool = False         # its item is in a Verify in flight (Scheduler._launch): kept till the reply
     ended: bool = False             # the scheduler sent its last event
 
     @property
@@ -289,31 +286,6 @@ def target_status(code: grpc.StatusCode, reason: str) -> tuple[grpc.StatusCode, 
     return code, str(reason)
 
 
-def _no_flush() -> None:
-    """The ``on_sent`` of a Verify sent from the verify thread: the scheduler thread hands out
-    the tokens itself (:meth:`Scheduler._step`)."""
-
-
-@dataclasses.dataclass(slots=True)
-class _Tick:
-    """A tick between its two halves (:meth:`Scheduler._start_tick`, :meth:`Scheduler._finish_tick`):
-    its requests, the policy's mode (None: no choice made), the trees (batch index -> tokens,
-    parents, depth; or :class:`~orchestrator.messages.CheckedTrees`), the Propose exchange's
-    seconds, the feature rows it carried beyond a step's worth, each item's draft nodes and depth,
-    the ``VerifyRequest``, and ``time.perf_counter()`` at its start and after its Propose."""
-
-    batch: list[Request]
-    mode: str | None
-    trees: object
-    draft_s: float
-    resync_rows: int
-    nodes_of: list[int]
-    depth_of: list[int]
-    request: object
-    t0: float
-    t1: float
-
-
 class Scheduler:
     """Runs every request of the orchestrator in ticks of one Propose and one Verify.
 
@@ -343,9 +315,6 @@ class Scheduler:
             several requests in a tick, their tokens are held (as with ``stream_interval_ms``)
             long enough that streaming takes at most ``stream_host_share`` of one core (its
             messages' measured cost), at most ``stream_hold_max_ms``; either 0: never.
-        pipeline_from: from this many requests drafting with the drafter up (policy ``always``),
-            the batch runs as two groups whose ticks alternate, one group's Verify in flight while
-            the other's Propose runs (:meth:`_step`); 0: never.
     """
 
     def __init__(self, target: TargetPeer, draft: DraftPeer, *, max_sessions: int,
@@ -359,8 +328,7 @@ class Scheduler:
                  draft_policy: str = OrchestratorConfig.draft_policy,
                  stream_interval_ms: float = OrchestratorConfig.stream_interval_ms,
                  stream_hold_max_ms: float = OrchestratorConfig.stream_hold_max_ms,
-                 stream_host_share: float = OrchestratorConfig.stream_host_share,
-                 pipeline_from: int = OrchestratorConfig.pipeline_from):
+                 stream_host_share: float = OrchestratorConfig.stream_host_share):
         self.target = target
         self.draft = draft
         self.info = target.info()
@@ -411,10 +379,6 @@ class Scheduler:
         self._trees = TreeChecker()   # the drafted trees' shapes seen, checked once each
         #: when to draft (orchestrator.policy): measured per batch bucket, or None: whenever a drafter is up
         self.policy: DraftPolicy | None = DraftPolicy() if draft_policy == "measured" else None
-        self.pipeline_from = max(0, int(pipeline_from))
-        self._flight: tuple[_Tick, concurrent.futures.Future] | None = None   # the Verify in flight (_launch)
-        self._verifier: concurrent.futures.ThreadPoolExecutor | None = None   # its thread (made on first use)
-        self.pipelined_ticks = 0   # ticks whose Verify was in flight while another group drafted
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
         self._thread.start()
 
@@ -605,22 +569,20 @@ class Scheduler:
                 self._drop_closed()
                 self._admit()
                 self._collect_prefills()
-                batch = [r for r in self._active if not r.closed and not r.in_flight]
-                if not batch and self._flight is None:
+                batch = [r for r in self._active if not r.closed]
+                if not batch:
                     self._flush_events(force=True)
                     metrics.flush()   # the last ticks' notes, before idling (metrics: FLUSH_INTERVAL_S)
                     self._wake.wait(0.05 if self._prefilling or self._queue else 1.0)
                     self._wake.clear()
                     continue
-                self._step(batch)
+                self._tick(batch)
             except Exception as e:  # noqa: BLE001 - a bug here must not hang every client
                 log.exception("scheduler tick failed")
-                self._abandon_flight()
                 for r in self._active:
                     self._end(r, Failure(grpc.StatusCode.INTERNAL, f"orchestrator error: {type(e).__name__}: {e}", Reason.INTERNAL))
                     r.closed = True
         # shutting down
-        self._abandon_flight(wait_s=min(5.0, self.step_timeout))
         self._flush_events(force=True)
         with self._lock:
             waiting = list(self._queue) + [r for r, _ in self._prefilling] + self._active
@@ -632,8 +594,6 @@ class Scheduler:
         for call in (self._verify, self._propose):
             if call is not None:
                 call.close()
-        if self._verifier is not None:
-            self._verifier.shutdown(wait=False)
 
     def _drop_closed(self) -> None:
         """Forget closed requests; release their sessions on both services (one call each)."""
@@ -642,10 +602,10 @@ class Scheduler:
             if gone:
                 self._queue = collections.deque(r for r in self._queue if not r.closed)
                 metrics.set_queue_depth(len(self._queue))
-        gone += [r for r in self._active if r.closed and not r.in_flight]   # (in flight: after its reply)
+        gone += [r for r in self._active if r.closed]
         if not gone:
             return
-        self._active = [r for r in self._active if not r.closed or r.in_flight]
+        self._active = [r for r in self._active if not r.closed]
         self._release([r for r in gone if r.on_target], [r for r in gone if r.on_drafter])
         for r in gone:
             r.on_target = r.on_drafter = False
@@ -850,120 +810,9 @@ class Scheduler:
         info = self.draft.state()
         return info if info is not None and drafter_mismatch(info, self.info) is None else None
 
-    def _pipelines(self, requests: int, ready: list[Request]) -> bool:
-        """Whether a tick of ``requests`` (all of them, in flight or not) runs as two alternating
-        groups (:meth:`_step`): ``pipeline_from`` set and reached, ticks drafting whenever the
-        drafter is up (no policy), the drafter usable now, and some request of ``ready`` (the
-        group to go next) drafting. Plain ticks never split: a target step costs about the same
-        for half the requests (on an H200 two groups of plain ticks made 0.6x the tokens of one:
-        benchmarks/gpu/concurrency/run17-pipeline)."""
-        return (0 < self.pipeline_from <= requests and self.policy is None
-                and any(r.speculative for r in ready) and self._drafter() is not None)
-
-    def _step(self, ready: list[Request]) -> None:
-        """One turn of the tick loop over ``ready`` (the open requests whose item is not in flight).
-
-        Plain: one tick of them all (:meth:`_tick`). Pipelined (:meth:`_pipelines`, from
-        ``pipeline_from`` requests): the requests form two groups whose ticks alternate. While
-        one group's Verify is in flight (sent from the verify thread, :meth:`_launch`), this
-        thread runs the other group's Propose; then it takes the in-flight reply, sends the
-        drafted group's Verify at once, and hands out the first group's tokens while the target
-        verifies. The drafter and the target thus work at the same time, each on one group
-        (docs/ARCHITECTURE.md, "Two groups in flight"). The requests not in flight are the next
-        group; when it holds more than half of all requests by more than an eighth, its newest
-        wait one turn and join the group after it (they skip one tick, once, so the groups stay
-        even). Tokens are the same either way: each item is verified against its own session.
-        """
-        flight = self._flight
-        if flight is None:
-            if not ready:
-                return
-            if len(ready) < 2 or not self._pipelines(len(ready), ready):
-                self._tick(ready)
-                return
-            first = ready[: (len(ready) + 1) // 2]   # the first group goes alone; the rest form the next
-            self._launch(self._start_tick(first, len(ready)))
-            return
-        total = len(ready) + len(flight[0].batch)
-        even = (total + 1) // 2
-        if len(ready) > even + max(1, total // 8):
-            ready = ready[:even]
-        tick = self._start_tick(ready, total) if ready else None
-        out = self._land()
-        if tick is not None and not isinstance(out, grpc.RpcError) and self._pipelines(total, ready):
-            self._launch(tick)
-            tick = None
-        self._finish_tick(flight[0], out)
-        if tick is not None:   # no longer pipelined (or the stream failed): this group's Verify now
-            try:
-                out = self._exchange_verify(tick)
-            except grpc.RpcError as e:
-                out = e
-            self._finish_tick(tick, out)
-        self._flush_events()
-
-    def _launch(self, tick: _Tick) -> None:
-        """Send ``tick``'s Verify from the verify thread; :meth:`_land` takes its reply. Its
-        requests are in flight till then (kept by :meth:`_drop_closed`, left out of the next
-        group)."""
-        if self._verifier is None:
-            self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verify")
-        if self._verify is None:
-            self._verify = self.target.verify_stream(None)
-        for r in tick.batch:
-            r.in_flight = True
-        tick.t1 = time.perf_counter()   # (its Verify's seconds count from here: the wait for the other group's is the orchestrator's)
-        self._flight = (tick, self._verifier.submit(self._exchange_verify, tick, _no_flush))
-        self.pipelined_ticks += 1
-
-    def _land(self):
-        """The in-flight Verify's result (:meth:`_exchange_verify`'s, or the ``grpc.RpcError`` it
-        raised), waited for; its requests are no longer in flight."""
-        tick, fut = self._flight
-        self._flight = None
-        try:
-            out = fut.result()
-        except grpc.RpcError as e:
-            out = e
-        for r in tick.batch:
-            r.in_flight = False
-        return out
-
-    def _abandon_flight(self, wait_s: float = 0.0) -> None:
-        """The loop stops or failed: wait up to ``wait_s`` for the Verify in flight, whose reply is
-        dropped; its requests are no longer in flight (they end with the others)."""
-        if self._flight is None:
-            return
-        tick, fut = self._flight
-        self._flight = None
-        try:
-            fut.result(timeout=wait_s)
-        except Exception:  # noqa: BLE001 - failed, timed out or cancelled: the reply is dropped either way
-            pass
-        for r in tick.batch:
-            r.in_flight = False
-        if self._verify is not None and not fut.done():
-            self._verify.close()   # its reply may still come: never read it as a later exchange's
-            self._verify = None
-
     def _tick(self, batch: list[Request]) -> None:
-        """One tick of ``batch``, its exchanges one after the other: :meth:`_start_tick`, the
-        Verify exchange, :meth:`_finish_tick`."""
-        tick = self._start_tick(batch)
-        try:
-            out = self._exchange_verify(tick)
-        except grpc.RpcError as e:
-            out = e
-        self._finish_tick(tick, out)
-
-    def _start_tick(self, batch: list[Request], sharing: int = 0) -> _Tick:
-        """A tick's first half: the policy's choice, the Propose exchange (:meth:`_propose_trees`)
-        and the ``VerifyRequest`` of every request's tree (a root-only item where none).
-        ``sharing``: the requests that share ``step_nodes`` (0: ``batch``'s; with two groups in
-        flight, both groups', so a request's tree is as large as in one tick of them all)."""
         t0 = time.perf_counter()
-        sharing = sharing or len(batch)
-        budget = adaptive_budget(sharing, self.step_nodes, want=1 << 30)  # the cap; each tree: _propose_trees
+        budget = adaptive_budget(len(batch), self.step_nodes, want=1 << 30)  # the cap; each tree: _propose_trees
         self.budget_now = budget
         drafter = self._drafter() if budget > 0 else None
         mode = None   # the policy's choice, when it had one to make (some request may draft)
@@ -976,7 +825,7 @@ class Scheduler:
         draft_s, resync_rows = 0.0, 0
         columnar = len(batch) >= COLUMNS_FROM and COLUMNAR in self.info.features
         if drafter is not None:
-            trees, draft_s, resync_rows = self._propose_trees(batch, drafter, columnar, sharing)
+            trees, draft_s, resync_rows = self._propose_trees(batch, drafter, columnar)
         t1 = time.perf_counter()
         sids = [r.session_id for r in batch]
         if isinstance(trees, CheckedTrees):   # every item's tree, as the drafter packed them
@@ -997,41 +846,20 @@ class Scheduler:
                     parents += drafted[1]
                     nodes_of[i], depth_of[i] = len(drafted[0]) - 1, drafted[2]
             request = verify_request(columnar, sids, sizes, tokens, parents)
-        return _Tick(batch, mode, trees, draft_s, resync_rows, nodes_of, depth_of, request, t0, t1)
-
-    def _exchange_verify(self, tick: _Tick, on_sent: Callable[[], None] | None = None) -> tuple:
-        """The Verify exchange of ``tick`` on the scheduler's Verify stream (opened here when
-        there is none), and the reply's columns (:func:`~orchestrator.messages.verify_columns`).
-        Runs on the scheduler thread, or, for a tick whose Verify is in flight while the next
-        group drafts (:meth:`_launch`), on the verify thread; one exchange at a time either way.
-
-        Raises:
-            grpc.RpcError: the exchange failed or timed out, or its reply's columns do not fit
-                together (INTERNAL, as a reply that does not decode: the stream is over).
-        """
-        if self._verify is None:
-            self._verify = self.target.verify_stream(None)
-        call = self._verify
-        call.spin_s = self.hop_spin(len(tick.batch))
-        reply = call.exchange(tick.request, self.step_timeout, self._flush_events if on_sent is None else on_sent)
         try:
-            columns = verify_columns(reply, len(tick.batch))
-        except ColumnsError as e:   # as a reply that does not decode: the stream is over (_verify_failed)
-            raise StreamError(grpc.StatusCode.INTERNAL, f"the reply's columns do not fit together: {e}") from None
-        return reply, columns, time.perf_counter()
-
-    def _finish_tick(self, tick: _Tick, out) -> None:
-        """A tick's second half: ``out`` is :meth:`_exchange_verify`'s result, or the
-        ``grpc.RpcError`` it raised (every request of the tick ends: :meth:`_verify_failed`).
-        Hands each request its tokens, keeps its feature rows, and tells the policy and the
-        metrics what the tick cost."""
-        batch, mode, trees = tick.batch, tick.mode, tick.trees
-        if isinstance(out, grpc.RpcError):
-            self._verify_failed(batch, out)
+            if self._verify is None:
+                self._verify = self.target.verify_stream(None)
+            self._verify.spin_s = self.hop_spin(len(batch))
+            reply = self._verify.exchange(request, self.step_timeout, self._flush_events)
+            try:
+                refused, accepted, bonus, lengths, feats = verify_columns(reply, len(batch))
+            except ColumnsError as e:   # as a reply that does not decode: the stream is over (_verify_failed)
+                raise StreamError(grpc.StatusCode.INTERNAL, f"the reply's columns do not fit together: {e}") from None
+        except grpc.RpcError as e:
+            self._verify_failed(batch, e)
             return
-        reply, (refused, accepted, bonus, lengths, feats), t_reply = out
-        verify_s = t_reply - tick.t1
-        if self._verify is not None and self._verify.broken:  # its deadline passed just after the reply came: the reply stands
+        verify_s = time.perf_counter() - t1
+        if self._verify.broken:  # its deadline passed just after the reply came: the reply stands
             self._verify.close()
             self._verify = None
         compute_s, device_s = reply.compute_s, reply.device_s
@@ -1041,9 +869,9 @@ class Scheduler:
         keep, emit, hand, add_step = self._keep, self._emit, self._pending.append, steps.append
         # drafted items are noted only on a tick the policy measures (not one carrying a prompt's
         # or a resync's rows: those trees are as good, but the tick's seconds are not comparable)
-        note = self.policy.note if mode == DRAFT and trees and not tick.resync_rows else None
+        note = self.policy.note if mode == DRAFT and trees and not resync_rows else None
         for i, (r, tokens, root, length, features, nodes, depth) in enumerate(
-                zip(batch, accepted, bonus, lengths, feats, tick.nodes_of, tick.depth_of)):
+                zip(batch, accepted, bonus, lengths, feats, nodes_of, depth_of)):
             stats = r.stats
             stats.verify_time_s += verify_s
             stats.verify_compute_s += compute_s
@@ -1073,14 +901,14 @@ class Scheduler:
             metrics.observe_verify_batch(steps)
         self.ticks += 1
         self.batched_items += len(batch)
-        tick_s = time.perf_counter() - tick.t0
+        tick_s = time.perf_counter() - t0
         # not measured: a drafting tick that drafted nothing, or one that carried a prompt's or a
         # resync's feature rows to the drafter (a cost of the request's start, not of drafting)
-        if mode is not None and (mode == PLAIN or (trees and not tick.resync_rows)):
+        if mode is not None and (mode == PLAIN or (trees and not resync_rows)):
             self.policy.observe(len(batch), mode, emitted, tick_s)
         elif self.policy is not None and not any(r.speculative for r in batch):
             self.policy.observe(len(batch), BARE, emitted, tick_s)   # what a request started plainly pays
-        metrics.observe_tick(len(batch), tick.draft_s, verify_s, tick_s - tick.draft_s - verify_s)
+        metrics.observe_tick(len(batch), draft_s, verify_s, tick_s - draft_s - verify_s)
         self._adapt_hold(len(batch), tick_s)
 
     def note_message(self, cpu_s: float) -> None:
@@ -1107,15 +935,14 @@ class Scheduler:
                 hold = 0.0
         self.hold = hold
 
-    def _propose_trees(self, batch: list[Request], drafter: draft_pb2.DrafterInfo, columnar: bool = False,
-                       sharing: int = 0) -> tuple[dict[int, tuple[list[int], list[int], int]] | CheckedTrees, float, int]:
+    def _propose_trees(self, batch: list[Request], drafter: draft_pb2.DrafterInfo, columnar: bool = False
+                       ) -> tuple[dict[int, tuple[list[int], list[int], int]] | CheckedTrees, float, int]:
         """One Propose for every request that drafts this tick: their trimmed trees by batch
         index, with their depths (:func:`fit_tree`), the exchange's seconds, and the feature rows
         it carried beyond a step's worth (new or re-created drafter sessions). When every request
         drafts, ``columnar`` (the Verify goes as columns) and the reply's trees are all fit to
         verify as they came (:class:`~orchestrator.messages.TreeChecker`, checked at once), the
-        trees are those columns (:class:`~orchestrator.messages.CheckedTrees`), not read per item.
-        ``sharing``: the requests sharing ``step_nodes`` (:meth:`_start_tick`; 0: ``batch``'s)."""
+        trees are those columns (:class:`~orchestrator.messages.CheckedTrees`), not read per item."""
         block = drafter.model.block_size or 1
         width_cap = self.info.max_tree_width or 1
         depth_cap = self.info.max_tree_depth or 10**9
@@ -1138,7 +965,7 @@ class Scheduler:
         who: list[tuple[int, int]] = []   # (batch index, max_depth) of each item
         extra_rows = 0  # feature rows beyond a step's worth (new or re-created sessions)
         extra_bytes = 0  # their bytes (RESYNC_BYTES)
-        max_context, n, step_nodes = self.info.max_context, sharing or len(batch), self.step_nodes
+        max_context, n, step_nodes = self.info.max_context, len(batch), self.step_nodes
         shares: dict[tuple[int, int], int] = {}   # adaptive_budget of this tick, by (want, min_nodes)
         tree_nodes: dict[int, int] = {}   # (the same, for a tree of each budget: read per item)
         depth_cap = min(block - 1, depth_cap)

@@ -23,8 +23,7 @@ drafter (their ``Info.free_slots`` and the engines' session tables), and a last 
 decodes exactly like target-only greedy decoding. Timing only decides at which phase a cancel
 lands, never whether the test passes. (Counted once on a busy 2-core CPU: about 320 requests
 ended while queued, 140 while decoding and 15 while their prefill ran; the module takes about
-25 s.) The module runs twice: the scheduler's ticks one group at a time, and in two alternating
-groups (``pipeline_from``), where a cancel can land while a request's Verify is in flight.
+25 s.)
 """
 
 from __future__ import annotations
@@ -71,19 +70,16 @@ def greedy(engine, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-@pytest.fixture(scope="module", params=[0, 2], ids=["one-group", "two-groups"])
-def storm(request, tiny_llama, tiny_drafter):
-    """``(GenerationService stub, servicer, target stub, draft stub, draft servicer)``; the
-    scheduler's ticks one group at a time, or two groups alternating from two requests
-    (``pipeline_from``: a cancel may land on a request whose Verify is in flight)."""
+@pytest.fixture(scope="module")
+def storm(tiny_llama, tiny_drafter):
+    """``(GenerationService stub, servicer, target stub, draft stub, draft servicer)``."""
     with target_in_process(tiny_llama.path, max_sessions=TARGET_SLOTS, max_context=CONTEXT, max_workers=8,
                            name="storm-target") as tport, \
             draft_in_process(tiny_drafter, tiny_llama.path, max_sessions=DRAFT_SLOTS, max_context=CONTEXT,
                              max_workers=8) as (dservicer, dport):
         md = [(OWNER_KEY, "storm-orchestrator"), (EPOCH_KEY, uuid.uuid4().hex)]
         with orchestrator_in_process(tiny_llama.path, tport, dport, max_sessions=MAX_SESSIONS, max_queue=MAX_QUEUE,
-                                     metadata=md, step_timeout=30.0, max_workers=CLIENTS + 4,
-                                     pipeline_from=request.param) as (servicer, oport), \
+                                     metadata=md, step_timeout=30.0, max_workers=CLIENTS + 4) as (servicer, oport), \
                 grpc.insecure_channel(f"127.0.0.1:{oport}", options=GRPC_OPTIONS) as och, \
                 grpc.insecure_channel(f"127.0.0.1:{tport}", options=GRPC_OPTIONS) as tch, \
                 grpc.insecure_channel(f"127.0.0.1:{dport}", options=GRPC_OPTIONS) as dch:
@@ -204,10 +200,6 @@ def test_cancel_storm_leaves_nothing_behind(storm, tiny_llama):
     assert sum(n for (a, c, t), n in seen.items() if c == "CANCELLED" and t == "none") > 50
     assert sum(n for (a, c, t), n in seen.items() if c == "CANCELLED" and t == "tokens") > 50
     assert peak["queued"] > 0
-    if sched.pipeline_from:
-        assert sched.pipelined_ticks > 50   # the two groups' ticks did alternate
-    else:
-        assert sched.pipelined_ticks == 0
 
     # nothing left behind: the scheduler, the target, the drafter
     def idle() -> bool:
