@@ -241,6 +241,17 @@ class DraftPolicy:
             b >>= 1
         return None
 
+    def demote(self, batch: int) -> bool:
+        """Whether the requests of a tick of ``batch`` that may draft (probes aside) are to decode
+        plainly for the rest of their lives: where ``batch``'s own bucket is measured and plain
+        ticks are expected faster there (bare ones where measured, as :meth:`expected` judges a
+        request starting there; never inferred from a smaller bucket). A request starts drafting
+        where nothing was measured yet (or where the load was lighter) and would otherwise keep
+        the costs of drafting (its feature rows, a drafter session, a verify as wide as the
+        trees whenever a probe drafts) for its whole life after its batch turned out to decode
+        faster plainly."""
+        return self._admit_faster(batch) == PLAIN
+
     def admit(self, batch: int) -> str:
         """Whether a request that may draft, starting with ``batch`` requests decoding (itself
         included), is to be able to draft (:data:`DRAFT`: the target gathers its feature rows, the

@@ -181,6 +181,7 @@ class Request:
     tree_params: tuple | None = None   # (budget, top_k, max_depth or a large number) of ``tree``, once read
     flush_at: float = 0.0           # its tokens are handed to the handler from then on (stream_interval)
     enqueued: float = dataclasses.field(default_factory=time.monotonic)
+    probe: bool = False             # started drafting where plain was expected faster (DraftPolicy.admit): never demoted
     closed: bool = False            # the handler is done with it (finished, cancelled, failed)
     ended: bool = False             # the scheduler sent its last event
 
@@ -379,6 +380,7 @@ class Scheduler:
         self._trees = TreeChecker()   # the drafted trees' shapes seen, checked once each
         #: when to draft (orchestrator.policy): measured per batch bucket, or None: whenever a drafter is up
         self.policy: DraftPolicy | None = DraftPolicy() if draft_policy == "measured" else None
+        self.demoted = 0   # requests that started drafting and decode plainly for the rest of their lives (_demote)
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
         self._thread.start()
 
@@ -680,8 +682,11 @@ class Scheduler:
                     # (policy.admit): the requests decoding, starting, and those queued behind it,
                     # which join the same ticks (a burst of N requests is a batch of N from the first)
                     joining = len(self._active) + len(self._prefilling) + waiting + 1
+                    probe = self.policy.expected(joining) == PLAIN
                     if self.policy.admit(joining) == PLAIN:
                         req.speculative = False
+                    else:
+                        req.probe = probe   # drafting kept measured at that size: never demoted
                 if req.speculative:
                     layers = self.draft.layers()
                     if layers is None:  # the drafter was never reachable: no features, no drafting later
@@ -816,10 +821,13 @@ class Scheduler:
         self.budget_now = budget
         drafter = self._drafter() if budget > 0 else None
         mode = None   # the policy's choice, when it had one to make (some request may draft)
+        stop_features: list[str] = []
         if drafter is not None and self.policy is not None and any(r.speculative for r in batch):
             mode = self.policy.choose(len(batch), [r.session_id for r in batch if r.speculative])
             if mode == PLAIN:
                 drafter = None
+                if self.policy.demote(len(batch)):
+                    stop_features = self._demote(batch)
         self.drafting = drafter is not None
         trees: dict[int, tuple[list[int], list[int], int]] | CheckedTrees = {}   # batch index -> tokens, parents, depth
         draft_s, resync_rows = 0.0, 0
@@ -846,6 +854,8 @@ class Scheduler:
                     parents += drafted[1]
                     nodes_of[i], depth_of[i] = len(drafted[0]) - 1, drafted[2]
             request = verify_request(columnar, sids, sizes, tokens, parents)
+        if stop_features:
+            request.stop_features.extend(stop_features)
         try:
             if self._verify is None:
                 self._verify = self.target.verify_stream(None)
@@ -910,6 +920,28 @@ class Scheduler:
             self.policy.observe(len(batch), BARE, emitted, tick_s)   # what a request started plainly pays
         metrics.observe_tick(len(batch), draft_s, verify_s, tick_s - draft_s - verify_s)
         self._adapt_hold(len(batch), tick_s)
+
+    def _demote(self, batch: list[Request]) -> list[str]:
+        """The requests of ``batch`` that may draft, probes aside, decode plainly for the rest of
+        their lives (:meth:`DraftPolicy.demote`): their feature history is dropped, their drafter
+        sessions released, and their session ids returned for the tick's Verify to carry as
+        ``stop_features`` (the target then sends them no more feature rows). Their ticks are then
+        bare, as if they had started plainly (docs/ARCHITECTURE.md, "When to draft")."""
+        gone = [r for r in batch if r.speculative and not r.probe]
+        if not gone:
+            return []
+        on_drafter = [r for r in gone if r.on_drafter]
+        self._release([], on_drafter)
+        for r in gone:
+            r.speculative = False
+            r.on_drafter = r.draft_synced = False
+            r.history.clear()
+            r.history_bytes, r.sent, r.loose, r.history_complete = 0, 0, 0, False
+            self.policy.forget(r.session_id)
+        self.demoted += len(gone)
+        log.info("draft policy: requests that started drafting decode plainly from now on",
+                 extra={"requests": len(gone), "batch": len(batch), "demoted_total": self.demoted})
+        return [r.session_id for r in gone]
 
     def note_message(self, cpu_s: float) -> None:
         """A handler sent one Generate message, which took its thread ``cpu_s`` seconds of CPU

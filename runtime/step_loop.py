@@ -201,6 +201,26 @@ class StepLoop:
 
         return self.call(release)
 
+    def stop_features(self, session_ids: list[str], owner: Owner | None = None) -> int:
+        """From the next step on, tap no feature layer for these sessions (on the loop thread:
+        each engine session's ``feature_layers`` emptied, so its results carry no feature rows);
+        unknown ids, and with ``owner`` the ids of another owner's sessions, are skipped.
+        Returns how many sessions it changed. A client decoding a request plainly for the rest
+        of its life (``VerifyRequest.stop_features``) no longer pays for rows no drafter reads."""
+        ids = list(session_ids)
+
+        def stop() -> int:
+            sessions = getattr(self.engine, "sessions", {})
+            n = 0
+            for sid in ids:
+                s = sessions.get(sid)
+                if s is not None and s.feature_layers and self.owners.may_touch(sid, owner):
+                    s.feature_layers = []
+                    n += 1
+            return n
+
+        return self.call(stop)
+
     def release_all(self) -> int:
         """Release every session the engine holds (on the loop thread); returns how many."""
         return self.call(lambda: self._release_ids(list(getattr(self.engine, "sessions", ()))))

@@ -303,6 +303,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def _verify(self, request_iterator, owner, frames: bool = False):
         columns_reply = verify_columns_frames if frames else verify_columns_response
         for request in request_iterator:
+            if request.stop_features:   # sessions decoded plainly from now on: no more feature rows
+                self.loop.stop_features(list(request.stop_features), owner)
             if request.HasField("columns"):
                 items = verify_columns(request.columns)
                 outs, done = run_items(self.loop, items, _same, owner)

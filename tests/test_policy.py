@@ -125,6 +125,30 @@ def test_admission_compares_drafting_with_bare_ticks_where_measured():
     assert policy.expected(4) == DRAFT
 
 
+def test_demotes_only_where_its_own_bucket_found_plain_faster():
+    """Requests that started drafting are demoted (plain for the rest of their lives) only by
+    their own bucket's measurements: not while it is cold, not on a smaller bucket's verdict
+    (which only decides how a new request starts), not where drafting is faster; against bare
+    ticks where those are measured there, as admission judges."""
+    policy, rng = DraftPolicy(refresh=8), random.Random(5)
+    assert not policy.demote(1) and not policy.demote(16)               # nothing measured
+    _drive(policy, _gpu_like, 1, 60, rng)
+    assert policy.faster(1) == DRAFT and not policy.demote(1)            # drafting pays at 1
+    _drive(policy, _gpu_like, 8, 60, rng)
+    assert policy.faster(8) == PLAIN and policy.demote(8) and policy.demote(5)   # bucket 8 holds 5..8
+    assert policy.expected(16) == PLAIN and not policy.demote(16)       # inferred for admission only
+    # drafting beats the dear plain ticks of drafting requests, not bare ones: demoted once bare
+    # ticks are measured at that bucket
+    def dear(mode, batch):
+        return (round(3.3 * batch), 11.7e-3) if mode == DRAFT else (batch, 6.0e-3)
+
+    _drive(policy, dear, 32, 60, rng)
+    assert policy.faster(32) == DRAFT and not policy.demote(32)
+    for _ in range(policy.warmup + 2):
+        policy.observe(32, BARE, 32, 2.9e-3 * rng.uniform(0.9, 1.1))
+    assert policy.demote(32)
+
+
 def _tokens(req) -> list[int]:
     """Every token a submitted request streams, in order, until its finish (a failure fails the test)."""
     from orchestrator.scheduler import Failure
@@ -141,7 +165,9 @@ def _tokens(req) -> list[int]:
 def test_scheduler_stops_drafting_where_it_does_not_pay_and_stays_lossless(tiny_llama, tiny_drafter):
     """A random drafter (it accepts next to nothing) makes every drafting tick slower than a plain
     one: with the measured policy the scheduler decodes mostly plainly, and the text equals the
-    target's alone."""
+    target's alone. A request that started drafting (nothing measured yet) decodes plainly for the
+    rest of its life once its batch size is measured faster plainly (demoted: its drafter session
+    released, no more feature rows from the target, its ticks bare)."""
     from dflash_grpc.v1 import common_pb2, draft_pb2
     from orchestrator.scheduler import Request
     from tests.conftest import draft_in_process, orchestrator_in_process, target_in_process
@@ -167,9 +193,12 @@ def test_scheduler_stops_drafting_where_it_does_not_pay_and_stays_lossless(tiny_
         assert bare >= 50 and sched.policy.choices == {DRAFT: 0, PLAIN: 0}
         spec = run(sched, True, 60)
         assert spec == plain
-        assert sched.policy._count.get((1, BARE), 0) == bare   # ticks of a request that may draft are not bare
         choices = sched.policy.choices
-        assert choices[DRAFT] >= 3 and choices[PLAIN] > choices[DRAFT], choices
+        # it drafted and ran plain ticks until bucket 1 was warm (warmup + 1 counted ticks of each
+        # mode), then it was demoted: the rest of its ticks were bare
+        assert choices[DRAFT] == choices[PLAIN] == sched.policy.warmup + 1, choices
+        assert sched.demoted == 1
+        assert sched.policy._count[(1, BARE)] >= bare + 60 - 2 * (sched.policy.warmup + 1) - 2
         # plain ticks are now measured faster at one request: a new one starts plain for life
         # (no feature rows from the target, no drafter session), and its text is the same
         assert sched.policy.faster(1) == PLAIN
@@ -178,7 +207,7 @@ def test_scheduler_stops_drafting_where_it_does_not_pay_and_stays_lossless(tiny_
         assert run(sched, True, 60) == plain
         assert sched.policy.admissions[PLAIN] == before[PLAIN] + 1
         assert sched.policy.choices[DRAFT] == drafted[DRAFT]   # no tick had a request that may draft
-        assert sched.policy._count[(1, BARE)] >= bare + 50      # the request started plainly: bare ticks
+        assert sched.demoted == 1                              # (nor one to demote)
 
 
 def test_an_unmeasured_bucket_starts_requests_plain_where_a_smaller_one_found_plain_faster():

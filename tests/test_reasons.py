@@ -172,6 +172,38 @@ def test_target_verify_items_carry_their_reason(target):
     assert res.results[0].status.code == 0 and res.results[0].status.reason == ""
 
 
+def test_target_stops_feature_rows_for_sessions_decoded_plainly(target):
+    """``VerifyRequest.stop_features``: from that request's step on, the named sessions' results
+    carry no feature rows (a request the orchestrator decodes plainly for the rest of its life);
+    other sessions keep theirs, unknown ids are ignored, and the tokens are unchanged."""
+    stub, _, _ = target
+
+    def prefill(sid):
+        item = target_pb2.PrefillItem(session_id=sid, prompt_tokens=[3, 4, 5], feature_layer_ids=[0])
+        return stub.Prefill(target_pb2.PrefillRequest(items=[item]), timeout=60).results[0].first_token
+
+    roots = {"keep": prefill("keep"), "stop": prefill("stop")}
+
+    def step(stop=()):
+        req = target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(session_id=sid, tree=common_pb2.TokenTree(
+            tokens=[roots[sid]], parents=[-1])) for sid in ("keep", "stop")], stop_features=list(stop))
+        (res,) = stub.Verify(iter([req]), timeout=60)
+        out = {}
+        for sid, r in zip(("keep", "stop"), res.results):
+            assert r.status.code == 0, r.status.message
+            roots[sid] = r.bonus_token
+            out[sid] = (r.bonus_token, len(r.features.data))
+        return out
+
+    first = step()
+    assert first["keep"][1] > 0 and first["stop"][1] > 0                  # both tap layer 0
+    second = step(stop=["stop", "unknown"])
+    assert second["keep"][1] == first["keep"][1] and second["stop"][1] == 0
+    assert step()["stop"][1] == 0                                          # for the rest of its life
+    assert second["keep"][0] == second["stop"][0]                          # the same prompt: the same tokens
+    stub.Release(common_pb2.ReleaseRequest(session_ids=["keep", "stop"]), timeout=30)
+
+
 def test_target_out_of_memory_and_stopped_loop(target, monkeypatch):
     stub, _, servicer = target
     from concurrent.futures import Future

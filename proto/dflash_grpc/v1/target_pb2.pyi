@@ -56,12 +56,14 @@ class VerifyItem(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("items", "columns")
+    __slots__ = ("items", "columns", "stop_features")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FEATURES_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[VerifyItem]
     columns: VerifyColumns
-    def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ..., columns: _Optional[_Union[VerifyColumns, _Mapping]] = ...) -> None: ...
+    stop_features: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ..., columns: _Optional[_Union[VerifyColumns, _Mapping]] = ..., stop_features: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class VerifyColumns(_message.Message):
     __slots__ = ("session_ids", "trees")
