@@ -877,8 +877,8 @@ class Scheduler:
         emitted = 0
         now = time.monotonic()
         keep, emit, hand, add_step = self._keep, self._emit, self._pending.append, steps.append
-        # drafted items are noted only on a tick the policy measures (not one carrying a prompt's
-        # or a resync's rows: those trees are as good, but the tick's seconds are not comparable)
+        # drafted items are noted only on a tick the policy measures (not one carrying a resync's
+        # rows: those trees are as good, but the tick's seconds are not comparable)
         note = self.policy.note if mode == DRAFT and trees and not resync_rows else None
         for i, (r, tokens, root, length, features, nodes, depth) in enumerate(
                 zip(batch, accepted, bonus, lengths, feats, nodes_of, depth_of)):
@@ -912,8 +912,10 @@ class Scheduler:
         self.ticks += 1
         self.batched_items += len(batch)
         tick_s = time.perf_counter() - t0
-        # not measured: a drafting tick that drafted nothing, or one that carried a prompt's or a
-        # resync's feature rows to the drafter (a cost of the request's start, not of drafting)
+        # not measured: a drafting tick that drafted nothing, or one that carried a re-created
+        # drafter session's history (a drafter restart's cost, not drafting's). A new prompt's rows
+        # are measured: only a drafting request sends them, and under steady arrivals most
+        # drafting ticks carry some (benchmarks/gpu/concurrency/run17-demote)
         if mode is not None and (mode == PLAIN or (trees and not resync_rows)):
             self.policy.observe(len(batch), mode, emitted, tick_s)
         elif self.policy is not None and not any(r.speculative for r in batch):
@@ -971,7 +973,8 @@ class Scheduler:
                        ) -> tuple[dict[int, tuple[list[int], list[int], int]] | CheckedTrees, float, int]:
         """One Propose for every request that drafts this tick: their trimmed trees by batch
         index, with their depths (:func:`fit_tree`), the exchange's seconds, and the feature rows
-        it carried beyond a step's worth (new or re-created drafter sessions). When every request
+        it carried beyond a step's worth for re-created drafter sessions (a restart's or a refused
+        item's history; a new session's prompt rows not counted). When every request
         drafts, ``columnar`` (the Verify goes as columns) and the reply's trees are all fit to
         verify as they came (:class:`~orchestrator.messages.TreeChecker`, checked at once), the
         trees are those columns (:class:`~orchestrator.messages.CheckedTrees`), not read per item."""
@@ -996,6 +999,7 @@ class Scheduler:
         items = ProposeItems()
         who: list[tuple[int, int]] = []   # (batch index, max_depth) of each item
         extra_rows = 0  # feature rows beyond a step's worth (new or re-created sessions)
+        resync_rows = 0  # those of re-created sessions (a drafter restart or a refused item: draft_gen > 0)
         extra_bytes = 0  # their bytes (RESYNC_BYTES)
         max_context, n, step_nodes = self.info.max_context, len(batch), self.step_nodes
         shares: dict[tuple[int, int], int] = {}   # adaptive_budget of this tick, by (want, min_nodes)
@@ -1043,12 +1047,14 @@ class Scheduler:
                     continue  # this Propose carries enough history: this request drafts at a later tick
                 extra_bytes += nbytes
                 extra_rows += features.rows - block
+                if r.draft_gen:
+                    resync_rows += features.rows - block
             if not budget:
                 max_depth = nodes   # a chain of that length
             items.add(r.draft_id, r.root, length, nodes if budget else 0, top_k, max_depth, features)
             who.append((i, max_depth))
         if not who:
-            return {}, 0.0, extra_rows
+            return {}, 0.0, resync_rows
         as_columns = len(who) >= COLUMNS_FROM and COLUMNAR in drafter.model.features
         timeout = self.deadline.timeout(len(who), extra_rows)
         if timeout is not None:
@@ -1071,7 +1077,7 @@ class Scheduler:
                 raise StreamError(grpc.StatusCode.INTERNAL, f"the reply's columns do not fit together: {e}") from None
         except grpc.RpcError as e:
             self._draft_failed([batch[i] for i, _ in who], e)
-            return {}, time.perf_counter() - t0, extra_rows
+            return {}, time.perf_counter() - t0, resync_rows
         draft_s = time.perf_counter() - t0
         if self._propose.broken:  # its deadline passed just after the reply came: the reply stands
             self._propose.close()
@@ -1088,7 +1094,7 @@ class Scheduler:
                 stats.draft_compute_s += compute_s
                 stats.draft_device_s += device_s
                 r.sent = len(r.history)
-            return checked, draft_s, extra_rows
+            return checked, draft_s, resync_rows
         trees = {}
         for (i, max_depth), res in zip(who, results):
             r = batch[i]
@@ -1118,7 +1124,7 @@ class Scheduler:
                 continue
             if tokens and tokens[0] == r.root:
                 trees[i] = (tokens, parents, depth)
-        return trees, draft_s, extra_rows
+        return trees, draft_s, resync_rows
 
     def _draft_failed(self, asked: list[Request], e: grpc.RpcError) -> None:
         """The Propose call failed or missed its deadline: every request goes on root-only this
