@@ -913,9 +913,11 @@ class Scheduler:
         self.batched_items += len(batch)
         tick_s = time.perf_counter() - t0
         # not measured: a drafting tick that drafted nothing, or one that carried a re-created
-        # drafter session's history (a drafter restart's cost, not drafting's). A new prompt's rows
-        # are measured: only a drafting request sends them, and under steady arrivals most
-        # drafting ticks carry some (benchmarks/gpu/concurrency/run17-demote)
+        # drafter session's history (a drafter restart's cost, not drafting's) or more new prompt
+        # rows than a step's worth per item (a request's start while the batch is small: the
+        # level's first ticks would judge the bucket). Fewer prompt rows are measured: only a
+        # drafting request sends them, and under steady arrivals at many streams most drafting
+        # ticks carry some (benchmarks/gpu/concurrency/run17-demote)
         if mode is not None and (mode == PLAIN or (trees and not resync_rows)):
             self.policy.observe(len(batch), mode, emitted, tick_s)
         elif self.policy is not None and not any(r.speculative for r in batch):
@@ -972,9 +974,11 @@ class Scheduler:
     def _propose_trees(self, batch: list[Request], drafter: draft_pb2.DrafterInfo, columnar: bool = False
                        ) -> tuple[dict[int, tuple[list[int], list[int], int]] | CheckedTrees, float, int]:
         """One Propose for every request that drafts this tick: their trimmed trees by batch
-        index, with their depths (:func:`fit_tree`), the exchange's seconds, and the feature rows
-        it carried beyond a step's worth for re-created drafter sessions (a restart's or a refused
-        item's history; a new session's prompt rows not counted). When every request
+        index, with their depths (:func:`fit_tree`), the exchange's seconds, and a count that is
+        nonzero when the policy is not to measure the tick: the feature rows it carried beyond a
+        step's worth for re-created drafter sessions (a restart's or a refused item's history), or
+        True where new sessions' prompt rows were more than a step's worth (``block``) per item
+        (:meth:`_tick`). When every request
         drafts, ``columnar`` (the Verify goes as columns) and the reply's trees are all fit to
         verify as they came (:class:`~orchestrator.messages.TreeChecker`, checked at once), the
         trees are those columns (:class:`~orchestrator.messages.CheckedTrees`), not read per item."""
@@ -1054,7 +1058,7 @@ class Scheduler:
             items.add(r.draft_id, r.root, length, nodes if budget else 0, top_k, max_depth, features)
             who.append((i, max_depth))
         if not who:
-            return {}, 0.0, resync_rows
+            return {}, 0.0, resync_rows or extra_rows > block * len(who)
         as_columns = len(who) >= COLUMNS_FROM and COLUMNAR in drafter.model.features
         timeout = self.deadline.timeout(len(who), extra_rows)
         if timeout is not None:
@@ -1077,7 +1081,7 @@ class Scheduler:
                 raise StreamError(grpc.StatusCode.INTERNAL, f"the reply's columns do not fit together: {e}") from None
         except grpc.RpcError as e:
             self._draft_failed([batch[i] for i, _ in who], e)
-            return {}, time.perf_counter() - t0, resync_rows
+            return {}, time.perf_counter() - t0, resync_rows or extra_rows > block * len(who)
         draft_s = time.perf_counter() - t0
         if self._propose.broken:  # its deadline passed just after the reply came: the reply stands
             self._propose.close()
@@ -1094,7 +1098,7 @@ class Scheduler:
                 stats.draft_compute_s += compute_s
                 stats.draft_device_s += device_s
                 r.sent = len(r.history)
-            return checked, draft_s, resync_rows
+            return checked, draft_s, resync_rows or extra_rows > block * len(who)
         trees = {}
         for (i, max_depth), res in zip(who, results):
             r = batch[i]
@@ -1124,7 +1128,7 @@ class Scheduler:
                 continue
             if tokens and tokens[0] == r.root:
                 trees[i] = (tokens, parents, depth)
-        return trees, draft_s, resync_rows
+        return trees, draft_s, resync_rows or extra_rows > block * len(who)
 
     def _draft_failed(self, asked: list[Request], e: grpc.RpcError) -> None:
         """The Propose call failed or missed its deadline: every request goes on root-only this
