@@ -185,14 +185,17 @@ class DraftPolicy:
         rate = batch / self._secs[(b, plain)]
         return DRAFT if draft >= rate else PLAIN
 
-    def _admit_faster(self, batch: int) -> str | None:
+    def _admit_faster(self, batch: int, requests=None) -> str | None:
         """:meth:`faster` for admission: against bare ticks where the bucket has them measured
-        (and drafting), else against the plain ticks of drafting requests."""
+        (and drafting), else against the plain ticks of drafting requests; ``requests``: the ids
+        of the requests that may draft (None: all ``batch`` of them, at the prior)."""
         b = batch_bucket(batch)
         if (self.prior() is not None and self._count.get((b, DRAFT), 0) > self.warmup
                 and self._count.get((b, BARE), 0) > self.warmup):
-            return self._pick(b, batch, None, BARE)
-        return self.faster(batch)
+            return self._pick(b, batch, requests, BARE)
+        if not self._warm(b):
+            return None
+        return self._pick(b, batch, requests)
 
     def choose(self, batch: int, requests=None) -> str:
         """The mode of the next tick of ``batch`` requests, ``requests`` the ids of those that may
@@ -241,16 +244,17 @@ class DraftPolicy:
             b >>= 1
         return None
 
-    def demote(self, batch: int) -> bool:
-        """Whether the requests of a tick of ``batch`` that may draft (probes aside) are to decode
-        plainly for the rest of their lives: where ``batch``'s own bucket is measured and plain
-        ticks are expected faster there (bare ones where measured, as :meth:`expected` judges a
-        request starting there; never inferred from a smaller bucket). A request starts drafting
-        where nothing was measured yet (or where the load was lighter) and would otherwise keep
-        the costs of drafting (its feature rows, a drafter session, a verify as wide as the
-        trees whenever a probe drafts) for its whole life after its batch turned out to decode
-        faster plainly."""
-        return self._admit_faster(batch) == PLAIN
+    def demote(self, batch: int, requests=None) -> bool:
+        """Whether the requests of a tick of ``batch`` that may draft (probes aside; ``requests``
+        their ids, each judged at its own estimate as :meth:`choose` judges them; None: all
+        ``batch`` at the prior) are to decode plainly for the rest of their lives: where
+        ``batch``'s own bucket is measured and plain ticks are expected faster there (bare ones
+        where measured, as :meth:`expected` judges a request starting there; never inferred from
+        a smaller bucket). A request starts drafting where nothing was measured yet (or where the
+        load was lighter) and would otherwise keep the costs of drafting (its feature rows, a
+        drafter session, a verify as wide as the trees whenever a probe drafts) for its whole
+        life after its batch turned out to decode faster plainly."""
+        return self._admit_faster(batch, requests) == PLAIN
 
     def admit(self, batch: int) -> str:
         """Whether a request that may draft, starting with ``batch`` requests decoding (itself

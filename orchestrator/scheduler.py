@@ -823,17 +823,18 @@ class Scheduler:
         mode = None   # the policy's choice, when it had one to make (some request may draft)
         stop_features: list[str] = []
         if drafter is not None and self.policy is not None and any(r.speculative for r in batch):
-            mode = self.policy.choose(len(batch), [r.session_id for r in batch if r.speculative])
+            may_draft = [r.session_id for r in batch if r.speculative]
+            mode = self.policy.choose(len(batch), may_draft)
             if mode == PLAIN:
                 drafter = None
-                if self.policy.demote(len(batch)):
+                if self.policy.demote(len(batch), may_draft):
                     stop_features = self._demote(batch)
         self.drafting = drafter is not None
         trees: dict[int, tuple[list[int], list[int], int]] | CheckedTrees = {}   # batch index -> tokens, parents, depth
-        draft_s, resync_rows = 0.0, 0
+        draft_s, unmeasured = 0.0, False
         columnar = len(batch) >= COLUMNS_FROM and COLUMNAR in self.info.features
         if drafter is not None:
-            trees, draft_s, resync_rows = self._propose_trees(batch, drafter, columnar)
+            trees, draft_s, unmeasured = self._propose_trees(batch, drafter, columnar)
         t1 = time.perf_counter()
         sids = [r.session_id for r in batch]
         if isinstance(trees, CheckedTrees):   # every item's tree, as the drafter packed them
@@ -879,7 +880,7 @@ class Scheduler:
         keep, emit, hand, add_step = self._keep, self._emit, self._pending.append, steps.append
         # drafted items are noted only on a tick the policy measures (not one carrying a resync's
         # rows: those trees are as good, but the tick's seconds are not comparable)
-        note = self.policy.note if mode == DRAFT and trees and not resync_rows else None
+        note = self.policy.note if mode == DRAFT and trees and not unmeasured else None
         for i, (r, tokens, root, length, features, nodes, depth) in enumerate(
                 zip(batch, accepted, bonus, lengths, feats, nodes_of, depth_of)):
             stats = r.stats
@@ -913,12 +914,14 @@ class Scheduler:
         self.batched_items += len(batch)
         tick_s = time.perf_counter() - t0
         # not measured: a drafting tick that drafted nothing, or one that carried a re-created
-        # drafter session's history (a drafter restart's cost, not drafting's) or more new prompt
-        # rows than a step's worth per item (a request's start while the batch is small: the
-        # level's first ticks would judge the bucket). Fewer prompt rows are measured: only a
+        # drafter session's history (a drafter restart's cost, not drafting's) or, beyond the
+        # step's own rows, more than ``block`` rows per item (new prompts while the batch is small: the
+        # level's first ticks would judge the bucket). Fewer such rows are measured: only a
         # drafting request sends them, and under steady arrivals at many streams most drafting
         # ticks carry some (benchmarks/gpu/concurrency/run17-demote)
-        if mode is not None and (mode == PLAIN or (trees and not resync_rows)):
+        if stop_features:
+            pass   # (a tick that demoted: its Verify also changed the target's sessions; not a plain tick's cost)
+        elif mode is not None and (mode == PLAIN or (trees and not unmeasured)):
             self.policy.observe(len(batch), mode, emitted, tick_s)
         elif self.policy is not None and not any(r.speculative for r in batch):
             self.policy.observe(len(batch), BARE, emitted, tick_s)   # what a request started plainly pays
@@ -929,8 +932,9 @@ class Scheduler:
         """The requests of ``batch`` that may draft, probes aside, decode plainly for the rest of
         their lives (:meth:`DraftPolicy.demote`): their feature history is dropped, their drafter
         sessions released, and their session ids returned for the tick's Verify to carry as
-        ``stop_features`` (the target then sends them no more feature rows). Their ticks are then
-        bare, as if they had started plainly (docs/ARCHITECTURE.md, "When to draft")."""
+        ``stop_features`` (the target then sends them no more feature rows). They then cost what a
+        request started plainly costs; a tick of only such requests is bare (docs/ARCHITECTURE.md,
+        "When to draft")."""
         gone = [r for r in batch if r.speculative and not r.probe]
         if not gone:
             return []
@@ -972,13 +976,13 @@ class Scheduler:
         self.hold = hold
 
     def _propose_trees(self, batch: list[Request], drafter: draft_pb2.DrafterInfo, columnar: bool = False
-                       ) -> tuple[dict[int, tuple[list[int], list[int], int]] | CheckedTrees, float, int]:
+                       ) -> tuple[dict[int, tuple[list[int], list[int], int]] | CheckedTrees, float, bool]:
         """One Propose for every request that drafts this tick: their trimmed trees by batch
-        index, with their depths (:func:`fit_tree`), the exchange's seconds, and a count that is
-        nonzero when the policy is not to measure the tick: the feature rows it carried beyond a
-        step's worth for re-created drafter sessions (a restart's or a refused item's history), or
-        True where new sessions' prompt rows were more than a step's worth (``block``) per item
-        (:meth:`_tick`). When every request
+        index, with their depths (:func:`fit_tree`), the exchange's seconds, and whether the policy
+        is not to measure the tick (:meth:`_tick`): it carried the history of a drafter session
+        being re-created (a drafter restart's, a refused item's), or more feature rows beyond a
+        step's worth than ``block`` per item (new sessions' prompts, a request catching up after
+        plain ticks or a tick without a drafter slot). When every request
         drafts, ``columnar`` (the Verify goes as columns) and the reply's trees are all fit to
         verify as they came (:class:`~orchestrator.messages.TreeChecker`, checked at once), the
         trees are those columns (:class:`~orchestrator.messages.CheckedTrees`), not read per item."""
@@ -1003,7 +1007,7 @@ class Scheduler:
         items = ProposeItems()
         who: list[tuple[int, int]] = []   # (batch index, max_depth) of each item
         extra_rows = 0  # feature rows beyond a step's worth (new or re-created sessions)
-        resync_rows = 0  # those of re-created sessions (a drafter restart or a refused item: draft_gen > 0)
+        resync_rows = 0  # those of re-created sessions being re-created now (a drafter restart, a refused item)
         extra_bytes = 0  # their bytes (RESYNC_BYTES)
         max_context, n, step_nodes = self.info.max_context, len(batch), self.step_nodes
         shares: dict[tuple[int, int], int] = {}   # adaptive_budget of this tick, by (want, min_nodes)
@@ -1051,14 +1055,15 @@ class Scheduler:
                     continue  # this Propose carries enough history: this request drafts at a later tick
                 extra_bytes += nbytes
                 extra_rows += features.rows - block
-                if r.draft_gen:
+                if r.draft_gen and not r.draft_synced:
                     resync_rows += features.rows - block
             if not budget:
                 max_depth = nodes   # a chain of that length
             items.add(r.draft_id, r.root, length, nodes if budget else 0, top_k, max_depth, features)
             who.append((i, max_depth))
+        unmeasured = bool(resync_rows) or extra_rows > block * len(who)
         if not who:
-            return {}, 0.0, resync_rows or extra_rows > block * len(who)
+            return {}, 0.0, unmeasured
         as_columns = len(who) >= COLUMNS_FROM and COLUMNAR in drafter.model.features
         timeout = self.deadline.timeout(len(who), extra_rows)
         if timeout is not None:
@@ -1081,7 +1086,7 @@ class Scheduler:
                 raise StreamError(grpc.StatusCode.INTERNAL, f"the reply's columns do not fit together: {e}") from None
         except grpc.RpcError as e:
             self._draft_failed([batch[i] for i, _ in who], e)
-            return {}, time.perf_counter() - t0, resync_rows or extra_rows > block * len(who)
+            return {}, time.perf_counter() - t0, unmeasured
         draft_s = time.perf_counter() - t0
         if self._propose.broken:  # its deadline passed just after the reply came: the reply stands
             self._propose.close()
@@ -1098,7 +1103,7 @@ class Scheduler:
                 stats.draft_compute_s += compute_s
                 stats.draft_device_s += device_s
                 r.sent = len(r.history)
-            return checked, draft_s, resync_rows or extra_rows > block * len(who)
+            return checked, draft_s, unmeasured
         trees = {}
         for (i, max_depth), res in zip(who, results):
             r = batch[i]
@@ -1128,7 +1133,7 @@ class Scheduler:
                 continue
             if tokens and tokens[0] == r.root:
                 trees[i] = (tokens, parents, depth)
-        return trees, draft_s, resync_rows or extra_rows > block * len(who)
+        return trees, draft_s, unmeasured
 
     def _draft_failed(self, asked: list[Request], e: grpc.RpcError) -> None:
         """The Propose call failed or missed its deadline: every request goes on root-only this

@@ -202,11 +202,18 @@ class StepLoop:
         return self.call(release)
 
     def stop_features(self, session_ids: list[str], owner: Owner | None = None) -> int:
-        """From the next step on, tap no feature layer for these sessions (on the loop thread:
-        each engine session's ``feature_layers`` emptied, so its results carry no feature rows);
-        unknown ids, and with ``owner`` the ids of another owner's sessions, are skipped.
-        Returns how many sessions it changed. A client decoding a request plainly for the rest
-        of its life (``VerifyRequest.stop_features``) no longer pays for rows no drafter reads."""
+        """From the next step on, return no feature rows for these sessions (on the loop thread:
+        each engine session's ``feature_layers`` emptied; the batched engine still taps its layers
+        for every row of a captured step, but no longer slices, copies or sends this session's);
+        unknown ids, sessions whose prefill is still running (their chunks' rows must keep one
+        width), sessions without feature layers, and with ``owner`` the ids of another owner's
+        sessions are skipped. Returns how many sessions it changed. A client decoding a request
+        plainly for the rest of its life (``VerifyRequest.stop_features``) no longer pays for
+        rows no drafter reads.
+
+        Raises:
+            Unavailable: the loop is stopped.
+        """
         ids = list(session_ids)
 
         def stop() -> int:
@@ -214,9 +221,11 @@ class StepLoop:
             n = 0
             for sid in ids:
                 s = sessions.get(sid)
-                if s is not None and s.feature_layers and self.owners.may_touch(sid, owner):
-                    s.feature_layers = []
-                    n += 1
+                if (s is None or not getattr(s, "feature_layers", None) or not getattr(s, "ready", True)
+                        or not self.owners.may_touch(sid, owner)):
+                    continue
+                s.feature_layers = []
+                n += 1
             return n
 
         return self.call(stop)

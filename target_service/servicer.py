@@ -304,7 +304,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         columns_reply = verify_columns_frames if frames else verify_columns_response
         for request in request_iterator:
             if request.stop_features:   # sessions decoded plainly from now on: no more feature rows
-                self.loop.stop_features(list(request.stop_features), owner)
+                try:
+                    self.loop.stop_features(list(request.stop_features), owner)
+                except EngineError:   # (a stopped loop: the items below get its status each)
+                    pass
             if request.HasField("columns"):
                 items = verify_columns(request.columns)
                 outs, done = run_items(self.loop, items, _same, owner)

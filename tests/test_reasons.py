@@ -200,8 +200,18 @@ def test_target_stops_feature_rows_for_sessions_decoded_plainly(target):
     second = step(stop=["stop", "unknown"])
     assert second["keep"][1] == first["keep"][1] and second["stop"][1] == 0
     assert step()["stop"][1] == 0                                          # for the rest of its life
-    assert second["keep"][0] == second["stop"][0]                          # the same prompt: the same tokens
     stub.Release(common_pb2.ReleaseRequest(session_ids=["keep", "stop"]), timeout=30)
+    # another owner's stop_features leaves a session's rows alone
+    from runtime.owners import EPOCH_KEY, OWNER_KEY
+
+    mine, other = ((OWNER_KEY, "mine"), (EPOCH_KEY, "1")), ((OWNER_KEY, "other"), (EPOCH_KEY, "1"))
+    item = target_pb2.PrefillItem(session_id="owned", prompt_tokens=[3, 4, 5], feature_layer_ids=[0])
+    root = stub.Prefill(target_pb2.PrefillRequest(items=[item]), timeout=60, metadata=mine).results[0].first_token
+    (res,) = stub.Verify(iter([target_pb2.VerifyRequest(stop_features=["owned"])]), timeout=60, metadata=other)
+    (res,) = stub.Verify(iter([target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
+        session_id="owned", tree=common_pb2.TokenTree(tokens=[root], parents=[-1]))])]), timeout=60, metadata=mine)
+    assert res.results[0].status.code == 0 and len(res.results[0].features.data) > 0
+    stub.Release(common_pb2.ReleaseRequest(session_ids=["owned"]), timeout=30, metadata=mine)
 
 
 def test_target_out_of_memory_and_stopped_loop(target, monkeypatch):
