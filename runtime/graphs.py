@@ -150,12 +150,17 @@ class StepGraph:
             self.body()
         self.graph = g
 
-    def run(self) -> None:
+    def run(self, tail: Callable[[], None] | None = None) -> None:
         """Run the step on the current host inputs (replay the graph, or :meth:`body`); on CUDA
         wait for it: the step's one host synchronisation. The host results are then readable.
-        On CUDA its device time is added to :func:`runtime.device_time.device_seconds`."""
+        ``tail``: more work queued on the step's stream after it and before that wait (e.g. an
+        asynchronous copy of results this step's caller wants and the graph does not copy), so
+        the step keeps its one synchronisation. On CUDA its device time (``tail`` included) is
+        added to :func:`runtime.device_time.device_seconds`."""
         if not self.cuda:
             self.body()
+            if tail is not None:
+                tail()
             return
         ev = self._events
         if ev is None:
@@ -166,6 +171,8 @@ class StepGraph:
             self.graph.replay()
         else:
             self.body()
+        if tail is not None:
+            tail()
         ev[1].record(stream)
         stream.synchronize()   # the step's one host sync
         add_device_seconds(ev[0].elapsed_time(ev[1]) * 1e-3)
