@@ -147,13 +147,14 @@ class _Runner(StepGraph):
         self._dev_ints[: out.ints.shape[0]].copy_(out.ints)
         if self._dev_feats is not None:
             self._dev_feats.copy_(out.features)
-        self.copy(self.out_host[: self._ints_bytes], self.out_dev[: self._ints_bytes])
+        if self.out_host.data_ptr() != self.out_dev.data_ptr():   # (off CUDA they are one buffer)
+            self.copy(self.out_host[: self._ints_bytes], self.out_dev[: self._ints_bytes])
 
     def fetch_features(self, rows: int) -> None:
         """Queue the copy of the first ``rows`` batch rows' tapped features to :attr:`out_feats`
         (asynchronous: pass as :meth:`run`'s ``tail``, so the step keeps its one host
         synchronisation); nothing without taps."""
-        if self.out_feats is not None:
+        if self.out_feats is not None and self.out_host.data_ptr() != self.out_dev.data_ptr():   # (off CUDA: one buffer)
             self.copy(self.out_feats[:rows], self._dev_feats[:rows])
 
     def fill_idle(self) -> None:
