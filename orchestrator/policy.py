@@ -193,9 +193,7 @@ class DraftPolicy:
         if (self.prior() is not None and self._count.get((b, DRAFT), 0) > self.warmup
                 and self._count.get((b, BARE), 0) > self.warmup):
             return self._pick(b, batch, requests, BARE)
-        if not self._warm(b):
-            return None
-        return self._pick(b, batch, requests)
+        return self.faster(batch, requests)
 
     def choose(self, batch: int, requests=None) -> str:
         """The mode of the next tick of ``batch`` requests, ``requests`` the ids of those that may
@@ -219,13 +217,14 @@ class DraftPolicy:
                             "tokens_per_drafted_item": round(self.prior(), 2)})
         return best
 
-    def faster(self, batch: int) -> str | None:
-        """The mode expected faster at ``batch``'s bucket for ``batch`` requests at the prior
-        tokens per drafted item, once the bucket is warm (ties: :data:`DRAFT`), else None."""
+    def faster(self, batch: int, requests=None) -> str | None:
+        """The mode expected faster at ``batch``'s bucket for ``batch`` requests, once the bucket is
+        warm (ties: :data:`DRAFT`), else None; ``requests``: the ids of those that may draft, each
+        at its own estimate (None: all of them, at the prior tokens per drafted item)."""
         b = batch_bucket(batch)
         if not self._warm(b):
             return None
-        return self._pick(b, batch, None)
+        return self._pick(b, batch, requests)
 
     def expected(self, batch: int) -> str | None:
         """The mode expected faster at ``batch``'s bucket for a request starting there: drafting

@@ -147,14 +147,14 @@ class _Runner(StepGraph):
         self._dev_ints[: out.ints.shape[0]].copy_(out.ints)
         if self._dev_feats is not None:
             self._dev_feats.copy_(out.features)
-        if self.out_host.data_ptr() != self.out_dev.data_ptr():   # (off CUDA they are one buffer)
+        if self.cuda:   # (off CUDA the host buffer is its own device twin)
             self.copy(self.out_host[: self._ints_bytes], self.out_dev[: self._ints_bytes])
 
     def fetch_features(self, rows: int) -> None:
         """Queue the copy of the first ``rows`` batch rows' tapped features to :attr:`out_feats`
         (asynchronous: pass as :meth:`run`'s ``tail``, so the step keeps its one host
         synchronisation); nothing without taps."""
-        if self.out_feats is not None and self.out_host.data_ptr() != self.out_dev.data_ptr():   # (off CUDA: one buffer)
+        if self.out_feats is not None and self.cuda:   # (off CUDA the host buffer is its own device twin)
             self.copy(self.out_feats[:rows], self._dev_feats[:rows])
 
     def fill_idle(self) -> None:
@@ -543,7 +543,7 @@ class BatchedEngine:
         runner = self._runner(self._bucket(b, self.batch_buckets), wb, splits)
         lay = runner.layout
         v = runner.views
-        wants_features = False   # some session of the step has feature layers: the live rows' features come back
+        wants_features = False   # some session of the step has feature layers (and the engine taps): its live rows' features come back
         for r, (_, s, tokens, parents, depth, bits) in enumerate(group):
             n = len(tokens)
             v["tokens"][r, :n] = tokens
@@ -553,8 +553,9 @@ class BatchedEngine:
             v["n_nodes"][r], v["slots"][r], v["lengths"][r] = n, s.slot, s.length
             self._fill_sampling(v, r, s)
             wants_features = wants_features or bool(s.feature_layers)
+        wants_features = wants_features and runner.out_feats is not None
         lay.fill_padding(runner.host_np, self.pool.spare, first_row=b, views=v)
-        runner.run((lambda: runner.fetch_features(b)) if wants_features and runner.out_feats is not None else None)
+        runner.run((lambda: runner.fetch_features(b)) if wants_features else None)
         self.steps += 1
         self.forwards += 1
         ints = runner.out_ints.numpy()
@@ -564,7 +565,7 @@ class BatchedEngine:
         bonus = ints[bw + lay.batch :]
         outs = []
         counts = n_acc[:b].tolist()
-        feats_of = self._step_features(runner, group, counts) if wants_features and runner.out_feats is not None else None
+        feats_of = self._step_features(runner, group, counts) if wants_features else None
         for r, (_, s, tokens, *_rest) in enumerate(group):
             n = counts[r]
             nodes = path[r, :n].tolist()
