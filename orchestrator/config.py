@@ -112,7 +112,7 @@ class OrchestratorConfig:
         0.0, "most Propose deadline (ms), and the deadline before a round trip is measured "
         f"(0: {DRAFT_DEADLINE_MS_CUDA:g} for a CUDA drafter, {DRAFT_DEADLINE_MS_CPU:g} for a CPU one)")
     draft_deadline_row_us: float = setting(
-        0.0, "more Propose deadline per feature row of a new or recreated drafter session (a prompt or a history) "
+        0.0, "more Propose deadline per feature row of a new or recreated drafter session (a prompt or recomputed rows) "
         f"(us; 0: {DRAFT_ROW_US_CUDA:g} for a CUDA drafter, {DRAFT_ROW_US_CPU:g} for a CPU one)")
     stream_interval_ms: float = setting(
         0.0, "most milliseconds a request's tokens wait to be streamed: tokens of the ticks within this interval go "
@@ -128,7 +128,8 @@ class OrchestratorConfig:
         0.25, "share of one core the orchestrator's Generate messages may take before the adaptive hold "
         "(stream_hold_max_ms) coalesces ticks (0: never hold)")
     draft_history_mib: float = setting(
-        64.0, "feature history kept per request to resume drafting after a drafter restart (MiB)")
+        64.0, "most feature rows kept per request for a drafter session that has not had them yet (MiB); past it the "
+              "session is re-created later from rows the target recomputes")
     max_prompt_chars: int = setting(
         0, "most characters of a prompt, or of a chat's roles and contents together, checked before "
         f"tokenizing; beyond: RESOURCE_EXHAUSTED, reason PROMPT_TOO_LONG (0: {PROMPT_CHARS_PER_TOKEN} per token "

@@ -107,7 +107,7 @@ def parse_verify_reply(data) -> target_pb2.VerifyResponse | VerifyReply:
     """A Verify reply from its wire bytes (the Verify streams' deserializer). A columnar reply's
     feature rows (about 1.5 MB a tick at 64 streams) are not copied: the message is parsed without
     them (the nested lengths rewritten) and they stay a view of ``data``
-    (:class:`VerifyReply`), which the next Propose sends on and a request's history keeps. Any
+    (:class:`VerifyReply`), which the next Propose sends on (a request keeps them until then). Any
     other reply, one laid out otherwise (a field twice, no rows) or one under
     :data:`ZERO_COPY_FROM` bytes (a few items' rows: copying them costs less than the walk) is
     parsed as it is.

@@ -611,7 +611,7 @@ class DraftDeadline:
     carries more items than they did (the reference engine's step grows with the batch; the
     batched one barely does, so this only errs long). Before any measurement ``expected`` is
     unknown and the clamp gives ``max_s``. ``extra_rows`` are feature rows beyond a step's worth
-    (new or re-created drafter sessions: a prompt or a whole history), each allowed ``row_s``
+    (new or re-created drafter sessions: a prompt or recomputed rows), each allowed ``row_s``
     more, as those exchanges take longer than a step and are not measured.
 
     Args:

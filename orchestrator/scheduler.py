@@ -23,9 +23,11 @@ trailing metadata of a refused call: :func:`dflash_grpc.transport.reason_of`), n
 message text.
 
 Faults: a drafter failure (RPC error, a missed deadline, or an item error) never fails a
-request: the tick goes on with root-only trees (plain autoregressive decoding). Each request
-keeps the features of its committed rows (up to ``history_bytes``), so when the drafter is back,
-its sessions are re-created from that history and speculation resumes. A target failure ends
+request: the tick goes on with root-only trees (plain autoregressive decoding). A request keeps
+only the feature rows its drafter session does not have yet (normally one tick's); when the
+drafter is back, the target recomputes the rows of each lost session's committed tokens (a
+prefill into a scratch session: :meth:`Scheduler._start_refeatures`), its drafter session is
+re-created from them and speculation resumes. A target failure ends
 every request of the batch with UNAVAILABLE (reason ``TARGET_UNAVAILABLE``) after the tokens
 already delivered; the Verify stream is re-opened on the next tick, so a restarted target serves
 new requests.
@@ -93,12 +95,18 @@ COLUMNS_FROM = 4
 #: Propose sends them from there), before :meth:`Scheduler._compact` copies them out at once
 KEEP_VIEWS = 8
 
+#: most recomputes of lost drafter sessions' rows in flight on the target at once
+#: (:meth:`Scheduler._start_refeatures`): each holds a target slot while its prefill runs
+REFEATURES_AT_ONCE = 4
+
+_NEVER = float("inf")
+
 #: most drafter session ids kept for a later release (older ones are left to the drafter's idle reaper)
 STALE_IDS = 4096
 #: most bytes of feature rows beyond a step's worth (new, re-created or lagging drafter sessions: a prompt
-#: or a history) that one Propose carries; the first such item always goes, the others past it decode
+#: or recomputed rows) that one Propose carries; the first such item always goes, the others past it decode
 #: plainly this tick and go at a later one. Under a hundred or more streams every session may need its
-#: history at once (drafting resumes as the batch shrinks, or after a drafter failure: 128 histories of
+#: rows at once (drafting resumes as the batch shrinks, or after a drafter failure: 128 sessions of
 #: 230 rows of the shipped SmolLM2 pair's 5760-byte rows are 170 MB), which would stall the tick on the
 #: drafter's eager appends and could pass the message limit (``dflash_grpc.transport.MAX_MESSAGE_BYTES``),
 #: failing every time it is retried
@@ -172,11 +180,16 @@ class Request:
     on_drafter: bool = False        # the drafter may hold a session for it (under draft_id)
     draft_gen: int = 0              # generation of its drafter session (draft_id); bumped to re-create it
     draft_synced: bool = False      # the drafter holds rows [0, L) of it
-    history: list = dataclasses.field(default_factory=list)  # committed rows' features (Rows), in order
+    # feature rows the drafter does not have yet: ``history`` holds the rows of committed positions
+    # [rows_from, length), in order (Rows); a drafter session holds [0, rows_from) when synced
+    history: list = dataclasses.field(default_factory=list)
     history_bytes: int = 0
-    history_complete: bool = True   # history holds every committed row (else no resync)
-    sent: int = 0                   # history entries the drafter has
+    rows_from: int = 0
+    keeping: bool = True            # rows are kept (False: its drafter session is lost, rows [0, L) to be
+                                    # recomputed by the target first: Scheduler._start_refeatures)
     loose: int = 0                  # history[loose:] may be views of a Verify reply's buffer (Scheduler._keep)
+    seq: list = dataclasses.field(default_factory=list)  # prompt + emitted tokens: [0, length) committed, then the root
+    refeat_after: float = 0.0       # time.monotonic() before which no recompute of its rows is started
     t_first: float = 0.0
     tree_params: tuple | None = None   # (budget, top_k, max_depth or a large number) of ``tree``, once read
     flush_at: float = 0.0           # its tokens are handed to the handler from then on (stream_interval)
@@ -299,7 +312,9 @@ class Scheduler:
             :meth:`OrchestratorConfig.auto_step_nodes` of the target's device.
         step_timeout: seconds a Verify exchange may take before the target is treated as failed
             (and the most any Propose may take).
-        history_bytes: most bytes of feature history kept per request for drafter resync.
+        history_bytes: most bytes of feature rows kept per request for a drafter session that has
+            not had them yet (ticks without a Propose for it); past it the session is re-created
+            later from rows the target recomputes.
         draft_deadline_factor, draft_deadline_min_ms, draft_deadline_ms, draft_deadline_row_us: the
             Propose deadline (:class:`orchestrator.peers.DraftDeadline`; module docstring):
             measured round trips (0: no deadline but ``step_timeout``), least and most
@@ -348,6 +363,11 @@ class Scheduler:
         self._wake = threading.Event()
         self._queue: collections.deque[Request] = collections.deque()
         self._prefilling: list[tuple[Request, grpc.Future]] = []
+        # recomputes of lost drafter sessions' rows: (request, prefill future, scratch session id, rows)
+        self._refeaturing: list[tuple[Request, grpc.Future, str, int]] = []
+        self._refeature_wanted = False   # some request's drafter session is lost (_lose_rows)
+        self._scratch = 0                # scratch target sessions started (their ids: _start_refeatures)
+        self.refeatures = 0              # drafter sessions whose rows the target recomputed
         self._active: list[Request] = []
         self._admitting = 0   # requests taken off the queue whose prefill is not in _prefilling yet
         # (request, event) emitted and not yet handed to its handler (_emit, _end, _flush_events)
@@ -430,7 +450,7 @@ class Scheduler:
         """Requests holding (or opening) a target session; one being admitted counts (it left the
         queue under the lock, its prefill is sent outside it), so :meth:`drain` never sees it in
         neither place."""
-        return len(self._active) + len(self._prefilling) + self._admitting
+        return len(self._active) + len(self._prefilling) + self._admitting + len(self._refeaturing)
 
     def status(self) -> generation_pb2.SchedulerStatus:
         """What the scheduler is doing now (``ServiceInfo.scheduler``)."""
@@ -569,6 +589,10 @@ class Scheduler:
         while not self._stop.is_set():
             try:
                 self._drop_closed()
+                if self._refeaturing:
+                    self._collect_refeatures()
+                if self._refeature_wanted:
+                    self._start_refeatures()
                 self._admit()
                 self._collect_prefills()
                 batch = [r for r in self._active if not r.closed]
@@ -593,6 +617,9 @@ class Scheduler:
             self._end(r, Failure(grpc.StatusCode.UNAVAILABLE, "orchestrator is shutting down", Reason.SHUTTING_DOWN))
             r.closed = True
         self._drop_closed()
+        if self._refeaturing:
+            self._release_ids("target", [sid for _, _, sid, _ in self._refeaturing])
+            self._refeaturing = []
         for call in (self._verify, self._propose):
             if call is not None:
                 call.close()
@@ -655,13 +682,105 @@ class Scheduler:
 
     def _new_draft_session(self, r: Request) -> None:
         """``r``'s drafter session is lost or in an unknown state: its old id is to be released
-        (later, :meth:`_release_stale`) and its next Propose re-creates it from the history
-        under a new id."""
+        (later, :meth:`_release_stale`) and it is re-created under a new id (:meth:`_lose_rows`)."""
         with self._lock:
             self._draft_stale.append(r.draft_id)
         r.draft_gen += 1
         r.on_drafter = False
+        self._lose_rows(r)
+
+    def _lose_rows(self, r: Request) -> None:
+        """``r``'s drafter session is gone (or never to be used again as it is): the next Propose
+        that carries ``r`` creates a new one from rows ``[0, L)``. Rows kept from ``rows_from > 0``
+        cannot do that alone, so they are dropped and ``r`` keeps none until the target has
+        recomputed the rows of its committed tokens (:meth:`_start_refeatures`); rows kept from 0
+        (a prompt's, not yet sent) still can. The orchestrator keeps no history of sent rows
+        (docs/ARCHITECTURE.md, "Drafter faults")."""
         r.draft_synced = False
+        if r.rows_from or not r.keeping:
+            r.history.clear()
+            r.history_bytes = r.loose = 0
+            r.rows_from = r.length
+            if r.keeping and r.speculative:
+                self._refeature_wanted = True
+            r.keeping = False
+
+    def _start_refeatures(self) -> None:
+        """Ask the target to recompute the feature rows of lost drafter sessions: for each
+        drafting request that keeps no rows (:meth:`_lose_rows`), a prefill of its committed
+        tokens ``seq[:L]`` into a scratch target session (``session_id#fN``, released when it
+        answers) returns rows ``[0, L)``; the rows its ticks commit meanwhile are kept from ``L``
+        on (:meth:`_collect_refeatures` joins them). At most :data:`REFEATURES_AT_ONCE` at a time,
+        each holding a target slot while it runs (before admission takes the free ones), and only
+        while the drafter is usable: while it is down nothing is kept or recomputed."""
+        self._refeature_wanted = False
+        layers = None
+        now = time.monotonic()
+        for r in self._active:
+            if r.keeping or r.closed or not r.speculative or r.refeat_after == _NEVER:
+                continue
+            if r.refeat_after > now or len(self._refeaturing) >= REFEATURES_AT_ONCE:
+                self._refeature_wanted = True   # (later)
+                continue
+            if layers is None:
+                layers = self.draft.layers() if self._drafter() is not None else None
+                if not layers:
+                    self._refeature_wanted = True
+                    return
+            with self._lock:
+                if self._held() + self._releasing["target"] >= self.max_sessions:
+                    self._refeature_wanted = True
+                    return
+            self._scratch += 1
+            sid = f"{r.session_id}#f{self._scratch}"
+            item = target_pb2.PrefillItem(session_id=sid, prompt_tokens=r.seq[:r.length],
+                                          sampling=common_pb2.SamplingParams(), feature_layer_ids=layers)
+            fut = self.target.stub.Prefill.future(target_pb2.PrefillRequest(items=[item]),
+                                                  timeout=self.step_timeout + r.length / 50)
+            fut.add_done_callback(lambda _f: self._wake.set())
+            r.keeping, r.rows_from = True, r.length    # the rows committed from now on are kept
+            self._refeaturing.append((r, fut, sid, r.length))
+
+    def _collect_refeatures(self) -> None:
+        """Join the rows the target recomputed (:meth:`_start_refeatures`) before the rows kept
+        since: the request's next Propose creates its drafter session from rows ``[0, L)``. A
+        refused or failed recompute leaves the request decoding plainly and is tried again a
+        second later (a quarter of a second when the target had no free slot); a request that
+        ended meanwhile is forgotten. Every scratch session is released."""
+        still, done = [], []
+        for entry in self._refeaturing:
+            (still if not entry[1].done() else done).append(entry)
+        if not done:
+            return
+        self._refeaturing = still
+        self._release_ids("target", [sid for _, _, sid, _ in done])
+        now = time.monotonic()
+        for r, fut, sid, rows in done:
+            if r.closed or not r.speculative or not r.keeping or r.rows_from != rows:
+                continue   # ended, demoted, or lost again meanwhile (a newer recompute or none)
+            try:
+                res = fut.result().results[0]
+                got = Rows.of_tensor(res.features)
+                if got is None or got.rows != rows:
+                    raise ValueError(f"{got.rows if got is not None else 0} feature rows for {rows} tokens")
+            except (grpc.RpcError, ValueError, IndexError) as e:
+                code = e.code() if isinstance(e, grpc.RpcError) else None
+                no_slot = code is not None and target_status(code, reason_of(e))[1] == Reason.NO_FREE_SLOT
+                self._lose_rows(r)
+                if no_slot:   # slots held by another client: again later
+                    r.refeat_after = now + 0.25
+                    self._refeature_wanted = True
+                else:         # (a prompt the target refuses, a target failing): plain to its end
+                    log.warning("the target did not recompute a lost drafter session's rows; it decodes plainly "
+                                "to its end", extra={"session": r.session_id, "code": code.name if code else "",
+                                                      "error": str(e)[:200]})
+                    r.refeat_after = _NEVER
+                continue
+            r.history.insert(0, got)
+            r.history_bytes += len(got.data)
+            r.loose += 1
+            r.rows_from = 0
+            self.refeatures += 1
 
     def _admit(self) -> None:
         """Start prefills for queued requests while sessions are free (oldest first)."""
@@ -689,8 +808,8 @@ class Scheduler:
                         req.probe = probe   # drafting kept measured at that size: never demoted
                 if req.speculative:
                     layers = self.draft.layers()
-                    if layers is None:  # the drafter was never reachable: no features, no drafting later
-                        layers, req.history_complete = [], False
+                    if layers is None:  # the drafter was never reachable: no features (the target taps
+                        layers, req.speculative = [], False   # a session's layers from its prefill), no drafting
                 item = target_pb2.PrefillItem(session_id=req.session_id, prompt_tokens=req.prompt, sampling=req.sampling,
                                               feature_layer_ids=layers)
                 fut = self.target.stub.Prefill.future(target_pb2.PrefillRequest(items=[item]), timeout=self.step_timeout + len(req.prompt) / 50)
@@ -726,6 +845,7 @@ class Scheduler:
             req.root, req.length = res.first_token, res.committed_length
             req.t_first = time.monotonic()
             if req.speculative:
+                req.seq = req.prompt + [req.root]
                 self._keep(req, res.features)
             self._active.append(req)
             self._emit(req, [req.root])
@@ -739,10 +859,18 @@ class Scheduler:
 
     def _keep(self, req: Request, features: Rows | common_pb2.Tensor | None) -> None:
         """Append the rows of ``features`` (just committed: :class:`~dflash_grpc.columns.Rows`, or
-        a wire tensor) to the request's history. Rows that are a view of the reply that carried
-        them (which holds every item's rows) stay so for up to :data:`KEEP_VIEWS` ticks, the next
-        Propose sending them from there; then they are copied out, several ticks' at once
-        (:meth:`_compact`), so a reply's buffer is not held for long."""
+        a wire tensor) to the rows ``req``'s drafter session does not have yet, which its next
+        Propose sends (and then drops: the orchestrator keeps no history of sent rows). A request
+        whose drafter session is lost keeps none (:meth:`_lose_rows`). Rows that are a view of the
+        reply that carried them (which holds every item's rows) stay so for up to
+        :data:`KEEP_VIEWS` ticks, then are copied out, several ticks' at once (:meth:`_compact`),
+        so a reply's buffer is not held for long by a request that has not drafted for a while.
+        Past ``history_bytes`` of rows for an existing drafter session, the session is given up
+        and re-created later from rows the target recomputes (a new session's rows, from 0, are
+        all kept: its first Propose sends them)."""
+        if not req.keeping:
+            req.rows_from = req.length
+            return
         if type(features) is not Rows:
             if features is None:
                 return
@@ -759,26 +887,27 @@ class Scheduler:
             req.loose += 1
         elif len(history) - req.loose > KEEP_VIEWS:
             self._compact(req)
-        while req.history_bytes > self.history_bytes and req.sent > 0:
-            # rows the drafter already has: drop them; a resync is no longer possible
-            req.history_bytes -= len(history[0].data)
-            history.pop(0)
-            req.sent -= 1
-            req.loose = max(0, req.loose - 1)
-            req.history_complete = False
+        if req.rows_from and req.history_bytes > self.history_bytes:   # (a new session's rows all go)
+            if req.on_drafter:
+                self._new_draft_session(req)
+            else:
+                self._lose_rows(req)
 
     @staticmethod
     def _compact(req: Request) -> None:
-        """Copy the history entries that may be views of a reply (``history[loose:]``) into
-        bytes of their own, joined: one entry for those the drafter has (before ``sent``) and one
-        for the rest."""
+        """Copy the rows that may be views of a reply (``history[loose:]``) into bytes of their
+        own, joined into one entry."""
         history, loose = req.history, req.loose
-        cut = min(max(req.sent, loose), len(history))
-        had, rest = _owned(history[loose:cut]), _owned(history[cut:])
-        history[loose:] = had + rest
-        if req.sent >= loose:
-            req.sent = loose + len(had)
+        history[loose:] = _owned(history[loose:])
         req.loose = len(history)
+
+    @staticmethod
+    def _sent(req: Request) -> None:
+        """``req``'s drafter session now holds rows ``[0, L)``."""
+        req.draft_synced = True
+        req.history.clear()
+        req.history_bytes = req.loose = 0
+        req.rows_from = req.length
 
     def _emit(self, req: Request, tokens: list[int], finish: str | None = None, now: float | None = None) -> None:
         """Send ``tokens`` to the handler, cut at EOS and ``max_tokens`` (which end the request);
@@ -898,9 +1027,10 @@ class Scheduler:
             if nodes and note is not None:   # a drafted item: its tokens, for the policy's estimate of this text
                 note(r.session_id, k + 1)
             r.root, r.length = root, length
+            tokens.append(root)
             if r.speculative:
                 keep(r, features)
-            tokens.append(root)
+                r.seq += tokens
             eos = r.eos
             if k + 1 < r.max_tokens - r.emitted and (not eos or eos.isdisjoint(tokens)):
                 r.emitted += k + 1   # (_emit's common case: no EOS, not the last tokens)
@@ -914,7 +1044,7 @@ class Scheduler:
         self.batched_items += len(batch)
         tick_s = time.perf_counter() - t0
         # not measured: a drafting tick that drafted nothing, or one that carried a re-created
-        # drafter session's history (a drafter restart's cost, not drafting's) or, beyond the
+        # drafter session's rows (a drafter restart's cost, not drafting's) or, beyond the
         # step's own rows, more than ``block`` rows per item (new prompts while the batch is small: the
         # level's first ticks would judge the bucket). Fewer such rows are measured: only a
         # drafting request sends them, and under steady arrivals at many streams most drafting
@@ -930,7 +1060,7 @@ class Scheduler:
 
     def _demote(self, batch: list[Request]) -> list[str]:
         """The requests of ``batch`` that may draft, probes aside, decode plainly for the rest of
-        their lives (:meth:`DraftPolicy.demote`): their feature history is dropped, their drafter
+        their lives (:meth:`DraftPolicy.demote`): their kept feature rows are dropped, their drafter
         sessions released, and their session ids returned for the tick's Verify to carry as
         ``stop_features`` (the target then sends them no more feature rows). They then cost what a
         request started plainly costs; a tick of only such requests is bare (docs/ARCHITECTURE.md,
@@ -942,9 +1072,9 @@ class Scheduler:
         self._release([], on_drafter)
         for r in gone:
             r.speculative = False
-            r.on_drafter = r.draft_synced = False
+            r.on_drafter = r.draft_synced = r.keeping = False
             r.history.clear()
-            r.history_bytes, r.sent, r.loose, r.history_complete = 0, 0, 0, False
+            r.history_bytes, r.loose, r.seq = 0, 0, []
             self.policy.forget(r.session_id)
         self.demoted += len(gone)
         log.info("draft policy: requests that started drafting decode plainly from now on",
@@ -979,7 +1109,7 @@ class Scheduler:
                        ) -> tuple[dict[int, tuple[list[int], list[int], int]] | CheckedTrees, float, bool]:
         """One Propose for every request that drafts this tick: their trimmed trees by batch
         index, with their depths (:func:`fit_tree`), the exchange's seconds, and whether the policy
-        is not to measure the tick (:meth:`_tick`): it carried the history of a drafter session
+        is not to measure the tick (:meth:`_tick`): it carried the rows of a drafter session
         being re-created (a drafter restart's, a refused item's), or more feature rows beyond a
         step's worth than ``block`` per item (new sessions' prompts, a request catching up after
         plain ticks or a tick without a drafter slot). When every request
@@ -1014,8 +1144,8 @@ class Scheduler:
         tree_nodes: dict[int, int] = {}   # (the same, for a tree of each budget: read per item)
         depth_cap = min(block - 1, depth_cap)
         for i, r in enumerate(batch):
-            if not r.speculative or (not r.draft_synced and not r.history_complete):
-                continue  # not drafting, or the drafter lost this session and its history was dropped
+            if not r.speculative or not r.keeping or (r.rows_from and not r.draft_synced):
+                continue  # not drafting, or its lost drafter session's rows are not recomputed yet
             asked = r.tree_params
             if asked is None:   # (the message's fields, read once per request)
                 t = r.tree
@@ -1043,16 +1173,15 @@ class Scheduler:
                 if room <= 0:
                     continue  # no drafter slot free: this request decodes plainly this tick
                 room -= 1
-            if not r.draft_synced:
-                r.sent = 0  # (re-)create the drafter's session from the whole history
-            # (history entries are never empty: _keep; one entry, the common case, is sent as is)
-            history, sent = r.history, r.sent
-            features = history[sent] if len(history) == sent + 1 else join_rows(history[sent:])
+            # the rows it lacks: [rows_from, L), from 0 for a new or re-created session (history
+            # entries are never empty: _keep; one entry, the common case, is sent as is)
+            history = r.history
+            features = history[0] if len(history) == 1 else join_rows(history)
             if features is not None and features.rows > block:
                 nbytes = memoryview(features.data).nbytes
                 if extra_bytes and extra_bytes + nbytes > RESYNC_BYTES:
                     room += not r.on_drafter
-                    continue  # this Propose carries enough history: this request drafts at a later tick
+                    continue  # this Propose carries enough such rows: this request drafts at a later tick
                 extra_bytes += nbytes
                 extra_rows += features.rows - block
                 if r.draft_gen and not r.draft_synced:
@@ -1096,13 +1225,14 @@ class Scheduler:
             self.deadline.observe(draft_s, len(who))
         compute_s, device_s = reply.compute_s, reply.device_s
         if checked is not None:
+            sent = self._sent
             for r in batch:
-                r.on_drafter = r.draft_synced = True
+                r.on_drafter = True
+                sent(r)
                 stats = r.stats
                 stats.draft_time_s += draft_s
                 stats.draft_compute_s += compute_s
                 stats.draft_device_s += device_s
-                r.sent = len(r.history)
             return checked, draft_s, unmeasured
         trees = {}
         for (i, max_depth), res in zip(who, results):
@@ -1116,15 +1246,15 @@ class Scheduler:
                 log.warning("drafter refused an item; this step goes on without a tree",
                             extra={"session": r.session_id, "code": status_code(status.code).name,
                                    "reason": status.reason, "error": status.message[:200]})
-                self._release([], [r])  # its next Propose re-creates the session from the history, under a new id
+                self._release([], [r])  # re-created later under a new id (_lose_rows)
                 r.draft_gen += 1
-                r.on_drafter = r.draft_synced = False
+                r.on_drafter = False
+                self._lose_rows(r)
                 r.stats.draft_fallbacks += 1
                 self.fallbacks += 1
                 metrics.observe_fallback("draft_item_error")
                 continue
-            r.draft_synced = True
-            r.sent = len(r.history)
+            self._sent(r)
             try:
                 tokens, parents, depth = fit_tree(res.tokens, res.parents, max_depth, width_cap)
             except TreeError as e:
@@ -1139,8 +1269,9 @@ class Scheduler:
         """The Propose call failed or missed its deadline: every request goes on root-only this
         tick; those that asked for a tree count a fallback; the drafter's circuit opens (no
         Propose until it answers a probe); the stream is dropped (a late reply must never pass for
-        a later tick's); every drafter session that may exist is re-created later from the
-        history under a new id, the old ids released when the drafter answers again."""
+        a later tick's); every drafter session that may exist is re-created later
+        from rows the target recomputes, under a new id, the old ids released when the drafter
+        answers again."""
         code = e.code()
         if isinstance(e, ExchangeTimeout):
             why, reason = f"Propose missed its {e.timeout * 1e3:.0f} ms deadline", "draft_deadline"
@@ -1160,7 +1291,8 @@ class Scheduler:
         for r in self._active:
             if r.on_drafter or id(r) in asked_ids:
                 self._new_draft_session(r)
-            r.draft_synced = False
+            else:
+                self._lose_rows(r)
             r.on_drafter = False
         self.fallbacks += 1
         metrics.observe_fallback(reason)

@@ -263,7 +263,7 @@ def test_bench_gives_the_services_the_sessions_of_its_largest_level():
 
 
 def test_one_propose_carries_a_bounded_amount_of_history(monkeypatch):
-    """Past ``RESYNC_BYTES`` of history rows in one Propose, the other new drafter sessions wait
+    """Past ``RESYNC_BYTES`` of rows beyond a step's in one Propose, the other new drafter sessions wait
     for a later tick (decoding plainly now); the first always goes, and a synced request's step
     rows are never held back."""
     from dflash_grpc.columns import Rows
@@ -296,6 +296,7 @@ def test_one_propose_carries_a_bounded_amount_of_history(monkeypatch):
                     tree=draft_pb2.TreeParams(budget=3, top_k=2))
         r.root, r.length, r.on_target = 5, 40, True
         r.history = [Rows(common_pb2.DTYPE_F16, 8, rows, bytes(rows * 16))]
+        r.rows_from = r.length - rows if synced else 0   # the rows the drafter lacks: [rows_from, length)
         r.on_drafter = r.draft_synced = synced
         return r
 

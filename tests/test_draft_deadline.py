@@ -183,6 +183,7 @@ class SeqTarget(target_pb2_grpc.TargetServiceServicer):
 
     def __init__(self):
         self.length: dict[str, int] = {}
+        self.prefilled: list[tuple[str, list[int], list[int]]] = []   # (session, prompt, feature layers)
         self.lock = threading.Lock()
 
     def Info(self, request, context):
@@ -198,6 +199,7 @@ class SeqTarget(target_pb2_grpc.TargetServiceServicer):
         n = len(it.prompt_tokens)
         with self.lock:
             self.length[it.session_id] = n
+            self.prefilled.append((it.session_id, list(it.prompt_tokens), list(it.feature_layer_ids)))
         return target_pb2.PrefillResponse(results=[target_pb2.PrefillResult(
             session_id=it.session_id, first_token=seq(n), committed_length=n, features=self._features(n))])
 
@@ -294,6 +296,7 @@ def stalling():
     tpeer, dpeer = TargetPeer(f"127.0.0.1:{tport}"), DraftPeer(f"127.0.0.1:{dport}", min_backoff_s=0.05, probe_timeout_s=0.2)
     sched = Scheduler(tpeer, dpeer, max_sessions=4, step_nodes=64, step_timeout=60.0,
                       draft_deadline_min_ms=30, draft_deadline_ms=150)
+    sched.fake_target = target
     try:
         yield sched, drafter
     finally:
@@ -371,5 +374,13 @@ def test_stalled_drafter_costs_one_deadline_then_nothing_and_drafting_resumes(st
         assert req.session_id in drafter.released         # the old id released once it answered
         assert req.stats.accepted_tokens > 0
     assert sched.deadline_misses == misses + 1 and sched.draft.breaker.state == "closed"
+    # the lost sessions' rows came from the target: a prefill of each one's committed tokens
+    # (prompt, then the emitted ones) into a scratch session, with the drafter's layers
+    scratch = [(sid, prompt, layers) for sid, prompt, layers in sched.fake_target.prefilled if "#f" in sid]
+    assert sched.refeatures >= len(runs) and len(scratch) >= len(runs)
+    for req, _, _ in runs:
+        mine = [(p, layers) for sid, p, layers in scratch if sid.startswith(req.session_id + "#f")]
+        assert mine and all(layers == [1] for _, layers in mine)
+        assert all(len(p) > 3 and p == [1, 2, 3] + [seq(3 + i) for i in range(len(p) - 3)] for p, _ in mine)
     late = [ev for ev in runs[0][1] if ev[0] > t_cont]
     assert max(len(toks) for _, toks in late) > 1         # speculating again after the resume

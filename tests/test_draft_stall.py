@@ -8,7 +8,10 @@ where only a deadline helps. The target (tiny llama, reference engine) and the o
 server) run in this process. Three concurrent greedy streams are stopped mid-way: the largest gap
 between consecutive messages of each stream stays far below ``--step-timeout`` (one Propose
 deadline, then plain decoding at full speed), every stream's tokens equal target-only decoding,
-and after SIGCONT speculation resumes within seconds.
+and after SIGCONT speculation resumes within seconds. The target has one slot more than the streams:
+the orchestrator keeps no history of the rows it sent the drafter, so after the stall the target
+recomputes each lost drafter session's rows in a scratch session (docs/ARCHITECTURE.md, "Drafter
+faults"), which needs a free slot (a full target resumes drafting as its requests end).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def stack(tiny_llama, tiny_drafter):
     switch, threads = sys.getswitchinterval(), torch.get_num_threads()
     sys.setswitchinterval(0.001)  # as the orchestrator's main sets it
     torch.set_num_threads(1)
-    with target_in_process(tiny_llama.path, max_sessions=STREAMS, max_context=CONTEXT, max_workers=8, name="stall-target") as tport, \
+    with target_in_process(tiny_llama.path, max_sessions=STREAMS + 1, max_context=CONTEXT, max_workers=8, name="stall-target") as tport, \
             ServiceGroup([draft], grace=5.0) as group:
         group.wait_healthy(timeout=120)
         target, drafter = TargetPeer(f"127.0.0.1:{tport}"), DraftPeer(draft.address)

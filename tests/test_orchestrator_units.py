@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from orchestrator.detok import TextStream
@@ -221,11 +222,12 @@ def test_tokens_reach_the_handler_once_handed_over_and_before_any_end():
         sched.stop(timeout=1.0, release_timeout=0.1)
 
 
-def test_history_keeps_views_for_a_few_ticks_and_stays_exact():
-    """Scheduler._keep holds a tick's rows as views of the reply that brought them, then copies
-    them out several ticks at once (_compact): whatever the drafter's state, the history joined
-    is every row kept, the part from ``sent`` on is what the drafter lacks, and no view is older
-    than KEEP_VIEWS ticks; past history_bytes the oldest entries the drafter has are dropped."""
+def test_kept_rows_are_exactly_those_the_drafter_lacks():
+    """Scheduler._keep holds the rows of committed positions [rows_from, L) that the drafter
+    session lacks, as views of the reply that brought them for at most KEEP_VIEWS ticks, then as
+    bytes of their own (_compact); a Propose that carried them (_sent) leaves none; a lost
+    session (_lose_rows) keeps its rows only while they start at 0 (a new session's), else none
+    until the target recomputes them; past history_bytes an existing session is given up."""
     import random
 
     from dflash_grpc.columns import Rows
@@ -242,36 +244,150 @@ def test_history_keeps_views_for_a_few_ticks_and_stays_exact():
     rng = random.Random(7)
     sched = Scheduler(Target(), NoDraft(), max_sessions=2)
     try:
-        for limit in (1 << 30, 40):
+        for limit, lost_p, sent_p in ((1 << 30, 0.0, 0.6), (1 << 30, 0.1, 0.6), (40, 0.0, 0.15)):
             sched.history_bytes = limit
-            req = Request(session_id="r", prompt=[1], sampling=common_pb2.SamplingParams(), max_tokens=5,
+            req = Request(session_id="r", prompt=[1, 2, 3], sampling=common_pb2.SamplingParams(), max_tokens=5,
                           tree=draft_pb2.TreeParams())
-            sched._keep(req, Rows(1, 2, 3, bytes(12)))                   # a prefill's rows: bytes
-            rows, unsent = [bytes(12)], bytes(12)
-            for tick in range(60):
-                if rng.random() < 0.7:                                    # a Propose carried what it lacked
-                    assert b"".join(h.data for h in req.history[req.sent:]) == unsent
-                    req.sent, unsent = len(req.history), b""
-                elif rng.random() < 0.2:                                  # the drafter lost it: all again
-                    req.sent, unsent = 0, b"".join(h.data for h in req.history)
+            req.length = 3
+            sched._keep(req, Rows(1, 2, 3, bytes(12)))   # a prefill's rows: bytes, [0, 3)
+            lacks = bytes(12)                             # what the drafter lacks, None: nothing kept
+            gave_up = 0
+            for tick in range(80):
+                u = rng.random()
+                if u < lost_p:                            # the drafter lost it
+                    kept_from_0 = req.rows_from == 0 and req.keeping
+                    sched._lose_rows(req)
+                    lacks = lacks if kept_from_0 else None
+                elif u < lost_p + sent_p and req.keeping and (req.draft_synced or req.rows_from == 0):   # a Propose carried them
+                    req.on_drafter = True
+                    sched._sent(req)
+                    lacks = b""
                 n = rng.randrange(0, 3)
                 reply = bytes(rng.randrange(256) for _ in range(4 * (n + 2)))
+                req.length += n
+                before = req.draft_gen
                 sched._keep(req, Rows(1, 2, n, memoryview(reply)[4:4 + 4 * n]) if n else None)
-                data = reply[4:4 + 4 * n]
-                if n:
-                    rows.append(data)
-                    unsent += data
+                if req.draft_gen != before:               # past history_bytes: given up, a new id later
+                    gave_up += 1
+                    lacks = None
+                elif lacks is not None and n:
+                    lacks += reply[4:4 + 4 * n]
+                if lacks is None:
+                    assert not req.keeping and req.history == [] and req.rows_from == req.length
+                    assert not req.draft_synced
+                    req.keeping, req.rows_from, lacks = True, 0, bytes(4 * req.length)   # recomputed by the target
+                    req.history, req.history_bytes, req.loose = [Rows(1, 2, req.length, lacks)], len(lacks), 1
+                    continue
+                assert b"".join(bytes(h.data) for h in req.history) == lacks
+                assert req.rows_from + sum(h.rows for h in req.history) == req.length
+                assert req.history_bytes == len(lacks)
                 views = [i for i, h in enumerate(req.history) if not isinstance(h.data, bytes)]
                 assert len(views) <= KEEP_VIEWS and all(i >= req.loose for i in views)
-                joined = b"".join(bytes(h.data) for h in req.history)
-                if limit > 1 << 20:
-                    assert joined == b"".join(rows)
-                else:
-                    assert req.history_bytes == len(joined) and b"".join(rows).endswith(joined)
-                    assert req.history_bytes <= limit or req.sent == 0
-                assert b"".join(bytes(h.data) for h in req.history[req.sent:]) == unsent
+                if limit < 1 << 20 and req.rows_from:
+                    assert req.history_bytes <= limit
+            assert (gave_up > 0) == (limit < 1 << 20)
     finally:
         sched.stop(timeout=1.0, release_timeout=0.1)
+
+
+def test_a_lost_drafter_session_is_recomputed_by_the_target_in_a_free_slot_before_admission():
+    """A request whose drafter session is lost keeps no rows; the target recomputes rows [0, L)
+    of its committed tokens (prompt and emitted, ``seq[:L]``) in a scratch session, which needs a
+    free target slot: none while the target is full, the first freed one before a queued request
+    is admitted. The rows committed meanwhile are kept from L, joined after the recomputed ones,
+    and the scratch session is released. A refused recompute leaves the request plain."""
+    import concurrent.futures
+
+    from dflash_grpc.columns import Rows
+    from dflash_grpc.v1 import common_pb2, draft_pb2, target_pb2
+    from orchestrator.scheduler import Request, Scheduler
+
+    calls = []
+
+    class PrefillCall:
+        def future(self, request, timeout=None):
+            fut = concurrent.futures.Future()
+            calls.append((request, fut))
+            return fut
+
+    class ReleaseCall:
+        released = []
+
+        def future(self, request, timeout=None):
+            self.released += list(request.session_ids)
+            fut = concurrent.futures.Future()
+            fut.set_result(common_pb2.ReleaseResponse())
+            return fut
+
+    class Stub:
+        Prefill = PrefillCall()
+        Release = ReleaseCall()
+
+    class Target:
+        stub = Stub()
+
+        def info(self):
+            return common_pb2.ModelInfo(device="cpu", max_sessions=2)
+
+    class Draft:
+        address = "x"
+        stub = None
+
+        def layers(self):
+            return [1, 2]
+
+    def request(name):
+        r = Request(session_id=name, prompt=[1, 2, 3], sampling=common_pb2.SamplingParams(), max_tokens=100,
+                    tree=draft_pb2.TreeParams())
+        r.on_target, r.on_drafter, r.root, r.length = True, True, 9, 6
+        r.seq = [1, 2, 3, 7, 8, 5, 9]
+        r.rows_from, r.draft_synced = 6, True    # the drafter holds [0, 6)
+        return r
+
+    sched = Scheduler(Target(), Draft(), max_sessions=2)
+    sched._stop.set()
+    sched._thread.join(5)     # (driven by hand here)
+    sched._drafter = lambda: object()
+    a, b = request("a"), request("b")
+    sched._active = [a, b]
+    sched._new_draft_session(a)                  # e.g. the drafter refused its item
+    assert not a.keeping and a.history == [] and a.draft_id == "a~1" and sched._refeature_wanted
+    a.length, a.seq = 8, a.seq + [4, 6]          # a tick committed 2 rows (length, then rows: as _tick)
+    sched._keep(a, Rows(1, 2, 2, bytes(8)))      # committed while lost: not kept
+    assert a.history == [] and a.rows_from == 8
+    sched._start_refeatures()
+    assert calls == [] and sched._refeature_wanted   # the target is full
+    b.closed = True
+    sched._queue.append(request("queued"))
+    sched._drop_closed()                         # b's slot is free
+    sched._start_refeatures()
+    sched._admit()
+    assert len(calls) == 1 and len(sched._prefilling) == 0   # the recompute took the slot, not the queued request
+    item = calls[0][0].items[0]
+    assert item.session_id.startswith("a#f") and list(item.prompt_tokens) == [1, 2, 3, 7, 8, 5, 9, 4]
+    assert list(item.feature_layer_ids) == [1, 2]
+    assert a.keeping and a.rows_from == 8
+    a.length = 11
+    sched._keep(a, Rows(1, 2, 3, bytes(range(12))))   # committed while it runs: kept from 8
+    feats = common_pb2.Tensor(dtype=1, shape=[8, 2], data=bytes(range(100, 132)))
+    calls[0][1].set_result(target_pb2.PrefillResponse(results=[target_pb2.PrefillResult(
+        session_id=item.session_id, first_token=0, committed_length=8, features=feats)]))
+    sched._collect_refeatures()
+    assert item.session_id in Target.stub.Release.released and sched._refeaturing == []
+    assert a.rows_from == 0 and b"".join(bytes(h.data) for h in a.history) == bytes(range(100, 132)) + bytes(range(12))
+    assert sum(h.rows for h in a.history) == a.length and sched.refeatures == 1
+    # refused (not for a slot): plain to its end, never asked again
+    c = request("c")
+    sched._active = [c]
+    sched._lose_rows(c)
+    sched._start_refeatures()
+    assert len(calls) == 2
+    calls[1][1].set_exception(type("Refused", (grpc.RpcError,), {"code": lambda self: grpc.StatusCode.INVALID_ARGUMENT,
+                                                                 "trailing_metadata": lambda self: ()})())
+    sched._collect_refeatures()
+    sched._start_refeatures()
+    assert len(calls) == 2 and not c.keeping and not sched._refeature_wanted
+    sched._active = []
 
 
 # ------------------------------------------------------------------------------------------------

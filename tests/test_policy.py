@@ -269,7 +269,7 @@ def test_demotion_releases_the_drafter_session_stops_the_rows_and_spares_probes(
         outs = [list(first[0].tokens) + _tokens(a), list(first[1].tokens) + _tokens(b)]
         assert outs == [want, want]
         assert sched.demoted == 1 and not a.speculative and b.speculative
-        assert a.history == [] and not a.history_complete
+        assert a.history == [] and not a.keeping
         assert released.count("a") == 1 and released.index("a") < released.index("b")   # released when demoted
         assert (["a"], 1) in stopped and all("b" not in ids for ids, _ in stopped)   # the target changed it alone
 
