@@ -625,7 +625,8 @@ def test_q4k_dp4a_probe_is_exact_in_its_integers_and_within_tolerance():
     sub-block): the split is within s / 508 per element; its torch oracle equals gguf-py's
     dequantization and a float32 product within 1e-4 relative (issue 19's bound is 1e-3); the
     kernel (dp4a in PTX on the GPU, spelled out in integer operations under the interpreter) equals
-    the oracle within 1e-6, with and without split K."""
+    the oracle within 1e-6, with and without split K; its several-row tensor-core version gives each
+    row the bits of a one-row dp4a call of the same split (the engine's lossless rule)."""
     import sys
 
     sys.path.insert(0, "tools")
@@ -651,3 +652,10 @@ def test_q4k_dp4a_probe_is_exact_in_its_integers_and_within_tolerance():
         assert rel(got.cpu(), oracle[:1]) <= 1e-6, (bn, split)
     with pytest.raises(ValueError):
         P.q4k_dp4a(torch.randn(2, 512, device=dev), w)
+    # several rows on the tensor cores: each row has the bits of a one-row dp4a call of the same split
+    rows = torch.randn(5, 512, generator=g).to(dev)
+    for split in (1, 2):
+        many = P.q4k_mma(rows, w, 16, 4, split, torch.float32)
+        ones = torch.cat([P.q4k_dp4a(rows[i : i + 1], w, 32, 2, split, torch.float32) for i in range(5)])
+        assert torch.equal(many, ones), split
+        assert rel(many.cpu(), P.reference_dp4a(rows.cpu(), w_cpu)) <= 1e-6
