@@ -620,42 +620,50 @@ def test_q4k_gemv_probe_equals_the_reference():
         G.q4k_gemv(torch.randn(2, 512, device=dev), w)
 
 
-def test_q4k_dp4a_probe_is_exact_in_its_integers_and_within_tolerance():
-    """tools/quant_dp4a_probe.py (issue 19: x split into two 8-bit planes, exact integer dots per
-    sub-block): the split is within s / 508 per element; its torch oracle equals gguf-py's
+def test_q4k_integer_dots_are_exact_in_their_integers_and_within_tolerance():
+    """kernels.quant.intdot (issue 19: x split into two 8-bit planes, exact integer dots per
+    sub-block), the Q4_K skinny path of kernels.quant.triton.linear for 16-bit x: the split (Triton)
+    is within s / 508 per element; the torch oracle of the arithmetic equals gguf-py's
     dequantization and a float32 product within 1e-4 relative (issue 19's bound is 1e-3); the
-    kernel (dp4a in PTX on the GPU, spelled out in integer operations under the interpreter) equals
-    the oracle within 1e-6, with and without split K; its several-row tensor-core version gives each
-    row the bits of a one-row dp4a call of the same split (the engine's lossless rule)."""
+    one-row dp4a kernel (PTX on the GPU, spelled out under the interpreter) and the several-row
+    tensor-core kernel equal the oracle within 1e-6, with and without split K, and every row of a
+    several-row call has the bits of a one-row call (the engine's lossless rule), through the
+    public linear too."""
+    from kernels.quant import intdot
+    from kernels.quant import triton as T
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(5, 512, generator=g) * torch.logspace(-3, 1, 512)).to(dev)
+    h, lo, s_, xs = intdot.split_x(x)
+    back = s_.repeat_interleave(32, dim=1) * (h.float() + lo.float() / intdot.L_SCALE)
+    assert ((back - x).abs() <= s_.repeat_interleave(32, dim=1) / (2 * intdot.L_SCALE) * 1.001).all()
+    assert torch.allclose(xs, x.reshape(5, 16, 32).sum(dim=2), rtol=1e-5, atol=1e-6)
+    w_cpu = _random_q4k(40, 512)
+    assert rel(intdot.reference(x.cpu(), w_cpu), R.linear(x.cpu(), w_cpu, torch.float32)) <= 1e-4
+    w = QuantizedWeight(w_cpu.data.to(dev), "Q4_K", (40, 512))
+    oracle = intdot.reference(x, w_cpu, (h, lo, s_, xs))
+    for split in (1, 2):
+        many = intdot.linear(x, w, torch.empty(5, 40, device=dev), split_k=split, block_n=16, num_warps=4)
+        ones = torch.cat([intdot.linear(x[i : i + 1], w, torch.empty(1, 40, device=dev), split_k=split) for i in range(5)])
+        assert rel(ones.cpu(), oracle) <= 1e-6 and torch.equal(many, ones), split
+    if T.INT_DOTS:   # the public skinny path takes it for bf16 x
+        xb = x.to(torch.bfloat16)
+        many = T.linear(xb, w, torch.float32)
+        ones = torch.cat([T.linear(xb[i : i + 1], w, torch.float32) for i in range(5)])
+        assert torch.equal(many, ones)
+        assert rel(many.cpu(), R.linear(xb.cpu(), w_cpu, torch.float32)) <= 1e-4
+    with pytest.raises(ValueError):
+        intdot.linear(x, QuantizedWeight(w_cpu.data.to(dev), "Q4_K", (40, 512)), torch.empty(5, 40, device=dev), split_k=4)
+
+
+def _random_q4k(n: int, k: int) -> QuantizedWeight:
+    """A random Q4_K weight on the CPU (finite float16 scales: tools/sweep_quant.random_weight)."""
     import sys
 
     sys.path.insert(0, "tools")
     try:
-        import quant_dp4a_probe as P
         import sweep_quant as sq
     finally:
         sys.path.remove("tools")
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(2, 512, generator=g) * torch.logspace(-3, 1, 512)
-    h, lo, s_, _ = P.quantize_x(x)
-    back = s_.repeat_interleave(32, dim=1) * (h.view(torch.int8).float() + lo.view(torch.int8).float() / P.L_SCALE)
-    assert ((back - x).abs() <= s_.repeat_interleave(32, dim=1) / (2 * P.L_SCALE) * 1.001).all()
-    w_cpu = sq.random_weight("Q4_K", 40, 512, torch.device("cpu"))
-    ref = R.linear(x, w_cpu, torch.float32)
-    oracle = P.reference_dp4a(x, w_cpu)
-    assert rel(oracle, ref) <= 1e-4
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    w = QuantizedWeight(w_cpu.data.to(dev), "Q4_K", (40, 512))   # (the same blocks: generators differ by device)
-    for bn, warps, split in ((16, 1, 1), (32, 2, 2)):
-        got = P.q4k_dp4a(x[:1].to(dev), w, bn, warps, split, torch.float32)
-        assert got.shape == (1, 40)
-        assert rel(got.cpu(), oracle[:1]) <= 1e-6, (bn, split)
-    with pytest.raises(ValueError):
-        P.q4k_dp4a(torch.randn(2, 512, device=dev), w)
-    # several rows on the tensor cores: each row has the bits of a one-row dp4a call of the same split
-    rows = torch.randn(5, 512, generator=g).to(dev)
-    for split in (1, 2):
-        many = P.q4k_mma(rows, w, 16, 4, split, torch.float32)
-        ones = torch.cat([P.q4k_dp4a(rows[i : i + 1], w, 32, 2, split, torch.float32) for i in range(5)])
-        assert torch.equal(many, ones), split
-        assert rel(many.cpu(), P.reference_dp4a(rows.cpu(), w_cpu)) <= 1e-6
+    return sq.random_weight("Q4_K", n, k, torch.device("cpu"))

@@ -219,6 +219,14 @@ WORD_LOADS = True
 #: Q8_0 4096 x 4096 22.4 -> 19.6, 49152 x 576 33.2 -> 22.7. False: ``dot(x, q^T)`` (A/B runs).
 SWAP_AB = True
 
+#: Q4_K weights with 16-bit ``x`` on the skinny path take the exact integer arithmetic of
+#: :mod:`kernels.quant.intdot` (``x`` split into two 8-bit planes; ``dp4a`` at one row, int8
+#: tensor-core dots at more, every row the bits of a one-row call): on an H200 a one-row 9B-shaped
+#: projection 1.8-2.4x faster, 16 rows about as fast (``benchmarks/gpu/quant/run9``). Relative
+#: error against gguf-py's dequantization ~2e-5 (the tests' bound is 1e-3). Read once at import;
+#: ``DFLASH_QUANT_INT_DOTS=0`` keeps the generic kernel (A/B runs).
+INT_DOTS = os.environ.get("DFLASH_QUANT_INT_DOTS", "1") != "0"
+
 
 @triton.jit
 def _u8(ptr):
@@ -601,6 +609,12 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | No
         raise ValueError(f"config {cfg} does not fit a {weight.qtype.name} weight of K = {k}: "
                          f"K / {weight.block_elems} blocks must be a multiple of unroll * split_k")
     rw = ROUND_WEIGHTS if round_weights is None else bool(round_weights)
+    if (INT_DOTS and config is None and not rw and m and n and weight.qtype.name == "Q4_K"
+            and x2.dtype in (torch.float16, torch.bfloat16) and k % 256 == 0):
+        from kernels.quant import intdot
+
+        intdot.linear(x2, weight, y)
+        return y.reshape(*x.shape[:-1], n)
     if m and n and k:
         if cfg.split_k > 1:
             part = torch.empty(cfg.split_k, m, n, device=x.device, dtype=torch.float32)
