@@ -620,45 +620,54 @@ def test_q4k_gemv_probe_equals_the_reference():
         G.q4k_gemv(torch.randn(2, 512, device=dev), w)
 
 
-def test_q4k_integer_dots_are_exact_in_their_integers_and_within_tolerance():
-    """kernels.quant.intdot (issue 19: x split into two 8-bit planes, exact integer dots per
-    sub-block), the Q4_K skinny path of kernels.quant.triton.linear for 16-bit x: the split (Triton)
-    is within s / 508 per element; the torch oracle of the arithmetic equals gguf-py's
-    dequantization and a float32 product within 1e-4 relative (issue 19's bound is 1e-3); the
-    one-row dp4a kernel (PTX on the GPU, spelled out under the interpreter) and the several-row
-    tensor-core kernel equal the oracle within 1e-6, with and without split K, and every row of a
-    several-row call has the bits of a one-row call (the engine's lossless rule), through the
-    public linear too."""
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_integer_dots_are_exact_in_their_integers_and_within_tolerance(name):
+    """kernels.quant.intdot (issue 19: x split into two 8-bit planes, exact integer dots per group
+    sharing a scale), the skinny path of kernels.quant.triton.linear for the types of INT_DOTS and
+    16-bit x: the split (Triton) equals its torch reference but for the float sums' order and is
+    within s / 508 per element; the torch oracle of the arithmetic equals gguf-py's dequantization
+    and a float32 product within 1e-4 relative (issue 19's bound is 1e-3); the one-row dp4a kernel
+    (PTX on the GPU, spelled out under the interpreter) and the several-row tensor-core kernel equal
+    the oracle within 1e-6, with and without split K, and every row of a several-row call has the
+    bits of a one-row call (the engine's lossless rule), through the public linear too."""
     from kernels.quant import intdot
     from kernels.quant import triton as T
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(5, 512, generator=g) * torch.logspace(-3, 1, 512)).to(dev)
-    h, lo, s_, xs = intdot.split_x(x)
-    back = s_.repeat_interleave(32, dim=1) * (h.float() + lo.float() / intdot.L_SCALE)
-    assert ((back - x).abs() <= s_.repeat_interleave(32, dim=1) / (2 * intdot.L_SCALE) * 1.001).all()
-    assert torch.allclose(xs, x.reshape(5, 16, 32).sum(dim=2), rtol=1e-5, atol=1e-6)
-    w_cpu = _random_q4k(40, 512)
+    p = intdot.split_x(x)
+    ref_p = intdot.quantize_x(x.cpu())
+    s32 = p.s.repeat_interleave(32, dim=1)
+    back = (s32 * (p.h.float() + p.l.float() / intdot.L_SCALE)).cpu()
+    ref_s32 = ref_p.s.repeat_interleave(32, dim=1)
+    assert torch.allclose(back, ref_s32 * (ref_p.h.float() + ref_p.l.float() / intdot.L_SCALE), rtol=0, atol=1e-6)
+    assert torch.allclose(p.xsum.cpu(), ref_p.xsum, rtol=1e-5, atol=1e-5)
+    for sums, plane in ((p.hsum, p.h), (p.lsum, p.l)):
+        assert torch.equal(sums.cpu(), plane.cpu().to(torch.int32).reshape(5, 32, 16).sum(dim=2, dtype=torch.int32))
+    assert ((s32 * (p.h.float() + p.l.float() / intdot.L_SCALE) - x).abs() <= s32 / (2 * intdot.L_SCALE) * 1.001).all()
+    w_cpu = _random_weight(name, 40, 512)
     assert rel(intdot.reference(x.cpu(), w_cpu), R.linear(x.cpu(), w_cpu, torch.float32)) <= 1e-4
-    w = QuantizedWeight(w_cpu.data.to(dev), "Q4_K", (40, 512))
-    oracle = intdot.reference(x, w_cpu, (h, lo, s_, xs))
+    w = QuantizedWeight(w_cpu.data.to(dev), name, (40, 512))   # (the same blocks: generators differ by device)
+    oracle = intdot.reference(x, w_cpu, p)
     for split in (1, 2):
         many = intdot.linear(x, w, torch.empty(5, 40, device=dev), split_k=split, block_n=16, num_warps=4)
         ones = torch.cat([intdot.linear(x[i : i + 1], w, torch.empty(1, 40, device=dev), split_k=split) for i in range(5)])
         assert rel(ones.cpu(), oracle) <= 1e-6 and torch.equal(many, ones), split
-    if T.INT_DOTS:   # the public skinny path takes it for bf16 x
+    if name in T.INT_DOTS:   # the public skinny path takes it for 16-bit x
         xb = x.to(torch.bfloat16)
         many = T.linear(xb, w, torch.float32)
         ones = torch.cat([T.linear(xb[i : i + 1], w, torch.float32) for i in range(5)])
         assert torch.equal(many, ones)
         assert rel(many.cpu(), R.linear(xb.cpu(), w_cpu, torch.float32)) <= 1e-4
     with pytest.raises(ValueError):
-        intdot.linear(x, QuantizedWeight(w_cpu.data.to(dev), "Q4_K", (40, 512)), torch.empty(5, 40, device=dev), split_k=4)
+        intdot.linear(x, w, torch.empty(5, 40, device=dev), split_k=4)
+    with pytest.raises(ValueError):
+        intdot.linear(x, w, torch.empty(5, 40, device=dev), mma=False)
 
 
-def _random_q4k(n: int, k: int) -> QuantizedWeight:
-    """A random Q4_K weight on the CPU (finite float16 scales: tools/sweep_quant.random_weight)."""
+def _random_weight(name: str, n: int, k: int) -> QuantizedWeight:
+    """A random ``name`` weight on the CPU (finite float16 scales: tools/sweep_quant.random_weight)."""
     import sys
 
     sys.path.insert(0, "tools")
@@ -666,4 +675,4 @@ def _random_q4k(n: int, k: int) -> QuantizedWeight:
         import sweep_quant as sq
     finally:
         sys.path.remove("tools")
-    return sq.random_weight("Q4_K", n, k, torch.device("cpu"))
+    return sq.random_weight(name, n, k, torch.device("cpu"))

@@ -1,13 +1,13 @@
-"""Probe (issue 19): Q4_K products in exact integer arithmetic (:mod:`kernels.quant.intdot`), timed
-beside the generic skinny kernel and a float32 GEMV.
+"""Probe (issue 19): Q4_K and Q6_K products in exact integer arithmetic (:mod:`kernels.quant.intdot`),
+timed beside the generic skinny kernel and (Q4_K) a float32 GEMV.
 
     python tools/quant_dp4a_probe.py [--out FILE.json]      # on the GPU machine, ~2-4 min
     python tools/quant_dp4a_probe.py --smoke                # CPU self-test (TRITON_INTERPRET=1)
     DP4A_QUICK=1 python tools/quant_dp4a_probe.py           # default launches only (no sweeps), ~30 s
 
-One row of ``x`` (bf16): the engine's generic skinny kernel (:func:`kernels.quant.triton.linear`
-with ``INT_DOTS`` off, its default launch), the float32 GEMV of ``tools/quant_gemv_probe.py`` (best
-of its launches), and the one-row ``dp4a`` kernel of :mod:`kernels.quant.intdot` (best of 36
+One row of ``x`` (bf16), per case of :data:`CASES`: the engine's generic skinny kernel
+(:func:`kernels.quant.triton.linear` with ``INT_DOTS`` empty, its default launch), for Q4_K the float32
+GEMV of ``tools/quant_gemv_probe.py`` (best of its launches), and the one-row ``dp4a`` kernel of :mod:`kernels.quant.intdot` (best of 36
 launches, and its default launch), ``x``'s split timed apart (:func:`kernels.quant.intdot.split_x`).
 Then several rows on the int8 tensor-core kernel (``M`` = 1, 4, 16, best of 12 launches) against
 the generic kernel at 16 rows, each row checked bit for bit against one-row ``dp4a`` calls of the
@@ -30,7 +30,7 @@ from kernels.quant import intdot  # noqa: E402
 
 def q4k_dp4a(x: torch.Tensor, w, block_n: int = intdot.DP4A_BLOCK_N, num_warps: int = 1, split_k: int | None = None,
              out_dtype: torch.dtype | None = None, planes=None) -> torch.Tensor:
-    """One row ``x`` ``[1, K]`` times a Q4_K weight on the ``dp4a`` kernel with this launch -> ``[1, N]``.
+    """One row ``x`` ``[1, K]`` times a Q4_K or Q6_K weight on the ``dp4a`` kernel with this launch -> ``[1, N]``.
     Raises ValueError for another type, shape or a split that does not divide ``K``'s blocks."""
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError("one row of x, [1, K]")
@@ -40,13 +40,14 @@ def q4k_dp4a(x: torch.Tensor, w, block_n: int = intdot.DP4A_BLOCK_N, num_warps: 
 
 def q4k_mma(x: torch.Tensor, w, block_n: int = intdot.MMA_BLOCK_N, num_warps: int = 2, split_k: int | None = None,
             out_dtype: torch.dtype | None = None, planes=None) -> torch.Tensor:
-    """``x`` ``[M, K]`` times a Q4_K weight on the int8 tensor-core kernel with this launch -> ``[M, N]``."""
+    """``x`` ``[M, K]`` times a Q4_K or Q6_K weight on the int8 tensor-core kernel with this launch -> ``[M, N]``."""
     y = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=out_dtype or x.dtype)
     return intdot.linear(x, w, y, split_k, block_n, num_warps, planes, mma=True)
 
 
-#: (N, K): the 9B-shaped projections of tools/quant_config_ab.py's --quick Q4_K cases
-CASES = [(4096, 4096), (12288, 4096), (4096, 12288)]
+#: (type, N, K): the 9B-shaped projections of tools/quant_config_ab.py's --quick cases (a Q4_K_M file's
+#: Q6_K tensors: ``attn_v`` and half the ``ffn_down``)
+CASES = [("Q4_K", 4096, 4096), ("Q4_K", 12288, 4096), ("Q4_K", 4096, 12288), ("Q6_K", 4096, 12288), ("Q6_K", 4096, 4096)]
 
 
 def configs(n: int, k: int) -> dict:
@@ -68,15 +69,16 @@ def smoke() -> None:
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(3, 512, generator=g) * torch.logspace(-3, 1, 512)
-    w = sq.random_weight("Q4_K", 40, 512, torch.device("cpu"))
-    oracle = intdot.reference(x, w)
-    print(f"smoke reference vs gguf-py: rel err {sq.rel(oracle, R.linear(x, w, torch.float32)):.1e}")
-    for split in (1, 2):
-        ones = torch.cat([q4k_dp4a(x[i : i + 1], w, 16, 1, split, torch.float32) for i in range(3)])
-        many = q4k_mma(x, w, 16, 4, split, torch.float32)
-        print(f"smoke split {split}: dp4a {sq.rel(ones, oracle):.1e}, mma {sq.rel(many, oracle):.1e} vs reference; "
-              f"rows equal: {torch.equal(many, ones)}")
-        assert sq.rel(ones, oracle) < 1e-6 and torch.equal(many, ones)
+    for name in intdot.TYPES:
+        w = sq.random_weight(name, 40, 512, torch.device("cpu"))
+        oracle = intdot.reference(x, w)
+        print(f"smoke {name} reference vs gguf-py: rel err {sq.rel(oracle, R.linear(x, w, torch.float32)):.1e}")
+        for split in (1, 2):
+            ones = torch.cat([q4k_dp4a(x[i : i + 1], w, 16, 1, split, torch.float32) for i in range(3)])
+            many = q4k_mma(x, w, 16, 4, split, torch.float32)
+            print(f"smoke {name} split {split}: dp4a {sq.rel(ones, oracle):.1e}, mma {sq.rel(many, oracle):.1e} vs "
+                  f"reference; rows equal: {torch.equal(many, ones)}")
+            assert sq.rel(ones, oracle) < 1e-6 and torch.equal(many, ones)
 
 
 def main() -> int:
@@ -95,21 +97,21 @@ def main() -> int:
     import os
 
     quick = os.environ.get("DP4A_QUICK") == "1"
-    T.INT_DOTS = False      # the generic kernel as the baseline
+    T.INT_DOTS = ()         # the generic kernel as the baseline
     dev = torch.device("cuda")
     timer = sq.Timer(dev, 20, 10)
     rows = []
     print(f"# {torch.cuda.get_device_name(0)}: Q4_K, one row of x (bf16), us per call (weights from HBM)")
-    print("| N x K | MiB | copy us | generic skinny us | float GEMV best us | dp4a default us (split) | dp4a best us | best config "
+    print("| type | N x K | MiB | copy us | generic skinny us | float GEMV best us | dp4a default us (split) | dp4a best us | best config "
           "| dp4a default / generic | dp4a default / copy | x split us | rel err vs gguf-py | rel err vs reference |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for n, k in CASES:
-        w0, ws, calls = sq.cold_weights("Q4_K", n, k, dev)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, n, k in CASES:
+        w0, ws, calls = sq.cold_weights(name, n, k, dev)
         copy = sq.copy_us(ws, timer, calls)
         x = torch.randn(1, k, device=dev).to(torch.bfloat16)
         planes = intdot.split_x(x)
         generic = timer(lambda i: T.linear(x, ws[i % len(ws)]), calls)
-        gemv = {} if quick else sq.time_launches(timer, calls, gemv_configs(n, k),
+        gemv = {} if quick or name != "Q4_K" else sq.time_launches(timer, calls, gemv_configs(n, k),
                                                  lambda i, bn, nw, split: q4k_gemv(x, ws[i % len(ws)], bn, nw, split), f"gemv {n}x{k}")
         default = timer(lambda i: q4k_dp4a(x, ws[i % len(ws)], planes=planes), calls)
         got = {"default": default} if quick else sq.time_launches(timer, calls, configs(n, k),
@@ -119,21 +121,21 @@ def main() -> int:
         best = min(got, key=got.get)
         y = q4k_dp4a(x, w0, out_dtype=torch.float32)
         err = sq.rel(y, R.linear(x, w0, torch.float32))
-        err_int = sq.rel(y.cpu(), intdot.reference(x.cpu(), w0, [p.cpu() for p in intdot.split_x(x)]))
+        err_int = sq.rel(y.cpu(), intdot.reference(x.cpu(), w0, intdot.Planes(*(p.cpu() for p in intdot.split_x(x)))))
         gbest = min(gemv.values()) if gemv else float("nan")
-        print(f"| {n} x {k} | {w0.nbytes / 2**20:.2f} | {copy:.1f} | {generic:.1f} | {gbest:.1f} | {default:.1f} "
+        print(f"| {name} | {n} x {k} | {w0.nbytes / 2**20:.2f} | {copy:.1f} | {generic:.1f} | {gbest:.1f} | {default:.1f} "
               f"({intdot.split_k_for(n, k)}) | {got[best]:.1f} | {best} | {default / generic:.2f}x | {default / copy:.2f}x | "
               f"{split_us:.1f} | {err:.1e} | {err_int:.1e} |", flush=True)
-        rows.append(dict(n=n, k=k, mib=w0.nbytes / 2**20, copy_us=copy, generic_us=generic, gemv_us=gemv, dp4a_us=got,
+        rows.append(dict(type=name, n=n, k=k, mib=w0.nbytes / 2**20, copy_us=copy, generic_us=generic, gemv_us=gemv, dp4a_us=got,
                          dp4a_default_us=default, split_us=split_us, rel_err=err, rel_err_reference=err_int))
     print()
     print("Several rows on the int8 tensor cores (the same integer sums and epilogue): us per call; rows compared "
           "bit for bit with one-row dp4a calls of the same split")
-    print("| N x K | generic M=16 us | mma default M=4 us | mma default M=16 us | mma best M=1 / 4 / 16 us | best config at M=16 "
+    print("| type | N x K | generic M=16 us | mma default M=4 us | mma default M=16 us | mma best M=1 / 4 / 16 us | best config at M=16 "
           "| default M=16 / default dp4a M=1 | rows bit-equal to dp4a | rel err M=16 vs gguf-py |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for (n, k), r in zip(CASES, rows):
-        w0, ws, calls = sq.cold_weights("Q4_K", n, k, dev)
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for (name, n, k), r in zip(CASES, rows):
+        w0, ws, calls = sq.cold_weights(name, n, k, dev)
         launches = sq.probe_launches(n, k, (16, 32, 64), (2, 4), (512, 1024))
         best_m, default_m = {}, {}
         for m in (1, 4, 16):
@@ -151,7 +153,7 @@ def main() -> int:
         equal = torch.equal(many, ones)
         err = sq.rel(many, R.linear(x16, w0, torch.float32))
         t = {m: best_m[m][1][best_m[m][0]] for m in best_m}
-        print(f"| {n} x {k} | {generic16:.1f} | {default_m[4]:.1f} | {default_m[16]:.1f} | {t[1]:.1f} / {t[4]:.1f} / {t[16]:.1f} "
+        print(f"| {name} | {n} x {k} | {generic16:.1f} | {default_m[4]:.1f} | {default_m[16]:.1f} | {t[1]:.1f} / {t[4]:.1f} / {t[16]:.1f} "
               f"| {best_m[16][0]} | {default_m[16] / r['dp4a_default_us']:.2f}x | {'yes' if equal else 'NO'} | {err:.1e} |",
               flush=True)
         r.update(mma_us={m: best_m[m][1] for m in best_m}, mma_default_us=default_m, generic16_us=generic16,

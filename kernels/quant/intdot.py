@@ -37,6 +37,8 @@ spelled out in integer operations (``EMULATE``), the same sums.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -66,13 +68,34 @@ def split_k_for(n: int, k: int) -> int:
 # ---------------------------------------------------------------------------------------------
 # plain PyTorch: the split of x and the integer arithmetic (the oracles)
 
-def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+class Planes(NamedTuple):
+    """``x`` ``[M, K]`` split for the integer dots (module docstring): ``x ~= s * (h + l / 254)``.
+
+    Attributes:
+        h, l: int8 ``[M, K]``, the two planes.
+        s: float32 ``[M, K / 32]``, ``max |x| / 127`` of each group of 32 (1 for an all-zero group).
+        xsum: float32 ``[M, K / 32]``, each group's sum of ``x`` (the unrounded values).
+        hsum, lsum: int32 ``[M, K / 16]``, each half-group's sum of ``h`` and of ``l`` (Q6_K's
+            16-element groups: its codes' offset of 32 taken out of the integer dots).
+    """
+
+    h: torch.Tensor
+    l: torch.Tensor  # noqa: E741 - the plane's name in the module docstring
+    s: torch.Tensor
+    xsum: torch.Tensor
+    hsum: torch.Tensor
+    lsum: torch.Tensor
+
+    def rows(self, at: int, n: int) -> "Planes":
+        """Rows ``at .. at + n`` (views)."""
+        return Planes(*(t[at : at + n] for t in self))
+
+
+def quantize_x(x: torch.Tensor) -> Planes:
     """The split of ``x`` ``[M, K]`` (any float dtype, ``K`` a multiple of 32), plain PyTorch (the
-    reference of :func:`split_x`): ``(h, l, s, xsum)`` with ``h``, ``l`` int8 ``[M, K]``, ``s``
-    float32 ``[M, K / 32]`` (``max |x| / 127`` of the group, 1 for an all-zero group) and ``xsum``
-    float32 ``[M, K / 32]`` (the group's sum of ``x``), so that ``x ~= s * (h + l / 254)`` within
-    ``s / 508`` per element (module docstring). Ties round half to even here, half up in
-    :func:`split_x`: both represent the same value (``h + 1, l - 254`` is ``h, l``)."""
+    reference of :func:`split_x`): :class:`Planes`, so that ``x ~= s * (h + l / 254)`` within ``s /
+    508`` per element (module docstring). Ties round half to even here, half up in :func:`split_x`:
+    both represent the same value (``h + 1, l - 254`` is ``h, l``)."""
     m, k = x.shape
     g = x.float().reshape(m, k // 32, 32)
     amax = g.abs().amax(dim=2)
@@ -80,23 +103,33 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     u = g / s[..., None]
     h = torch.round(u).clamp(-127, 127)
     lo = torch.round((u - h) * L_SCALE).clamp(-127, 127)
-    return (h.to(torch.int8).reshape(m, k), lo.to(torch.int8).reshape(m, k), s.contiguous(),
-            g.sum(dim=2).contiguous())
+    h8, l8 = h.to(torch.int8).reshape(m, k), lo.to(torch.int8).reshape(m, k)
+    half = lambda p: p.to(torch.int32).reshape(m, k // 16, 16).sum(dim=2, dtype=torch.int32)  # noqa: E731
+    return Planes(h8, l8, s.contiguous(), g.sum(dim=2).contiguous(), half(h8), half(l8))
 
 
-def reference(x: torch.Tensor, w: QuantizedWeight, planes=None) -> torch.Tensor:
+#: the types the integer kernels take
+TYPES = ("Q4_K", "Q6_K")
+
+
+def reference(x: torch.Tensor, w: QuantizedWeight, planes: Planes | None = None) -> torch.Tensor:
     """The kernels' arithmetic in plain PyTorch (their oracle): ``x`` ``[M, K]`` split
-    (:func:`quantize_x`, or ``planes``), a Q4_K weight ``[N, K]``; per sub-block the exact integer
-    dots of the codes with both planes, then ``(d * sc) * s * (dot_h + dot_l / 254) - (dmin * m) *
-    sum x`` summed over the sub-blocks (float64). Returns float32 ``[M, N]``. Codes and scales as
-    gguf-py lays them out (``gguf.quants``: ``get_scale_min_k4``).
+    (:func:`quantize_x`, or ``planes``), a Q4_K or Q6_K weight ``[N, K]``; per group sharing a scale
+    the exact integer dots of the codes with both planes, then gguf-py's factoring of the group's
+    dequantized dot: Q4_K ``(d * sc) * s * (dot_h + dot_l / 254) - (dmin * m) * sum x`` (32-element
+    sub-blocks); Q6_K ``(d * sc) * s * (dot_h + dot_l / 254)`` with the codes' offset of 32 taken
+    out of the dots (``dot_h = sum q h - 32 sum h``; 16-element groups); summed over the groups in
+    float64. Returns float32 ``[M, N]``. Codes and scales as gguf-py lays them out (``gguf.quants``).
 
     Raises:
-        ValueError: not a Q4_K weight, or ``K`` mismatch.
+        ValueError: another type, or ``K`` mismatch.
     """
-    if w.qtype.name != "Q4_K" or x.shape[-1] != w.shape[1]:
-        raise ValueError(f"a Q4_K weight [N, {x.shape[-1]}], got {w.qtype.name} {tuple(w.shape)}")
-    h, lo, s, xsum = planes if planes is not None else quantize_x(x)
+    if w.qtype.name not in TYPES or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"a Q4_K or Q6_K weight [N, {x.shape[-1]}], got {w.qtype.name} {tuple(w.shape)}")
+    p = planes if planes is not None else quantize_x(x)
+    if w.qtype.name == "Q6_K":
+        return _reference_q6k(x, w, p)
+    h, lo, s, xsum = p.h, p.l, p.s, p.xsum
     m, k = x.shape
     n = w.shape[0]
     raw = w.data.cpu().reshape(n, k // 256, 144)
@@ -123,14 +156,47 @@ def reference(x: torch.Tensor, w: QuantizedWeight, planes=None) -> torch.Tensor:
     return term.sum(dim=(2, 3)).float()
 
 
+def q6k_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q6_K blocks ``[N, B, 210]`` (uint8) -> ``(codes, scales, d)``: the 6-bit codes int64 ``[N, B,
+    256]`` (0..63, in element order; the value is ``d * scale * (code - 32)``), the 16 int8 scales
+    int64 ``[N, B, 16]`` (element ``e``'s is ``e // 16``) and ``d`` float32 ``[N, B]``. gguf-py's
+    layout: per half of 128 elements, 64 bytes of low nibbles ``ql`` and 32 of high pairs ``qh``;
+    elements ``l``, ``l + 32``, ``l + 64``, ``l + 96`` of a half take ``ql[l]``'s low nibble,
+    ``ql[l + 32]``'s low, ``ql[l]``'s high and ``ql[l + 32]``'s high, with bits 0-1, 2-3, 4-5, 6-7
+    of ``qh[l]`` above them."""
+    n, b, _ = raw.shape
+    ql = raw[..., :128].to(torch.int64).reshape(n, b, 2, 2, 32)     # [half, a/b, l]
+    qh = raw[..., 128:192].to(torch.int64).reshape(n, b, 2, 32)     # [half, l]
+    runs = torch.stack([(ql[:, :, :, 0] & 15) | ((qh & 3) << 4), (ql[:, :, :, 1] & 15) | (((qh >> 2) & 3) << 4),
+                        (ql[:, :, :, 0] >> 4) | (((qh >> 4) & 3) << 4), (ql[:, :, :, 1] >> 4) | (((qh >> 6) & 3) << 4)],
+                       dim=3)                                        # [N, B, half, run, l]
+    sc = raw[..., 192:208].contiguous().view(torch.int8).to(torch.int64)
+    d = raw[..., 208:210].contiguous().view(torch.float16).float()[..., 0]
+    return runs.reshape(n, b, 256), sc, d
+
+
+def _reference_q6k(x: torch.Tensor, w: QuantizedWeight, p: Planes) -> torch.Tensor:
+    m, k = x.shape
+    n = w.shape[0]
+    codes, sc, d = q6k_codes(w.data.cpu().reshape(n, k // 256, 210))
+    codes = codes.reshape(n, k // 256, 16, 16)
+    hp = p.h.cpu().to(torch.int64).reshape(m, k // 256, 16, 16)
+    lp = p.l.cpu().to(torch.int64).reshape(m, k // 256, 16, 16)
+    dot_h = (torch.einsum("nbgi,mbgi->mnbg", codes, hp) - 32 * hp.sum(dim=3)[:, None]).double()
+    dot_l = (torch.einsum("nbgi,mbgi->mnbg", codes, lp) - 32 * lp.sum(dim=3)[:, None]).double()
+    sx = p.s.cpu().reshape(m, 1, k // 256, 8).repeat_interleave(2, dim=3).double()
+    term = (d[..., None] * sc).double() * sx * (dot_h + dot_l / L_SCALE)
+    return term.sum(dim=(2, 3)).float()
+
+
 # ---------------------------------------------------------------------------------------------
 # Triton
 
 @triton.jit
-def _split_kernel(x_ptr, h_ptr, l_ptr, s_ptr, xs_ptr, K, sxm, GROUPS: tl.constexpr):
+def _split_kernel(x_ptr, h_ptr, l_ptr, s_ptr, xs_ptr, hs_ptr, ls_ptr, K, sxm, GROUPS: tl.constexpr):
     """Row ``program_id(0)``, groups ``program_id(1) * GROUPS ...`` of 32 of ``x`` (any float
-    dtype, row stride ``sxm``) into the planes (int8 ``[M, K]`` each, row-major) and the float32
-    ``s`` and ``xsum`` ``[M, K / 32]`` (:func:`quantize_x`'s definition, ties rounded half up)."""
+    dtype, row stride ``sxm``) into :class:`Planes` (row-major; :func:`quantize_x`'s definition,
+    ties rounded half up)."""
     m = tl.program_id(0)
     gi = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     ng = K // 32
@@ -147,20 +213,26 @@ def _split_kernel(x_ptr, h_ptr, l_ptr, s_ptr, xs_ptr, K, sxm, GROUPS: tl.constex
     tl.store(l_ptr + out, lo.to(tl.int8), mask=ok[:, None])
     tl.store(s_ptr + m.to(tl.int64) * ng + gi, s, mask=ok)
     tl.store(xs_ptr + m.to(tl.int64) * ng + gi, tl.sum(x, axis=1), mask=ok)
+    half = m.to(tl.int64) * (2 * ng) + gi[:, None] * 2 + tl.arange(0, 2)[None, :]
+    tl.store(hs_ptr + half, tl.sum(tl.reshape(h.to(tl.int32), (GROUPS, 2, 16)), axis=2), mask=ok[:, None])
+    tl.store(ls_ptr + half, tl.sum(tl.reshape(lo.to(tl.int32), (GROUPS, 2, 16)), axis=2), mask=ok[:, None])
 
 
-def split_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_x(x: torch.Tensor) -> Planes:
     """:func:`quantize_x` in one Triton launch (``x`` ``[M, K]`` on the device, ``K`` a multiple of
-    32; any float dtype, unit stride along ``K``): ``(h, l, s, xsum)``, the planes int8 ``[M, K]``."""
+    32; any float dtype, unit stride along ``K``): :class:`Planes`."""
     m, k = x.shape
     h = torch.empty(m, k, device=x.device, dtype=torch.int8)
     lo = torch.empty_like(h)
     s = torch.empty(m, k // 32, device=x.device, dtype=torch.float32)
     xs = torch.empty_like(s)
+    hs = torch.empty(m, k // 16, device=x.device, dtype=torch.int32)
+    ls = torch.empty_like(hs)
     if m and k:
         groups = 32
-        _split_kernel[(m, triton.cdiv(k // 32, groups))](x, h, lo, s, xs, k, x.stride(0), GROUPS=groups, num_warps=4)
-    return h, lo, s, xs
+        _split_kernel[(m, triton.cdiv(k // 32, groups))](x, h, lo, s, xs, hs, ls, k, x.stride(0), GROUPS=groups,
+                                                          num_warps=4)
+    return Planes(h, lo, s, xs, hs, ls)
 
 
 @triton.jit
@@ -291,47 +363,185 @@ def _q4k_mma_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, w_ptr, y_ptr, M, N, K, swn,
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rn[:, None] < N) & mrow[None, :])
 
 
+@triton.jit
+def _epilogue6(dh, dl, scale, sx):
+    """A Q6_K group's term ``(scale * s) * (dot_h + dot_l / 254)`` (float32; the dots with the
+    codes' offset already taken out), its roundings spelled out as in :func:`_epilogue`."""
+    return (scale * sx) * tl.fma(dl.to(tl.float32), 1.0 / 254.0, dh.to(tl.float32))
+
+
+@triton.jit
+def _words16(ptr, NW: tl.constexpr):
+    """``4 * NW`` bytes from ``ptr`` (``[R]`` uint8 pointers, 2-byte aligned: Q6_K's blocks of 210
+    bytes) as ``NW`` little-endian 32-bit words per row, ``[R, NW]`` int32, read as 16-bit halves."""
+    h = tl.load(ptr.to(tl.pointer_type(tl.int16))[:, None] + tl.arange(0, 2 * NW)[None, :]).to(tl.int32) & 65535
+    lo, hi = tl.split(tl.reshape(h, (h.shape[0], NW, 2)))
+    return lo | (hi << 16)
+
+
+@triton.jit
+def _q6k_run(qa, qb, qh, r: tl.constexpr):
+    """Run ``r`` (0..3) of a Q6_K half as code words: byte ``i`` of word ``t`` is element ``32 r +
+    4 t + i``'s 6-bit code (0..63), from the words of ``ql[0:32]`` (``qa``), ``ql[32:64]`` (``qb``)
+    and ``qh[0:32]`` (``qh``) of the half (:func:`q6k_codes`)."""
+    if r == 0:
+        return (qa & 0x0F0F0F0F) | ((qh & 0x03030303) << 4)
+    elif r == 1:
+        return (qb & 0x0F0F0F0F) | (((qh >> 2) & 0x03030303) << 4)
+    elif r == 2:
+        return ((qa >> 4) & 0x0F0F0F0F) | (((qh >> 4) & 0x03030303) << 4)
+    else:
+        return ((qb >> 4) & 0x0F0F0F0F) | (((qh >> 6) & 0x03030303) << 4)
+
+
+@triton.jit
+def _q6k_dp4a_kernel(h_ptr, l_ptr, s_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, N, K, swn,
+                     BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr):
+    """As :func:`_q4k_dp4a_kernel` for a Q6_K weight (uint8 ``[N, K / 256 * 210]``): per half
+    super-block the 96 code bytes as three ``[BLOCK_N, 8]`` tiles of words (:func:`_words16`), four
+    runs of 32 codes (:func:`_q6k_run`), each two 16-element groups; per group ``dot - 32 * sum``
+    of each plane (``hs_ptr``, ``ls_ptr``: :class:`Planes`' int32 half-group sums) and
+    :func:`_epilogue6`."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * swn
+    i8 = tl.arange(0, 8)
+    hw = h_ptr.to(tl.pointer_type(tl.int32))
+    lw = l_ptr.to(tl.pointer_type(tl.int32))
+    nb = K // 256 // SPLIT_K
+    b0 = tl.program_id(1) * nb
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for b in range(b0, b0 + nb):
+        blk = row + b * 210
+        d = _f16(blk + 208)
+        for nh in tl.static_range(2):
+            qa = _words16(blk + 64 * nh, 8)
+            qb = _words16(blk + 64 * nh + 32, 8)
+            qh = _words16(blk + 128 + 32 * nh, 8)
+            for r in tl.static_range(4):
+                q = _q6k_run(qa, qb, qh, r)
+                xw = b * 64 + 32 * nh + 8 * r + i8
+                xh = tl.broadcast_to(tl.load(hw + xw)[None, :], (BLOCK_N, 8))
+                xl = tl.broadcast_to(tl.load(lw + xw)[None, :], (BLOCK_N, 8))
+                dh0, dh1 = tl.split(tl.sum(tl.reshape(_dp4a(q, xh, EMULATE), (BLOCK_N, 2, 4)), axis=2))
+                dl0, dl1 = tl.split(tl.sum(tl.reshape(_dp4a(q, xl, EMULATE), (BLOCK_N, 2, 4)), axis=2))
+                g = 8 * nh + 2 * r
+                sx = tl.load(s_ptr + b * 8 + g // 2)
+                sc0 = tl.load(blk + 192 + g).to(tl.int8, bitcast=True).to(tl.float32)
+                sc1 = tl.load(blk + 193 + g).to(tl.int8, bitcast=True).to(tl.float32)
+                acc += _epilogue6(dh0 - 32 * tl.load(hs_ptr + b * 16 + g), dl0 - 32 * tl.load(ls_ptr + b * 16 + g), d * sc0, sx)
+                acc += _epilogue6(dh1 - 32 * tl.load(hs_ptr + b * 16 + g + 1), dl1 - 32 * tl.load(ls_ptr + b * 16 + g + 1),
+                                  d * sc1, sx)
+    if SPLIT_K > 1:
+        y_ptr += tl.program_id(1).to(tl.int64) * N
+    tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def _q6k_mma_kernel(h_ptr, l_ptr, s_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, M, N, K, swn,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+    """As :func:`_q4k_mma_kernel` for a Q6_K weight: each run of 32 codes as int8 tensor-core dots,
+    one per 16-element group (the other group's codes zeroed), then :func:`_q6k_dp4a_kernel`'s
+    group terms in the same order."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    row = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * swn
+    i32 = tl.arange(0, 32)
+    first = (i32 < 16)[None, :]
+    mrow = rm < M
+    nb = K // 256 // SPLIT_K
+    b0 = tl.program_id(1) * nb
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for b in range(b0, b0 + nb):
+        blk = row + b * 210
+        d = _f16(blk + 208)
+        for nh in tl.static_range(2):
+            qa = _words16(blk + 64 * nh, 8)
+            qb = _words16(blk + 64 * nh + 32, 8)
+            qh = _words16(blk + 128 + 32 * nh, 8)
+            for r in tl.static_range(4):
+                q = _q6k_run(qa, qb, qh, r)
+                codes = tl.reshape(tl.join(tl.join(q & 255, (q >> 16) & 255), tl.join((q >> 8) & 255, (q >> 24) & 255)),
+                                   (BLOCK_N, 32)).to(tl.int8)
+                c0 = tl.where(first, codes, 0).to(tl.int8)
+                c1 = tl.where(first, 0, codes).to(tl.int8)
+                xo = rm[:, None].to(tl.int64) * K + (b * 256 + 128 * nh + 32 * r + i32)[None, :]
+                xh = tl.trans(tl.load(h_ptr + xo, mask=mrow[:, None], other=0))   # [32, BLOCK_M] int8
+                xl = tl.trans(tl.load(l_ptr + xo, mask=mrow[:, None], other=0))
+                g = 8 * nh + 2 * r
+                sx = tl.load(s_ptr + rm * (K // 32) + b * 8 + g // 2, mask=mrow, other=1.0)[None, :]
+                sc0 = tl.load(blk + 192 + g).to(tl.int8, bitcast=True).to(tl.float32)
+                sc1 = tl.load(blk + 193 + g).to(tl.int8, bitcast=True).to(tl.float32)
+                hs0 = tl.load(hs_ptr + rm * (K // 16) + b * 16 + g, mask=mrow, other=0)[None, :]
+                ls0 = tl.load(ls_ptr + rm * (K // 16) + b * 16 + g, mask=mrow, other=0)[None, :]
+                hs1 = tl.load(hs_ptr + rm * (K // 16) + b * 16 + g + 1, mask=mrow, other=0)[None, :]
+                ls1 = tl.load(ls_ptr + rm * (K // 16) + b * 16 + g + 1, mask=mrow, other=0)[None, :]
+                acc += _epilogue6(tl.dot(c0, xh, out_dtype=tl.int32) - 32 * hs0, tl.dot(c0, xl, out_dtype=tl.int32) - 32 * ls0,
+                                  (d * sc0)[:, None], sx)
+                acc += _epilogue6(tl.dot(c1, xh, out_dtype=tl.int32) - 32 * hs1, tl.dot(c1, xl, out_dtype=tl.int32) - 32 * ls1,
+                                  (d * sc1)[:, None], sx)
+    if SPLIT_K > 1:
+        y_ptr += tl.program_id(1).to(tl.int64) * M * N
+    out = y_ptr + rm[None, :].to(tl.int64) * N + rn[:, None]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rn[:, None] < N) & mrow[None, :])
+
+
 def linear(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, split_k: int | None = None,
-           block_n: int | None = None, num_warps: int | None = None, planes=None, mma: bool | None = None) -> torch.Tensor:
-    """``y = x2 @ dequantize(weight)^T`` for a Q4_K weight ``[N, K]`` and ``x2`` ``[M, K]`` (``M`` >=
-    1, unit stride along ``K``, on the weight's device), written into ``y`` ``[M, N]`` (its dtype;
-    float32 accumulation, rounded once): one row on :func:`_q4k_dp4a_kernel`, more in chunks of
-    :data:`MMA_ROWS` on :func:`_q4k_mma_kernel`, ``K`` split by :func:`split_k_for` (the launch
-    arguments override the defaults: benchmarks and tests; ``planes``: :func:`split_x` of ``x2``
-    when already made; ``mma``: the tensor-core kernel even for one row, or never). Returns ``y``.
+           block_n: int | None = None, num_warps: int | None = None, planes: Planes | None = None,
+           mma: bool | None = None) -> torch.Tensor:
+    """``y = x2 @ dequantize(weight)^T`` for a Q4_K or Q6_K weight ``[N, K]`` (:data:`TYPES`) and
+    ``x2`` ``[M, K]`` (``M`` >= 1, unit stride along ``K``, on the weight's device), written into
+    ``y`` ``[M, N]`` (its dtype; float32 accumulation, rounded once): one row on the ``dp4a``
+    kernel, more in chunks of :data:`MMA_ROWS` on the int8 tensor-core kernel, ``K`` split by
+    :func:`split_k_for` (the launch arguments override the defaults: benchmarks and tests;
+    ``planes``: :func:`split_x` of ``x2`` when already made; ``mma``: the tensor-core kernel even
+    for one row, or never). Returns ``y``.
 
     Raises:
-        ValueError: not a Q4_K weight, or ``K`` not a multiple of ``256 * split_k``.
+        ValueError: another type, ``K`` not a multiple of ``256 * split_k``, or ``mma=False`` with
+            more than one row.
     """
     from kernels.quant.triton import _split_sum_kernel
 
     n, k = weight.shape
     m = x2.shape[0]
     split = split_k or split_k_for(n, k)
-    if weight.qtype.name != "Q4_K" or k % (256 * split):
-        raise ValueError(f"a Q4_K weight with K a multiple of {256 * split}, got {weight.qtype.name} {tuple(weight.shape)}")
-    h, lo, s, xs = planes if planes is not None else split_x(x2)
+    q6 = weight.qtype.name == "Q6_K"
+    if weight.qtype.name not in TYPES or k % (256 * split):
+        raise ValueError(f"a Q4_K or Q6_K weight with K a multiple of {256 * split}, got {weight.qtype.name} "
+                         f"{tuple(weight.shape)}")
+    p = planes if planes is not None else split_x(x2)
     data = weight.data
     emulate = x2.device.type != "cuda"
     for at in range(0, m, MMA_ROWS):
         rows = min(MMA_ROWS, m - at)
         ya = y[at : at + rows]
         out = ya if split == 1 else torch.empty(split, rows, n, device=y.device, dtype=torch.float32)
-        hs, ls, ss, xss = h[at : at + rows], lo[at : at + rows], s[at : at + rows], xs[at : at + rows]
+        r = p.rows(at, rows)
         if (rows == 1) if mma is None else not mma:
             if rows != 1:
                 raise ValueError("the dp4a kernel takes one row")
             bn = block_n or DP4A_BLOCK_N
-            _q4k_dp4a_kernel[(triton.cdiv(n, bn), split)](hs, ls, ss, xss, data, out, n, k, data.stride(0), BLOCK_N=bn,
-                                                          SPLIT_K=split, EMULATE=emulate, num_warps=num_warps or 1)
+            grid = (triton.cdiv(n, bn), split)
+            if q6:
+                _q6k_dp4a_kernel[grid](r.h, r.l, r.s, r.hsum, r.lsum, data, out, n, k, data.stride(0), BLOCK_N=bn,
+                                       SPLIT_K=split, EMULATE=emulate, num_warps=num_warps or 1)
+            else:
+                _q4k_dp4a_kernel[grid](r.h, r.l, r.s, r.xsum, data, out, n, k, data.stride(0), BLOCK_N=bn,
+                                       SPLIT_K=split, EMULATE=emulate, num_warps=num_warps or 1)
         else:
             bn = block_n or MMA_BLOCK_N
-            _q4k_mma_kernel[(triton.cdiv(n, bn), split)](hs, ls, ss, xss, data, out, rows, n, k, data.stride(0),
-                                                         BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=bn,
-                                                         SPLIT_K=split, num_warps=num_warps or 2)
+            grid = (triton.cdiv(n, bn), split)
+            bm = max(16, triton.next_power_of_2(rows))
+            if q6:
+                _q6k_mma_kernel[grid](r.h, r.l, r.s, r.hsum, r.lsum, data, out, rows, n, k, data.stride(0), BLOCK_M=bm,
+                                      BLOCK_N=bn, SPLIT_K=split, num_warps=num_warps or 2)
+            else:
+                _q4k_mma_kernel[grid](r.h, r.l, r.s, r.xsum, data, out, rows, n, k, data.stride(0), BLOCK_M=bm,
+                                      BLOCK_N=bn, SPLIT_K=split, num_warps=num_warps or 2)
         if split > 1:
             _split_sum_kernel[(triton.cdiv(rows * n, 1024),)](out, ya, rows * n, SPLIT_K=split, BLOCK=1024, num_warps=4)
     return y
 
 
-__all__ = ["DP4A_BLOCK_N", "L_SCALE", "MMA_BLOCK_N", "MMA_ROWS", "linear", "quantize_x", "reference", "split_k_for", "split_x"]
+__all__ = ["DP4A_BLOCK_N", "L_SCALE", "MMA_BLOCK_N", "MMA_ROWS", "Planes", "TYPES", "linear", "q6k_codes", "quantize_x",
+           "reference", "split_k_for", "split_x"]

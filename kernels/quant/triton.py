@@ -219,13 +219,16 @@ WORD_LOADS = True
 #: Q8_0 4096 x 4096 22.4 -> 19.6, 49152 x 576 33.2 -> 22.7. False: ``dot(x, q^T)`` (A/B runs).
 SWAP_AB = True
 
-#: Q4_K weights with 16-bit ``x`` on the skinny path take the exact integer arithmetic of
+#: The weight types whose skinny products (16-bit ``x``) take the exact integer arithmetic of
 #: :mod:`kernels.quant.intdot` (``x`` split into two 8-bit planes; ``dp4a`` at one row, int8
-#: tensor-core dots at more, every row the bits of a one-row call): on an H200 a one-row 9B-shaped
-#: projection 1.8-2.4x faster, 16 rows about as fast (``benchmarks/gpu/quant/run9``). Relative
-#: error against gguf-py's dequantization ~2e-5 (the tests' bound is 1e-3). Read once at import;
-#: ``DFLASH_QUANT_INT_DOTS=0`` keeps the generic kernel (A/B runs).
-INT_DOTS = os.environ.get("DFLASH_QUANT_INT_DOTS", "1") != "0"
+#: tensor-core dots at more, every row the bits of a one-row call). Q4_K: on an H200 a one-row
+#: 9B-shaped projection 1.8-2.4x faster, 16 rows about as fast (``benchmarks/gpu/quant/run9``),
+#: relative error against gguf-py's dequantization ~2e-5 (the tests' bound is 1e-3). Q6_K has the
+#: same kernels, tested on the CPU (the interpreter) but not yet timed or checked on a GPU, so it
+#: is not in the default set. Read once at import from ``DFLASH_QUANT_INT_DOTS``: ``1`` (default)
+#: Q4_K, ``0`` none (the generic kernel: A/B runs), or a comma-separated list (``Q4_K,Q6_K``).
+INT_DOTS = {"1": ("Q4_K",), "0": ()}.get(os.environ.get("DFLASH_QUANT_INT_DOTS", "1"),
+                                         tuple(t.strip() for t in os.environ.get("DFLASH_QUANT_INT_DOTS", "").split(",") if t.strip()))
 
 
 @triton.jit
@@ -609,7 +612,7 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | No
         raise ValueError(f"config {cfg} does not fit a {weight.qtype.name} weight of K = {k}: "
                          f"K / {weight.block_elems} blocks must be a multiple of unroll * split_k")
     rw = ROUND_WEIGHTS if round_weights is None else bool(round_weights)
-    if (INT_DOTS and config is None and not rw and m and n and weight.qtype.name == "Q4_K"
+    if (config is None and not rw and m and n and weight.qtype.name in INT_DOTS
             and x2.dtype in (torch.float16, torch.bfloat16) and k % 256 == 0):
         from kernels.quant import intdot
 
