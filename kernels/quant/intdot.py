@@ -279,6 +279,32 @@ def _scale_min(w0, w1, w2, g: tl.constexpr, d, m):
 
 
 @triton.jit
+def _program(w_ptr, N, K, swn, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+    """This program's ``(rn, row, b0, nb)``: its ``BLOCK_N`` output features (``program_id(0)``),
+    their weight rows' first bytes (``[BLOCK_N]`` pointers, the last row repeated past ``N``), and
+    its super-blocks ``b0 .. b0 + nb`` of ``K``'s (``program_id(1)`` of ``SPLIT_K``)."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nb = K // 256 // SPLIT_K
+    return rn, w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * swn, tl.program_id(1) * nb, nb
+
+
+@triton.jit
+def _q4k_head(blk):
+    """``(d, dmin, w0, w1, w2)`` of the Q4_K super-blocks at ``blk`` (``[R]`` uint8 pointers): the
+    two float16 scales as float32 and the 12 scale bytes as three 32-bit words (:func:`_scale_min`)."""
+    sw = (blk + 4).to(tl.pointer_type(tl.int32))
+    return _f16(blk), _f16(blk + 2), tl.load(sw), tl.load(sw + 1), tl.load(sw + 2)
+
+
+@triton.jit
+def _bytes_of(q):
+    """Code words ``[R, 8]`` (four codes of 0..127 each, little-endian) as int8 ``[R, 32]``: word
+    ``i``'s bytes are elements ``4 i .. 4 i + 3`` (an operand of the int8 tensor-core dots)."""
+    return tl.reshape(tl.join(tl.join(q & 255, (q >> 16) & 255), tl.join((q >> 8) & 255, (q >> 24) & 255)),
+                      (q.shape[0], 32)).to(tl.int8)
+
+
+@triton.jit
 def _q4k_dp4a_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, w_ptr, y_ptr, N, K, swn,
                      BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr):
     """One row of ``x`` as its planes (``h_ptr``, ``l_ptr``: int8 ``[K]``, read as int32 words of
@@ -287,20 +313,14 @@ def _q4k_dp4a_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, w_ptr, y_ptr, N, K, swn,
     bytes as four ``[BLOCK_N, 8]`` tiles of 32-bit words, word ``i`` of tile ``c`` holding elements
     ``4 i .. 4 i + 3`` of sub-blocks ``2 c`` (low nibbles) and ``2 c + 1`` (high). ``y_ptr``: ``[N]``,
     or the float32 scratch ``[SPLIT_K, N]`` with ``SPLIT_K`` > 1."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * swn
+    rn, row, b0, nb = _program(w_ptr, N, K, swn, BLOCK_N, SPLIT_K)
     i8 = tl.arange(0, 8)
     hw = h_ptr.to(tl.pointer_type(tl.int32))
     lw = l_ptr.to(tl.pointer_type(tl.int32))
-    nb = K // 256 // SPLIT_K
-    b0 = tl.program_id(1) * nb
     acc = tl.zeros([BLOCK_N], tl.float32)
     for b in range(b0, b0 + nb):
         blk = row + b * 144
-        d = _f16(blk)
-        dm = _f16(blk + 2)
-        sw = (blk + 4).to(tl.pointer_type(tl.int32))
-        w0, w1, w2 = tl.load(sw), tl.load(sw + 1), tl.load(sw + 2)
+        d, dm, w0, w1, w2 = _q4k_head(blk)
         for c in tl.static_range(4):
             words = tl.load((blk + 16 + 32 * c).to(tl.pointer_type(tl.int32))[:, None] + i8[None, :])   # [BLOCK_N, 8]
             for hi in tl.static_range(2):
@@ -326,28 +346,20 @@ def _q4k_mma_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, w_ptr, y_ptr, M, N, K, swn,
     tensor-core dots (exact: the sums :func:`_q4k_dp4a_kernel` makes with ``dp4a``), then the same
     :func:`_epilogue` in the same order. ``y_ptr``: ``[M, N]``, or the float32 scratch ``[SPLIT_K,
     M, N]`` with ``SPLIT_K`` > 1."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn, row, b0, nb = _program(w_ptr, N, K, swn, BLOCK_N, SPLIT_K)
     rm = tl.arange(0, BLOCK_M)
-    row = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * swn
     i8, i32 = tl.arange(0, 8), tl.arange(0, 32)
     mrow = rm < M
-    nb = K // 256 // SPLIT_K
-    b0 = tl.program_id(1) * nb
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for b in range(b0, b0 + nb):
         blk = row + b * 144
-        d = _f16(blk)
-        dm = _f16(blk + 2)
-        sw = (blk + 4).to(tl.pointer_type(tl.int32))
-        w0, w1, w2 = tl.load(sw), tl.load(sw + 1), tl.load(sw + 2)
+        d, dm, w0, w1, w2 = _q4k_head(blk)
         for c in tl.static_range(4):
             words = tl.load((blk + 16 + 32 * c).to(tl.pointer_type(tl.int32))[:, None] + i8[None, :])   # [BLOCK_N, 8]
             for hi in tl.static_range(2):
                 g = 2 * c + hi
                 q = (words >> (4 * hi)) & 0x0F0F0F0F
-                # the four codes of word i are elements 4 i .. 4 i + 3 of the sub-block
-                codes = tl.reshape(tl.join(tl.join(q & 255, (q >> 16) & 255), tl.join((q >> 8) & 255, q >> 24)),
-                                   (BLOCK_N, 32)).to(tl.int8)
+                codes = _bytes_of(q)
                 xo = rm[:, None].to(tl.int64) * K + (b * 256 + g * 32 + i32)[None, :]
                 xh = tl.load(h_ptr + xo, mask=mrow[:, None], other=0)        # [BLOCK_M, 32] int8
                 xl = tl.load(l_ptr + xo, mask=mrow[:, None], other=0)
@@ -395,6 +407,13 @@ def _q6k_run(qa, qb, qh, r: tl.constexpr):
 
 
 @triton.jit
+def _q6k_half(blk, nh: tl.constexpr):
+    """The code words of half ``nh`` of the Q6_K super-blocks at ``blk``: ``(ql[0:32], ql[32:64],
+    qh[0:32])`` of the half, each ``[R, 8]`` int32 (:func:`_q6k_run` assembles them)."""
+    return _words16(blk + 64 * nh, 8), _words16(blk + 64 * nh + 32, 8), _words16(blk + 128 + 32 * nh, 8)
+
+
+@triton.jit
 def _q6k_dp4a_kernel(h_ptr, l_ptr, s_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, N, K, swn,
                      BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr):
     """As :func:`_q4k_dp4a_kernel` for a Q6_K weight (uint8 ``[N, K / 256 * 210]``): per half
@@ -402,21 +421,16 @@ def _q6k_dp4a_kernel(h_ptr, l_ptr, s_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, N, K, sw
     runs of 32 codes (:func:`_q6k_run`), each two 16-element groups; per group ``dot - 32 * sum``
     of each plane (``hs_ptr``, ``ls_ptr``: :class:`Planes`' int32 half-group sums) and
     :func:`_epilogue6`."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * swn
+    rn, row, b0, nb = _program(w_ptr, N, K, swn, BLOCK_N, SPLIT_K)
     i8 = tl.arange(0, 8)
     hw = h_ptr.to(tl.pointer_type(tl.int32))
     lw = l_ptr.to(tl.pointer_type(tl.int32))
-    nb = K // 256 // SPLIT_K
-    b0 = tl.program_id(1) * nb
     acc = tl.zeros([BLOCK_N], tl.float32)
     for b in range(b0, b0 + nb):
         blk = row + b * 210
         d = _f16(blk + 208)
         for nh in tl.static_range(2):
-            qa = _words16(blk + 64 * nh, 8)
-            qb = _words16(blk + 64 * nh + 32, 8)
-            qh = _words16(blk + 128 + 32 * nh, 8)
+            qa, qb, qh = _q6k_half(blk, nh)
             for r in tl.static_range(4):
                 q = _q6k_run(qa, qb, qh, r)
                 xw = b * 64 + 32 * nh + 8 * r + i8
@@ -442,26 +456,20 @@ def _q6k_mma_kernel(h_ptr, l_ptr, s_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, M, N, K, 
     """As :func:`_q4k_mma_kernel` for a Q6_K weight: each run of 32 codes as int8 tensor-core dots,
     one per 16-element group (the other group's codes zeroed), then :func:`_q6k_dp4a_kernel`'s
     group terms in the same order."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn, row, b0, nb = _program(w_ptr, N, K, swn, BLOCK_N, SPLIT_K)
     rm = tl.arange(0, BLOCK_M)
-    row = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * swn
     i32 = tl.arange(0, 32)
     first = (i32 < 16)[None, :]
     mrow = rm < M
-    nb = K // 256 // SPLIT_K
-    b0 = tl.program_id(1) * nb
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for b in range(b0, b0 + nb):
         blk = row + b * 210
         d = _f16(blk + 208)
         for nh in tl.static_range(2):
-            qa = _words16(blk + 64 * nh, 8)
-            qb = _words16(blk + 64 * nh + 32, 8)
-            qh = _words16(blk + 128 + 32 * nh, 8)
+            qa, qb, qh = _q6k_half(blk, nh)
             for r in tl.static_range(4):
                 q = _q6k_run(qa, qb, qh, r)
-                codes = tl.reshape(tl.join(tl.join(q & 255, (q >> 16) & 255), tl.join((q >> 8) & 255, (q >> 24) & 255)),
-                                   (BLOCK_N, 32)).to(tl.int8)
+                codes = _bytes_of(q)
                 c0 = tl.where(first, codes, 0).to(tl.int8)
                 c1 = tl.where(first, 0, codes).to(tl.int8)
                 xo = rm[:, None].to(tl.int64) * K + (b * 256 + 128 * nh + 32 * r + i32)[None, :]
