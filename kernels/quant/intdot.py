@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.quant.partials import _split_sum_kernel
 from kernels.quant.weight import QuantizedWeight
 
 #: the second plane's scale: x = s * (h + l / L_SCALE)
@@ -508,8 +509,6 @@ def linear(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, split_k: 
         ValueError: another type, ``K`` not a multiple of ``256 * split_k``, or ``mma=False`` with
             more than one row.
     """
-    from kernels.quant.triton import _split_sum_kernel
-
     n, k = weight.shape
     m = x2.shape[0]
     split = split_k or split_k_for(n, k)

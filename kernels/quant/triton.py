@@ -81,6 +81,8 @@ import triton.language as tl
 from gguf.constants import GGML_QUANT_SIZES
 
 from kernels.linear.triton import MAX_ROWS, is_pow2, skinny_rows
+from kernels.quant import intdot
+from kernels.quant.partials import _split_sum_kernel
 from kernels.quant.weight import QuantizedWeight, as_qtype
 
 #: Rows per program of the skinny path (the tensor-core tile height); fixed, so it can never depend on ``M``.
@@ -554,18 +556,6 @@ def _qlinear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
                  mask=mm[:, None] & (rn < N)[None, :])
 
 
-@triton.jit
-def _split_sum_kernel(p_ptr, y_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    """``y[i] = p[0, i] + p[1, i] + ... + p[SPLIT_K - 1, i]`` in that order (float32), rounded
-    once to ``y``'s dtype: the partial sums ``[SPLIT_K, M * N]`` of a split-``K`` launch."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < MN
-    acc = tl.load(p_ptr + i, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(p_ptr + s * MN + i, mask=mask, other=0.0)
-    tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-
 def _check(x: torch.Tensor, weight: QuantizedWeight) -> None:
     if not isinstance(weight, QuantizedWeight):
         raise TypeError(f"weight must be a QuantizedWeight, got {type(weight).__name__}")
@@ -614,8 +604,6 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | No
     rw = ROUND_WEIGHTS if round_weights is None else bool(round_weights)
     if (config is None and not rw and m and n and weight.qtype.name in INT_DOTS
             and x2.dtype in (torch.float16, torch.bfloat16) and k % 256 == 0):
-        from kernels.quant import intdot
-
         intdot.linear(x2, weight, y)
         return y.reshape(*x.shape[:-1], n)
     if m and n and k:
