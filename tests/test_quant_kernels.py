@@ -620,10 +620,11 @@ def test_q4k_gemv_probe_equals_the_reference():
         G.q4k_gemv(torch.randn(2, 512, device=dev), w)
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
-def test_integer_dots_are_exact_in_their_integers_and_within_tolerance(name):
+@pytest.mark.parametrize("name,k", [("Q4_K", 512), ("Q6_K", 512), ("Q4_0", 576), ("Q4_1", 576), ("Q8_0", 512)])
+def test_integer_dots_are_exact_in_their_integers_and_within_tolerance(name, k):
     """kernels.quant.intdot (issue 19: x split into two 8-bit planes, exact integer dots per group
-    sharing a scale), the skinny path of kernels.quant.triton.linear for the types of INT_DOTS and
+    sharing a scale; Q4_K, Q6_K and the legacy Q4_0, Q4_1, Q8_0, these at SmolLM2's K = 576 where
+    they can be), the skinny path of kernels.quant.triton.linear for the types of INT_DOTS and
     16-bit x: the split (Triton) equals its torch reference but for the float sums' order and is
     within s / 508 per element; the torch oracle of the arithmetic equals gguf-py's dequantization
     and a float32 product within 1e-4 relative (issue 19's bound is 1e-3); the one-row dp4a kernel
@@ -635,7 +636,7 @@ def test_integer_dots_are_exact_in_their_integers_and_within_tolerance(name):
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator().manual_seed(5)
-    x = (torch.randn(5, 512, generator=g) * torch.logspace(-3, 1, 512)).to(dev)
+    x = (torch.randn(5, k, generator=g) * torch.logspace(-3, 1, k)).to(dev)
     p = intdot.split_x(x)
     ref_p = intdot.quantize_x(x.cpu())
     s32 = p.s.repeat_interleave(32, dim=1)
@@ -644,11 +645,11 @@ def test_integer_dots_are_exact_in_their_integers_and_within_tolerance(name):
     assert torch.allclose(back, ref_s32 * (ref_p.h.float() + ref_p.l.float() / intdot.L_SCALE), rtol=0, atol=1e-6)
     assert torch.allclose(p.xsum.cpu(), ref_p.xsum, rtol=1e-5, atol=1e-5)
     for sums, plane in ((p.hsum, p.h), (p.lsum, p.l)):
-        assert torch.equal(sums.cpu(), plane.cpu().to(torch.int32).reshape(5, 32, 16).sum(dim=2, dtype=torch.int32))
+        assert torch.equal(sums.cpu(), plane.cpu().to(torch.int32).reshape(5, k // 16, 16).sum(dim=2, dtype=torch.int32))
     assert ((s32 * (p.h.float() + p.l.float() / intdot.L_SCALE) - x).abs() <= s32 / (2 * intdot.L_SCALE) * 1.001).all()
-    w_cpu = _random_weight(name, 40, 512)
+    w_cpu = _random_weight(name, 40, k)
     assert rel(intdot.reference(x.cpu(), w_cpu), R.linear(x.cpu(), w_cpu, torch.float32)) <= 1e-4
-    w = QuantizedWeight(w_cpu.data.to(dev), name, (40, 512))   # (the same blocks: generators differ by device)
+    w = QuantizedWeight(w_cpu.data.to(dev), name, (40, k))   # (the same blocks: generators differ by device)
     oracle = intdot.reference(x, w_cpu, p)
     for split in (1, 2):
         many = intdot.linear(x, w, torch.empty(5, 40, device=dev), split_k=split, block_n=16, num_warps=4)
@@ -661,7 +662,7 @@ def test_integer_dots_are_exact_in_their_integers_and_within_tolerance(name):
         assert torch.equal(many, ones)
         assert rel(many.cpu(), R.linear(xb.cpu(), w_cpu, torch.float32)) <= 1e-4
     with pytest.raises(ValueError):
-        intdot.linear(x, w, torch.empty(5, 40, device=dev), split_k=4)
+        intdot.linear(x, w, torch.empty(5, 40, device=dev), split_k=64)
     with pytest.raises(ValueError):
         intdot.linear(x, w, torch.empty(5, 40, device=dev), mma=False)
 

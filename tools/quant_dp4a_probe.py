@@ -1,9 +1,10 @@
-"""Probe (issue 19): Q4_K and Q6_K products in exact integer arithmetic (:mod:`kernels.quant.intdot`),
-timed beside the generic skinny kernel and (Q4_K) a float32 GEMV.
+"""Probe (issue 19): products in exact integer arithmetic (:mod:`kernels.quant.intdot`: Q4_K, Q6_K,
+Q4_0, Q4_1, Q8_0), timed beside the generic skinny kernel and (Q4_K) a float32 GEMV.
 
     python tools/quant_dp4a_probe.py [--out FILE.json]      # on the GPU machine, ~2-4 min
     python tools/quant_dp4a_probe.py --smoke                # CPU self-test (TRITON_INTERPRET=1)
-    DP4A_QUICK=1 python tools/quant_dp4a_probe.py           # default launches only (no sweeps), ~30 s
+    DP4A_QUICK=1 python tools/quant_dp4a_probe.py           # default launches only (no sweeps), ~1 min
+    DP4A_TYPES=Q4_1,Q8_0 python tools/quant_dp4a_probe.py   # only those types' cases
 
 One row of ``x`` (bf16), per case of :data:`CASES`: the engine's generic skinny kernel
 (:func:`kernels.quant.triton.linear` with ``INT_DOTS`` empty, its default launch), for Q4_K the float32
@@ -46,8 +47,10 @@ def q4k_mma(x: torch.Tensor, w, block_n: int = intdot.MMA_BLOCK_N, num_warps: in
 
 
 #: (type, N, K): the 9B-shaped projections of tools/quant_config_ab.py's --quick cases (a Q4_K_M file's
-#: Q6_K tensors: ``attn_v`` and half the ``ffn_down``)
-CASES = [("Q4_K", 4096, 4096), ("Q4_K", 12288, 4096), ("Q4_K", 4096, 12288), ("Q6_K", 4096, 12288), ("Q6_K", 4096, 4096)]
+#: Q6_K tensors: ``attn_v`` and half the ``ffn_down``), a 9B-shaped Q8_0 one, and SmolLM2-135M's Q4_1
+#: shapes (``qkv``, ``gate_up``, ``down``)
+CASES = [("Q4_K", 4096, 4096), ("Q4_K", 12288, 4096), ("Q4_K", 4096, 12288), ("Q6_K", 4096, 12288), ("Q6_K", 4096, 4096),
+         ("Q8_0", 4096, 4096), ("Q4_1", 960, 576), ("Q4_1", 3072, 576), ("Q4_1", 576, 1536)]
 
 
 def configs(n: int, k: int) -> dict:
@@ -98,6 +101,7 @@ def main() -> int:
 
     quick = os.environ.get("DP4A_QUICK") == "1"
     T.INT_DOTS = ()         # the generic kernel as the baseline
+    only = os.environ.get("DP4A_TYPES")   # e.g. "Q4_1,Q8_0": only those cases
     dev = torch.device("cuda")
     timer = sq.Timer(dev, 20, 10)
     rows = []
@@ -105,7 +109,8 @@ def main() -> int:
     print("| type | N x K | MiB | copy us | generic skinny us | float GEMV best us | dp4a default us (split) | dp4a best us | best config "
           "| dp4a default / generic | dp4a default / copy | x split us | rel err vs gguf-py | rel err vs reference |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, n, k in CASES:
+    cases = [c for c in CASES if not only or c[0] in only.split(",")]
+    for name, n, k in cases:
         w0, ws, calls = sq.cold_weights(name, n, k, dev)
         copy = sq.copy_us(ws, timer, calls)
         x = torch.randn(1, k, device=dev).to(torch.bfloat16)
@@ -134,7 +139,7 @@ def main() -> int:
     print("| type | N x K | generic M=16 us | mma default M=4 us | mma default M=16 us | mma best M=1 / 4 / 16 us | best config at M=16 "
           "| default M=16 / default dp4a M=1 | rows bit-equal to dp4a | rel err M=16 vs gguf-py |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for (name, n, k), r in zip(CASES, rows):
+    for (name, n, k), r in zip(cases, rows):
         w0, ws, calls = sq.cold_weights(name, n, k, dev)
         launches = sq.probe_launches(n, k, (16, 32, 64), (2, 4), (512, 1024))
         best_m, default_m = {}, {}

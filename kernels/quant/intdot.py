@@ -54,12 +54,12 @@ MMA_ROWS = 64
 DP4A_BLOCK_N, MMA_BLOCK_N = 16, 64
 
 
-def split_k_for(n: int, k: int) -> int:
-    """The ``K`` split of both kernels for an ``[N, K]`` Q4_K weight: the smallest power of two
-    (at most 16, dividing ``K``'s super-blocks) giving the one-row launch at least 2048 programs of
-    :data:`DP4A_BLOCK_N` features (``run9``'s best one-row launches: 4096 x 4096 split 8, 12288 x
-    4096 split 4). Never depends on ``M``."""
-    blocks = k // 256
+def split_k_for(n: int, k: int, block: int = 256) -> int:
+    """The ``K`` split of both kernels for an ``[N, K]`` weight of ``block``-element blocks: the
+    smallest power of two (at most 16, dividing ``K``'s blocks) giving the one-row launch at least
+    2048 programs of :data:`DP4A_BLOCK_N` features (``run9``'s best one-row Q4_K launches: 4096 x
+    4096 split 8, 12288 x 4096 split 4). Never depends on ``M``."""
+    blocks = k // block
     split = 1
     while triton.cdiv(n, DP4A_BLOCK_N) * split < 2048 and split < 16 and blocks % (split * 2) == 0:
         split *= 2
@@ -110,7 +110,16 @@ def quantize_x(x: torch.Tensor) -> Planes:
 
 
 #: the types the integer kernels take
-TYPES = ("Q4_K", "Q6_K")
+TYPES = ("Q4_K", "Q6_K", "Q4_0", "Q4_1", "Q8_0")
+#: the legacy types among them: blocks of 32 elements, one scale (and min) each
+LEGACY = ("Q4_0", "Q4_1", "Q8_0")
+#: the kernels' constexpr for each legacy type
+_LEGACY_CODE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
+
+
+def block_elems(name: str) -> int:
+    """Elements per block of ``name`` (:data:`TYPES`): 256 for the k-quants, 32 for the legacy types."""
+    return 32 if name in LEGACY else 256
 
 
 def reference(x: torch.Tensor, w: QuantizedWeight, planes: Planes | None = None) -> torch.Tensor:
@@ -130,6 +139,8 @@ def reference(x: torch.Tensor, w: QuantizedWeight, planes: Planes | None = None)
     p = planes if planes is not None else quantize_x(x)
     if w.qtype.name == "Q6_K":
         return _reference_q6k(x, w, p)
+    if w.qtype.name in LEGACY:
+        return _reference_legacy(x, w, p)
     h, lo, s, xsum = p.h, p.l, p.s, p.xsum
     m, k = x.shape
     n = w.shape[0]
@@ -174,6 +185,39 @@ def q6k_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     sc = raw[..., 192:208].contiguous().view(torch.int8).to(torch.int64)
     d = raw[..., 208:210].contiguous().view(torch.float16).float()[..., 0]
     return runs.reshape(n, b, 256), sc, d
+
+
+def legacy_codes(name: str, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Blocks ``[N, B, bytes]`` (uint8) of a legacy type -> ``(codes, d, m)``: the codes int64 ``[N, B,
+    32]`` in element order as the dots see them (Q4_0, Q4_1: 0..15, the low nibbles of the 16 code
+    bytes then the high ones; Q8_0: -128..127), ``d`` float32 ``[N, B]`` and ``m`` (Q4_1's min, else
+    None). The value is ``d * (q - 8)`` (Q4_0), ``d * q + m`` (Q4_1), ``d * q`` (Q8_0): gguf-py's."""
+    d = raw[..., 0:2].contiguous().view(torch.float16).float()[..., 0]
+    if name == "Q8_0":
+        return raw[..., 2:34].contiguous().view(torch.int8).to(torch.int64), d, None
+    at = 4 if name == "Q4_1" else 2
+    qs = raw[..., at : at + 16].to(torch.int64)
+    m = raw[..., 2:4].contiguous().view(torch.float16).float()[..., 0] if name == "Q4_1" else None
+    return torch.cat([qs & 15, qs >> 4], dim=-1), d, m
+
+
+def _reference_legacy(x: torch.Tensor, w: QuantizedWeight, p: Planes) -> torch.Tensor:
+    m, k = x.shape
+    n = w.shape[0]
+    name = w.qtype.name
+    codes, d, mn = legacy_codes(name, w.data.cpu().reshape(n, k // 32, -1))
+    hp = p.h.cpu().to(torch.int64).reshape(m, k // 32, 32)
+    lp = p.l.cpu().to(torch.int64).reshape(m, k // 32, 32)
+    dot_h = torch.einsum("nbi,mbi->mnb", codes, hp)
+    dot_l = torch.einsum("nbi,mbi->mnb", codes, lp)
+    if name == "Q4_0":   # the codes' offset of 8 out of the dots
+        dot_h = dot_h - 8 * hp.sum(dim=2)[:, None]
+        dot_l = dot_l - 8 * lp.sum(dim=2)[:, None]
+    sx = p.s.cpu()[:, None].double()
+    term = d.double() * sx * (dot_h.double() + dot_l.double() / L_SCALE)
+    if mn is not None:
+        term = term + mn.double() * p.xsum.cpu()[:, None].double()
+    return term.sum(dim=2).float()
 
 
 def _reference_q6k(x: torch.Tensor, w: QuantizedWeight, p: Planes) -> torch.Tensor:
@@ -494,6 +538,126 @@ def _q6k_mma_kernel(h_ptr, l_ptr, s_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, M, N, K, 
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rn[:, None] < N) & mrow[None, :])
 
 
+@triton.jit
+def _dp4a_ss(a, b, EMULATE: tl.constexpr):
+    """As :func:`_dp4a` with signed bytes in ``a`` too (Q8_0's codes): PTX ``dp4a.s32.s32``."""
+    if EMULATE:
+        acc = tl.zeros(a.shape, tl.int32)
+        for t in tl.static_range(4):
+            acc += ((a << (24 - 8 * t)) >> 24) * ((b << (24 - 8 * t)) >> 24)
+        return acc
+    else:
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, tl.zeros(a.shape, tl.int32)],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _legacy_block(blk, QT: tl.constexpr):
+    """``(d, m, lo, hi)`` of the legacy blocks at ``blk`` (``[R]`` uint8 pointers, 2-byte aligned):
+    ``d`` (and Q4_1's ``m``, else 0) as float32 ``[R]``; the code words ``[R, 4]`` of elements 0-15
+    (``lo``) and 16-31 (``hi``), four codes per word (Q4_0 / Q4_1: the nibbles, 0..15; Q8_0: the
+    signed bytes)."""
+    d = _f16(blk)
+    if QT == 2:      # Q8_0: d, 32 int8
+        w = _words16(blk + 2, 8)
+        lo, hi = tl.split(tl.permute(tl.reshape(w, (w.shape[0], 2, 4)), (0, 2, 1)))
+        return d, 0.0, lo, hi
+    else:            # Q4_0: d, 16 code bytes; Q4_1: d, m, 16 code bytes
+        if QT == 1:
+            m = _f16(blk + 2)
+            w = _words16(blk + 4, 4)
+        else:
+            m = 0.0
+            w = _words16(blk + 2, 4)
+        return d, m, w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F
+
+
+@triton.jit
+def _legacy_term(dh, dl, d, m, sx, xsum, hs, ls, QT: tl.constexpr):
+    """A legacy block's term (float32) from its integer dots: Q4_0 ``(d * s) * ((dot_h - 8 sum h) +
+    (dot_l - 8 sum l) / 254)``, Q4_1 ``(d * s) * (dot_h + dot_l / 254) + m * sum x``, Q8_0 ``(d * s) *
+    (dot_h + dot_l / 254)``, its roundings spelled out as in :func:`_epilogue`."""
+    if QT == 0:
+        return _epilogue6(dh - 8 * hs, dl - 8 * ls, d, sx)
+    elif QT == 1:
+        return _epilogue(dh, dl, d, sx, m, xsum)
+    else:
+        return _epilogue6(dh, dl, d, sx)
+
+
+@triton.jit
+def _legacy_dp4a_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, N, K, swn,
+                        QT: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+                        EMULATE: tl.constexpr):
+    """One row of ``x`` (:class:`Planes`) times a legacy weight (``QT``: 0 Q4_0, 1 Q4_1, 2 Q8_0;
+    ``BS`` bytes per block of 32): per block the code words of elements 0-15 and 16-31
+    (:func:`_legacy_block`) against the planes' words, ``dp4a`` (Q8_0: signed), then
+    :func:`_legacy_term`. ``y_ptr``: ``[N]``, or the float32 scratch ``[SPLIT_K, N]``."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * swn
+    nb = K // 32 // SPLIT_K
+    b0 = tl.program_id(1) * nb
+    i4 = tl.arange(0, 4)
+    hw = h_ptr.to(tl.pointer_type(tl.int32))
+    lw = l_ptr.to(tl.pointer_type(tl.int32))
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for b in range(b0, b0 + nb):
+        d, m, lo, hi = _legacy_block(row + b * BS, QT)
+        dh = tl.zeros([BLOCK_N], tl.int32)
+        dl = tl.zeros([BLOCK_N], tl.int32)
+        for half in tl.static_range(2):
+            q = lo if half == 0 else hi
+            xw = b * 8 + 4 * half + i4
+            xh = tl.broadcast_to(tl.load(hw + xw)[None, :], (BLOCK_N, 4))
+            xl = tl.broadcast_to(tl.load(lw + xw)[None, :], (BLOCK_N, 4))
+            if QT == 2:
+                dh += tl.sum(_dp4a_ss(q, xh, EMULATE), axis=1)
+                dl += tl.sum(_dp4a_ss(q, xl, EMULATE), axis=1)
+            else:
+                dh += tl.sum(_dp4a(q, xh, EMULATE), axis=1)
+                dl += tl.sum(_dp4a(q, xl, EMULATE), axis=1)
+        hs = tl.load(hs_ptr + 2 * b) + tl.load(hs_ptr + 2 * b + 1)
+        ls = tl.load(ls_ptr + 2 * b) + tl.load(ls_ptr + 2 * b + 1)
+        acc += _legacy_term(dh, dl, d, m, tl.load(s_ptr + b), tl.load(xs_ptr + b), hs, ls, QT)
+    if SPLIT_K > 1:
+        y_ptr += tl.program_id(1).to(tl.int64) * N
+    tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def _legacy_mma_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, M, N, K, swn,
+                       QT: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       SPLIT_K: tl.constexpr):
+    """As :func:`_legacy_dp4a_kernel` for ``M`` rows: each block's 32 codes as int8 tensor-core dots
+    with both planes (exact), then :func:`_legacy_term` in the same order."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * swn
+    nb = K // 32 // SPLIT_K
+    b0 = tl.program_id(1) * nb
+    rm = tl.arange(0, BLOCK_M)
+    i32 = tl.arange(0, 32)
+    mrow = rm < M
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for b in range(b0, b0 + nb):
+        d, m, lo, hi = _legacy_block(row + b * BS, QT)
+        codes = _bytes_of(tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_N, 8)))   # elements 0-15, then 16-31
+        xo = rm[:, None].to(tl.int64) * K + (b * 32 + i32)[None, :]
+        xh = tl.trans(tl.load(h_ptr + xo, mask=mrow[:, None], other=0))      # [32, BLOCK_M] int8
+        xl = tl.trans(tl.load(l_ptr + xo, mask=mrow[:, None], other=0))
+        dh = tl.dot(codes, xh, out_dtype=tl.int32)
+        dl = tl.dot(codes, xl, out_dtype=tl.int32)
+        q = rm * (K // 16) + 2 * b
+        hs = (tl.load(hs_ptr + q, mask=mrow, other=0) + tl.load(hs_ptr + q + 1, mask=mrow, other=0))[None, :]
+        ls = (tl.load(ls_ptr + q, mask=mrow, other=0) + tl.load(ls_ptr + q + 1, mask=mrow, other=0))[None, :]
+        sx = tl.load(s_ptr + rm * (K // 32) + b, mask=mrow, other=1.0)[None, :]
+        xsum = tl.load(xs_ptr + rm * (K // 32) + b, mask=mrow, other=0.0)[None, :]
+        acc += _legacy_term(dh, dl, d[:, None], m if QT != 1 else m[:, None], sx, xsum, hs, ls, QT)
+    if SPLIT_K > 1:
+        y_ptr += tl.program_id(1).to(tl.int64) * M * N
+    out = y_ptr + rm[None, :].to(tl.int64) * N + rn[:, None]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rn[:, None] < N) & mrow[None, :])
+
+
 def linear(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, split_k: int | None = None,
            block_n: int | None = None, num_warps: int | None = None, planes: Planes | None = None,
            mma: bool | None = None) -> torch.Tensor:
@@ -511,10 +675,13 @@ def linear(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, split_k: 
     """
     n, k = weight.shape
     m = x2.shape[0]
-    split = split_k or split_k_for(n, k)
-    q6 = weight.qtype.name == "Q6_K"
-    if weight.qtype.name not in TYPES or k % (256 * split):
-        raise ValueError(f"a Q4_K or Q6_K weight with K a multiple of {256 * split}, got {weight.qtype.name} "
+    name = weight.qtype.name
+    blk = block_elems(name) if name in TYPES else 256
+    split = split_k or split_k_for(n, k, blk)
+    q6 = name == "Q6_K"
+    legacy = name in LEGACY
+    if name not in TYPES or k % (blk * split):
+        raise ValueError(f"a weight of {', '.join(TYPES)} with K a multiple of {blk * split}, got {name} "
                          f"{tuple(weight.shape)}")
     p = planes if planes is not None else split_x(x2)
     data = weight.data
@@ -529,7 +696,11 @@ def linear(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, split_k: 
                 raise ValueError("the dp4a kernel takes one row")
             bn = block_n or DP4A_BLOCK_N
             grid = (triton.cdiv(n, bn), split)
-            if q6:
+            if legacy:
+                _legacy_dp4a_kernel[grid](r.h, r.l, r.s, r.xsum, r.hsum, r.lsum, data, out, n, k, data.stride(0),
+                                          QT=_LEGACY_CODE[name], BS=data.shape[1] * 32 // k, BLOCK_N=bn, SPLIT_K=split,
+                                          EMULATE=emulate, num_warps=num_warps or 1)
+            elif q6:
                 _q6k_dp4a_kernel[grid](r.h, r.l, r.s, r.hsum, r.lsum, data, out, n, k, data.stride(0), BLOCK_N=bn,
                                        SPLIT_K=split, EMULATE=emulate, num_warps=num_warps or 1)
             else:
@@ -539,7 +710,11 @@ def linear(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, split_k: 
             bn = block_n or MMA_BLOCK_N
             grid = (triton.cdiv(n, bn), split)
             bm = max(16, triton.next_power_of_2(rows))
-            if q6:
+            if legacy:
+                _legacy_mma_kernel[grid](r.h, r.l, r.s, r.xsum, r.hsum, r.lsum, data, out, rows, n, k, data.stride(0),
+                                         QT=_LEGACY_CODE[name], BS=data.shape[1] * 32 // k, BLOCK_M=bm, BLOCK_N=bn,
+                                         SPLIT_K=split, num_warps=num_warps or 2)
+            elif q6:
                 _q6k_mma_kernel[grid](r.h, r.l, r.s, r.hsum, r.lsum, data, out, rows, n, k, data.stride(0), BLOCK_M=bm,
                                       BLOCK_N=bn, SPLIT_K=split, num_warps=num_warps or 2)
             else:
@@ -550,5 +725,5 @@ def linear(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, split_k: 
     return y
 
 
-__all__ = ["DP4A_BLOCK_N", "L_SCALE", "MMA_BLOCK_N", "MMA_ROWS", "Planes", "TYPES", "linear", "q6k_codes", "quantize_x",
-           "reference", "split_k_for", "split_x"]
+__all__ = ["DP4A_BLOCK_N", "L_SCALE", "LEGACY", "MMA_BLOCK_N", "MMA_ROWS", "Planes", "TYPES", "block_elems", "legacy_codes",
+           "linear", "q6k_codes", "quantize_x", "reference", "split_k_for", "split_x"]
