@@ -59,6 +59,7 @@ with reason ``draft_deadline``) and shown in ``DrafterStatus.detail``.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import queue
@@ -99,7 +100,8 @@ KEEP_VIEWS = 8
 #: (:meth:`Scheduler._start_refeatures`): each holds a target slot while its prefill runs
 REFEATURES_AT_ONCE = 4
 
-_NEVER = float("inf")
+#: recomputes a request may try when the target fails them with one of :data:`_RETRIED`
+REFEATURE_TRIES = 5
 
 #: most drafter session ids kept for a later release (older ones are left to the drafter's idle reaper)
 STALE_IDS = 4096
@@ -115,6 +117,10 @@ RESYNC_BYTES = 32 << 20
 #: Most requests in a tick for which the scheduler's exchanges poll the same-host hop before
 #: blocking (:meth:`Scheduler.hop_spin`).
 SPIN_BATCH = 2
+
+#: a recompute that failed with one of these is tried again later (:meth:`Scheduler._collect_refeatures`)
+_RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+            grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 #: a Release that failed with one of these may not have reached the service: it is sent again later
 _TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
@@ -190,6 +196,7 @@ class Request:
     loose: int = 0                  # history[loose:] may be views of a Verify reply's buffer (Scheduler._keep)
     seq: list = dataclasses.field(default_factory=list)  # prompt + emitted tokens: [0, length) committed, then the root
     refeat_after: float = 0.0       # time.monotonic() before which no recompute of its rows is started
+    refeat_tries: int = 0           # recomputes of its rows that failed
     t_first: float = 0.0
     tree_params: tuple | None = None   # (budget, top_k, max_depth or a large number) of ``tree``, once read
     flush_at: float = 0.0           # its tokens are handed to the handler from then on (stream_interval)
@@ -368,6 +375,7 @@ class Scheduler:
         self._refeature_wanted = False   # some request's drafter session is lost (_lose_rows)
         self._scratch = 0                # scratch target sessions started (their ids: _start_refeatures)
         self.refeatures = 0              # drafter sessions whose rows the target recomputed
+        self._stop_features: list[str] = []   # requests made plain outside a tick: the next Verify stops their rows
         self._active: list[Request] = []
         self._admitting = 0   # requests taken off the queue whose prefill is not in _prefilling yet
         # (request, event) emitted and not yet handed to its handler (_emit, _end, _flush_events)
@@ -495,15 +503,17 @@ class Scheduler:
         # sessions it could not release: prefills answered after it stopped, or a thread stuck in a tick
         on_target = {r.session_id for r in self._active if r.on_target}
         on_drafter = {r.session_id for r in self._active if r.on_drafter}
-        for req, fut in list(self._prefilling):
+        opening = [(req.session_id, fut) for req, fut in self._prefilling]
+        opening += [(sid, fut) for _, fut, sid, _ in self._refeaturing]   # scratch sessions of recomputes
+        for sid, fut in opening:
             try:
                 fut.result(timeout=max(0.0, deadline - time.monotonic() - 1.0))   # keep 1 s for the Releases
-                on_target.add(req.session_id)
-            except grpc.FutureTimeoutError:
-                on_target.add(req.session_id)   # still running: release it on the target anyway
+                on_target.add(sid)
+            except (grpc.FutureTimeoutError, concurrent.futures.TimeoutError):
+                on_target.add(sid)   # still running: release it on the target anyway
             except Exception:  # noqa: BLE001 - refused or cancelled: nothing opened
                 pass
-        self._prefilling = []
+        self._prefilling, self._refeaturing = [], []
         released = {"target": 0, "draft": 0}
         for peer, who, ids in (("target", self.target, on_target), ("draft", self.draft, on_drafter)):
             stub = getattr(who, "stub", None) if ids else None
@@ -617,9 +627,6 @@ class Scheduler:
             self._end(r, Failure(grpc.StatusCode.UNAVAILABLE, "orchestrator is shutting down", Reason.SHUTTING_DOWN))
             r.closed = True
         self._drop_closed()
-        if self._refeaturing:
-            self._release_ids("target", [sid for _, _, sid, _ in self._refeaturing])
-            self._refeaturing = []
         for call in (self._verify, self._propose):
             if call is not None:
                 call.close()
@@ -680,24 +687,24 @@ class Scheduler:
             self._draft_stale.clear()
         self._release_ids("draft", ids)
 
-    def _new_draft_session(self, r: Request) -> None:
+    def _new_draft_session(self, r: Request, drop: bool = False) -> None:
         """``r``'s drafter session is lost or in an unknown state: its old id is to be released
         (later, :meth:`_release_stale`) and it is re-created under a new id (:meth:`_lose_rows`)."""
         with self._lock:
             self._draft_stale.append(r.draft_id)
         r.draft_gen += 1
         r.on_drafter = False
-        self._lose_rows(r)
+        self._lose_rows(r, drop)
 
-    def _lose_rows(self, r: Request) -> None:
+    def _lose_rows(self, r: Request, drop: bool = False) -> None:
         """``r``'s drafter session is gone (or never to be used again as it is): the next Propose
         that carries ``r`` creates a new one from rows ``[0, L)``. Rows kept from ``rows_from > 0``
         cannot do that alone, so they are dropped and ``r`` keeps none until the target has
         recomputed the rows of its committed tokens (:meth:`_start_refeatures`); rows kept from 0
-        (a prompt's, not yet sent) still can. The orchestrator keeps no history of sent rows
-        (docs/ARCHITECTURE.md, "Drafter faults")."""
+        (a prompt's, not yet sent) still can, unless ``drop``. The orchestrator keeps no history
+        of sent rows (docs/ARCHITECTURE.md, "Drafter faults")."""
         r.draft_synced = False
-        if r.rows_from or not r.keeping:
+        if drop or r.rows_from or not r.keeping:
             r.history.clear()
             r.history_bytes = r.loose = 0
             r.rows_from = r.length
@@ -711,16 +718,19 @@ class Scheduler:
         tokens ``seq[:L]`` into a scratch target session (``session_id#fN``, released when it
         answers) returns rows ``[0, L)``; the rows its ticks commit meanwhile are kept from ``L``
         on (:meth:`_collect_refeatures` joins them). At most :data:`REFEATURES_AT_ONCE` at a time,
-        each holding a target slot while it runs (before admission takes the free ones), and only
-        while the drafter is usable: while it is down nothing is kept or recomputed."""
+        each holding a target slot while it runs (before admission takes the free ones; one at a
+        time while requests are queued), and only while ticks draft (the drafter usable, the batch
+        small enough to draft, the policy drafting): otherwise nothing is kept or recomputed."""
         self._refeature_wanted = False
         layers = None
         now = time.monotonic()
+        # while requests wait for a session, one recompute at a time goes ahead of them
+        most = 1 if self._queue else REFEATURES_AT_ONCE
         for r in self._active:
-            if r.keeping or r.closed or not r.speculative or r.refeat_after == _NEVER:
+            if r.keeping or r.closed or not r.speculative:
                 continue
-            if r.refeat_after > now or len(self._refeaturing) >= REFEATURES_AT_ONCE:
-                self._refeature_wanted = True   # (later)
+            if not self.drafting or r.refeat_after > now or len(self._refeaturing) >= most:
+                self._refeature_wanted = True   # (later: a tick that drafts, its backoff, a free place)
                 continue
             if layers is None:
                 layers = self.draft.layers() if self._drafter() is not None else None
@@ -744,9 +754,13 @@ class Scheduler:
     def _collect_refeatures(self) -> None:
         """Join the rows the target recomputed (:meth:`_start_refeatures`) before the rows kept
         since: the request's next Propose creates its drafter session from rows ``[0, L)``. A
-        refused or failed recompute leaves the request decoding plainly and is tried again a
-        second later (a quarter of a second when the target had no free slot); a request that
-        ended meanwhile is forgotten. Every scratch session is released."""
+        refused or failed recompute leaves the request decoding plainly meanwhile; a request that
+        ended meanwhile is forgotten. Every scratch session is released. A recompute refused for
+        want of a slot is tried again a quarter of a second later; one that failed as the target
+        may when busy or restarting (:data:`_RETRIED`) after 1, 2, 4 ... s, :data:`REFEATURE_TRIES`
+        times at most; any other failure (a context the target will not prefill, a malformed reply)
+        leaves the request plain to its end, like a demoted one (the next Verify's
+        ``stop_features`` names it)."""
         still, done = [], []
         for entry in self._refeaturing:
             (still if not entry[1].done() else done).append(entry)
@@ -765,16 +779,21 @@ class Scheduler:
                     raise ValueError(f"{got.rows if got is not None else 0} feature rows for {rows} tokens")
             except (grpc.RpcError, ValueError, IndexError) as e:
                 code = e.code() if isinstance(e, grpc.RpcError) else None
-                no_slot = code is not None and target_status(code, reason_of(e))[1] == Reason.NO_FREE_SLOT
+                reason = target_status(code, reason_of(e))[1] if code is not None else ""
                 self._lose_rows(r)
-                if no_slot:   # slots held by another client: again later
+                r.refeat_tries += 1
+                if reason == Reason.NO_FREE_SLOT:   # slots held by another client: again soon
                     r.refeat_after = now + 0.25
                     self._refeature_wanted = True
-                else:         # (a prompt the target refuses, a target failing): plain to its end
+                elif code in _RETRIED and r.refeat_tries < REFEATURE_TRIES:   # (a target busy or restarting)
+                    r.refeat_after = now + min(30.0, 2.0 ** (r.refeat_tries - 1))
+                    self._refeature_wanted = True
+                else:   # a context the target refuses, a malformed reply, tries spent: plain to its end
                     log.warning("the target did not recompute a lost drafter session's rows; it decodes plainly "
                                 "to its end", extra={"session": r.session_id, "code": code.name if code else "",
-                                                      "error": str(e)[:200]})
-                    r.refeat_after = _NEVER
+                                                      "reason": reason, "error": str(e)[:200], "tries": r.refeat_tries})
+                    r.speculative = False   # (as a demoted request: the target stops its feature rows)
+                    self._stop_features.append(r.session_id)
                 continue
             r.history.insert(0, got)
             r.history_bytes += len(got.data)
@@ -865,9 +884,9 @@ class Scheduler:
         reply that carried them (which holds every item's rows) stay so for up to
         :data:`KEEP_VIEWS` ticks, then are copied out, several ticks' at once (:meth:`_compact`),
         so a reply's buffer is not held for long by a request that has not drafted for a while.
-        Past ``history_bytes`` of rows for an existing drafter session, the session is given up
-        and re-created later from rows the target recomputes (a new session's rows, from 0, are
-        all kept: its first Propose sends them)."""
+        Past ``history_bytes`` of rows piled up over ticks without a Propose for the request, its
+        drafter session is given up and re-created later from rows the target recomputes (its
+        first entry, a prompt's rows or recomputed ones, is always kept whatever its size)."""
         if not req.keeping:
             req.rows_from = req.length
             return
@@ -887,11 +906,13 @@ class Scheduler:
             req.loose += 1
         elif len(history) - req.loose > KEEP_VIEWS:
             self._compact(req)
-        if req.rows_from and req.history_bytes > self.history_bytes:   # (a new session's rows all go)
+        if len(history) > 1 and req.history_bytes > self.history_bytes:
+            # rows piled up over ticks without a Propose for it (its first entry, a prompt's or
+            # the recomputed rows, is always kept): given up; the target recomputes them later
             if req.on_drafter:
-                self._new_draft_session(req)
+                self._new_draft_session(req, drop=True)
             else:
-                self._lose_rows(req)
+                self._lose_rows(req, drop=True)
 
     @staticmethod
     def _compact(req: Request) -> None:
@@ -984,6 +1005,9 @@ class Scheduler:
                     parents += drafted[1]
                     nodes_of[i], depth_of[i] = len(drafted[0]) - 1, drafted[2]
             request = verify_request(columnar, sids, sizes, tokens, parents)
+        if self._stop_features:
+            stop_features = stop_features + self._stop_features
+            self._stop_features = []
         if stop_features:
             request.stop_features.extend(stop_features)
         try:
@@ -1291,9 +1315,7 @@ class Scheduler:
         for r in self._active:
             if r.on_drafter or id(r) in asked_ids:
                 self._new_draft_session(r)
-            else:
-                self._lose_rows(r)
-            r.on_drafter = False
+            r.on_drafter = False   # (others keep their rows: a new session's, or a recompute's in flight)
         self.fallbacks += 1
         metrics.observe_fallback(reason)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
@@ -227,7 +229,8 @@ def test_kept_rows_are_exactly_those_the_drafter_lacks():
     session lacks, as views of the reply that brought them for at most KEEP_VIEWS ticks, then as
     bytes of their own (_compact); a Propose that carried them (_sent) leaves none; a lost
     session (_lose_rows) keeps its rows only while they start at 0 (a new session's), else none
-    until the target recomputes them; past history_bytes an existing session is given up."""
+    until the target recomputes them; past history_bytes of rows piled up over ticks (more than
+    one entry) the session is given up, whatever its rows start at."""
     import random
 
     from dflash_grpc.columns import Rows
@@ -265,9 +268,10 @@ def test_kept_rows_are_exactly_those_the_drafter_lacks():
                 n = rng.randrange(0, 3)
                 reply = bytes(rng.randrange(256) for _ in range(4 * (n + 2)))
                 req.length += n
-                before = req.draft_gen
+                kept = req.keeping
                 sched._keep(req, Rows(1, 2, n, memoryview(reply)[4:4 + 4 * n]) if n else None)
-                if req.draft_gen != before:               # past history_bytes: given up, a new id later
+                if kept and not req.keeping:              # past history_bytes: given up, recomputed later
+                    assert len(lacks) + 4 * n > limit     # (only rows piled up past the bound)
                     gave_up += 1
                     lacks = None
                 elif lacks is not None and n:
@@ -294,8 +298,10 @@ def test_a_lost_drafter_session_is_recomputed_by_the_target_in_a_free_slot_befor
     """A request whose drafter session is lost keeps no rows; the target recomputes rows [0, L)
     of its committed tokens (prompt and emitted, ``seq[:L]``) in a scratch session, which needs a
     free target slot: none while the target is full, the first freed one before a queued request
-    is admitted. The rows committed meanwhile are kept from L, joined after the recomputed ones,
-    and the scratch session is released. A refused recompute leaves the request plain."""
+    is admitted (one recompute at a time while requests are queued; none while ticks do not draft).
+    The rows committed meanwhile are kept from L, joined after the recomputed ones, and the scratch
+    session is released. A recompute the target fails as when busy is tried again after a backoff;
+    one it refuses otherwise leaves the request plain to its end, its feature rows stopped."""
     import concurrent.futures
 
     from dflash_grpc.columns import Rows
@@ -348,6 +354,7 @@ def test_a_lost_drafter_session_is_recomputed_by_the_target_in_a_free_slot_befor
     sched._stop.set()
     sched._thread.join(5)     # (driven by hand here)
     sched._drafter = lambda: object()
+    sched.drafting = True                        # (ticks draft: recomputes may start)
     a, b = request("a"), request("b")
     sched._active = [a, b]
     sched._new_draft_session(a)                  # e.g. the drafter refused its item
@@ -376,18 +383,44 @@ def test_a_lost_drafter_session_is_recomputed_by_the_target_in_a_free_slot_befor
     assert item.session_id in Target.stub.Release.released and sched._refeaturing == []
     assert a.rows_from == 0 and b"".join(bytes(h.data) for h in a.history) == bytes(range(100, 132)) + bytes(range(12))
     assert sum(h.rows for h in a.history) == a.length and sched.refeatures == 1
-    # refused (not for a slot): plain to its end, never asked again
+    def failed(code):
+        return type("Failed", (grpc.RpcError,), {"code": lambda self: code, "trailing_metadata": lambda self: ()})()
+
+    # a target busy or restarting: tried again after a backoff, still a drafting request
     c = request("c")
     sched._active = [c]
     sched._lose_rows(c)
     sched._start_refeatures()
     assert len(calls) == 2
-    calls[1][1].set_exception(type("Refused", (grpc.RpcError,), {"code": lambda self: grpc.StatusCode.INVALID_ARGUMENT,
-                                                                 "trailing_metadata": lambda self: ()})())
+    calls[1][1].set_exception(failed(grpc.StatusCode.UNAVAILABLE))
+    sched._collect_refeatures()
+    assert c.speculative and not c.keeping and c.refeat_after > time.monotonic() + 0.5 and sched._refeature_wanted
+    sched._start_refeatures()
+    assert len(calls) == 2                       # (not before its backoff)
+    c.refeat_after = 0.0
+    sched._start_refeatures()
+    assert len(calls) == 3
+    # refused (not for a slot, nor as a target may when busy): plain to its end, its rows stopped
+    calls[2][1].set_exception(failed(grpc.StatusCode.INVALID_ARGUMENT))
     sched._collect_refeatures()
     sched._start_refeatures()
-    assert len(calls) == 2 and not c.keeping and not sched._refeature_wanted
-    sched._active = []
+    assert len(calls) == 3 and not c.keeping and not c.speculative and not sched._refeature_wanted
+    assert sched._stop_features == ["c"]         # (the next Verify's stop_features)
+    # while requests are queued, one recompute at a time; none while ticks do not draft
+    sched._stop_features = []
+    d, e = request("d"), request("e")
+    sched._active, sched.max_sessions = [d, e], 8
+    sched._queue.append(request("waiting"))
+    sched._lose_rows(d)
+    sched._lose_rows(e)
+    sched.drafting = False
+    sched._start_refeatures()
+    assert len(calls) == 3 and sched._refeature_wanted
+    sched.drafting = True
+    sched._start_refeatures()
+    assert len(calls) == 4 and len(sched._refeaturing) == 1
+    sched._active, sched._refeaturing = [], []
+    sched._queue.clear()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -620,10 +620,10 @@ def test_q4k_gemv_probe_equals_the_reference():
         G.q4k_gemv(torch.randn(2, 512, device=dev), w)
 
 
-@pytest.mark.parametrize("name,k", [("Q4_K", 512), ("Q6_K", 512), ("Q4_0", 576), ("Q4_1", 576), ("Q8_0", 512)])
+@pytest.mark.parametrize("name,k", [("Q4_K", 512), ("Q5_K", 512), ("Q6_K", 512), ("Q4_0", 576), ("Q4_1", 576), ("Q8_0", 512)])
 def test_integer_dots_are_exact_in_their_integers_and_within_tolerance(name, k):
     """kernels.quant.intdot (issue 19: x split into two 8-bit planes, exact integer dots per group
-    sharing a scale; Q4_K, Q6_K and the legacy Q4_0, Q4_1, Q8_0, these at SmolLM2's K = 576 where
+    sharing a scale; Q4_K, Q5_K, Q6_K and the legacy Q4_0, Q4_1, Q8_0, these at SmolLM2's K = 576 where
     they can be), the skinny path of kernels.quant.triton.linear for the types of INT_DOTS and
     16-bit x: the split (Triton) equals its torch reference but for the float sums' order and is
     within s / 508 per element; the torch oracle of the arithmetic equals gguf-py's dequantization
@@ -665,6 +665,28 @@ def test_integer_dots_are_exact_in_their_integers_and_within_tolerance(name, k):
         intdot.linear(x, w, torch.empty(5, 40, device=dev), split_k=64)
     with pytest.raises(ValueError):
         intdot.linear(x, w, torch.empty(5, 40, device=dev), mma=False)
+
+
+def test_integer_kernels_compile_for_the_gpu():
+    """tools/intdot_compile.py: every kernel of kernels.quant.intdot (the split, and the dp4a and
+    tensor-core kernels of each type) compiles for sm_90 through Triton's backend and ptxas, without
+    a GPU. The CPU tests run them in the interpreter, which never compiles them nor reads their PTX
+    (dp4a), so a kernel that would not compile for the GPU fails here. A subprocess without
+    TRITON_INTERPRET (under it a kernel is no longer compilable); skipped where Triton's NVIDIA
+    backend is not installed."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("Triton's NVIDIA backend is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "tools/intdot_compile.py"], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "kernel" not in line]
+    assert len(rows) == 13, out.stdout
+    assert all(int(line.split("|")[2]) > 0 and int(line.split("|")[4]) > 100 for line in rows), out.stdout
 
 
 def _random_weight(name: str, n: int, k: int) -> QuantizedWeight:

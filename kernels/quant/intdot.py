@@ -110,7 +110,7 @@ def quantize_x(x: torch.Tensor) -> Planes:
 
 
 #: the types the integer kernels take
-TYPES = ("Q4_K", "Q6_K", "Q4_0", "Q4_1", "Q8_0")
+TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q8_0")
 #: the legacy types among them: blocks of 32 elements, one scale (and min) each
 LEGACY = ("Q4_0", "Q4_1", "Q8_0")
 #: the kernels' constexpr for each legacy type
@@ -124,10 +124,10 @@ def block_elems(name: str) -> int:
 
 def reference(x: torch.Tensor, w: QuantizedWeight, planes: Planes | None = None) -> torch.Tensor:
     """The kernels' arithmetic in plain PyTorch (their oracle): ``x`` ``[M, K]`` split
-    (:func:`quantize_x`, or ``planes``), a Q4_K or Q6_K weight ``[N, K]``; per group sharing a scale
-    the exact integer dots of the codes with both planes, then gguf-py's factoring of the group's
-    dequantized dot: Q4_K ``(d * sc) * s * (dot_h + dot_l / 254) - (dmin * m) * sum x`` (32-element
-    sub-blocks); Q6_K ``(d * sc) * s * (dot_h + dot_l / 254)`` with the codes' offset of 32 taken
+    (:func:`quantize_x`, or ``planes``), a weight ``[N, K]`` of :data:`TYPES`; per group sharing a
+    scale the exact integer dots of the codes with both planes, then gguf-py's factoring of the
+    group's dequantized dot: Q4_K and Q5_K ``(d * sc) * s * (dot_h + dot_l / 254) - (dmin * m) * sum
+    x`` (32-element sub-blocks); the legacy types as :func:`_legacy_term`; Q6_K ``(d * sc) * s * (dot_h + dot_l / 254)`` with the codes' offset of 32 taken
     out of the dots (``dot_h = sum q h - 32 sum h``; 16-element groups); summed over the groups in
     float64. Returns float32 ``[M, N]``. Codes and scales as gguf-py lays them out (``gguf.quants``).
 
@@ -135,7 +135,7 @@ def reference(x: torch.Tensor, w: QuantizedWeight, planes: Planes | None = None)
         ValueError: another type, or ``K`` mismatch.
     """
     if w.qtype.name not in TYPES or x.shape[-1] != w.shape[1]:
-        raise ValueError(f"a Q4_K or Q6_K weight [N, {x.shape[-1]}], got {w.qtype.name} {tuple(w.shape)}")
+        raise ValueError(f"a weight of {', '.join(TYPES)} [N, {x.shape[-1]}], got {w.qtype.name} {tuple(w.shape)}")
     p = planes if planes is not None else quantize_x(x)
     if w.qtype.name == "Q6_K":
         return _reference_q6k(x, w, p)
@@ -144,7 +144,8 @@ def reference(x: torch.Tensor, w: QuantizedWeight, planes: Planes | None = None)
     h, lo, s, xsum = p.h, p.l, p.s, p.xsum
     m, k = x.shape
     n = w.shape[0]
-    raw = w.data.cpu().reshape(n, k // 256, 144)
+    q5 = w.qtype.name == "Q5_K"
+    raw = w.data.cpu().reshape(n, k // 256, 176 if q5 else 144)
     d = raw[:, :, 0:2].contiguous().view(torch.float16).float()[..., 0]
     dmin = raw[:, :, 2:4].contiguous().view(torch.float16).float()[..., 0]
     sc6 = raw[:, :, 4:16].to(torch.int64)
@@ -156,8 +157,11 @@ def reference(x: torch.Tensor, w: QuantizedWeight, planes: Planes | None = None)
         else:
             sc[..., j] = (sc6[..., j + 4] & 15) | ((sc6[..., j - 4] >> 6) << 4)
             mn[..., j] = (sc6[..., j + 4] >> 4) | ((sc6[..., j] >> 6) << 4)
-    qs = raw[:, :, 16:].to(torch.int64).reshape(n, k // 256, 4, 32)
+    qs = raw[:, :, 48 if q5 else 16:].to(torch.int64).reshape(n, k // 256, 4, 32)
     codes = torch.stack([qs & 15, qs >> 4], dim=3).reshape(n, k // 256, 8, 32)   # sub-block 2c: low nibbles
+    if q5:   # Q5_K: bit g of qh[l] is the fifth bit of element l of sub-block g
+        qh = raw[:, :, 16:48].to(torch.int64)
+        codes = codes | (((qh[:, :, None, :] >> torch.arange(8)[:, None]) & 1) << 4)
     hp = h.cpu().to(torch.int64).reshape(m, k // 256, 8, 32)
     lp = lo.cpu().to(torch.int64).reshape(m, k // 256, 8, 32)
     dot_h = torch.einsum("nbgi,mbgi->mnbg", codes, hp).double()
@@ -343,15 +347,26 @@ def _q4k_head(blk):
 
 @triton.jit
 def _bytes_of(q):
-    """Code words ``[R, 8]`` (four codes of 0..127 each, little-endian) as int8 ``[R, 32]``: word
+    """Code words ``[R, 8]`` (four byte codes each, little-endian) as int8 ``[R, 32]``: word
     ``i``'s bytes are elements ``4 i .. 4 i + 3`` (an operand of the int8 tensor-core dots)."""
-    return tl.reshape(tl.join(tl.join(q & 255, (q >> 16) & 255), tl.join((q >> 8) & 255, (q >> 24) & 255)),
-                      (q.shape[0], 32)).to(tl.int8)
+    return tl.reshape(tl.join(tl.join(q & 255, (q >> 16) & 255), tl.join((q >> 8) & 255, q >> 24)),
+                      (q.shape[0], 32)).to(tl.int8)   # (int8 keeps the low byte: q >> 24 needs no mask)
+
+
+@triton.jit
+def _q45_codes(words, qh, c: tl.constexpr, hi: tl.constexpr, Q5: tl.constexpr):
+    """Sub-block ``2 c + hi``'s code words ``[R, 8]`` (byte ``i`` of word ``t``: element ``4 t + i``):
+    the low (``hi`` 0) or high nibbles of ``words`` (the chunk's 32 code bytes as words); Q5_K adds
+    bit ``2 c + hi`` of each ``qh`` byte (the 32 high-bit bytes as words) as the fifth bit."""
+    q = (words >> (4 * hi)) & 0x0F0F0F0F
+    if Q5:
+        q = q | (((qh >> (2 * c + hi)) & 0x01010101) << 4)
+    return q
 
 
 @triton.jit
 def _q4k_dp4a_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, w_ptr, y_ptr, N, K, swn,
-                     BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr):
+                     BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, Q5: tl.constexpr = False):
     """One row of ``x`` as its planes (``h_ptr``, ``l_ptr``: int8 ``[K]``, read as int32 words of
     four; ``s_ptr``, ``xs_ptr``: float32 ``[K / 32]``) times a Q4_K weight (uint8 ``[N, K / 256 *
     144]``): per program ``BLOCK_N`` weight rows over ``K / SPLIT_K``; per super-block the 128 code
@@ -364,13 +379,14 @@ def _q4k_dp4a_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, w_ptr, y_ptr, N, K, swn,
     lw = l_ptr.to(tl.pointer_type(tl.int32))
     acc = tl.zeros([BLOCK_N], tl.float32)
     for b in range(b0, b0 + nb):
-        blk = row + b * 144
+        blk = row + b * (176 if Q5 else 144)
         d, dm, w0, w1, w2 = _q4k_head(blk)
+        qh = tl.load((blk + 16).to(tl.pointer_type(tl.int32))[:, None] + i8[None, :]) if Q5 else 0   # Q5_K: [BLOCK_N, 8]
         for c in tl.static_range(4):
-            words = tl.load((blk + 16 + 32 * c).to(tl.pointer_type(tl.int32))[:, None] + i8[None, :])   # [BLOCK_N, 8]
+            words = tl.load((blk + (48 if Q5 else 16) + 32 * c).to(tl.pointer_type(tl.int32))[:, None] + i8[None, :])
             for hi in tl.static_range(2):
                 g = 2 * c + hi
-                q = (words >> (4 * hi)) & 0x0F0F0F0F
+                q = _q45_codes(words, qh, c, hi, Q5)
                 xw = b * 64 + g * 8 + i8       # the x words of the sub-block
                 xh = tl.broadcast_to(tl.load(hw + xw)[None, :], (BLOCK_N, 8))
                 xl = tl.broadcast_to(tl.load(lw + xw)[None, :], (BLOCK_N, 8))
@@ -385,7 +401,7 @@ def _q4k_dp4a_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, w_ptr, y_ptr, N, K, swn,
 
 @triton.jit
 def _q4k_mma_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, w_ptr, y_ptr, M, N, K, swn,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, Q5: tl.constexpr = False):
     """``M`` rows of ``x`` as their planes (int8 ``[M, K]`` each; ``s``, ``xsum`` float32 ``[M, K /
     32]``) times a Q4_K weight: per sub-block the integer dots of 32 codes with both planes as int8
     tensor-core dots (exact: the sums :func:`_q4k_dp4a_kernel` makes with ``dp4a``), then the same
@@ -397,13 +413,14 @@ def _q4k_mma_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, w_ptr, y_ptr, M, N, K, swn,
     mrow = rm < M
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for b in range(b0, b0 + nb):
-        blk = row + b * 144
+        blk = row + b * (176 if Q5 else 144)
         d, dm, w0, w1, w2 = _q4k_head(blk)
+        qh = tl.load((blk + 16).to(tl.pointer_type(tl.int32))[:, None] + i8[None, :]) if Q5 else 0   # Q5_K: [BLOCK_N, 8]
         for c in tl.static_range(4):
-            words = tl.load((blk + 16 + 32 * c).to(tl.pointer_type(tl.int32))[:, None] + i8[None, :])   # [BLOCK_N, 8]
+            words = tl.load((blk + (48 if Q5 else 16) + 32 * c).to(tl.pointer_type(tl.int32))[:, None] + i8[None, :])
             for hi in tl.static_range(2):
                 g = 2 * c + hi
-                q = (words >> (4 * hi)) & 0x0F0F0F0F
+                q = _q45_codes(words, qh, c, hi, Q5)
                 codes = _bytes_of(q)
                 xo = rm[:, None].to(tl.int64) * K + (b * 256 + g * 32 + i32)[None, :]
                 xh = tl.load(h_ptr + xo, mask=mrow[:, None], other=0)        # [BLOCK_M, 32] int8
@@ -705,7 +722,7 @@ def linear(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, split_k: 
                                        SPLIT_K=split, EMULATE=emulate, num_warps=num_warps or 1)
             else:
                 _q4k_dp4a_kernel[grid](r.h, r.l, r.s, r.xsum, data, out, n, k, data.stride(0), BLOCK_N=bn,
-                                       SPLIT_K=split, EMULATE=emulate, num_warps=num_warps or 1)
+                                       SPLIT_K=split, EMULATE=emulate, Q5=name == "Q5_K", num_warps=num_warps or 1)
         else:
             bn = block_n or MMA_BLOCK_N
             grid = (triton.cdiv(n, bn), split)
@@ -719,7 +736,7 @@ def linear(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, split_k: 
                                       BLOCK_N=bn, SPLIT_K=split, num_warps=num_warps or 2)
             else:
                 _q4k_mma_kernel[grid](r.h, r.l, r.s, r.xsum, data, out, rows, n, k, data.stride(0), BLOCK_M=bm,
-                                      BLOCK_N=bn, SPLIT_K=split, num_warps=num_warps or 2)
+                                      BLOCK_N=bn, SPLIT_K=split, Q5=name == "Q5_K", num_warps=num_warps or 2)
         if split > 1:
             _split_sum_kernel[(triton.cdiv(rows * n, 1024),)](out, ya, rows * n, SPLIT_K=split, BLOCK=1024, num_warps=4)
     return y

@@ -225,11 +225,11 @@ SWAP_AB = True
 #: :mod:`kernels.quant.intdot` (``x`` split into two 8-bit planes; ``dp4a`` at one row, int8
 #: tensor-core dots at more, every row the bits of a one-row call). Q4_K: on an H200 a one-row
 #: 9B-shaped projection 1.8-2.4x faster, 16 rows about as fast (``benchmarks/gpu/quant/run9``),
-#: relative error against gguf-py's dequantization ~2e-5 (the tests' bound is 1e-3). Q6_K, Q4_0,
-#: Q4_1 and Q8_0 have the same pair of kernels, tested on the CPU (the interpreter) but not yet
+#: relative error against gguf-py's dequantization ~2e-5 (the tests' bound is 1e-3). Q5_K, Q6_K,
+#: Q4_0, Q4_1 and Q8_0 have the same pair of kernels, tested on the CPU (the interpreter) but not yet
 #: timed or checked on a GPU, so they are not in the default set. Read once at import from
 #: ``DFLASH_QUANT_INT_DOTS``: ``1`` (default) Q4_K, ``0`` none (the generic kernel: A/B runs), or a
-#: comma-separated list of :data:`kernels.quant.intdot.TYPES` (``Q4_K,Q6_K,Q4_0,Q4_1,Q8_0``).
+#: comma-separated list of :data:`kernels.quant.intdot.TYPES` (``Q4_K,Q5_K,Q6_K,Q4_0,Q4_1,Q8_0``).
 INT_DOTS = {"1": ("Q4_K",), "0": ()}.get(os.environ.get("DFLASH_QUANT_INT_DOTS", "1"),
                                          tuple(t.strip() for t in os.environ.get("DFLASH_QUANT_INT_DOTS", "").split(",") if t.strip()))
 
