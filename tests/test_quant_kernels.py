@@ -661,10 +661,24 @@ def test_integer_dots_are_exact_in_their_integers_and_within_tolerance(name, k):
         ones = torch.cat([T.linear(xb[i : i + 1], w, torch.float32) for i in range(5)])
         assert torch.equal(many, ones)
         assert rel(many.cpu(), R.linear(xb.cpu(), w_cpu, torch.float32)) <= 1e-4
+    # more rows than a program holds (17: two row blocks), each row still a one-row call's bits
+    x17 = torch.randn(17, k, generator=g).to(dev)
+    many = intdot.linear(x17, w, torch.empty(17, 40, device=dev))
+    assert torch.equal(many[16:], intdot.linear(x17[16:], w, torch.empty(1, 40, device=dev)))
+    assert torch.equal(many[:1], intdot.linear(x17[:1], w, torch.empty(1, 40, device=dev)))
+    # a value that is not finite makes its row NaN (the float kernels give NaN or an infinity), not a number
+    xn = x.clone()
+    xn[1, 3] = float("nan")
+    xn[3, 7] = float("inf")
+    got = intdot.linear(xn, w, torch.empty(5, 40, device=dev))
+    assert got[1].isnan().all() and got[3].isnan().all() and torch.isfinite(got[[0, 2, 4]]).all()
+    assert torch.equal(got[[0, 2, 4]], torch.cat([intdot.linear(x[i : i + 1], w, torch.empty(1, 40, device=dev)) for i in (0, 2, 4)]))
     with pytest.raises(ValueError):
         intdot.linear(x, w, torch.empty(5, 40, device=dev), split_k=64)
     with pytest.raises(ValueError):
         intdot.linear(x, w, torch.empty(5, 40, device=dev), mma=False)
+    with pytest.raises(ValueError):   # y must be a contiguous [M, N]
+        intdot.linear(x, w, torch.empty(40, 5, device=dev).t())
 
 
 def test_integer_kernels_compile_for_the_gpu():
@@ -687,6 +701,20 @@ def test_integer_kernels_compile_for_the_gpu():
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "kernel" not in line]
     assert len(rows) == 13, out.stdout
     assert all(int(line.split("|")[2]) > 0 and int(line.split("|")[4]) > 100 for line in rows), out.stdout
+
+
+def test_int_dot_types_from_the_environment(caplog):
+    """DFLASH_QUANT_INT_DOTS: unset or a true value gives the default set (Q4_K), a false one none,
+    a list any case and spacing those of its types the integer kernels take, the others left out
+    with a warning (a supported weight type they do not take, like Q5_0, never reaches them)."""
+    from kernels.quant import triton as T
+
+    assert T.int_dot_types(None) == T.int_dot_types("1") == T.int_dot_types(" true ") == ("Q4_K",)
+    assert T.int_dot_types("0") == T.int_dot_types("off") == T.int_dot_types("") == ()
+    assert T.int_dot_types(" q4_k, Q6_K ,q4_k") == ("Q4_K", "Q6_K")
+    with caplog.at_level("WARNING"):
+        assert T.int_dot_types("Q5_0,Q8_0,bogus") == ("Q8_0",)
+    assert "Q5_0" in caplog.text or any("Q5_0" in str(getattr(r, "types", "")) for r in caplog.records)
 
 
 def _random_weight(name: str, n: int, k: int) -> QuantizedWeight:

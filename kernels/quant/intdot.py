@@ -48,8 +48,10 @@ from kernels.quant.weight import QuantizedWeight
 
 #: the second plane's scale: x = s * (h + l / L_SCALE)
 L_SCALE = 254.0
-#: rows per program of the several-row kernel (and per launch: more rows run in chunks of it)
-MMA_ROWS = 64
+#: rows per program of the several-row kernel (a launch has a program per 16 rows and block of
+#: features, as the generic skinny kernel has: more rows per program spilled registers at 64,
+#: ``tools/intdot_compile.py``)
+MMA_ROWS = 16
 #: output features per program: the one-row kernel (1 warp), the several-row kernel (2 warps)
 DP4A_BLOCK_N, MMA_BLOCK_N = 16, 64
 
@@ -96,9 +98,14 @@ def quantize_x(x: torch.Tensor) -> Planes:
     """The split of ``x`` ``[M, K]`` (any float dtype, ``K`` a multiple of 32), plain PyTorch (the
     reference of :func:`split_x`): :class:`Planes`, so that ``x ~= s * (h + l / 254)`` within ``s /
     508`` per element (module docstring). Ties round half to even here, half up in :func:`split_x`:
-    both represent the same value (``h + 1, l - 254`` is ``h, l``)."""
+    a tie in ``h`` gives the same value either way (``h + 1, l - 254`` is ``h, l``), one in ``l``
+    values ``s / 254`` apart (both within the bound), so compare a kernel with :func:`reference`
+    given the kernel's own planes. A group holding a value that is not finite gets ``s`` = NaN,
+    which makes every product it enters NaN (as the float kernels would give NaN or an infinity)."""
     m, k = x.shape
     g = x.float().reshape(m, k // 32, 32)
+    finite = torch.isfinite(g).all(dim=2)
+    g = torch.where(torch.isfinite(g), g, torch.zeros_like(g))
     amax = g.abs().amax(dim=2)
     s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     u = g / s[..., None]
@@ -106,6 +113,7 @@ def quantize_x(x: torch.Tensor) -> Planes:
     lo = torch.round((u - h) * L_SCALE).clamp(-127, 127)
     h8, l8 = h.to(torch.int8).reshape(m, k), lo.to(torch.int8).reshape(m, k)
     half = lambda p: p.to(torch.int32).reshape(m, k // 16, 16).sum(dim=2, dtype=torch.int32)  # noqa: E731
+    s = torch.where(finite, s, torch.full_like(s, float("nan")))   # (a value not finite: NaN products)
     return Planes(h8, l8, s.contiguous(), g.sum(dim=2).contiguous(), half(h8), half(l8))
 
 
@@ -127,7 +135,7 @@ def reference(x: torch.Tensor, w: QuantizedWeight, planes: Planes | None = None)
     (:func:`quantize_x`, or ``planes``), a weight ``[N, K]`` of :data:`TYPES`; per group sharing a
     scale the exact integer dots of the codes with both planes, then gguf-py's factoring of the
     group's dequantized dot: Q4_K and Q5_K ``(d * sc) * s * (dot_h + dot_l / 254) - (dmin * m) * sum
-    x`` (32-element sub-blocks); the legacy types as :func:`_legacy_term`; Q6_K ``(d * sc) * s * (dot_h + dot_l / 254)`` with the codes' offset of 32 taken
+    x`` (32-element sub-blocks); the legacy types as :func:`_legacy_acc`; Q6_K ``(d * sc) * s * (dot_h + dot_l / 254)`` with the codes' offset of 32 taken
     out of the dots (``dot_h = sum q h - 32 sum h``; 16-element groups); summed over the groups in
     float64. Returns float32 ``[M, N]``. Codes and scales as gguf-py lays them out (``gguf.quants``).
 
@@ -252,6 +260,9 @@ def _split_kernel(x_ptr, h_ptr, l_ptr, s_ptr, xs_ptr, hs_ptr, ls_ptr, K, sxm, GR
     ok = gi < ng
     col = gi[:, None] * 32 + tl.arange(0, 32)[None, :]
     x = tl.load(x_ptr + m.to(tl.int64) * sxm + col, mask=ok[:, None], other=0.0).to(tl.float32)
+    ok_x = tl.abs(x) < float("inf")             # (False for a NaN or an infinity)
+    finite = tl.min(ok_x.to(tl.int32), axis=1)
+    x = tl.where(ok_x, x, 0.0)
     amax = tl.max(tl.abs(x), axis=1)
     s = tl.where(amax > 0, amax / 127.0, 1.0)
     u = x / s[:, None]
@@ -260,7 +271,7 @@ def _split_kernel(x_ptr, h_ptr, l_ptr, s_ptr, xs_ptr, hs_ptr, ls_ptr, K, sxm, GR
     out = m.to(tl.int64) * K + col
     tl.store(h_ptr + out, h.to(tl.int8), mask=ok[:, None])
     tl.store(l_ptr + out, lo.to(tl.int8), mask=ok[:, None])
-    tl.store(s_ptr + m.to(tl.int64) * ng + gi, s, mask=ok)
+    tl.store(s_ptr + m.to(tl.int64) * ng + gi, tl.where(finite == 1, s, float("nan")), mask=ok)   # (NaN products)
     tl.store(xs_ptr + m.to(tl.int64) * ng + gi, tl.sum(x, axis=1), mask=ok)
     half = m.to(tl.int64) * (2 * ng) + gi[:, None] * 2 + tl.arange(0, 2)[None, :]
     tl.store(hs_ptr + half, tl.sum(tl.reshape(h.to(tl.int32), (GROUPS, 2, 16)), axis=2), mask=ok[:, None])
@@ -408,7 +419,7 @@ def _q4k_mma_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, w_ptr, y_ptr, M, N, K, swn,
     :func:`_epilogue` in the same order. ``y_ptr``: ``[M, N]``, or the float32 scratch ``[SPLIT_K,
     M, N]`` with ``SPLIT_K`` > 1."""
     rn, row, b0, nb = _program(w_ptr, N, K, swn, BLOCK_N, SPLIT_K)
-    rm = tl.arange(0, BLOCK_M)
+    rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     i8, i32 = tl.arange(0, 8), tl.arange(0, 32)
     mrow = rm < M
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -438,10 +449,12 @@ def _q4k_mma_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, w_ptr, y_ptr, M, N, K, swn,
 
 
 @triton.jit
-def _epilogue6(dh, dl, scale, sx):
-    """A Q6_K group's term ``(scale * s) * (dot_h + dot_l / 254)`` (float32; the dots with the
-    codes' offset already taken out), its roundings spelled out as in :func:`_epilogue`."""
-    return (scale * sx) * tl.fma(dl.to(tl.float32), 1.0 / 254.0, dh.to(tl.float32))
+def _acc6(acc, dh, dl, scale, sx):
+    """``acc`` plus a Q6_K (or Q4_0, Q8_0) group's term ``(scale * s) * (dot_h + dot_l / 254)``
+    (float32; the dots with the codes' offset already taken out), every rounding spelled out
+    (``tl.fma``, the accumulation included), so that both kernels compute the same bits from the
+    same integer dots whatever the compiler would contract."""
+    return tl.fma(scale * sx, tl.fma(dl.to(tl.float32), 1.0 / 254.0, dh.to(tl.float32)), acc)
 
 
 @triton.jit
@@ -482,7 +495,7 @@ def _q6k_dp4a_kernel(h_ptr, l_ptr, s_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, N, K, sw
     super-block the 96 code bytes as three ``[BLOCK_N, 8]`` tiles of words (:func:`_words16`), four
     runs of 32 codes (:func:`_q6k_run`), each two 16-element groups; per group ``dot - 32 * sum``
     of each plane (``hs_ptr``, ``ls_ptr``: :class:`Planes`' int32 half-group sums) and
-    :func:`_epilogue6`."""
+    :func:`_acc6`."""
     rn, row, b0, nb = _program(w_ptr, N, K, swn, BLOCK_N, SPLIT_K)
     i8 = tl.arange(0, 8)
     hw = h_ptr.to(tl.pointer_type(tl.int32))
@@ -504,9 +517,9 @@ def _q6k_dp4a_kernel(h_ptr, l_ptr, s_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, N, K, sw
                 sx = tl.load(s_ptr + b * 8 + g // 2)
                 sc0 = tl.load(blk + 192 + g).to(tl.int8, bitcast=True).to(tl.float32)
                 sc1 = tl.load(blk + 193 + g).to(tl.int8, bitcast=True).to(tl.float32)
-                acc += _epilogue6(dh0 - 32 * tl.load(hs_ptr + b * 16 + g), dl0 - 32 * tl.load(ls_ptr + b * 16 + g), d * sc0, sx)
-                acc += _epilogue6(dh1 - 32 * tl.load(hs_ptr + b * 16 + g + 1), dl1 - 32 * tl.load(ls_ptr + b * 16 + g + 1),
-                                  d * sc1, sx)
+                acc = _acc6(acc, dh0 - 32 * tl.load(hs_ptr + b * 16 + g), dl0 - 32 * tl.load(ls_ptr + b * 16 + g), d * sc0, sx)
+                acc = _acc6(acc, dh1 - 32 * tl.load(hs_ptr + b * 16 + g + 1), dl1 - 32 * tl.load(ls_ptr + b * 16 + g + 1),
+                            d * sc1, sx)
     if SPLIT_K > 1:
         y_ptr += tl.program_id(1).to(tl.int64) * N
     tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=rn < N)
@@ -519,7 +532,7 @@ def _q6k_mma_kernel(h_ptr, l_ptr, s_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, M, N, K, 
     one per 16-element group (the other group's codes zeroed), then :func:`_q6k_dp4a_kernel`'s
     group terms in the same order."""
     rn, row, b0, nb = _program(w_ptr, N, K, swn, BLOCK_N, SPLIT_K)
-    rm = tl.arange(0, BLOCK_M)
+    rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     i32 = tl.arange(0, 32)
     first = (i32 < 16)[None, :]
     mrow = rm < M
@@ -545,10 +558,10 @@ def _q6k_mma_kernel(h_ptr, l_ptr, s_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, M, N, K, 
                 ls0 = tl.load(ls_ptr + rm * (K // 16) + b * 16 + g, mask=mrow, other=0)[None, :]
                 hs1 = tl.load(hs_ptr + rm * (K // 16) + b * 16 + g + 1, mask=mrow, other=0)[None, :]
                 ls1 = tl.load(ls_ptr + rm * (K // 16) + b * 16 + g + 1, mask=mrow, other=0)[None, :]
-                acc += _epilogue6(tl.dot(c0, xh, out_dtype=tl.int32) - 32 * hs0, tl.dot(c0, xl, out_dtype=tl.int32) - 32 * ls0,
-                                  (d * sc0)[:, None], sx)
-                acc += _epilogue6(tl.dot(c1, xh, out_dtype=tl.int32) - 32 * hs1, tl.dot(c1, xl, out_dtype=tl.int32) - 32 * ls1,
-                                  (d * sc1)[:, None], sx)
+                acc = _acc6(acc, tl.dot(c0, xh, out_dtype=tl.int32) - 32 * hs0, tl.dot(c0, xl, out_dtype=tl.int32) - 32 * ls0,
+                            (d * sc0)[:, None], sx)
+                acc = _acc6(acc, tl.dot(c1, xh, out_dtype=tl.int32) - 32 * hs1, tl.dot(c1, xl, out_dtype=tl.int32) - 32 * ls1,
+                            (d * sc1)[:, None], sx)
     if SPLIT_K > 1:
         y_ptr += tl.program_id(1).to(tl.int64) * M * N
     out = y_ptr + rm[None, :].to(tl.int64) * N + rn[:, None]
@@ -590,16 +603,16 @@ def _legacy_block(blk, QT: tl.constexpr):
 
 
 @triton.jit
-def _legacy_term(dh, dl, d, m, sx, xsum, hs, ls, QT: tl.constexpr):
-    """A legacy block's term (float32) from its integer dots: Q4_0 ``(d * s) * ((dot_h - 8 sum h) +
-    (dot_l - 8 sum l) / 254)``, Q4_1 ``(d * s) * (dot_h + dot_l / 254) + m * sum x``, Q8_0 ``(d * s) *
-    (dot_h + dot_l / 254)``, its roundings spelled out as in :func:`_epilogue`."""
+def _legacy_acc(acc, dh, dl, d, m, sx, xsum, hs, ls, QT: tl.constexpr):
+    """``acc`` plus a legacy block's term (float32) from its integer dots: Q4_0 ``(d * s) * ((dot_h -
+    8 sum h) + (dot_l - 8 sum l) / 254)``, Q4_1 ``(d * s) * (dot_h + dot_l / 254) + m * sum x``, Q8_0
+    ``(d * s) * (dot_h + dot_l / 254)``, every rounding spelled out (:func:`_acc6`, :func:`_epilogue`)."""
     if QT == 0:
-        return _epilogue6(dh - 8 * hs, dl - 8 * ls, d, sx)
+        return _acc6(acc, dh - 8 * hs, dl - 8 * ls, d, sx)
     elif QT == 1:
-        return _epilogue(dh, dl, d, sx, m, xsum)
+        return acc + _epilogue(dh, dl, d, sx, m, xsum)
     else:
-        return _epilogue6(dh, dl, d, sx)
+        return _acc6(acc, dh, dl, d, sx)
 
 
 @triton.jit
@@ -609,7 +622,7 @@ def _legacy_dp4a_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, hs_ptr, ls_ptr, w_ptr, y_pt
     """One row of ``x`` (:class:`Planes`) times a legacy weight (``QT``: 0 Q4_0, 1 Q4_1, 2 Q8_0;
     ``BS`` bytes per block of 32): per block the code words of elements 0-15 and 16-31
     (:func:`_legacy_block`) against the planes' words, ``dp4a`` (Q8_0: signed), then
-    :func:`_legacy_term`. ``y_ptr``: ``[N]``, or the float32 scratch ``[SPLIT_K, N]``."""
+    :func:`_legacy_acc`. ``y_ptr``: ``[N]``, or the float32 scratch ``[SPLIT_K, N]``."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * swn
     nb = K // 32 // SPLIT_K
@@ -635,7 +648,7 @@ def _legacy_dp4a_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, hs_ptr, ls_ptr, w_ptr, y_pt
                 dl += tl.sum(_dp4a(q, xl, EMULATE), axis=1)
         hs = tl.load(hs_ptr + 2 * b) + tl.load(hs_ptr + 2 * b + 1)
         ls = tl.load(ls_ptr + 2 * b) + tl.load(ls_ptr + 2 * b + 1)
-        acc += _legacy_term(dh, dl, d, m, tl.load(s_ptr + b), tl.load(xs_ptr + b), hs, ls, QT)
+        acc = _legacy_acc(acc, dh, dl, d, m, tl.load(s_ptr + b), tl.load(xs_ptr + b), hs, ls, QT)
     if SPLIT_K > 1:
         y_ptr += tl.program_id(1).to(tl.int64) * N
     tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=rn < N)
@@ -646,12 +659,12 @@ def _legacy_mma_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr
                        QT: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        SPLIT_K: tl.constexpr):
     """As :func:`_legacy_dp4a_kernel` for ``M`` rows: each block's 32 codes as int8 tensor-core dots
-    with both planes (exact), then :func:`_legacy_term` in the same order."""
+    with both planes (exact), then :func:`_legacy_acc` in the same order."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * swn
     nb = K // 32 // SPLIT_K
     b0 = tl.program_id(1) * nb
-    rm = tl.arange(0, BLOCK_M)
+    rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     i32 = tl.arange(0, 32)
     mrow = rm < M
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -668,7 +681,7 @@ def _legacy_mma_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr
         ls = (tl.load(ls_ptr + q, mask=mrow, other=0) + tl.load(ls_ptr + q + 1, mask=mrow, other=0))[None, :]
         sx = tl.load(s_ptr + rm * (K // 32) + b, mask=mrow, other=1.0)[None, :]
         xsum = tl.load(xs_ptr + rm * (K // 32) + b, mask=mrow, other=0.0)[None, :]
-        acc += _legacy_term(dh, dl, d[:, None], m if QT != 1 else m[:, None], sx, xsum, hs, ls, QT)
+        acc = _legacy_acc(acc, dh, dl, d[:, None], m if QT != 1 else m[:, None], sx, xsum, hs, ls, QT)
     if SPLIT_K > 1:
         y_ptr += tl.program_id(1).to(tl.int64) * M * N
     out = y_ptr + rm[None, :].to(tl.int64) * N + rn[:, None]
@@ -678,17 +691,18 @@ def _legacy_mma_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr
 def linear(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, split_k: int | None = None,
            block_n: int | None = None, num_warps: int | None = None, planes: Planes | None = None,
            mma: bool | None = None) -> torch.Tensor:
-    """``y = x2 @ dequantize(weight)^T`` for a Q4_K or Q6_K weight ``[N, K]`` (:data:`TYPES`) and
-    ``x2`` ``[M, K]`` (``M`` >= 1, unit stride along ``K``, on the weight's device), written into
-    ``y`` ``[M, N]`` (its dtype; float32 accumulation, rounded once): one row on the ``dp4a``
-    kernel, more in chunks of :data:`MMA_ROWS` on the int8 tensor-core kernel, ``K`` split by
+    """``y = x2 @ dequantize(weight)^T`` for a weight ``[N, K]`` of :data:`TYPES` and ``x2`` ``[M,
+    K]`` (``M`` >= 1, unit stride along ``K``, on the weight's device), written into ``y`` ``[M, N]``
+    (contiguous; its dtype; float32 accumulation, rounded once): one row on the ``dp4a`` kernel,
+    more on the int8 tensor-core kernel (:data:`MMA_ROWS` rows per program), ``K`` split by
     :func:`split_k_for` (the launch arguments override the defaults: benchmarks and tests;
     ``planes``: :func:`split_x` of ``x2`` when already made; ``mma``: the tensor-core kernel even
     for one row, or never). Returns ``y``.
 
     Raises:
-        ValueError: another type, ``K`` not a multiple of ``256 * split_k``, or ``mma=False`` with
-            more than one row.
+        ValueError: another type; ``K`` not a multiple of the type's block times ``split_k``;
+            ``x2`` not of unit stride along ``K``; ``y`` not a contiguous ``[M, N]``; ``mma=False``
+            with more than one row.
     """
     n, k = weight.shape
     m = x2.shape[0]
@@ -700,45 +714,43 @@ def linear(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, split_k: 
     if name not in TYPES or k % (blk * split):
         raise ValueError(f"a weight of {', '.join(TYPES)} with K a multiple of {blk * split}, got {name} "
                          f"{tuple(weight.shape)}")
+    if x2.dim() != 2 or x2.stride(-1) != 1 or tuple(y.shape) != (m, n) or not y.is_contiguous():
+        raise ValueError(f"x2 [M, K] of unit stride along K and a contiguous y [M, N], got x2 {tuple(x2.shape)} "
+                         f"strides {x2.stride()} and y {tuple(y.shape)}")
     p = planes if planes is not None else split_x(x2)
     data = weight.data
     emulate = x2.device.type != "cuda"
-    for at in range(0, m, MMA_ROWS):
-        rows = min(MMA_ROWS, m - at)
-        ya = y[at : at + rows]
-        out = ya if split == 1 else torch.empty(split, rows, n, device=y.device, dtype=torch.float32)
-        r = p.rows(at, rows)
-        if (rows == 1) if mma is None else not mma:
-            if rows != 1:
-                raise ValueError("the dp4a kernel takes one row")
-            bn = block_n or DP4A_BLOCK_N
-            grid = (triton.cdiv(n, bn), split)
-            if legacy:
-                _legacy_dp4a_kernel[grid](r.h, r.l, r.s, r.xsum, r.hsum, r.lsum, data, out, n, k, data.stride(0),
-                                          QT=_LEGACY_CODE[name], BS=data.shape[1] * 32 // k, BLOCK_N=bn, SPLIT_K=split,
-                                          EMULATE=emulate, num_warps=num_warps or 1)
-            elif q6:
-                _q6k_dp4a_kernel[grid](r.h, r.l, r.s, r.hsum, r.lsum, data, out, n, k, data.stride(0), BLOCK_N=bn,
-                                       SPLIT_K=split, EMULATE=emulate, num_warps=num_warps or 1)
-            else:
-                _q4k_dp4a_kernel[grid](r.h, r.l, r.s, r.xsum, data, out, n, k, data.stride(0), BLOCK_N=bn,
-                                       SPLIT_K=split, EMULATE=emulate, Q5=name == "Q5_K", num_warps=num_warps or 1)
+    out = y if split == 1 else torch.empty(split, m, n, device=y.device, dtype=torch.float32)
+    if (m == 1) if mma is None else not mma:
+        if m != 1:
+            raise ValueError("the dp4a kernel takes one row")
+        bn = block_n or DP4A_BLOCK_N
+        grid = (triton.cdiv(n, bn), split)
+        if legacy:
+            _legacy_dp4a_kernel[grid](p.h, p.l, p.s, p.xsum, p.hsum, p.lsum, data, out, n, k, data.stride(0),
+                                      QT=_LEGACY_CODE[name], BS=data.shape[1] * 32 // k, BLOCK_N=bn, SPLIT_K=split,
+                                      EMULATE=emulate, num_warps=num_warps or 1)
+        elif q6:
+            _q6k_dp4a_kernel[grid](p.h, p.l, p.s, p.hsum, p.lsum, data, out, n, k, data.stride(0), BLOCK_N=bn,
+                                   SPLIT_K=split, EMULATE=emulate, num_warps=num_warps or 1)
         else:
-            bn = block_n or MMA_BLOCK_N
-            grid = (triton.cdiv(n, bn), split)
-            bm = max(16, triton.next_power_of_2(rows))
-            if legacy:
-                _legacy_mma_kernel[grid](r.h, r.l, r.s, r.xsum, r.hsum, r.lsum, data, out, rows, n, k, data.stride(0),
-                                         QT=_LEGACY_CODE[name], BS=data.shape[1] * 32 // k, BLOCK_M=bm, BLOCK_N=bn,
-                                         SPLIT_K=split, num_warps=num_warps or 2)
-            elif q6:
-                _q6k_mma_kernel[grid](r.h, r.l, r.s, r.hsum, r.lsum, data, out, rows, n, k, data.stride(0), BLOCK_M=bm,
-                                      BLOCK_N=bn, SPLIT_K=split, num_warps=num_warps or 2)
-            else:
-                _q4k_mma_kernel[grid](r.h, r.l, r.s, r.xsum, data, out, rows, n, k, data.stride(0), BLOCK_M=bm,
-                                      BLOCK_N=bn, SPLIT_K=split, Q5=name == "Q5_K", num_warps=num_warps or 2)
-        if split > 1:
-            _split_sum_kernel[(triton.cdiv(rows * n, 1024),)](out, ya, rows * n, SPLIT_K=split, BLOCK=1024, num_warps=4)
+            _q4k_dp4a_kernel[grid](p.h, p.l, p.s, p.xsum, data, out, n, k, data.stride(0), BLOCK_N=bn,
+                                   SPLIT_K=split, EMULATE=emulate, Q5=name == "Q5_K", num_warps=num_warps or 1)
+    else:
+        bn = block_n or MMA_BLOCK_N
+        grid = (triton.cdiv(n, bn), split, triton.cdiv(m, MMA_ROWS))
+        if legacy:
+            _legacy_mma_kernel[grid](p.h, p.l, p.s, p.xsum, p.hsum, p.lsum, data, out, m, n, k, data.stride(0),
+                                     QT=_LEGACY_CODE[name], BS=data.shape[1] * 32 // k, BLOCK_M=MMA_ROWS, BLOCK_N=bn,
+                                     SPLIT_K=split, num_warps=num_warps or 2)
+        elif q6:
+            _q6k_mma_kernel[grid](p.h, p.l, p.s, p.hsum, p.lsum, data, out, m, n, k, data.stride(0), BLOCK_M=MMA_ROWS,
+                                  BLOCK_N=bn, SPLIT_K=split, num_warps=num_warps or 2)
+        else:
+            _q4k_mma_kernel[grid](p.h, p.l, p.s, p.xsum, data, out, m, n, k, data.stride(0), BLOCK_M=MMA_ROWS,
+                                  BLOCK_N=bn, SPLIT_K=split, Q5=name == "Q5_K", num_warps=num_warps or 2)
+    if split > 1:
+        _split_sum_kernel[(triton.cdiv(m * n, 1024),)](out, y, m * n, SPLIT_K=split, BLOCK=1024, num_warps=4)
     return y
 
 

@@ -73,6 +73,7 @@ holds it, so ``tools/quant_diag.py`` can tell the bf16 engine's rounding from a 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 import torch
@@ -84,6 +85,8 @@ from kernels.linear.triton import MAX_ROWS, is_pow2, skinny_rows
 from kernels.quant import intdot
 from kernels.quant.partials import _split_sum_kernel
 from kernels.quant.weight import QuantizedWeight, as_qtype
+
+log = logging.getLogger(__name__)
 
 #: Rows per program of the skinny path (the tensor-core tile height); fixed, so it can never depend on ``M``.
 BLOCK_M = 16
@@ -230,8 +233,25 @@ SWAP_AB = True
 #: timed or checked on a GPU, so they are not in the default set. Read once at import from
 #: ``DFLASH_QUANT_INT_DOTS``: ``1`` (default) Q4_K, ``0`` none (the generic kernel: A/B runs), or a
 #: comma-separated list of :data:`kernels.quant.intdot.TYPES` (``Q4_K,Q5_K,Q6_K,Q4_0,Q4_1,Q8_0``).
-INT_DOTS = {"1": ("Q4_K",), "0": ()}.get(os.environ.get("DFLASH_QUANT_INT_DOTS", "1"),
-                                         tuple(t.strip() for t in os.environ.get("DFLASH_QUANT_INT_DOTS", "").split(",") if t.strip()))
+def int_dot_types(value: str | None) -> tuple[str, ...]:
+    """:data:`INT_DOTS` from the value of ``DFLASH_QUANT_INT_DOTS``: unset, ``1`` (or ``true``,
+    ``yes``, ``on``) the default set (Q4_K); ``0`` (``false``, ``no``, ``off``, empty) none; else a
+    comma-separated list of types, any case and spacing, names not in
+    :data:`kernels.quant.intdot.TYPES` left out with a warning."""
+    v = (value if value is not None else "1").strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return ("Q4_K",)
+    if v in ("0", "false", "no", "off", ""):
+        return ()
+    names = [t.strip().upper() for t in v.split(",") if t.strip()]
+    bad = [t for t in names if t not in intdot.TYPES]
+    if bad:
+        log.warning("DFLASH_QUANT_INT_DOTS names types the integer kernels do not take: left out",
+                    extra={"types": bad, "known": list(intdot.TYPES)})
+    return tuple(dict.fromkeys(t for t in names if t in intdot.TYPES))
+
+
+INT_DOTS = int_dot_types(os.environ.get("DFLASH_QUANT_INT_DOTS"))
 
 
 @triton.jit
