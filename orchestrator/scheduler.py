@@ -792,7 +792,7 @@ class Scheduler:
                     log.warning("the target did not recompute a lost drafter session's rows; it decodes plainly "
                                 "to its end", extra={"session": r.session_id, "code": code.name if code else "",
                                                       "reason": reason, "error": str(e)[:200], "tries": r.refeat_tries})
-                    r.speculative = False   # (as a demoted request: the target stops its feature rows)
+                    self._plain_for_life(r)   # (as a demoted request: the target stops its feature rows)
                     self._stop_features.append(r.session_id)
                 continue
             r.history.insert(0, got)
@@ -1095,15 +1095,22 @@ class Scheduler:
         on_drafter = [r for r in gone if r.on_drafter]
         self._release([], on_drafter)
         for r in gone:
-            r.speculative = False
-            r.on_drafter = r.draft_synced = r.keeping = False
-            r.history.clear()
-            r.history_bytes, r.loose, r.seq = 0, 0, []
-            self.policy.forget(r.session_id)
+            r.on_drafter = False
+            self._plain_for_life(r)
         self.demoted += len(gone)
         log.info("draft policy: requests that started drafting decode plainly from now on",
                  extra={"requests": len(gone), "batch": len(batch), "demoted_total": self.demoted})
         return [r.session_id for r in gone]
+
+    def _plain_for_life(self, r: Request) -> None:
+        """``r`` decodes plainly to its end: no kept rows, no recompute, no drafter session
+        (released by the caller), no measured tokens in the policy. The caller names it in a
+        Verify's ``stop_features`` so the target sends no more rows for it."""
+        r.speculative = False
+        self._lose_rows(r, drop=True)   # (not speculative: no recompute is wanted)
+        r.seq = []
+        if self.policy is not None:
+            self.policy.forget(r.session_id)
 
     def note_message(self, cpu_s: float) -> None:
         """A handler sent one Generate message, which took its thread ``cpu_s`` seconds of CPU
