@@ -104,10 +104,12 @@ class _Timer:
         orig = runner_cls.run
         timer = self
 
-        def run(r):
+        def run(r, tail=None):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
             (r.graph.replay() if r.graph is not None else r.body())
+            if tail is not None:       # (runtime.graphs.StepGraph.run's tail: queued before the one wait)
+                tail()
             e.record()
             e.synchronize()
             timer.times.append(s.elapsed_time(e))

@@ -473,12 +473,16 @@ def test_sweep_smollm_candidates():
 
 
 @pytest.mark.gpu
-def test_gpu_small_shape_configs():
-    """SmolLM2's shapes (``qkv`` 960 x 576, ``down`` 576 x 1536, Q4_1), bfloat16 ``x``: the default
-    rule's config, its loop unrolled, gives the same bits (same split over ``K``); a split-``K`` config is within 1e-3 of
-    gguf-py + float32 and its rows have the bits of a 1-row call; ``round_weights`` equals the
-    product with bfloat16-rounded weights (the ``--weights bf16`` path's values)."""
+def test_gpu_small_shape_configs(monkeypatch):
+    """SmolLM2's shapes (``qkv`` 960 x 576, ``down`` 576 x 1536, Q4_1), bfloat16 ``x``, on the generic
+    skinny kernel (``INT_DOTS`` emptied: with Q4_1 among them the default call takes the integer
+    kernels, tested apart): the default rule's config, its loop unrolled, gives the same bits (same
+    split over ``K``); a split-``K`` config is within 1e-3 of gguf-py + float32 and its rows have
+    the bits of a 1-row call; ``round_weights`` equals the product with bfloat16-rounded weights (the
+    ``--weights bf16`` path's values)."""
     from kernels.quant import triton as T
+
+    monkeypatch.setattr(T, "INT_DOTS", ())
 
     rng = np.random.default_rng(12)
     gen = torch.Generator().manual_seed(13)
@@ -625,8 +629,8 @@ def test_integer_dots_are_exact_in_their_integers_and_within_tolerance(name, k):
     """kernels.quant.intdot (issue 19: x split into two 8-bit planes, exact integer dots per group
     sharing a scale; Q4_K, Q5_K, Q6_K and the legacy Q4_0, Q4_1, Q8_0, these at SmolLM2's K = 576 where
     they can be), the skinny path of kernels.quant.triton.linear for the types of INT_DOTS and
-    16-bit x: the split (Triton) equals its torch reference but for the float sums' order and is
-    within s / 508 per element; the torch oracle of the arithmetic equals gguf-py's dequantization
+    16-bit x: the split (Triton) equals its torch reference bit for bit (planes and scales; the sums
+    but for their float order) and is within s / 508 per element; the torch oracle of the arithmetic equals gguf-py's dequantization
     and a float32 product within 1e-4 relative (issue 19's bound is 1e-3); the one-row dp4a kernel
     (PTX on the GPU, spelled out under the interpreter) and the several-row tensor-core kernel equal
     the oracle within 1e-6, with and without split K, and every row of a several-row call has the
@@ -640,9 +644,8 @@ def test_integer_dots_are_exact_in_their_integers_and_within_tolerance(name, k):
     p = intdot.split_x(x)
     ref_p = intdot.quantize_x(x.cpu())
     s32 = p.s.repeat_interleave(32, dim=1)
-    back = (s32 * (p.h.float() + p.l.float() / intdot.L_SCALE)).cpu()
-    ref_s32 = ref_p.s.repeat_interleave(32, dim=1)
-    assert torch.allclose(back, ref_s32 * (ref_p.h.float() + ref_p.l.float() / intdot.L_SCALE), rtol=0, atol=1e-6)
+    for got, want in ((p.h, ref_p.h), (p.l, ref_p.l), (p.s, ref_p.s)):   # bit for bit (the same IEEE operations)
+        assert torch.equal(got.cpu(), want)
     assert torch.allclose(p.xsum.cpu(), ref_p.xsum, rtol=1e-5, atol=1e-5)
     for sums, plane in ((p.hsum, p.h), (p.lsum, p.l)):
         assert torch.equal(sums.cpu(), plane.cpu().to(torch.int32).reshape(5, k // 16, 16).sum(dim=2, dtype=torch.int32))

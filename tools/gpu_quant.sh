@@ -29,6 +29,7 @@
 #           results (JSON) and logs as $OUT/quant.tgz
 #
 # MODELS (default "4b 9b"; "0.8b" for a quick run; "" for none), QUANTS (default "Q4_K_M Q8_0").
+# NO_SMOLLM=1: no SmolLM2 parts staged (carry .stage/tok.gguf instead): tokenizer from tok.gguf, no smollm phase.
 # Results are kept in /tmp/quant/res while the machine stays warm, and a result already there is not
 # measured again (FORCE=1 measures again), so the work splits over calls, e.g.
 #   call 1 (~8 min): MODELS="4b 9b" bash tools/gpu_quant.sh           # tests, SmolLM2, prep in the background;
@@ -209,8 +210,15 @@ main() {
   install_wheels
   nvidia-smi -L | tee "$OUT/device.txt"
   df -h /tmp | tail -1 | tee -a "$OUT/device.txt"
-  local smol; smol=$(smollm) || exit 1
-  export DFLASH_MODEL=$smol
+  local smol
+  if [ -n "${NO_SMOLLM:-}" ]; then
+    # no SmolLM2 staged: the synthetic files take their tokenizer from .stage/tok.gguf
+    # (tools/tokenizer_gguf.py, 1.7 MB); the SmolLM2 phase and tests are left out
+    smol=$M/tok.gguf; cp .stage/tok.gguf "$smol" || exit 1; SKIP_SMOLLM=1
+  else
+    smol=$(smollm) || exit 1
+    export DFLASH_MODEL=$smol
+  fi
   start_prep "$smol"
   [ -s $RES/env.json ] || python3 -m bench.gpu env --out $RES/env.json
 

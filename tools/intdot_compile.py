@@ -25,7 +25,7 @@ def _cases() -> list[tuple[str, object, dict, dict, int]]:
     from kernels.quant import intdot as I
 
     out = [("split_x", I._split_kernel, {"x_ptr": "*bf16", "h_ptr": "*i8", "l_ptr": "*i8", "s_ptr": "*fp32", "xs_ptr": "*fp32",
-                                         "hs_ptr": "*i32", "ls_ptr": "*i32", "K": "i32", "sxm": "i32"}, {"GROUPS": 32}, 4)]
+                                         "hs_ptr": "*i32", "ls_ptr": "*i32", "K": "i32", "sxm": "i32"}, {"GROUPS": 32, "EMULATE": False}, 4)]
     one = {"N": "i32", "K": "i32", "swn": "i32"}
     many = {"M": "i32", "N": "i32", "K": "i32", "swn": "i32"}
     for q5 in (False, True):

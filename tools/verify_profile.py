@@ -1,7 +1,7 @@
 """Where a batched verify step's device time goes, by kernel family (GPU; issue 23).
 
     python tools/verify_profile.py --model TARGET.gguf [--shapes 64x1,64x8,16x16] [--context 200]
-                                   [--tree] [--out FILE.json]
+                                   [--tree] [--weights quantized] [--out FILE.json]
 
 Under load the target's verify of every request's tree is the largest device part of a tick (an
 H100 at 64 streams with the shipped SmolLM2 pair: 3.1 ms against 1.15 for a plain tick of the same
@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="64x1,64x8,16x16", help="BxW: sessions x tree nodes per verify")
     ap.add_argument("--context", type=int, default=200, help="prompt tokens of each session")
     ap.add_argument("--tree", action="store_true", help="DDTree-shaped trees (default chains)")
+    ap.add_argument("--weights", choices=("auto", "bf16", "quantized"), default="auto",
+                    help="the target's weights (TargetConfig.weights: quantized keeps GGUF blocks)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -40,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
 
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
     most = max(b for b, _ in shapes)
-    engine, _ = build_engine(args.model, device="cuda", max_sessions=most + 1, cuda_graphs=False)
+    engine, _ = build_engine(args.model, device="cuda", max_sessions=most + 1, cuda_graphs=False,
+                             weights=args.weights)
     vocab = engine.cfg.vocab_size
     gen = torch.Generator().manual_seed(0)
     greedy = Sampling.checked(0.0, 0, 0.0, 0)

@@ -97,10 +97,9 @@ class Planes(NamedTuple):
 def quantize_x(x: torch.Tensor) -> Planes:
     """The split of ``x`` ``[M, K]`` (any float dtype, ``K`` a multiple of 32), plain PyTorch (the
     reference of :func:`split_x`): :class:`Planes`, so that ``x ~= s * (h + l / 254)`` within ``s /
-    508`` per element (module docstring). Ties round half to even here, half up in :func:`split_x`:
-    a tie in ``h`` gives the same value either way (``h + 1, l - 254`` is ``h, l``), one in ``l``
-    values ``s / 254`` apart (both within the bound), so compare a kernel with :func:`reference`
-    given the kernel's own planes. A group holding a value that is not finite gets ``s`` = NaN,
+    508`` per element (module docstring). Ties round half to even, here and in :func:`split_x`, which
+    computes the same IEEE operations (on the GPU Triton's ``/`` is approximate and ptxas fuses a
+    product with the next add: the first GPU run of the tests found planes one apart). A group holding a value that is not finite gets ``s`` = NaN,
     which makes every product it enters NaN (as the float kernels would give NaN or an infinity)."""
     m, k = x.shape
     g = x.float().reshape(m, k // 32, 32)
@@ -250,10 +249,30 @@ def _reference_q6k(x: torch.Tensor, w: QuantizedWeight, p: Planes) -> torch.Tens
 # Triton
 
 @triton.jit
-def _split_kernel(x_ptr, h_ptr, l_ptr, s_ptr, xs_ptr, hs_ptr, ls_ptr, K, sxm, GROUPS: tl.constexpr):
+def _mul_rn(a, b, EMULATE: tl.constexpr):
+    """``a * b`` (float32) rounded once and never contracted into an FMA with what follows (PTX
+    ``mul.rn.f32``; ptxas otherwise fuses a product with the next add), as PyTorch computes it."""
+    if EMULATE:
+        return a * b
+    else:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+
+
+@triton.jit
+def _round_even(v):
+    """``v`` (float32, ``|v| < 2^22``) rounded to the nearest integer, ties to even (``torch.round``):
+    two IEEE adds around ``1.5 * 2^23``, at whose magnitude float32 holds integers only."""
+    return (v + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _split_kernel(x_ptr, h_ptr, l_ptr, s_ptr, xs_ptr, hs_ptr, ls_ptr, K, sxm, GROUPS: tl.constexpr,
+                  EMULATE: tl.constexpr):
     """Row ``program_id(0)``, groups ``program_id(1) * GROUPS ...`` of 32 of ``x`` (any float
-    dtype, row stride ``sxm``) into :class:`Planes` (row-major; :func:`quantize_x`'s definition,
-    ties rounded half up)."""
+    dtype, row stride ``sxm``) into :class:`Planes` (row-major), bit for bit :func:`quantize_x`: IEEE
+    divisions (``tl.div_rn``: Triton's ``/`` is PTX's approximate ``div.full.f32``), an uncontracted
+    product (:func:`_mul_rn`) and ties to even (:func:`_round_even`)."""
     m = tl.program_id(0)
     gi = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     ng = K // 32
@@ -264,10 +283,10 @@ def _split_kernel(x_ptr, h_ptr, l_ptr, s_ptr, xs_ptr, hs_ptr, ls_ptr, K, sxm, GR
     finite = tl.min(ok_x.to(tl.int32), axis=1)
     x = tl.where(ok_x, x, 0.0)
     amax = tl.max(tl.abs(x), axis=1)
-    s = tl.where(amax > 0, amax / 127.0, 1.0)
-    u = x / s[:, None]
-    h = tl.minimum(tl.maximum(tl.floor(u + 0.5), -127.0), 127.0)
-    lo = tl.minimum(tl.maximum(tl.floor((u - h) * 254.0 + 0.5), -127.0), 127.0)
+    s = tl.where(amax > 0, tl.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)), 1.0)
+    u = tl.div_rn(x, tl.broadcast_to(s[:, None], x.shape))
+    h = tl.minimum(tl.maximum(_round_even(u), -127.0), 127.0)
+    lo = tl.minimum(tl.maximum(_round_even(_mul_rn(u - h, tl.full(u.shape, 254.0, tl.float32), EMULATE)), -127.0), 127.0)
     out = m.to(tl.int64) * K + col
     tl.store(h_ptr + out, h.to(tl.int8), mask=ok[:, None])
     tl.store(l_ptr + out, lo.to(tl.int8), mask=ok[:, None])
@@ -280,7 +299,8 @@ def _split_kernel(x_ptr, h_ptr, l_ptr, s_ptr, xs_ptr, hs_ptr, ls_ptr, K, sxm, GR
 
 def split_x(x: torch.Tensor) -> Planes:
     """:func:`quantize_x` in one Triton launch (``x`` ``[M, K]`` on the device, ``K`` a multiple of
-    32; any float dtype, unit stride along ``K``): :class:`Planes`."""
+    32; any float dtype, unit stride along ``K``): :class:`Planes`, the same planes and scales bit
+    for bit (``xsum`` but for its float sum's order)."""
     m, k = x.shape
     h = torch.empty(m, k, device=x.device, dtype=torch.int8)
     lo = torch.empty_like(h)
@@ -291,7 +311,7 @@ def split_x(x: torch.Tensor) -> Planes:
     if m and k:
         groups = 32
         _split_kernel[(m, triton.cdiv(k // 32, groups))](x, h, lo, s, xs, hs, ls, k, x.stride(0), GROUPS=groups,
-                                                          num_warps=4)
+                                                          EMULATE=x.device.type != "cuda", num_warps=4)
     return Planes(h, lo, s, xs, hs, ls)
 
 

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Issue 19 on the GPU: the integer-arithmetic kernels (kernels/quant/intdot.py) checked for every type
+# they cover, timed per projection, then the 9B Q4_K_M decode with each set of integer types beside
+# llama.cpp on the same file. No SmolLM2 staging: the synthetic files take their tokenizer from
+# .stage/tok.gguf. Carry .whl, .peer (llama.cpp.tar.gz, llamacpp-bench.sh) and .stage/tok.gguf.
+#
+#   bash tools/gpu_intdot.sh start    # wheels; the background prep of tools/gpu_quant.sh (llama.cpp with
+#                                     # llama-bench + llama-quantize, the synthetic 9B bf16, its Q4_K_M and
+#                                     # Q8_0 files); the quant tests with every integer type on
+#                                     # -> $OUT/intdot-tests.txt; the dp4a probe -> $OUT/probe.{txt,json}
+#                                     # (timed while the prep builds: its timings are checked again in `decode`)
+#   bash tools/gpu_intdot.sh decode   # per file of $QUANTS (default Q4_K_M): bench.gpu engine --quick
+#                                     # --weights quantized with DFLASH_QUANT_INT_DOTS per $SETS, then
+#                                     # llama-bench on the file; tools/verify_profile.py (1x1, 1x16) with the
+#                                     # default set -> $OUT/decode-*.{txt,json}, $OUT/profile-*.txt
+#
+# SETS: space-separated DFLASH_QUANT_INT_DOTS values, "default" for unset (default "0 default all";
+# all = Q4_K,Q5_K,Q6_K,Q4_0,Q4_1,Q8_0); SETS_<type> (e.g. SETS_Q8_0) for one file type.
+# PROFILE_SET: DFLASH_QUANT_INT_DOTS of the profile (default unset). TESTS_K: a pytest -k filter of the
+# tests of `start`; PROBE_S: the probe's time limit (default 200 s; DP4A_QUICK=1 for its default launches). The machine keeps /tmp while warm, so `decode` follows `start`.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; M=/tmp/models; Q=/tmp/quant; mkdir -p "$OUT" "$M" "$Q/res"
+export PYTHONPATH=/tmp/site:$PWD:$PWD/proto PYTHONUNBUFFERED=1
+ALL=Q4_K,Q5_K,Q6_K,Q4_0,Q4_1,Q8_0
+[ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+  .whl/*.whl || exit 1
+
+start() {
+  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/device.txt"
+  # the prep only: no tests, no models, one second of measuring time
+  NO_SMOLLM=1 MODELS=9b QUANTS="${QUANTS:-Q4_K_M Q8_0}" SKIP_TESTS=1 SKIP_MODELS=1 CALL_S=1 OUT=$Q/start \
+    bash tools/gpu_quant.sh > "$Q/start.log" 2>&1
+  DFLASH_QUANT_INT_DOTS=$ALL timeout 330 python3 -m pytest -q -p no:cacheprovider tests/test_quant_kernels.py \
+    tests/test_quant_weights.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -30 > "$OUT/intdot-tests.txt"
+  tail -5 "$OUT/intdot-tests.txt"
+  timeout ${PROBE_S:-200} python3 tools/quant_dp4a_probe.py --out "$OUT/probe.json" > "$OUT/probe.txt" 2>&1
+  tail -40 "$OUT/probe.txt"
+  tail -5 $Q/prep.log
+}
+
+decode() {
+  local T F s tag
+  for T in ${QUANTS:-Q4_K_M}; do
+    F=$M/q35-9b-$T.gguf
+    for _ in $(seq 1 60); do [ -e $M/q35-9b-$T.done ] && break; sleep 5; done
+    [ -e $M/q35-9b-$T.done ] || { echo "no $F: $(tail -3 $Q/prep.log)"; continue; }
+    local v=SETS_$T
+    for s in ${!v:-${SETS:-0 default all}}; do
+      tag=$T-${s//,/+}
+      if [ "$s" = default ]; then
+        timeout 200 python3 -m bench.gpu engine --quick --reps 3 --weights quantized --model $F --name "q35-9b-$tag" \
+          --out "$OUT/decode-$tag.json" > "$OUT/decode-$tag.txt" 2>&1
+      else
+        [ "$s" = all ] && s=$ALL
+        DFLASH_QUANT_INT_DOTS=$s timeout 200 python3 -m bench.gpu engine --quick --reps 3 --weights quantized --model $F \
+          --name "q35-9b-$tag" --out "$OUT/decode-$tag.json" > "$OUT/decode-$tag.txt" 2>&1
+      fi
+      echo "== $tag"; grep -v "^\s*$" "$OUT/decode-$tag.txt" | grep -v "it/s\]" | tail -8
+    done
+    if [ "${LLAMA:-1}" = 1 ] && [ -x /root/llamacpp/build/bin/llama-bench ]; then
+      timeout 200 bash /tmp/peer/llamacpp-bench.sh /tmp/peer/llama.cpp.tar.gz $F > "$OUT/llama-$T.txt" 2>&1
+      tail -4 "$OUT/llama-$T.txt"
+    fi
+    if [ "${PROFILE:-1}" = 1 ]; then
+      DFLASH_QUANT_INT_DOTS=${PROFILE_SET:-${DFLASH_QUANT_INT_DOTS:-1}} timeout 150 python3 tools/verify_profile.py --model $F --weights quantized --shapes 1x1,1x16 --context 128 \
+        --out "$OUT/profile-$T.json" > "$OUT/profile-$T.txt" 2>&1
+      tail -20 "$OUT/profile-$T.txt"
+    fi
+  done
+  (cd "$OUT" && tar czf intdot.tgz --exclude intdot.tgz ./*.txt ./*.json 2>/dev/null)
+}
+
+case "${1:-}" in
+  start) start ;;
+  decode) decode ;;
+  *) echo "usage: $0 start|decode" >&2; exit 2 ;;
+esac
