@@ -375,9 +375,10 @@ def commit_timing(engine, width: int = 16, reps: int = 20, graph: bool = False) 
 #: kernel families of the profile, first match wins (the conv and KV commit kernels before the GDN
 #: ``_commit_kernel`` whose name they contain)
 _FAMILIES = (("quant linear (ours)", ("_qlinear_kernel", "_split_sum_kernel")),
+             ("quant integer dots (ours)", ("_dp4a_kernel", "_mma_kernel", "_split_kernel")),
              ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90_", "cublas", "splitk", "_skinny")),
              ("gdn conv (ours)", ("_conv_kernel", "_conv_commit_kernel")), ("kv commit (ours)", ("_kv_commit_kernel",)),
-             ("attention (ours)", ("_pool_attention", "_pool_tree_nodes", "_combine")), ("gated delta (ours)", ("_tree_kernel", "_commit_kernel")),
+             ("attention (ours)", ("_pool_attention", "_pool_tree_nodes", "_combine")), ("gated delta (ours)", ("_tree_kernel", "_commit_kernel", "_tree_walk_kernel")),
              ("norms (ours)", ("_rms_kernel",)), ("rope+kv (ours)", ("_rope_store",)), ("swiglu (ours)", ("_silu_mul",)),
              ("top-k (ours)", ("_topk_lsm",)),
              ("sampler (ours)", ("sample", "threshold", "philox", "_argmax", "_reduce")),

@@ -684,6 +684,37 @@ def test_integer_dots_are_exact_in_their_integers_and_within_tolerance(name, k):
         intdot.linear(x, w, torch.empty(40, 5, device=dev).t())
 
 
+@pytest.mark.parametrize("name,k", [("Q4_K", 1024), ("Q6_K", 1024), ("Q4_1", 576)])
+def test_split_sum_inside_the_kernel_equals_the_sum_kernel(name, k, monkeypatch):
+    """kernels.quant.partials._store_split (the split over K summed by the last program of each
+    output tile, ``intdot.FUSED_SUM``) gives the bits of the separate sum kernel, at one row (dp4a)
+    and at 20 rows (two row blocks of the tensor-core kernel), over repeated launches (each leaves
+    its tile counters at zero, so the next one shares them); a launch whose counters cannot be had
+    (more tiles than a buffer holds) falls back to the sum kernel with the same bits."""
+    from kernels.quant import intdot
+    from kernels.quant import partials
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator().manual_seed(9)
+    w_cpu = _random_weight(name, 72, k)
+    w = QuantizedWeight(w_cpu.data.to(dev), name, (72, k))
+    split = 4 if name != "Q4_1" else 3
+    for m in (1, 20):
+        x = torch.randn(m, k, generator=g).to(dev)
+        monkeypatch.setattr(intdot, "FUSED_SUM", False)
+        want = intdot.linear(x, w, torch.empty(m, 72, device=dev), split_k=split)
+        monkeypatch.setattr(intdot, "FUSED_SUM", True)
+        for _ in range(2):
+            got = intdot.linear(x, w, torch.empty(m, 72, device=dev), split_k=split)
+            assert torch.equal(got, want), (name, m)
+        assert rel(got.cpu(), intdot.reference(x.cpu(), w_cpu)) <= 1e-6
+        cnt = partials.tile_counters(dev, 1)
+        assert cnt is not None and int(cnt.abs().sum()) == 0          # every tile's counter set back
+        monkeypatch.setattr(partials, "COUNTER_TILES", 1)              # no counters for this launch: the sum kernel
+        assert torch.equal(intdot.linear(x, w, torch.empty(m, 72, device=dev), split_k=split), want)
+        monkeypatch.setattr(partials, "COUNTER_TILES", 1 << 17)
+
+
 def test_integer_kernels_compile_for_the_gpu():
     """tools/intdot_compile.py: every kernel of kernels.quant.intdot (the split, and the dp4a and
     tensor-core kernels of each type) compiles for sm_90 through Triton's backend and ptxas, without

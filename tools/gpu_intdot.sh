@@ -14,8 +14,9 @@
 #                                     # llama-bench on the file; tools/verify_profile.py (1x1, 1x16) with the
 #                                     # default set -> $OUT/decode-*.{txt,json}, $OUT/profile-*.txt
 #
-# SETS: space-separated DFLASH_QUANT_INT_DOTS values, "default" for unset (default "0 default all";
-# all = Q4_K,Q5_K,Q6_K,Q4_0,Q4_1,Q8_0); SETS_<type> (e.g. SETS_Q8_0) for one file type.
+# SETS: space-separated settings (default "generic default all"): generic (DFLASH_QUANT_INT_DOTS=0),
+# default (nothing set), unfused (DFLASH_QUANT_FUSED_SUM=0), q6k (Q4_K,Q6_K), all (every integer type:
+# Q4_K,Q5_K,Q6_K,Q4_0,Q4_1,Q8_0), or a DFLASH_QUANT_INT_DOTS value; SETS_<type> (e.g. SETS_Q8_0) for one file type.
 # PROFILE_SET: DFLASH_QUANT_INT_DOTS of the profile (default unset). TESTS_K: a pytest -k filter of the
 # tests of `start`; PROBE_S: the probe's time limit (default 200 s; DP4A_QUICK=1 for its default launches). The machine keeps /tmp while warm, so `decode` follows `start`.
 set -uo pipefail
@@ -46,17 +47,20 @@ decode() {
     for _ in $(seq 1 60); do [ -e $M/q35-9b-$T.done ] && break; sleep 5; done
     [ -e $M/q35-9b-$T.done ] || { echo "no $F: $(tail -3 $Q/prep.log)"; continue; }
     local v=SETS_$T
-    for s in ${!v:-${SETS:-0 default all}}; do
-      tag=$T-${s//,/+}
-      if [ "$s" = default ]; then
-        timeout 200 python3 -m bench.gpu engine --quick --reps 3 --weights quantized --model $F --name "q35-9b-$tag" \
-          --out "$OUT/decode-$tag.json" > "$OUT/decode-$tag.txt" 2>&1
-      else
-        [ "$s" = all ] && s=$ALL
-        DFLASH_QUANT_INT_DOTS=$s timeout 200 python3 -m bench.gpu engine --quick --reps 3 --weights quantized --model $F \
-          --name "q35-9b-$tag" --out "$OUT/decode-$tag.json" > "$OUT/decode-$tag.txt" 2>&1
-      fi
-      echo "== $tag"; grep -v "^\s*$" "$OUT/decode-$tag.txt" | grep -v "it/s\]" | tail -8
+    for s in ${!v:-${SETS:-generic default all}}; do
+      tag=$T-$s
+      case $s in                          # the environment of each set
+        generic) envs="DFLASH_QUANT_INT_DOTS=0" ;;
+        default) envs="" ;;
+        unfused) envs="DFLASH_QUANT_FUSED_SUM=0" ;;
+        q6k) envs="DFLASH_QUANT_INT_DOTS=Q4_K,Q6_K" ;;
+        all) envs="DFLASH_QUANT_INT_DOTS=$ALL" ;;
+        *) envs="DFLASH_QUANT_INT_DOTS=$s"; tag=$T-${s//,/-} ;;
+      esac
+      # shellcheck disable=SC2086
+      env $envs timeout 200 python3 -m bench.gpu engine --quick --reps 3 --weights quantized --model $F \
+        --name "q35-9b-$tag" --out "$OUT/decode-$tag.json" > "$OUT/decode-$tag.txt" 2>&1
+      echo "== $tag ($envs)"; grep -v "^\s*$" "$OUT/decode-$tag.txt" | grep -v "it/s\]" | tail -8
     done
     if [ "${LLAMA:-1}" = 1 ] && [ -x /root/llamacpp/build/bin/llama-bench ]; then
       timeout 200 bash /tmp/peer/llamacpp-bench.sh /tmp/peer/llama.cpp.tar.gz $F > "$OUT/llama-$T.txt" 2>&1

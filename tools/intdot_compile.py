@@ -18,6 +18,7 @@ import sys
 sys.path[:0] = [".", "proto", "tools"]
 
 _X = {"h_ptr": "*i8", "l_ptr": "*i8", "s_ptr": "*fp32"}
+_Y = {"y_ptr": "*fp32", "part_ptr": "*fp32", "cnt_ptr": "*i32"}   # (the split's sum in the kernel: FUSED)
 
 
 def _cases() -> list[tuple[str, object, dict, dict, int]]:
@@ -30,18 +31,18 @@ def _cases() -> list[tuple[str, object, dict, dict, int]]:
     many = {"M": "i32", "N": "i32", "K": "i32", "swn": "i32"}
     for q5 in (False, True):
         name = "Q5_K" if q5 else "Q4_K"
-        sig = {**_X, "xs_ptr": "*fp32", "w_ptr": "*u8", "y_ptr": "*fp32"}
-        out.append((f"dp4a {name}", I._q4k_dp4a_kernel, {**sig, **one}, dict(BLOCK_N=16, SPLIT_K=8, EMULATE=False, Q5=q5), 1))
-        out.append((f"mma {name}", I._q4k_mma_kernel, {**sig, **many}, dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=8, Q5=q5), 2))
-    sig = {**_X, "hs_ptr": "*i32", "ls_ptr": "*i32", "w_ptr": "*u8", "y_ptr": "*fp32"}
-    out.append(("dp4a Q6_K", I._q6k_dp4a_kernel, {**sig, **one}, dict(BLOCK_N=16, SPLIT_K=8, EMULATE=False), 1))
-    out.append(("mma Q6_K", I._q6k_mma_kernel, {**sig, **many}, dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=8), 2))
-    sig = {**_X, "xs_ptr": "*fp32", "hs_ptr": "*i32", "ls_ptr": "*i32", "w_ptr": "*u8", "y_ptr": "*fp32"}
+        sig = {**_X, "xs_ptr": "*fp32", "w_ptr": "*u8", **_Y}
+        out.append((f"dp4a {name}", I._q4k_dp4a_kernel, {**sig, **one}, dict(BLOCK_N=16, SPLIT_K=8, EMULATE=False, Q5=q5, FUSED=True), 1))
+        out.append((f"mma {name}", I._q4k_mma_kernel, {**sig, **many}, dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=8, Q5=q5, FUSED=True), 2))
+    sig = {**_X, "hs_ptr": "*i32", "ls_ptr": "*i32", "w_ptr": "*u8", **_Y}
+    out.append(("dp4a Q6_K", I._q6k_dp4a_kernel, {**sig, **one}, dict(BLOCK_N=16, SPLIT_K=8, EMULATE=False, FUSED=True), 1))
+    out.append(("mma Q6_K", I._q6k_mma_kernel, {**sig, **many}, dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=8, FUSED=True), 2))
+    sig = {**_X, "xs_ptr": "*fp32", "hs_ptr": "*i32", "ls_ptr": "*i32", "w_ptr": "*u8", **_Y}
     for name, bs in (("Q4_0", 18), ("Q4_1", 20), ("Q8_0", 34)):
         qt = I._LEGACY_CODE[name]
         out.append((f"dp4a {name}", I._legacy_dp4a_kernel, {**sig, **one},
-                    dict(QT=qt, BS=bs, BLOCK_N=16, SPLIT_K=2, EMULATE=False), 1))
-        out.append((f"mma {name}", I._legacy_mma_kernel, {**sig, **many}, dict(QT=qt, BS=bs, BLOCK_M=16, BLOCK_N=64, SPLIT_K=2), 2))
+                    dict(QT=qt, BS=bs, BLOCK_N=16, SPLIT_K=2, EMULATE=False, FUSED=True), 1))
+        out.append((f"mma {name}", I._legacy_mma_kernel, {**sig, **many}, dict(QT=qt, BS=bs, BLOCK_M=16, BLOCK_N=64, SPLIT_K=2, FUSED=True), 2))
     return out
 
 

@@ -37,13 +37,14 @@ spelled out in integer operations (``EMULATE``), the same sums.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.quant.partials import _split_sum_kernel
+from kernels.quant.partials import _split_sum_kernel, _store_split, tile_counters
 from kernels.quant.weight import QuantizedWeight
 
 #: the second plane's scale: x = s * (h + l / L_SCALE)
@@ -54,6 +55,10 @@ L_SCALE = 254.0
 MMA_ROWS = 16
 #: output features per program: the one-row kernel (1 warp), the several-row kernel (2 warps)
 DP4A_BLOCK_N, MMA_BLOCK_N = 16, 64
+#: a split over ``K`` summed inside the product's kernel (:func:`kernels.quant.partials._store_split`:
+#: one launch a product, the same bits) rather than by :func:`_split_sum_kernel` after it;
+#: ``DFLASH_QUANT_FUSED_SUM=0`` keeps the second launch (A/B runs)
+FUSED_SUM = os.environ.get("DFLASH_QUANT_FUSED_SUM", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def split_k_for(n: int, k: int, block: int = 256) -> int:
@@ -396,14 +401,16 @@ def _q45_codes(words, qh, c: tl.constexpr, hi: tl.constexpr, Q5: tl.constexpr):
 
 
 @triton.jit
-def _q4k_dp4a_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, w_ptr, y_ptr, N, K, swn,
-                     BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, Q5: tl.constexpr = False):
+def _q4k_dp4a_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, N, K, swn,
+                     BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, Q5: tl.constexpr = False,
+                     FUSED: tl.constexpr = False):
     """One row of ``x`` as its planes (``h_ptr``, ``l_ptr``: int8 ``[K]``, read as int32 words of
     four; ``s_ptr``, ``xs_ptr``: float32 ``[K / 32]``) times a Q4_K weight (uint8 ``[N, K / 256 *
     144]``): per program ``BLOCK_N`` weight rows over ``K / SPLIT_K``; per super-block the 128 code
     bytes as four ``[BLOCK_N, 8]`` tiles of 32-bit words, word ``i`` of tile ``c`` holding elements
-    ``4 i .. 4 i + 3`` of sub-blocks ``2 c`` (low nibbles) and ``2 c + 1`` (high). ``y_ptr``: ``[N]``,
-    or the float32 scratch ``[SPLIT_K, N]`` with ``SPLIT_K`` > 1."""
+    ``4 i .. 4 i + 3`` of sub-blocks ``2 c`` (low nibbles) and ``2 c + 1`` (high). ``y_ptr``: ``[N]``;
+    with ``SPLIT_K`` > 1 ``part_ptr`` the float32 partials ``[SPLIT_K, N]`` and ``cnt_ptr`` the tile
+    counters (:func:`kernels.quant.partials._store_split`: the last program sums them into ``y``)."""
     rn, row, b0, nb = _program(w_ptr, N, K, swn, BLOCK_N, SPLIT_K)
     i8 = tl.arange(0, 8)
     hw = h_ptr.to(tl.pointer_type(tl.int32))
@@ -425,19 +432,18 @@ def _q4k_dp4a_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, w_ptr, y_ptr, N, K, swn,
                 dl = tl.sum(_dp4a(q, xl, EMULATE), axis=1)
                 scale, bias = _scale_min(w0, w1, w2, g, d, dm)
                 acc += _epilogue(dh, dl, scale, tl.load(s_ptr + b * 8 + g), bias, tl.load(xs_ptr + b * 8 + g))
-    if SPLIT_K > 1:
-        y_ptr += tl.program_id(1).to(tl.int64) * N
-    tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=rn < N)
+    _store_split(acc, y_ptr, part_ptr, cnt_ptr, rn, rn < N, tl.program_id(0), N, SPLIT_K, FUSED)
 
 
 @triton.jit
-def _q4k_mma_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, w_ptr, y_ptr, M, N, K, swn,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, Q5: tl.constexpr = False):
+def _q4k_mma_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, swn,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, Q5: tl.constexpr = False,
+                    FUSED: tl.constexpr = False):
     """``M`` rows of ``x`` as their planes (int8 ``[M, K]`` each; ``s``, ``xsum`` float32 ``[M, K /
     32]``) times a Q4_K weight: per sub-block the integer dots of 32 codes with both planes as int8
     tensor-core dots (exact: the sums :func:`_q4k_dp4a_kernel` makes with ``dp4a``), then the same
-    :func:`_epilogue` in the same order. ``y_ptr``: ``[M, N]``, or the float32 scratch ``[SPLIT_K,
-    M, N]`` with ``SPLIT_K`` > 1."""
+    :func:`_epilogue` in the same order. ``y_ptr``: ``[M, N]``; ``part_ptr`` ``[SPLIT_K, M, N]``
+    and ``cnt_ptr`` as in :func:`_q4k_dp4a_kernel`, one counter per ``(program_id(2), program_id(0))``."""
     rn, row, b0, nb = _program(w_ptr, N, K, swn, BLOCK_N, SPLIT_K)
     rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     i8, i32 = tl.arange(0, 8), tl.arange(0, 32)
@@ -462,10 +468,8 @@ def _q4k_mma_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, w_ptr, y_ptr, M, N, K, swn,
                 xsum = tl.load(xs_ptr + rm * (K // 32) + b * 8 + g, mask=mrow, other=0.0)
                 scale, bias = _scale_min(w0, w1, w2, g, d, dm)
                 acc += _epilogue(dh, dl, scale[:, None], sx[None, :], bias[:, None], xsum[None, :])
-    if SPLIT_K > 1:
-        y_ptr += tl.program_id(1).to(tl.int64) * M * N
-    out = y_ptr + rm[None, :].to(tl.int64) * N + rn[:, None]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rn[:, None] < N) & mrow[None, :])
+    _store_split(acc, y_ptr, part_ptr, cnt_ptr, rm[None, :].to(tl.int64) * N + rn[:, None], (rn[:, None] < N) & mrow[None, :],
+                 tl.program_id(2) * tl.num_programs(0) + tl.program_id(0), M * N, SPLIT_K, FUSED)
 
 
 @triton.jit
@@ -509,8 +513,8 @@ def _q6k_half(blk, nh: tl.constexpr):
 
 
 @triton.jit
-def _q6k_dp4a_kernel(h_ptr, l_ptr, s_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, N, K, swn,
-                     BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr):
+def _q6k_dp4a_kernel(h_ptr, l_ptr, s_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, N, K, swn,
+                     BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, FUSED: tl.constexpr = False):
     """As :func:`_q4k_dp4a_kernel` for a Q6_K weight (uint8 ``[N, K / 256 * 210]``): per half
     super-block the 96 code bytes as three ``[BLOCK_N, 8]`` tiles of words (:func:`_words16`), four
     runs of 32 codes (:func:`_q6k_run`), each two 16-element groups; per group ``dot - 32 * sum``
@@ -540,14 +544,12 @@ def _q6k_dp4a_kernel(h_ptr, l_ptr, s_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, N, K, sw
                 acc = _acc6(acc, dh0 - 32 * tl.load(hs_ptr + b * 16 + g), dl0 - 32 * tl.load(ls_ptr + b * 16 + g), d * sc0, sx)
                 acc = _acc6(acc, dh1 - 32 * tl.load(hs_ptr + b * 16 + g + 1), dl1 - 32 * tl.load(ls_ptr + b * 16 + g + 1),
                             d * sc1, sx)
-    if SPLIT_K > 1:
-        y_ptr += tl.program_id(1).to(tl.int64) * N
-    tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=rn < N)
+    _store_split(acc, y_ptr, part_ptr, cnt_ptr, rn, rn < N, tl.program_id(0), N, SPLIT_K, FUSED)
 
 
 @triton.jit
-def _q6k_mma_kernel(h_ptr, l_ptr, s_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, M, N, K, swn,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+def _q6k_mma_kernel(h_ptr, l_ptr, s_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, swn,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, FUSED: tl.constexpr = False):
     """As :func:`_q4k_mma_kernel` for a Q6_K weight: each run of 32 codes as int8 tensor-core dots,
     one per 16-element group (the other group's codes zeroed), then :func:`_q6k_dp4a_kernel`'s
     group terms in the same order."""
@@ -582,10 +584,8 @@ def _q6k_mma_kernel(h_ptr, l_ptr, s_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, M, N, K, 
                             (d * sc0)[:, None], sx)
                 acc = _acc6(acc, tl.dot(c1, xh, out_dtype=tl.int32) - 32 * hs1, tl.dot(c1, xl, out_dtype=tl.int32) - 32 * ls1,
                             (d * sc1)[:, None], sx)
-    if SPLIT_K > 1:
-        y_ptr += tl.program_id(1).to(tl.int64) * M * N
-    out = y_ptr + rm[None, :].to(tl.int64) * N + rn[:, None]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rn[:, None] < N) & mrow[None, :])
+    _store_split(acc, y_ptr, part_ptr, cnt_ptr, rm[None, :].to(tl.int64) * N + rn[:, None], (rn[:, None] < N) & mrow[None, :],
+                 tl.program_id(2) * tl.num_programs(0) + tl.program_id(0), M * N, SPLIT_K, FUSED)
 
 
 @triton.jit
@@ -636,13 +636,14 @@ def _legacy_acc(acc, dh, dl, d, m, sx, xsum, hs, ls, QT: tl.constexpr):
 
 
 @triton.jit
-def _legacy_dp4a_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, N, K, swn,
+def _legacy_dp4a_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, N, K, swn,
                         QT: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-                        EMULATE: tl.constexpr):
+                        EMULATE: tl.constexpr, FUSED: tl.constexpr = False):
     """One row of ``x`` (:class:`Planes`) times a legacy weight (``QT``: 0 Q4_0, 1 Q4_1, 2 Q8_0;
     ``BS`` bytes per block of 32): per block the code words of elements 0-15 and 16-31
     (:func:`_legacy_block`) against the planes' words, ``dp4a`` (Q8_0: signed), then
-    :func:`_legacy_acc`. ``y_ptr``: ``[N]``, or the float32 scratch ``[SPLIT_K, N]``."""
+    :func:`_legacy_acc`. ``y_ptr``, ``part_ptr``, ``cnt_ptr``: as
+    :func:`_q4k_dp4a_kernel`'s."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * swn
     nb = K // 32 // SPLIT_K
@@ -669,15 +670,13 @@ def _legacy_dp4a_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, hs_ptr, ls_ptr, w_ptr, y_pt
         hs = tl.load(hs_ptr + 2 * b) + tl.load(hs_ptr + 2 * b + 1)
         ls = tl.load(ls_ptr + 2 * b) + tl.load(ls_ptr + 2 * b + 1)
         acc = _legacy_acc(acc, dh, dl, d, m, tl.load(s_ptr + b), tl.load(xs_ptr + b), hs, ls, QT)
-    if SPLIT_K > 1:
-        y_ptr += tl.program_id(1).to(tl.int64) * N
-    tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=rn < N)
+    _store_split(acc, y_ptr, part_ptr, cnt_ptr, rn, rn < N, tl.program_id(0), N, SPLIT_K, FUSED)
 
 
 @triton.jit
-def _legacy_mma_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, M, N, K, swn,
+def _legacy_mma_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, swn,
                        QT: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       SPLIT_K: tl.constexpr):
+                       SPLIT_K: tl.constexpr, FUSED: tl.constexpr = False):
     """As :func:`_legacy_dp4a_kernel` for ``M`` rows: each block's 32 codes as int8 tensor-core dots
     with both planes (exact), then :func:`_legacy_acc` in the same order."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -702,10 +701,8 @@ def _legacy_mma_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr
         sx = tl.load(s_ptr + rm * (K // 32) + b, mask=mrow, other=1.0)[None, :]
         xsum = tl.load(xs_ptr + rm * (K // 32) + b, mask=mrow, other=0.0)[None, :]
         acc = _legacy_acc(acc, dh, dl, d[:, None], m if QT != 1 else m[:, None], sx, xsum, hs, ls, QT)
-    if SPLIT_K > 1:
-        y_ptr += tl.program_id(1).to(tl.int64) * M * N
-    out = y_ptr + rm[None, :].to(tl.int64) * N + rn[:, None]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rn[:, None] < N) & mrow[None, :])
+    _store_split(acc, y_ptr, part_ptr, cnt_ptr, rm[None, :].to(tl.int64) * N + rn[:, None], (rn[:, None] < N) & mrow[None, :],
+                 tl.program_id(2) * tl.num_programs(0) + tl.program_id(0), M * N, SPLIT_K, FUSED)
 
 
 def linear(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, split_k: int | None = None,
@@ -740,37 +737,42 @@ def linear(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, split_k: 
     p = planes if planes is not None else split_x(x2)
     data = weight.data
     emulate = x2.device.type != "cuda"
-    out = y if split == 1 else torch.empty(split, m, n, device=y.device, dtype=torch.float32)
-    if (m == 1) if mma is None else not mma:
-        if m != 1:
-            raise ValueError("the dp4a kernel takes one row")
-        bn = block_n or DP4A_BLOCK_N
+    one_row = (m == 1) if mma is None else not mma
+    if one_row and m != 1:
+        raise ValueError("the dp4a kernel takes one row")
+    bn = block_n or (DP4A_BLOCK_N if one_row else MMA_BLOCK_N)
+    tiles = triton.cdiv(n, bn) * (1 if one_row else triton.cdiv(m, MMA_ROWS))
+    part = torch.empty(split, m, n, device=y.device, dtype=torch.float32) if split > 1 else y
+    cnt = tile_counters(y.device, tiles) if split > 1 and FUSED_SUM else None
+    fused = cnt is not None            # the split's sum inside the kernel (partials._store_split)
+    cnt = y if cnt is None else cnt
+    xs = (p.h, p.l, p.s)
+    if one_row:
         grid = (triton.cdiv(n, bn), split)
         if legacy:
-            _legacy_dp4a_kernel[grid](p.h, p.l, p.s, p.xsum, p.hsum, p.lsum, data, out, n, k, data.stride(0),
+            _legacy_dp4a_kernel[grid](*xs, p.xsum, p.hsum, p.lsum, data, y, part, cnt, n, k, data.stride(0),
                                       QT=_LEGACY_CODE[name], BS=data.shape[1] * 32 // k, BLOCK_N=bn, SPLIT_K=split,
-                                      EMULATE=emulate, num_warps=num_warps or 1)
+                                      EMULATE=emulate, FUSED=fused, num_warps=num_warps or 1)
         elif q6:
-            _q6k_dp4a_kernel[grid](p.h, p.l, p.s, p.hsum, p.lsum, data, out, n, k, data.stride(0), BLOCK_N=bn,
-                                   SPLIT_K=split, EMULATE=emulate, num_warps=num_warps or 1)
+            _q6k_dp4a_kernel[grid](*xs, p.hsum, p.lsum, data, y, part, cnt, n, k, data.stride(0), BLOCK_N=bn,
+                                   SPLIT_K=split, EMULATE=emulate, FUSED=fused, num_warps=num_warps or 1)
         else:
-            _q4k_dp4a_kernel[grid](p.h, p.l, p.s, p.xsum, data, out, n, k, data.stride(0), BLOCK_N=bn,
-                                   SPLIT_K=split, EMULATE=emulate, Q5=name == "Q5_K", num_warps=num_warps or 1)
+            _q4k_dp4a_kernel[grid](*xs, p.xsum, data, y, part, cnt, n, k, data.stride(0), BLOCK_N=bn,
+                                   SPLIT_K=split, EMULATE=emulate, Q5=name == "Q5_K", FUSED=fused, num_warps=num_warps or 1)
     else:
-        bn = block_n or MMA_BLOCK_N
         grid = (triton.cdiv(n, bn), split, triton.cdiv(m, MMA_ROWS))
         if legacy:
-            _legacy_mma_kernel[grid](p.h, p.l, p.s, p.xsum, p.hsum, p.lsum, data, out, m, n, k, data.stride(0),
+            _legacy_mma_kernel[grid](*xs, p.xsum, p.hsum, p.lsum, data, y, part, cnt, m, n, k, data.stride(0),
                                      QT=_LEGACY_CODE[name], BS=data.shape[1] * 32 // k, BLOCK_M=MMA_ROWS, BLOCK_N=bn,
-                                     SPLIT_K=split, num_warps=num_warps or 2)
+                                     SPLIT_K=split, FUSED=fused, num_warps=num_warps or 2)
         elif q6:
-            _q6k_mma_kernel[grid](p.h, p.l, p.s, p.hsum, p.lsum, data, out, m, n, k, data.stride(0), BLOCK_M=MMA_ROWS,
-                                  BLOCK_N=bn, SPLIT_K=split, num_warps=num_warps or 2)
+            _q6k_mma_kernel[grid](*xs, p.hsum, p.lsum, data, y, part, cnt, m, n, k, data.stride(0), BLOCK_M=MMA_ROWS,
+                                  BLOCK_N=bn, SPLIT_K=split, FUSED=fused, num_warps=num_warps or 2)
         else:
-            _q4k_mma_kernel[grid](p.h, p.l, p.s, p.xsum, data, out, m, n, k, data.stride(0), BLOCK_M=MMA_ROWS,
-                                  BLOCK_N=bn, SPLIT_K=split, Q5=name == "Q5_K", num_warps=num_warps or 2)
-    if split > 1:
-        _split_sum_kernel[(triton.cdiv(m * n, 1024),)](out, y, m * n, SPLIT_K=split, BLOCK=1024, num_warps=4)
+            _q4k_mma_kernel[grid](*xs, p.xsum, data, y, part, cnt, m, n, k, data.stride(0), BLOCK_M=MMA_ROWS,
+                                  BLOCK_N=bn, SPLIT_K=split, Q5=name == "Q5_K", FUSED=fused, num_warps=num_warps or 2)
+    if split > 1 and not fused:
+        _split_sum_kernel[(triton.cdiv(m * n, 1024),)](part, y, m * n, SPLIT_K=split, BLOCK=1024, num_warps=4)
     return y
 
 

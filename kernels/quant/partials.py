@@ -1,9 +1,65 @@
 """The second pass of a split-``K`` launch (:mod:`kernels.quant.triton`, :mod:`kernels.quant.intdot`):
 the float32 partial sums of ``SPLIT_K`` programs added in a fixed order, so a row's bits do not
-depend on how the first pass was scheduled."""
+depend on how the first pass was scheduled: a kernel of its own (:func:`_split_sum_kernel`), or
+inside the first pass (:func:`_store_split`: the last program of an output tile to finish adds the
+tile's partials, in the same order, so both give the same bits; one launch less per product)."""
 
+import torch
 import triton
 import triton.language as tl
+
+#: tile counters per (device, stream) for :func:`_store_split`: int32, zero between launches
+_COUNTERS: dict = {}
+#: counters a buffer holds (tiles of one launch; a launch with more takes the separate sum kernel)
+COUNTER_TILES = 1 << 17
+
+
+def tile_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The zeroed int32 tile counters of :func:`_store_split` for launches on ``device``'s current
+    stream (allocated once per stream, outside graph capture: the engine warms every step up
+    before capturing it), or None when ``tiles`` exceeds :data:`COUNTER_TILES` or a first
+    allocation would fall inside a capture (the caller then launches :func:`_split_sum_kernel`).
+    Each launch leaves its counters at zero, so launches in stream order share them; launches on
+    two streams get two buffers. A graph captured on a stream keeps that stream's buffer, so graphs
+    are replayed one at a time (the engine's rule: one compute stream)."""
+    if tiles > COUNTER_TILES:
+        return None
+    if device.type != "cuda":
+        key = (device.type, None)
+    else:
+        key = (device.index if device.index is not None else torch.cuda.current_device(),
+               torch.cuda.current_stream(device).cuda_stream)
+    buf = _COUNTERS.get(key)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _COUNTERS[key] = torch.zeros(COUNTER_TILES, dtype=torch.int32, device=device)
+    return buf
+
+
+@triton.jit
+def _store_split(acc, y_ptr, part_ptr, cnt_ptr, offs, mask, tile, MN, SPLIT_K: tl.constexpr, FUSED: tl.constexpr):
+    """A program's float32 results ``acc`` for the outputs at flat offsets ``offs`` of ``y``
+    (``[M * N]``, ``mask`` the valid ones): stored into ``y`` with ``SPLIT_K`` 1; else stored as its
+    partial ``part[k]`` (float32 ``[SPLIT_K, M * N]``, ``k = program_id(1)``), left for
+    :func:`_split_sum_kernel` unless ``FUSED``; with ``FUSED`` then counted on its tile's counter (``cnt_ptr + tile``, an acquire-release atomic after a barrier of the program's
+    threads). The tile's last program to count adds the ``SPLIT_K`` partials in order ``0, 1, ...``
+    (:func:`_split_sum_kernel`'s order and bits; read through L2), stores the sum rounded once to
+    ``y``'s dtype and sets the counter back to zero. The split-K semaphore of stream-K / split-K
+    GEMMs (e.g. CUTLASS's serial split-K)."""
+    if SPLIT_K == 1:
+        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + tl.program_id(1).to(tl.int64) * MN + offs, acc, mask=mask)
+    if SPLIT_K > 1 and FUSED:
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT_K - 1:
+            tot = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                tot += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + offs, tot.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(cnt_ptr + tile, 0)
 
 
 @triton.jit
