@@ -751,6 +751,25 @@ def test_int_dot_types_from_the_environment(caplog):
     assert "Q5_0" in caplog.text or any("Q5_0" in str(getattr(r, "types", "")) for r in caplog.records)
 
 
+def test_mma_launches_from_the_environment(monkeypatch):
+    """``DFLASH_QUANT_MMA_LAUNCH`` (kernels.quant.intdot.mma_launches): ``TYPE:BLOCK_N:WARPS`` entries,
+    any case and spacing; a malformed entry raises ValueError naming it; the launch it names is
+    taken by linear and gives the default launch's bits (a speed setting only)."""
+    from kernels.quant import intdot
+
+    assert intdot.mma_launches(None) == {}
+    assert intdot.mma_launches(" q6_k:16:4, Q4_K:32:2,") == {"Q6_K": (16, 4), "Q4_K": (32, 2)}
+    for bad in ("Q6_K:16", "Q6_K:x:2", "Q6_K:1:2:3"):
+        with pytest.raises(ValueError, match="TYPE:BLOCK_N:WARPS"):
+            intdot.mma_launches(bad)
+    g = torch.Generator().manual_seed(4)
+    w = _random_weight("Q6_K", 40, 512)
+    x = torch.randn(3, 512, generator=g)
+    want = intdot.linear(x, w, torch.empty(3, 40))
+    monkeypatch.setattr(intdot, "MMA_LAUNCH", {"Q6_K": (16, 4)})
+    assert torch.equal(intdot.linear(x, w, torch.empty(3, 40)), want)
+
+
 def _random_weight(name: str, n: int, k: int) -> QuantizedWeight:
     """A random ``name`` weight on the CPU (finite float16 scales: tools/sweep_quant.random_weight)."""
     import sys

@@ -9,6 +9,10 @@
 #                                     # Q8_0 files); the quant tests with every integer type on
 #                                     # -> $OUT/intdot-tests.txt; the dp4a probe -> $OUT/probe.{txt,json}
 #                                     # (timed while the prep builds: its timings are checked again in `decode`)
+#   bash tools/gpu_intdot.sh q6k      # the prep (if not started); the probe of the several-row Q4_K and Q6_K
+#                                     # kernels' launches at M = 16 (DP4A_MMA16); decode with SETS (default
+#                                     # "q6k-tuned tuned default"; tuned: the best launch per type as
+#                                     # DFLASH_QUANT_MMA_LAUNCH) -> $OUT/probe-mma16.*, mma16-best.txt
 #   bash tools/gpu_intdot.sh decode   # per file of $QUANTS (default Q4_K_M): bench.gpu engine --quick
 #                                     # --weights quantized with DFLASH_QUANT_INT_DOTS per $SETS, then
 #                                     # llama-bench on the file; tools/verify_profile.py (1x1, 1x16) with the
@@ -55,6 +59,8 @@ decode() {
         unfused) envs="DFLASH_QUANT_FUSED_SUM=0" ;;
         q6k) envs="DFLASH_QUANT_INT_DOTS=Q4_K,Q6_K" ;;
         all) envs="DFLASH_QUANT_INT_DOTS=$ALL" ;;
+        tuned) envs="DFLASH_QUANT_MMA_LAUNCH=${TUNED:?}" ;;
+        q6k-tuned) envs="DFLASH_QUANT_INT_DOTS=Q4_K,Q6_K DFLASH_QUANT_MMA_LAUNCH=${TUNED:?}" ;;
         *) envs="DFLASH_QUANT_INT_DOTS=$s"; tag=$T-${s//,/-} ;;
       esac
       # shellcheck disable=SC2086
@@ -75,8 +81,37 @@ decode() {
   (cd "$OUT" && tar czf intdot.tgz --exclude intdot.tgz ./*.txt ./*.json 2>/dev/null)
 }
 
+q6k() {
+  # the several-row Q6_K kernel's BLOCK_N x warps at M = 16 (DP4A_MMA16), the best one taken for the
+  # 9B decode with Q6_K on the integer kernels (DFLASH_QUANT_MMA_LAUNCH) beside the default set
+  [ -e $Q/prep.started ] || NO_SMOLLM=1 MODELS=9b QUANTS=Q4_K_M SKIP_TESTS=1 SKIP_MODELS=1 CALL_S=1 OUT=$Q/start \
+    bash tools/gpu_quant.sh > "$Q/start.log" 2>&1
+  DP4A_TYPES=Q4_K,Q6_K DP4A_MMA16=1 timeout ${PROBE_S:-240} python3 tools/quant_dp4a_probe.py --out "$OUT/probe-mma16.json" \
+    > "$OUT/probe-mma16.txt" 2>&1
+  tail -9 "$OUT/probe-mma16.txt"
+  local best
+  best=$(python3 - "$OUT/probe-mma16.json" <<'PY'
+import json, sys
+tot = {}
+for r in json.load(open(sys.argv[1])):
+    for label, us in r["mma_us"]["16"].items():
+        if label != "default":
+            tot.setdefault(r["type"], {})[label] = tot.get(r["type"], {}).get(label, 0.0) + us
+out = []
+for name, t in tot.items():
+    label = min(t, key=t.get)
+    out.append(f"{name}:{label.split('-')[0][2:]}:{label.split('-')[1][1:]}")
+print(",".join(out))
+PY
+)
+  echo "best several-row launches at M = 16: $best" | tee "$OUT/mma16-best.txt"
+  [ -n "$best" ] || return
+  SETS="${SETS:-q6k-tuned tuned default}" TUNED=$best LLAMA=${LLAMA:-0} PROFILE=${PROFILE:-0} decode
+}
+
 case "${1:-}" in
   start) start ;;
+  q6k) q6k ;;
   decode) decode ;;
-  *) echo "usage: $0 start|decode" >&2; exit 2 ;;
+  *) echo "usage: $0 start|decode|q6k" >&2; exit 2 ;;
 esac

@@ -5,6 +5,8 @@ Q4_0, Q4_1, Q8_0), timed beside the generic skinny kernel and (Q4_K) a float32 G
     python tools/quant_dp4a_probe.py --smoke                # CPU self-test (TRITON_INTERPRET=1)
     DP4A_QUICK=1 python tools/quant_dp4a_probe.py           # default launches only (no sweeps), ~1 min
     DP4A_TYPES=Q4_1,Q8_0 python tools/quant_dp4a_probe.py   # only those types' cases
+    DP4A_MMA16=1 python tools/quant_dp4a_probe.py           # default launches, but every BLOCK_N x warps of the
+                                                            # several-row kernel at M = 16 (the engine's split)
 
 One row of ``x`` (bf16), per case of :data:`CASES`: the engine's generic skinny kernel
 (:func:`kernels.quant.triton.linear` with ``INT_DOTS`` empty, its default launch), for Q4_K the float32
@@ -99,7 +101,8 @@ def main() -> int:
 
     import os
 
-    quick = os.environ.get("DP4A_QUICK") == "1"
+    mma16 = os.environ.get("DP4A_MMA16") == "1"   # one row at its default; several rows: M = 16 only, default split
+    quick = os.environ.get("DP4A_QUICK") == "1" or mma16
     T.INT_DOTS = ()         # the generic kernel as the baseline
     only = os.environ.get("DP4A_TYPES")   # e.g. "Q4_1,Q8_0": only those cases
     dev = torch.device("cuda")
@@ -142,14 +145,18 @@ def main() -> int:
     for (name, n, k), r in zip(cases, rows):
         w0, ws, calls = sq.cold_weights(name, n, k, dev)
         launches = sq.probe_launches(n, k, (16, 32, 64), (2, 4), (512, 1024))
+        if mma16:   # the engine's split (a row's bits depend on it; BLOCK_N and warps do not: DFLASH_QUANT_MMA_LAUNCH)
+            split = intdot.split_k_for(n, k, intdot.block_elems(name))
+            launches = {f"bn{bn}-w{w}-s{split}": (bn, w, split) for bn in (16, 32, 64) for w in (1, 2, 4)}
         best_m, default_m = {}, {}
         for m in (1, 4, 16):
             x = torch.randn(m, k, device=dev).to(torch.bfloat16)
             planes = intdot.split_x(x)
             default_m[m] = timer(lambda i: q4k_mma(x, ws[i % len(ws)], planes=planes), calls)
-            got = {"default": default_m[m]} if quick else sq.time_launches(
+            got = {"default": default_m[m]} if quick and not (mma16 and m == 16) else sq.time_launches(
                 timer, calls, launches, lambda i, bn, nw, split: q4k_mma(x, ws[i % len(ws)], bn, nw, split, planes=planes),
                 f"mma M={m} {n}x{k}")
+            got.setdefault("default", default_m[m])
             best_m[m] = (min(got, key=got.get), got)
         x16 = torch.randn(16, k, device=dev).to(torch.bfloat16)
         generic16 = timer(lambda i: T.linear(x16, ws[i % len(ws)]), calls)

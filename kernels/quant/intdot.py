@@ -55,6 +55,27 @@ L_SCALE = 254.0
 MMA_ROWS = 16
 #: output features per program: the one-row kernel (1 warp), the several-row kernel (2 warps)
 DP4A_BLOCK_N, MMA_BLOCK_N = 16, 64
+
+
+def mma_launches(value: str | None) -> dict[str, tuple[int, int]]:
+    """Per type, the several-row kernel's ``(BLOCK_N, warps)`` from ``DFLASH_QUANT_MMA_LAUNCH``
+    (e.g. ``Q6_K:16:4,Q4_K:64:2``; types not named keep ``MMA_BLOCK_N`` and 2 warps). Neither
+    changes a row's bits (each output's sum runs over the same ``K`` split in the same order), so
+    this is a speed setting only. Raises ValueError for a malformed entry."""
+    out = {}
+    for part in (value or "").replace(" ", "").split(","):
+        if not part:
+            continue
+        try:
+            name, bn, warps = part.split(":")
+            out[name.upper()] = (int(bn), int(warps))
+        except ValueError:
+            raise ValueError(f"DFLASH_QUANT_MMA_LAUNCH entries are TYPE:BLOCK_N:WARPS, got {part!r}") from None
+    return out
+
+
+#: the several-row kernel's launch per type (:func:`mma_launches`)
+MMA_LAUNCH = mma_launches(os.environ.get("DFLASH_QUANT_MMA_LAUNCH"))
 #: a split over ``K`` summed inside the product's kernel (:func:`kernels.quant.partials._store_split`:
 #: one launch a product, the same bits) rather than by :func:`_split_sum_kernel` after it;
 #: ``DFLASH_QUANT_FUSED_SUM=0`` keeps the second launch (A/B runs)
@@ -712,7 +733,8 @@ def linear(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, split_k: 
     K]`` (``M`` >= 1, unit stride along ``K``, on the weight's device), written into ``y`` ``[M, N]``
     (contiguous; its dtype; float32 accumulation, rounded once): one row on the ``dp4a`` kernel,
     more on the int8 tensor-core kernel (:data:`MMA_ROWS` rows per program), ``K`` split by
-    :func:`split_k_for` (the launch arguments override the defaults: benchmarks and tests;
+    :func:`split_k_for` (the several-row launch per type: :data:`MMA_LAUNCH`; the launch
+    arguments override the defaults: benchmarks and tests;
     ``planes``: :func:`split_x` of ``x2`` when already made; ``mma``: the tensor-core kernel even
     for one row, or never). Returns ``y``.
 
@@ -740,7 +762,8 @@ def linear(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, split_k: 
     one_row = (m == 1) if mma is None else not mma
     if one_row and m != 1:
         raise ValueError("the dp4a kernel takes one row")
-    bn = block_n or (DP4A_BLOCK_N if one_row else MMA_BLOCK_N)
+    bn_mma, warps_mma = MMA_LAUNCH.get(name, (MMA_BLOCK_N, 2))
+    bn = block_n or (DP4A_BLOCK_N if one_row else bn_mma)
     tiles = triton.cdiv(n, bn) * (1 if one_row else triton.cdiv(m, MMA_ROWS))
     part = torch.empty(split, m, n, device=y.device, dtype=torch.float32) if split > 1 else y
     cnt = tile_counters(y.device, tiles) if split > 1 and FUSED_SUM else None
@@ -764,17 +787,17 @@ def linear(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, split_k: 
         if legacy:
             _legacy_mma_kernel[grid](*xs, p.xsum, p.hsum, p.lsum, data, y, part, cnt, m, n, k, data.stride(0),
                                      QT=_LEGACY_CODE[name], BS=data.shape[1] * 32 // k, BLOCK_M=MMA_ROWS, BLOCK_N=bn,
-                                     SPLIT_K=split, FUSED=fused, num_warps=num_warps or 2)
+                                     SPLIT_K=split, FUSED=fused, num_warps=num_warps or warps_mma)
         elif q6:
             _q6k_mma_kernel[grid](*xs, p.hsum, p.lsum, data, y, part, cnt, m, n, k, data.stride(0), BLOCK_M=MMA_ROWS,
-                                  BLOCK_N=bn, SPLIT_K=split, FUSED=fused, num_warps=num_warps or 2)
+                                  BLOCK_N=bn, SPLIT_K=split, FUSED=fused, num_warps=num_warps or warps_mma)
         else:
             _q4k_mma_kernel[grid](*xs, p.xsum, data, y, part, cnt, m, n, k, data.stride(0), BLOCK_M=MMA_ROWS,
-                                  BLOCK_N=bn, SPLIT_K=split, Q5=name == "Q5_K", FUSED=fused, num_warps=num_warps or 2)
+                                  BLOCK_N=bn, SPLIT_K=split, Q5=name == "Q5_K", FUSED=fused, num_warps=num_warps or warps_mma)
     if split > 1 and not fused:
         _split_sum_kernel[(triton.cdiv(m * n, 1024),)](part, y, m * n, SPLIT_K=split, BLOCK=1024, num_warps=4)
     return y
 
 
 __all__ = ["DP4A_BLOCK_N", "L_SCALE", "LEGACY", "MMA_BLOCK_N", "MMA_ROWS", "Planes", "TYPES", "block_elems", "legacy_codes",
-           "linear", "q6k_codes", "quantize_x", "reference", "split_k_for", "split_x"]
+           "linear", "mma_launches", "q6k_codes", "quantize_x", "reference", "split_k_for", "split_x"]
