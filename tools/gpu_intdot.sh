@@ -86,7 +86,7 @@ q6k() {
   # 9B decode with Q6_K on the integer kernels (DFLASH_QUANT_MMA_LAUNCH) beside the default set
   [ -e $Q/prep.started ] || NO_SMOLLM=1 MODELS=9b QUANTS=Q4_K_M SKIP_TESTS=1 SKIP_MODELS=1 CALL_S=1 OUT=$Q/start \
     bash tools/gpu_quant.sh > "$Q/start.log" 2>&1
-  DP4A_TYPES=Q4_K,Q6_K DP4A_MMA16=1 timeout ${PROBE_S:-240} python3 tools/quant_dp4a_probe.py --out "$OUT/probe-mma16.json" \
+  DP4A_TYPES=${PROBE_TYPES:-Q4_K,Q6_K} DP4A_MMA16=1 timeout ${PROBE_S:-240} python3 tools/quant_dp4a_probe.py --out "$OUT/probe-mma16.json" \
     > "$OUT/probe-mma16.txt" 2>&1
   tail -9 "$OUT/probe-mma16.txt"
   local best
