@@ -104,10 +104,10 @@ class _Timer:
         orig = runner_cls.run
         timer = self
 
-        def run(r, tail=None):
+        def run(self, tail=None):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
-            (r.graph.replay() if r.graph is not None else r.body())
+            (self.graph.replay() if self.graph is not None else self.body())
             if tail is not None:       # (runtime.graphs.StepGraph.run's tail: queued before the one wait)
                 tail()
             e.record()

@@ -170,3 +170,20 @@ def test_step_report_prefers_the_services_own_device_times(tmp_path):
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert cells[7:11] == ["0.50", "0.40", "1.30", "0.30"]  # draft device / host, verify device / host
     assert cells[13:] == ["1.20", "yes"]                    # GPU idle: 3.0 - 0.5 - 1.3
+
+
+def test_engine_step_timer_takes_what_the_step_takes():
+    """bench.gpu's _Timer replaces the target's StepGraph.run while it times replayed steps (CUDA
+    events); its stand-in must accept every argument the engine passes (session 18 added ``tail``
+    and the engine benchmark failed on the GPU until the timer took it too): the same parameters,
+    and a CPU run of the stand-in's signature with a tail."""
+    import inspect
+
+    import bench.gpu as G
+    from target_service import batched_engine
+
+    timer = G._Timer(None)
+    want = list(inspect.signature(batched_engine._Runner.run).parameters)
+    assert list(inspect.signature(timer._run).parameters) == want
+    inspect.signature(timer._run).bind(object(), lambda: None)
+    inspect.signature(timer._run).bind(object(), tail=None)
