@@ -751,23 +751,6 @@ def test_int_dot_types_from_the_environment(caplog):
     assert "Q5_0" in caplog.text or any("Q5_0" in str(getattr(r, "types", "")) for r in caplog.records)
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q5_K"])
-def test_unrolled_super_blocks_give_the_loop_bits(name, monkeypatch):
-    """``intdot.UNROLL_SB`` (``DFLASH_QUANT_UNROLL_SB``): the one-row Q4_K / Q5_K kernel with its
-    program's super-blocks unrolled at compile time (``NB``) computes the loop's sums in the loop's
-    order: the same bits, with and without a split over ``K``."""
-    from kernels.quant import intdot
-
-    g = torch.Generator().manual_seed(6)
-    w = _random_weight(name, 24, 1024)
-    x = torch.randn(1, 1024, generator=g)
-    for split in (1, 2):
-        monkeypatch.setattr(intdot, "UNROLL_SB", 0)
-        want = intdot.linear(x, w, torch.empty(1, 24), split_k=split)
-        monkeypatch.setattr(intdot, "UNROLL_SB", 8)
-        assert torch.equal(intdot.linear(x, w, torch.empty(1, 24), split_k=split), want), split
-
-
 def test_mma_launches_from_the_environment(monkeypatch):
     """``DFLASH_QUANT_MMA_LAUNCH`` (kernels.quant.intdot.mma_launches): ``TYPE:BLOCK_N:WARPS`` entries,
     any case and spacing; a malformed entry raises ValueError naming it; the launch it names is

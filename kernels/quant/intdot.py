@@ -74,10 +74,6 @@ def mma_launches(value: str | None) -> dict[str, tuple[int, int]]:
     return out
 
 
-#: the one-row Q4_K / Q5_K kernel's super-blocks unrolled when a program has at most this many
-#: (``NB``, a compile-time constant: straight-line code, the same sums in the same order);
-#: ``DFLASH_QUANT_UNROLL_SB=0`` keeps the loop
-UNROLL_SB = int(os.environ.get("DFLASH_QUANT_UNROLL_SB", "0") or 0)
 #: the several-row kernel's launch per type (:func:`mma_launches`)
 MMA_LAUNCH = mma_launches(os.environ.get("DFLASH_QUANT_MMA_LAUNCH"))
 #: a split over ``K`` summed inside the product's kernel (:func:`kernels.quant.partials._store_split`:
@@ -426,32 +422,9 @@ def _q45_codes(words, qh, c: tl.constexpr, hi: tl.constexpr, Q5: tl.constexpr):
 
 
 @triton.jit
-def _q4k_dp4a_sb(acc, b, row, hw, lw, s_ptr, xs_ptr, i8, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr,
-                 Q5: tl.constexpr):
-    """``acc`` plus super-block ``b``'s eight sub-block terms (:func:`_q4k_dp4a_kernel`'s loop body,
-    in sub-block order)."""
-    blk = row + b * (176 if Q5 else 144)
-    d, dm, w0, w1, w2 = _q4k_head(blk)
-    qh = tl.load((blk + 16).to(tl.pointer_type(tl.int32))[:, None] + i8[None, :]) if Q5 else 0   # Q5_K: [BLOCK_N, 8]
-    for c in tl.static_range(4):
-        words = tl.load((blk + (48 if Q5 else 16) + 32 * c).to(tl.pointer_type(tl.int32))[:, None] + i8[None, :])
-        for hi in tl.static_range(2):
-            g = 2 * c + hi
-            q = _q45_codes(words, qh, c, hi, Q5)
-            xw = b * 64 + g * 8 + i8       # the x words of the sub-block
-            xh = tl.broadcast_to(tl.load(hw + xw)[None, :], (BLOCK_N, 8))
-            xl = tl.broadcast_to(tl.load(lw + xw)[None, :], (BLOCK_N, 8))
-            dh = tl.sum(_dp4a(q, xh, EMULATE), axis=1)
-            dl = tl.sum(_dp4a(q, xl, EMULATE), axis=1)
-            scale, bias = _scale_min(w0, w1, w2, g, d, dm)
-            acc += _epilogue(dh, dl, scale, tl.load(s_ptr + b * 8 + g), bias, tl.load(xs_ptr + b * 8 + g))
-    return acc
-
-
-@triton.jit
 def _q4k_dp4a_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, N, K, swn,
                      BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, Q5: tl.constexpr = False,
-                     FUSED: tl.constexpr = False, NB: tl.constexpr = 0):
+                     FUSED: tl.constexpr = False):
     """One row of ``x`` as its planes (``h_ptr``, ``l_ptr``: int8 ``[K]``, read as int32 words of
     four; ``s_ptr``, ``xs_ptr``: float32 ``[K / 32]``) times a Q4_K weight (uint8 ``[N, K / 256 *
     144]``): per program ``BLOCK_N`` weight rows over ``K / SPLIT_K``; per super-block the 128 code
@@ -464,12 +437,22 @@ def _q4k_dp4a_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, cnt_pt
     hw = h_ptr.to(tl.pointer_type(tl.int32))
     lw = l_ptr.to(tl.pointer_type(tl.int32))
     acc = tl.zeros([BLOCK_N], tl.float32)
-    if NB > 0:   # the program's NB super-blocks unrolled: straight-line code, every load free to go first
-        for u in tl.static_range(NB):
-            acc = _q4k_dp4a_sb(acc, b0 + u, row, hw, lw, s_ptr, xs_ptr, i8, BLOCK_N, EMULATE, Q5)
-    else:
-        for b in range(b0, b0 + nb):
-            acc = _q4k_dp4a_sb(acc, b, row, hw, lw, s_ptr, xs_ptr, i8, BLOCK_N, EMULATE, Q5)
+    for b in range(b0, b0 + nb):
+        blk = row + b * (176 if Q5 else 144)
+        d, dm, w0, w1, w2 = _q4k_head(blk)
+        qh = tl.load((blk + 16).to(tl.pointer_type(tl.int32))[:, None] + i8[None, :]) if Q5 else 0   # Q5_K: [BLOCK_N, 8]
+        for c in tl.static_range(4):
+            words = tl.load((blk + (48 if Q5 else 16) + 32 * c).to(tl.pointer_type(tl.int32))[:, None] + i8[None, :])
+            for hi in tl.static_range(2):
+                g = 2 * c + hi
+                q = _q45_codes(words, qh, c, hi, Q5)
+                xw = b * 64 + g * 8 + i8       # the x words of the sub-block
+                xh = tl.broadcast_to(tl.load(hw + xw)[None, :], (BLOCK_N, 8))
+                xl = tl.broadcast_to(tl.load(lw + xw)[None, :], (BLOCK_N, 8))
+                dh = tl.sum(_dp4a(q, xh, EMULATE), axis=1)
+                dl = tl.sum(_dp4a(q, xl, EMULATE), axis=1)
+                scale, bias = _scale_min(w0, w1, w2, g, d, dm)
+                acc += _epilogue(dh, dl, scale, tl.load(s_ptr + b * 8 + g), bias, tl.load(xs_ptr + b * 8 + g))
     _store_split(acc, y_ptr, part_ptr, cnt_ptr, rn, rn < N, tl.program_id(0), N, SPLIT_K, FUSED)
 
 
@@ -797,10 +780,8 @@ def linear(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, split_k: 
             _q6k_dp4a_kernel[grid](*xs, p.hsum, p.lsum, data, y, part, cnt, n, k, data.stride(0), BLOCK_N=bn,
                                    SPLIT_K=split, EMULATE=emulate, FUSED=fused, num_warps=num_warps or 1)
         else:
-            nb = k // 256 // split
             _q4k_dp4a_kernel[grid](*xs, p.xsum, data, y, part, cnt, n, k, data.stride(0), BLOCK_N=bn,
-                                   SPLIT_K=split, EMULATE=emulate, Q5=name == "Q5_K", FUSED=fused,
-                                   NB=nb if 0 < nb <= UNROLL_SB else 0, num_warps=num_warps or 1)
+                                   SPLIT_K=split, EMULATE=emulate, Q5=name == "Q5_K", FUSED=fused, num_warps=num_warps or 1)
     else:
         grid = (triton.cdiv(n, bn), split, triton.cdiv(m, MMA_ROWS))
         if legacy:
