@@ -684,6 +684,53 @@ def test_integer_dots_are_exact_in_their_integers_and_within_tolerance(name, k):
         intdot.linear(x, w, torch.empty(40, 5, device=dev).t())
 
 
+@pytest.mark.gpu
+def test_gpu_split_sum_inside_captured_graphs():
+    """The engine's way (runtime.graphs.StepGraph.capture): Q4_K products warmed up on a side stream,
+    then captured as a CUDA graph on PyTorch's capture stream and replayed on the current stream.
+    The graph launches the kernels with the split summed inside (one kernel per product, no
+    ``_split_sum_kernel``: the per-device counters existed before the capture), replays give the
+    bits of eager calls (one row and 16 rows, the 9B's 4096 x 4096 with K split 8), and the
+    counters are back at zero after every replay."""
+    from kernels.quant import intdot, partials
+
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(2)
+    w_cpu = _random_weight("Q4_K", 4096, 4096)
+    w = QuantizedWeight(w_cpu.data.to(dev), "Q4_K", (4096, 4096))
+    xs = [torch.randn(m, 4096, generator=g).to(dev, torch.bfloat16) for m in (1, 16)]
+    ys = [torch.empty(m, 4096, device=dev, dtype=torch.bfloat16) for m in (1, 16)]
+    assert intdot.split_k_for(4096, 4096) > 1
+
+    def body():
+        for x, y in zip(xs, ys):
+            intdot.linear(x, w, y)
+
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    want = [y.clone() for y in ys]
+    graph = torch.cuda.CUDAGraph()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with torch.cuda.graph(graph):
+            body()
+        graph.replay()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    assert any("_q4k_dp4a_kernel" in n for n in names) and any("_q4k_mma_kernel" in n for n in names), names
+    assert not any("_split_sum_kernel" in n for n in names), "the captured products summed their split apart"
+    for _ in range(3):
+        for y in ys:
+            y.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(y, v) for y, v in zip(ys, want))
+        assert int(partials.tile_counters(dev, 1).abs().sum()) == 0
+
+
 @pytest.mark.parametrize("name,k", [("Q4_K", 1024), ("Q6_K", 1024), ("Q4_1", 576)])
 def test_split_sum_inside_the_kernel_equals_the_sum_kernel(name, k, monkeypatch):
     """kernels.quant.partials._store_split (the split over K summed by the last program of each

@@ -8,27 +8,27 @@ import torch
 import triton
 import triton.language as tl
 
-#: tile counters per (device, stream) for :func:`_store_split`: int32, zero between launches
+#: tile counters per device for :func:`_store_split`: int32, zero between launches
 _COUNTERS: dict = {}
 #: counters a buffer holds (tiles of one launch; a launch with more takes the separate sum kernel)
 COUNTER_TILES = 1 << 17
 
 
 def tile_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The zeroed int32 tile counters of :func:`_store_split` for launches on ``device``'s current
-    stream (allocated once per stream, outside graph capture: the engine warms every step up
-    before capturing it), or None when ``tiles`` exceeds :data:`COUNTER_TILES` or a first
-    allocation would fall inside a capture (the caller then launches :func:`_split_sum_kernel`).
-    Each launch leaves its counters at zero, so launches in stream order share them; launches on
-    two streams get two buffers. A graph captured on a stream keeps that stream's buffer, so graphs
-    are replayed one at a time (the engine's rule: one compute stream)."""
+    """The zeroed int32 tile counters of :func:`_store_split` on ``device`` (allocated once, at
+    the first launch outside graph capture: the engine warms every step up before capturing it),
+    or None when ``tiles`` exceeds :data:`COUNTER_TILES` or the first allocation would fall inside
+    a capture (the caller then launches :func:`_split_sum_kernel`). Each launch leaves its counters
+    at zero, so launches in stream order share them, graphs captured later included.
+
+    One buffer per device, not per stream: a graph is captured on PyTorch's capture stream and
+    replayed on another, and PyTorch hands its pooled streams out again, so a stream's identity
+    says nothing about where a captured launch will run. The rule this needs is the engine's: a
+    process runs its products on one device in stream order (one compute stream; the warm-up's side
+    stream is joined before and after), never two at once on two streams."""
     if tiles > COUNTER_TILES:
         return None
-    if device.type != "cuda":
-        key = (device.type, None)
-    else:
-        key = (device.index if device.index is not None else torch.cuda.current_device(),
-               torch.cuda.current_stream(device).cuda_stream)
+    key = device.type if device.type != "cuda" else (device.index if device.index is not None else torch.cuda.current_device())
     buf = _COUNTERS.get(key)
     if buf is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
