@@ -176,7 +176,7 @@ def test_engine_step_timer_takes_what_the_step_takes():
     """bench.gpu's _Timer replaces the target's StepGraph.run while it times replayed steps (CUDA
     events); its stand-in must accept every argument the engine passes (session 18 added ``tail``
     and the engine benchmark failed on the GPU until the timer took it too): the same parameters,
-    and a CPU run of the stand-in's signature with a tail."""
+    and the stand-in's signature binds a call with a tail, positional or by name."""
     import inspect
 
     import bench.gpu as G

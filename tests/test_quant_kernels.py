@@ -641,8 +641,17 @@ def test_integer_dots_are_exact_in_their_integers_and_within_tolerance(name, k):
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(5, k, generator=g) * torch.logspace(-3, 1, k)).to(dev)
+    # ties in both planes (s = 1: the group's largest value is 127): h of 0.5, 1.5, 2.5, ... and l of
+    # 0.25, 0.75, -0.25 ((u - h) * 254 = +-63.5) round half to even, where half up would differ
+    ties = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 0.25, -0.25, 0.75, 1.25, -0.0, 3.5, -3.5])
+    x[0, : len(ties)] = ties.to(dev)
+    x[0, len(ties) : 32] = 0.0
+    x[1, 32:64] = torch.randn(32, generator=g).to(dev) * 1e-39   # below S_MIN * 127: s = 1, zero planes
     p = intdot.split_x(x)
+    assert p.s[1, 1].item() == 1.0 and not p.h[1, 32:64].any() and not p.l[1, 32:64].any()
     ref_p = intdot.quantize_x(x.cpu())
+    assert p.h[0, : len(ties)].tolist() == [127, 0, 2, 2, 0, -2, -2, 0, 0, 1, 1, 0, 4, -4]
+    assert p.l[0, : len(ties)].tolist() == [0, 127, -127, 127, -127, 127, -127, 64, -64, -64, 64, 0, -127, 127]
     s32 = p.s.repeat_interleave(32, dim=1)
     for got, want in ((p.h, ref_p.h), (p.l, ref_p.l), (p.s, ref_p.s)):   # bit for bit (the same IEEE operations)
         assert torch.equal(got.cpu(), want)
@@ -748,17 +757,22 @@ def test_split_sum_inside_the_kernel_equals_the_sum_kernel(name, k, monkeypatch)
     split = 4 if name != "Q4_1" else 3
     for m in (1, 20):
         x = torch.randn(m, k, generator=g).to(dev)
+        spy = _Launches(partials._split_sum_kernel)
+        monkeypatch.setattr(intdot, "_split_sum_kernel", spy)
         monkeypatch.setattr(intdot, "FUSED_SUM", False)
         want = intdot.linear(x, w, torch.empty(m, 72, device=dev), split_k=split)
+        assert len(spy.calls) == 1
         monkeypatch.setattr(intdot, "FUSED_SUM", True)
         for _ in range(2):
             got = intdot.linear(x, w, torch.empty(m, 72, device=dev), split_k=split)
             assert torch.equal(got, want), (name, m)
+        assert len(spy.calls) == 1                                     # summed inside: no second launch
         assert rel(got.cpu(), intdot.reference(x.cpu(), w_cpu)) <= 1e-6
         cnt = partials.tile_counters(dev, 1)
         assert cnt is not None and int(cnt.abs().sum()) == 0          # every tile's counter set back
         monkeypatch.setattr(partials, "COUNTER_TILES", 1)              # no counters for this launch: the sum kernel
         assert torch.equal(intdot.linear(x, w, torch.empty(m, 72, device=dev), split_k=split), want)
+        assert len(spy.calls) == 2
         monkeypatch.setattr(partials, "COUNTER_TILES", 1 << 17)
 
 
@@ -800,8 +814,10 @@ def test_int_dot_types_from_the_environment(caplog):
 
 def test_mma_launches_from_the_environment(monkeypatch):
     """``DFLASH_QUANT_MMA_LAUNCH`` (kernels.quant.intdot.mma_launches): ``TYPE:BLOCK_N:WARPS`` entries,
-    any case and spacing; a malformed entry raises ValueError naming it; the launch it names is
-    taken by linear and gives the default launch's bits (a speed setting only)."""
+    any case and spacing; a malformed entry, a type the integer kernels do not take or a launch
+    they cannot make raises ValueError; from the environment a bad value is left out (every type
+    keeps its default launch); the launch it names is the one linear makes (recorded), and it
+    gives the default launch's bits (a speed setting only)."""
     from kernels.quant import intdot
 
     assert intdot.mma_launches(None) == {}
@@ -809,12 +825,37 @@ def test_mma_launches_from_the_environment(monkeypatch):
     for bad in ("Q6_K:16", "Q6_K:x:2", "Q6_K:1:2:3"):
         with pytest.raises(ValueError, match="TYPE:BLOCK_N:WARPS"):
             intdot.mma_launches(bad)
+    for bad in ("Q5_0:16:2", "Q6_K:8:2", "Q6_K:48:2", "Q6_K:16:3"):   # a type the kernels do not take, bad launches
+        with pytest.raises(ValueError, match="power of two"):
+            intdot.mma_launches(bad)
+    monkeypatch.setenv("DFLASH_QUANT_MMA_LAUNCH", "q6_k:32:1")
+    assert intdot._mma_launch_setting() == {"Q6_K": (32, 1)}
+    monkeypatch.setenv("DFLASH_QUANT_MMA_LAUNCH", "Q6_K:16")       # logged and left out: defaults, no crash
+    assert intdot._mma_launch_setting() == {}
     g = torch.Generator().manual_seed(4)
     w = _random_weight("Q6_K", 40, 512)
     x = torch.randn(3, 512, generator=g)
+    spy = _Launches(intdot._q6k_mma_kernel)
+    monkeypatch.setattr(intdot, "_q6k_mma_kernel", spy)
     want = intdot.linear(x, w, torch.empty(3, 40))
     monkeypatch.setattr(intdot, "MMA_LAUNCH", {"Q6_K": (16, 4)})
     assert torch.equal(intdot.linear(x, w, torch.empty(3, 40)), want)
+    assert [(c["BLOCK_N"], c["num_warps"]) for c in spy.calls] == [(intdot.MMA_BLOCK_N, 2), (16, 4)]
+
+
+class _Launches:
+    """Stands for a Triton kernel (``kernel[grid](*args, **kwargs)``): records each launch's
+    keyword arguments, then launches the kernel itself."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
 
 
 def _random_weight(name: str, n: int, k: int) -> QuantizedWeight:

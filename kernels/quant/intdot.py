@@ -37,6 +37,7 @@ spelled out in integer operations (``EMULATE``), the same sums.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import NamedTuple
 
@@ -47,8 +48,12 @@ import triton.language as tl
 from kernels.quant.partials import _split_sum_kernel, _store_split, tile_counters
 from kernels.quant.weight import QuantizedWeight
 
+log = logging.getLogger(__name__)
+
 #: the second plane's scale: x = s * (h + l / L_SCALE)
 L_SCALE = 254.0
+#: a group's scale below this (float32's smallest normal, 2^-126; zero included) is taken as 1
+S_MIN = 2.0 ** -126
 #: rows per program of the several-row kernel (a launch has a program per 16 rows and block of
 #: features, as the generic skinny kernel has: more rows per program spilled registers at 64,
 #: ``tools/intdot_compile.py``)
@@ -61,24 +66,34 @@ def mma_launches(value: str | None) -> dict[str, tuple[int, int]]:
     """Per type, the several-row kernel's ``(BLOCK_N, warps)`` from ``DFLASH_QUANT_MMA_LAUNCH``
     (e.g. ``Q6_K:16:4,Q4_K:64:2``; types not named keep ``MMA_BLOCK_N`` and 2 warps). Neither
     changes a row's bits (each output's sum runs over the same ``K`` split in the same order), so
-    this is a speed setting only. Raises ValueError for a malformed entry."""
+    this is a speed setting only.
+
+    Raises:
+        ValueError: an entry that is not ``TYPE:BLOCK_N:WARPS``, a type the integer kernels do not
+            take (:data:`TYPES`), a ``BLOCK_N`` that is not a power of two from 16 to 256 (the
+            int8 dots' smallest tile) or warps other than 1, 2, 4, 8.
+    """
     out = {}
     for part in (value or "").replace(" ", "").split(","):
         if not part:
             continue
         try:
             name, bn, warps = part.split(":")
-            out[name.upper()] = (int(bn), int(warps))
+            name, bn, warps = name.upper(), int(bn), int(warps)
         except ValueError:
             raise ValueError(f"DFLASH_QUANT_MMA_LAUNCH entries are TYPE:BLOCK_N:WARPS, got {part!r}") from None
+        if name not in TYPES or bn not in (16, 32, 64, 128, 256) or warps not in (1, 2, 4, 8):
+            raise ValueError(f"DFLASH_QUANT_MMA_LAUNCH: {part!r} needs a type of {', '.join(TYPES)}, BLOCK_N a power "
+                             "of two from 16 to 256 and 1, 2, 4 or 8 warps")
+        out[name] = (bn, warps)
     return out
 
 
-#: the several-row kernel's launch per type (:func:`mma_launches`)
-MMA_LAUNCH = mma_launches(os.environ.get("DFLASH_QUANT_MMA_LAUNCH"))
 #: a split over ``K`` summed inside the product's kernel (:func:`kernels.quant.partials._store_split`:
 #: one launch a product, the same bits) rather than by :func:`_split_sum_kernel` after it;
-#: ``DFLASH_QUANT_FUSED_SUM=0`` keeps the second launch (A/B runs)
+#: ``DFLASH_QUANT_FUSED_SUM=0`` keeps the second launch (A/B runs). Its tile counters are one buffer
+#: per device (:func:`kernels.quant.partials.tile_counters`): products on one device must run in
+#: stream order, never at once on two streams (the engine's rule: one compute stream a process)
 FUSED_SUM = os.environ.get("DFLASH_QUANT_FUSED_SUM", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
@@ -121,19 +136,25 @@ class Planes(NamedTuple):
 
 
 def quantize_x(x: torch.Tensor) -> Planes:
-    """The split of ``x`` ``[M, K]`` (any float dtype, ``K`` a multiple of 32), plain PyTorch (the
-    reference of :func:`split_x`): :class:`Planes`, so that ``x ~= s * (h + l / 254)`` within ``s /
-    508`` per element (module docstring). Ties round half to even, here and in :func:`split_x`, which
-    computes the same IEEE operations (on the GPU Triton's ``/`` is approximate and ptxas fuses a
-    product with the next add: the first GPU run of the tests found planes one apart). A group holding a value that is not finite gets ``s`` = NaN,
-    which makes every product it enters NaN (as the float kernels would give NaN or an infinity)."""
+    """The split of ``x`` ``[M, K]`` (any float dtype, ``K`` a multiple of 32; any device), plain
+    PyTorch (the reference of :func:`split_x`): :class:`Planes`, so that ``x ~= s * (h + l / 254)``
+    within ``s / 508`` per element (module docstring). Ties round half to even, here and in
+    :func:`split_x`, which computes the same IEEE operations: tensor-by-tensor divisions (on CUDA
+    ATen turns a division by a scalar into a product with its reciprocal), a product and two
+    roundings (on the GPU Triton's ``/`` is approximate and ptxas fuses a product with the next add:
+    the first GPU run of the tests found planes one apart). A group whose ``max|x| / 127`` is zero
+    or below float32's smallest normal (2^-126) gets ``s`` = 1, so its values, all below 2^-119,
+    become zero planes (``sum x`` keeps them). A group holding a value that is not finite gets
+    ``s`` = NaN, which makes every product it enters NaN (as the float kernels would give NaN or an
+    infinity)."""
     m, k = x.shape
     g = x.float().reshape(m, k // 32, 32)
     finite = torch.isfinite(g).all(dim=2)
     g = torch.where(torch.isfinite(g), g, torch.zeros_like(g))
     amax = g.abs().amax(dim=2)
-    s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    u = g / s[..., None]
+    s = torch.div(amax, torch.full_like(amax, 127.0))
+    s = torch.where(s >= S_MIN, s, torch.ones_like(s))
+    u = torch.div(g, s[..., None].expand_as(g))
     h = torch.round(u).clamp(-127, 127)
     lo = torch.round((u - h) * L_SCALE).clamp(-127, 127)
     h8, l8 = h.to(torch.int8).reshape(m, k), lo.to(torch.int8).reshape(m, k)
@@ -148,6 +169,20 @@ TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q8_0")
 LEGACY = ("Q4_0", "Q4_1", "Q8_0")
 #: the kernels' constexpr for each legacy type
 _LEGACY_CODE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
+
+
+def _mma_launch_setting() -> dict[str, tuple[int, int]]:
+    """:func:`mma_launches` of the environment; a bad value is logged and left out (every type
+    keeps its default launch), so that it cannot stop a service from starting."""
+    try:
+        return mma_launches(os.environ.get("DFLASH_QUANT_MMA_LAUNCH"))
+    except ValueError as e:
+        log.warning("%s: ignored", e)
+        return {}
+
+
+#: the several-row kernel's launch per type (:func:`mma_launches`)
+MMA_LAUNCH = _mma_launch_setting()
 
 
 def block_elems(name: str) -> int:
@@ -309,7 +344,8 @@ def _split_kernel(x_ptr, h_ptr, l_ptr, s_ptr, xs_ptr, hs_ptr, ls_ptr, K, sxm, GR
     finite = tl.min(ok_x.to(tl.int32), axis=1)
     x = tl.where(ok_x, x, 0.0)
     amax = tl.max(tl.abs(x), axis=1)
-    s = tl.where(amax > 0, tl.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)), 1.0)
+    s = tl.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
+    s = tl.where(s >= 1.1754943508222875e-38, s, 1.0)    # (S_MIN: zero or below float32's normals)
     u = tl.div_rn(x, tl.broadcast_to(s[:, None], x.shape))
     h = tl.minimum(tl.maximum(_round_even(u), -127.0), 127.0)
     lo = tl.minimum(tl.maximum(_round_even(_mul_rn(u - h, tl.full(u.shape, 254.0, tl.float32), EMULATE)), -127.0), 127.0)
@@ -736,7 +772,10 @@ def linear(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, split_k: 
     :func:`split_k_for` (the several-row launch per type: :data:`MMA_LAUNCH`; the launch
     arguments override the defaults: benchmarks and tests;
     ``planes``: :func:`split_x` of ``x2`` when already made; ``mma``: the tensor-core kernel even
-    for one row, or never). Returns ``y``.
+    for one row, or never). Returns ``y``. With a split and :data:`FUSED_SUM`, the partial sums
+    are added inside the kernel on tile counters shared by every product on the device: calls on
+    one device must not run at the same time on two CUDA streams (use one compute stream, or
+    ``DFLASH_QUANT_FUSED_SUM=0``).
 
     Raises:
         ValueError: another type; ``K`` not a multiple of the type's block times ``split_k``;

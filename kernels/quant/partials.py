@@ -55,9 +55,11 @@ def _store_split(acc, y_ptr, part_ptr, cnt_ptr, offs, mask, tile, MN, SPLIT_K: t
         tl.debug_barrier()
         done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if done == SPLIT_K - 1:
-            tot = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT_K):
-                tot += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            p = part_ptr + offs
+            tot = tl.load(p, mask=mask, other=0.0, cache_modifier=".cg")
+            for _ in tl.static_range(1, SPLIT_K):
+                p += MN                       # (pointer steps: no int32 product s * MN to overflow)
+                tot += tl.load(p, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(y_ptr + offs, tot.to(y_ptr.dtype.element_ty), mask=mask)
             tl.store(cnt_ptr + tile, 0)
 
@@ -68,7 +70,9 @@ def _split_sum_kernel(p_ptr, y_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constex
     once to ``y``'s dtype: the partial sums ``[SPLIT_K, M * N]`` of a split-``K`` launch."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < MN
-    acc = tl.load(p_ptr + i, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(p_ptr + s * MN + i, mask=mask, other=0.0)
+    p = p_ptr + i
+    acc = tl.load(p, mask=mask, other=0.0)
+    for _ in tl.static_range(1, SPLIT_K):
+        p += MN                               # (pointer steps: no int32 product s * MN to overflow)
+        acc += tl.load(p, mask=mask, other=0.0)
     tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=mask)
