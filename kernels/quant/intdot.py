@@ -11,7 +11,7 @@ three times issue 19's 1e-3.
 
 **The split of x** (:func:`split_x`, its plain-PyTorch reference :func:`quantize_x`): each group
 of 32 values of a row becomes two 8-bit planes, ``x = s * (h + l / 254)``, with ``s = max|x| /
-127``, ``h = round(x / s)``, ``l = round((x / s - h) * 254)``: ``|x - s (h + l / 254)| <= s /
+127`` (1 where that is zero or below float32's normals: :data:`S_MIN`), ``h = round(x / s)``, ``l = round((x / s - h) * 254)``: ``|x - s (h + l / 254)| <= s /
 508``, about 2e-5 of the group's largest value. Per 32-code sub-block the two integer dots
 ``sum q h`` and ``sum q l`` (codes ``q`` 0..15) are exact in int32, and the sub-block's term is
 gguf-py's factoring of the dequantized dot, ``(d * sc) * s * (sum q h + sum q l / 254) - (dmin *
