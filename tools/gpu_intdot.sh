@@ -13,6 +13,9 @@
 #                                     # kernels' launches at M = 16 (DP4A_MMA16); decode with SETS (default
 #                                     # "q6k-tuned tuned default"; tuned: the best launch per type as
 #                                     # DFLASH_QUANT_MMA_LAUNCH) -> $OUT/probe-mma16.*, mma16-best.txt
+#   SYNTH_Q4K=1 bash tools/gpu_intdot.sh start   # the same, but the 9B written by fixtures.synth --dtype q4_k
+#                                     # instead of llama.cpp's build and llama-quantize (minutes sooner; no
+#                                     # Q6_K, no llama.cpp figure): then QUANTS=SYNTH_Q4_K ... decode
 #   bash tools/gpu_intdot.sh decode   # per file of $QUANTS (default Q4_K_M): bench.gpu engine --quick
 #                                     # --weights quantized with DFLASH_QUANT_INT_DOTS per $SETS, then
 #                                     # llama-bench on the file; tools/verify_profile.py (1x1, 1x16) with the
@@ -31,17 +34,33 @@ ALL=Q4_K,Q5_K,Q6_K,Q4_0,Q4_1,Q8_0
 [ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
   .whl/*.whl || exit 1
 
+synth_q4k() {
+  # (background) the synthetic 9B written straight as fixtures.synth's Q4_K_M-like mix (random Q4_K
+  # blocks, Q8_0 where rows are not whole super-blocks; no Q6_K): no llama.cpp build, a couple of
+  # minutes; decode takes it as QUANTS=SYNTH_Q4_K (no llama.cpp figure on it)
+  [ -e $M/q35-9b-SYNTH_Q4_K.started ] && return
+  touch $M/q35-9b-SYNTH_Q4_K.started; cp .stage/tok.gguf $M/tok.gguf
+  setsid nohup bash -c "python3 -m fixtures.synth --arch qwen35 --preset 9b --dtype q4_k --vocab-size 0 \
+    --vocab-from $M/tok.gguf --out $M/q35-9b-SYNTH_Q4_K.gguf.part --no-progress --threads 16 > $Q/synth-q4k.log 2>&1 \
+    && mv $M/q35-9b-SYNTH_Q4_K.gguf.part $M/q35-9b-SYNTH_Q4_K.gguf && touch $M/q35-9b-SYNTH_Q4_K.done" \
+    > /dev/null 2>&1 < /dev/null &
+}
+
 start() {
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/device.txt"
-  # the prep only: no tests, no models, one second of measuring time
-  NO_SMOLLM=1 MODELS=9b QUANTS="${QUANTS:-Q4_K_M Q8_0}" SKIP_TESTS=1 SKIP_MODELS=1 CALL_S=1 OUT=$Q/start \
-    bash tools/gpu_quant.sh > "$Q/start.log" 2>&1
+  if [ -n "${SYNTH_Q4K:-}" ]; then
+    synth_q4k
+  else
+    # the prep only: no tests, no models, one second of measuring time
+    NO_SMOLLM=1 MODELS=9b QUANTS="${QUANTS:-Q4_K_M Q8_0}" SKIP_TESTS=1 SKIP_MODELS=1 CALL_S=1 OUT=$Q/start \
+      bash tools/gpu_quant.sh > "$Q/start.log" 2>&1
+  fi
   DFLASH_QUANT_INT_DOTS=$ALL timeout 330 python3 -m pytest -q -p no:cacheprovider tests/test_quant_kernels.py \
     tests/test_quant_weights.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -30 > "$OUT/intdot-tests.txt"
   tail -5 "$OUT/intdot-tests.txt"
   timeout ${PROBE_S:-200} python3 tools/quant_dp4a_probe.py --out "$OUT/probe.json" > "$OUT/probe.txt" 2>&1
   tail -40 "$OUT/probe.txt"
-  tail -5 $Q/prep.log
+  tail -5 $Q/prep.log $Q/synth-q4k.log 2>/dev/null
 }
 
 decode() {
@@ -49,7 +68,7 @@ decode() {
   for T in ${QUANTS:-Q4_K_M}; do
     F=$M/q35-9b-$T.gguf
     for _ in $(seq 1 60); do [ -e $M/q35-9b-$T.done ] && break; sleep 5; done
-    [ -e $M/q35-9b-$T.done ] || { echo "no $F: $(tail -3 $Q/prep.log)"; continue; }
+    [ -e $M/q35-9b-$T.done ] || { echo "no $F: $(tail -3 $Q/prep.log $Q/synth-q4k.log 2>/dev/null)"; continue; }
     local v=SETS_$T
     for s in ${!v:-${SETS:-generic default all}}; do
       tag=$T-$s
@@ -68,7 +87,7 @@ decode() {
         --name "q35-9b-$tag" --out "$OUT/decode-$tag.json" > "$OUT/decode-$tag.txt" 2>&1
       echo "== $tag ($envs)"; grep -v "^\s*$" "$OUT/decode-$tag.txt" | grep -v "it/s\]" | tail -8
     done
-    if [ "${LLAMA:-1}" = 1 ] && [ -x /root/llamacpp/build/bin/llama-bench ]; then
+    if [ "${LLAMA:-1}" = 1 ] && [ "$T" != SYNTH_Q4_K ] && [ -x /root/llamacpp/build/bin/llama-bench ]; then
       timeout 200 bash /tmp/peer/llamacpp-bench.sh /tmp/peer/llama.cpp.tar.gz $F > "$OUT/llama-$T.txt" 2>&1
       tail -4 "$OUT/llama-$T.txt"
     fi
