@@ -780,7 +780,9 @@ def test_integer_kernels_compile_for_the_gpu():
     """tools/intdot_compile.py: every kernel of kernels.quant.intdot (the split, and the dp4a and
     tensor-core kernels of each type) compiles for sm_90 through Triton's backend and ptxas, without
     a GPU. The CPU tests run them in the interpreter, which never compiles them nor reads their PTX
-    (dp4a), so a kernel that would not compile for the GPU fails here. A subprocess without
+    (dp4a), so a kernel that would not compile for the GPU fails here, and so does PTX that breaks
+    the tool's rules (ptx_problems: the split's IEEE divisions and uncontracted product, the fused
+    split sums' barrier, atomic and L2 reads; a ``/`` put back into the split fails it). A subprocess without
     TRITON_INTERPRET (under it a kernel is no longer compilable); skipped where Triton's NVIDIA
     backend is not installed."""
     import importlib.util

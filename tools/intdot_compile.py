@@ -7,7 +7,8 @@ without one. Triton's bundled ``ptxas`` and ``cuobjdump`` (``tools/quant_sass.py
 
 Prints, per kernel and type, registers per thread, stack bytes (spills) and SASS instructions of
 the launch the engine makes (:func:`kernels.quant.intdot.linear`'s defaults: one row on 16
-features and 1 warp, 16 rows on 64 features and 2 warps, ``K`` split 8).
+features and 1 warp, 16 rows on 64 features and 2 warps, ``K`` split 8), and checks each kernel's
+PTX (:func:`ptx_problems`; exit status 1 and the rules broken on stderr when one is).
 """
 
 from __future__ import annotations
@@ -67,8 +68,35 @@ def compile_all(arch: int = 90) -> list[dict]:
         src = triton.compiler.ASTSource(fn=fn, signature=full, constexprs=consts, attrs=attrs)
         ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
         r = sass_report(ck.asm["cubin"])
-        rows.append({"kernel": label, "registers": r["registers"], "stack": r["stack"], "instructions": r["instructions"]})
+        rows.append({"kernel": label, "registers": r["registers"], "stack": r["stack"], "instructions": r["instructions"],
+                     "ptx_problems": ptx_problems(label, ck.asm["ptx"])})
     return rows
+
+
+def ptx_problems(label: str, ptx: str) -> list[str]:
+    """What the PTX of kernel ``label`` (of :func:`_cases`) must and must not hold, as the list of
+    rules it breaks (empty: none). The Triton interpreter the CPU tests run never sees these:
+
+    * the split of ``x`` is bit for bit ``intdot.quantize_x`` only with IEEE divisions (``div.rn``;
+      Triton's ``/`` is ``div.full.f32``, approximate: the first GPU run found planes one apart), a
+      product that ptxas cannot fuse with the next add (``mul.rn``) and no FMA at all;
+    * the kernels that sum their split themselves (``FUSED``) need the program's barrier, the
+      acquire-release atomic on the tile counter and the L2 reads of the partials
+      (``kernels.quant.partials._store_split``).
+    """
+    bad = []
+    if label == "split_x":
+        for op in ("div.full", "div.approx", "fma.rn", "rcp.approx"):
+            if op in ptx:
+                bad.append(f"{label}: {op} (not IEEE: the planes would not be quantize_x's)")
+        for op in ("div.rn.f32", "mul.rn.f32"):
+            if op not in ptx:
+                bad.append(f"{label}: no {op}")
+    else:
+        for op in ("bar.sync", "atom.global.gpu.acq_rel.add", "ld.global.cg"):
+            if op not in ptx:
+                bad.append(f"{label}: no {op} (the split's sum inside the kernel)")
+    return bad
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,9 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     print(f"| kernel | registers / thread | stack bytes | SASS instructions |  (sm_{a.arch})")
     print("|---|---|---|---|")
+    problems = []
     for r in compile_all(a.arch):
         print(f"| {r['kernel']} | {r['registers']} | {r['stack']} | {r['instructions']} |", flush=True)
-    return 0
+        problems += r["ptx_problems"]
+    for line in problems:
+        print(f"PTX: {line}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":
