@@ -447,6 +447,24 @@ def _bytes_of(q):
 
 
 @triton.jit
+def _q4k_block(row, b, i8, Q5: tl.constexpr):
+    """Super-block ``b`` of the Q4_K (Q5_K: ``Q5``) rows starting at ``row`` (``[R]`` uint8
+    pointers): its first bytes ``blk``, :func:`_q4k_head`'s ``(d, dmin, w0, w1, w2)`` and, for
+    Q5_K, the 32 high-bit bytes as words ``qh`` ``[R, 8]`` (0 for Q4_K): both kernels' walk."""
+    blk = row + b * (176 if Q5 else 144)
+    d, dm, w0, w1, w2 = _q4k_head(blk)
+    qh = tl.load((blk + 16).to(tl.pointer_type(tl.int32))[:, None] + i8[None, :]) if Q5 else 0
+    return blk, d, dm, w0, w1, w2, qh
+
+
+@triton.jit
+def _q4k_words(blk, c: tl.constexpr, i8, Q5: tl.constexpr):
+    """Chunk ``c`` (0..3) of the super-blocks at ``blk``: its 32 code bytes as words ``[R, 8]``
+    (sub-blocks ``2 c`` and ``2 c + 1``: :func:`_q45_codes`)."""
+    return tl.load((blk + (48 if Q5 else 16) + 32 * c).to(tl.pointer_type(tl.int32))[:, None] + i8[None, :])
+
+
+@triton.jit
 def _q45_codes(words, qh, c: tl.constexpr, hi: tl.constexpr, Q5: tl.constexpr):
     """Sub-block ``2 c + hi``'s code words ``[R, 8]`` (byte ``i`` of word ``t``: element ``4 t + i``):
     the low (``hi`` 0) or high nibbles of ``words`` (the chunk's 32 code bytes as words); Q5_K adds
@@ -474,11 +492,9 @@ def _q4k_dp4a_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, cnt_pt
     lw = l_ptr.to(tl.pointer_type(tl.int32))
     acc = tl.zeros([BLOCK_N], tl.float32)
     for b in range(b0, b0 + nb):
-        blk = row + b * (176 if Q5 else 144)
-        d, dm, w0, w1, w2 = _q4k_head(blk)
-        qh = tl.load((blk + 16).to(tl.pointer_type(tl.int32))[:, None] + i8[None, :]) if Q5 else 0   # Q5_K: [BLOCK_N, 8]
+        blk, d, dm, w0, w1, w2, qh = _q4k_block(row, b, i8, Q5)
         for c in tl.static_range(4):
-            words = tl.load((blk + (48 if Q5 else 16) + 32 * c).to(tl.pointer_type(tl.int32))[:, None] + i8[None, :])
+            words = _q4k_words(blk, c, i8, Q5)
             for hi in tl.static_range(2):
                 g = 2 * c + hi
                 q = _q45_codes(words, qh, c, hi, Q5)
@@ -507,11 +523,9 @@ def _q4k_mma_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr
     mrow = rm < M
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for b in range(b0, b0 + nb):
-        blk = row + b * (176 if Q5 else 144)
-        d, dm, w0, w1, w2 = _q4k_head(blk)
-        qh = tl.load((blk + 16).to(tl.pointer_type(tl.int32))[:, None] + i8[None, :]) if Q5 else 0   # Q5_K: [BLOCK_N, 8]
+        blk, d, dm, w0, w1, w2, qh = _q4k_block(row, b, i8, Q5)
         for c in tl.static_range(4):
-            words = tl.load((blk + (48 if Q5 else 16) + 32 * c).to(tl.pointer_type(tl.int32))[:, None] + i8[None, :])
+            words = _q4k_words(blk, c, i8, Q5)
             for hi in tl.static_range(2):
                 g = 2 * c + hi
                 q = _q45_codes(words, qh, c, hi, Q5)
