@@ -46,14 +46,19 @@ synth_q4k() {
     > /dev/null 2>&1 < /dev/null &
 }
 
+prep() {
+  # prep QUANTS: tools/gpu_quant.sh's background prep of the 9B (no tests, no models, one second of
+  # measuring time); nothing when it has started already (gpu_quant.sh starts it once a machine)
+  [ -e $Q/prep.started ] || NO_SMOLLM=1 MODELS=9b QUANTS="$1" SKIP_TESTS=1 SKIP_MODELS=1 CALL_S=1 OUT=$Q/start \
+    bash tools/gpu_quant.sh > "$Q/start.log" 2>&1
+}
+
 start() {
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/device.txt"
   if [ -n "${SYNTH_Q4K:-}" ]; then
     synth_q4k
   else
-    # the prep only: no tests, no models, one second of measuring time
-    NO_SMOLLM=1 MODELS=9b QUANTS="${QUANTS:-Q4_K_M Q8_0}" SKIP_TESTS=1 SKIP_MODELS=1 CALL_S=1 OUT=$Q/start \
-      bash tools/gpu_quant.sh > "$Q/start.log" 2>&1
+    prep "${QUANTS:-Q4_K_M Q8_0}"
   fi
   DFLASH_QUANT_INT_DOTS=$ALL timeout 330 python3 -m pytest -q -p no:cacheprovider tests/test_quant_kernels.py \
     tests/test_quant_weights.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -30 > "$OUT/intdot-tests.txt"
@@ -103,8 +108,7 @@ decode() {
 q6k() {
   # the several-row Q6_K kernel's BLOCK_N x warps at M = 16 (DP4A_MMA16), the best one taken for the
   # 9B decode with Q6_K on the integer kernels (DFLASH_QUANT_MMA_LAUNCH) beside the default set
-  [ -e $Q/prep.started ] || NO_SMOLLM=1 MODELS=9b QUANTS=Q4_K_M SKIP_TESTS=1 SKIP_MODELS=1 CALL_S=1 OUT=$Q/start \
-    bash tools/gpu_quant.sh > "$Q/start.log" 2>&1
+  prep Q4_K_M
   DP4A_TYPES=${PROBE_TYPES:-Q4_K,Q6_K} DP4A_MMA16=1 timeout ${PROBE_S:-240} python3 tools/quant_dp4a_probe.py --out "$OUT/probe-mma16.json" \
     > "$OUT/probe-mma16.txt" 2>&1
   tail -9 "$OUT/probe-mma16.txt"
