@@ -249,10 +249,12 @@ class GGUFFile:
         """
         if quantized:
             from kernels.quant import QTYPES, QuantizedWeight
+            from kernels.quant.weight import stride_for
 
             if self.tensor_info(name).type_name in QTYPES:
                 raw = self.load_raw(name, device=device)
-                return QuantizedWeight(raw.data.reshape(raw.shape[0], -1), raw.qtype, raw.shape)
+                w = QuantizedWeight(raw.data.reshape(raw.shape[0], -1), raw.qtype, raw.shape)
+                return w.with_stride(stride_for(w.qtype))   # Q6_K padded (kernels.quant.weight, "Padded blocks")
         return self.load_tensor(name, dtype=dtype, device=device)
 
 

@@ -693,6 +693,67 @@ def test_integer_dots_are_exact_in_their_integers_and_within_tolerance(name, k):
         intdot.linear(x, w, torch.empty(40, 5, device=dev).t())
 
 
+@pytest.mark.parametrize("stride", [212, 216, 224])
+def test_padded_q6k_blocks_give_the_same_bits(stride, tmp_path, monkeypatch):
+    """kernels.quant.weight's padded blocks (issue 19: Q6_K's 210-byte super-blocks held in a 4-,
+    8- or 16-byte aligned stride so the kernels read whole words): the padded weight holds the
+    same values (the reference's dequantization, the embedding gather), and every kernel that
+    reads it (the skinny and tiled generic kernels, the integer dp4a and tensor-core kernels, split
+    K summed in the kernel) gives the bits it gives on the file's layout; ``with_stride``
+    round-trips, a concatenation keeps padded and unpadded parts apart, bad strides are refused,
+    and the loader pads a GGUF file's Q6_K tensor to ``Q6K_STRIDE`` (``DFLASH_QUANT_Q6K_STRIDE``)."""
+    from kernels.quant import PackedWeight, embedding, intdot, pack_rows
+    from kernels.quant import triton as T
+    from kernels.quant import weight as W
+
+    n, k = 40, 512
+    raw = random_bytes(np.random.default_rng(stride), "Q6_K", n, k)
+    w = qweight(raw, "Q6_K", n, k)
+    p = w.with_stride(stride)
+    assert p.block_stride == stride and w.block_stride == 210 and p.nbytes == n * (k // 256) * stride
+    assert torch.equal(p.blocks(), w.blocks()) and not p.data.reshape(n, k // 256, stride)[..., 210:].any()
+    assert p.with_stride(stride) is p and torch.equal(p.with_stride(210).data, w.data)
+    assert torch.equal(R.dequantize(p), R.dequantize(w))
+    ids = torch.tensor([[3, 0], [39, 3]], device=DEV)
+    assert torch.equal(embedding(p, ids), embedding(w, ids))
+    assert p.rows(8, 24).block_stride == stride and torch.equal(R.dequantize(p.rows(8, 24)), R.dequantize(w)[8:24])
+    both = pack_rows([p.rows(0, 8), p.rows(8, 40)])
+    assert isinstance(both, QuantizedWeight) and both.block_stride == stride and torch.equal(both.data, p.data)
+    mixed = pack_rows([p.rows(0, 8), w.rows(8, 40)])
+    assert isinstance(mixed, PackedWeight) and [q.block_stride for q in mixed.parts] == [stride, 210]
+    for bad in (lambda: w.with_stride(220), lambda: QuantizedWeight(torch.zeros(2, 2 * 220, dtype=torch.uint8), "Q6_K", (2, 512)),
+                lambda: qweight(random_bytes(np.random.default_rng(0), "Q4_K", 2, 256), "Q4_K", 2, 256).with_stride(160)):
+        with pytest.raises(ValueError):
+            bad()
+    # the kernels: the same bits from either layout
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, k, generator=g).to(DEV)
+    cfg = T.Config(16) if DEV == "cpu" else None
+    for xx in (x, x.to(torch.float16)):
+        for rows in (xx[:1], xx):
+            assert torch.equal(T.linear(rows, p, torch.float32, config=cfg), T.linear(rows, w, torch.float32, config=cfg))
+    tcfg = T.TiledConfig(32, 32, 4, 1) if DEV == "cpu" else None
+    assert torch.equal(T.linear_tiled(x, p, config=tcfg), T.linear_tiled(x, w, config=tcfg))
+    for split in (1, 2):
+        for rows in (x[:1], x):
+            m = rows.shape[0]
+            got = intdot.linear(rows, p, torch.empty(m, n, device=DEV), split_k=split)
+            assert torch.equal(got, intdot.linear(rows, w, torch.empty(m, n, device=DEV), split_k=split)), (split, m)
+    assert torch.equal(intdot.reference(x.cpu(), p.to("cpu")), intdot.reference(x.cpu(), w.to("cpu")))
+    # the loader
+    from runtime.gguf_loader import GGUFFile, write_gguf
+
+    path = tmp_path / "q6.gguf"
+    write_gguf(path, "llama", {}, {"w": raw}, {"w": GGMLQuantizationType.Q6_K})
+    monkeypatch.setattr(W, "Q6K_STRIDE", stride)
+    got = GGUFFile(path).load_weight("w", device=DEV, quantized=True)
+    assert got.block_stride == stride and torch.equal(got.data, p.data)
+    monkeypatch.setattr(W, "Q6K_STRIDE", 210)
+    assert GGUFFile(path).load_weight("w", device=DEV, quantized=True).block_stride == 210
+    assert W._stride_setting(None) == W._stride_setting("") == 224 and W._stride_setting("216") == 216
+    assert W._stride_setting("210") == 210 and W._stride_setting("220") == 224 and W._stride_setting("x") == 224
+
+
 @pytest.mark.gpu
 def test_gpu_split_sum_inside_captured_graphs():
     """The engine's way (runtime.graphs.StepGraph.capture): Q4_K products warmed up on a side stream,
@@ -796,8 +857,11 @@ def test_integer_kernels_compile_for_the_gpu():
     out = subprocess.run([sys.executable, "tools/intdot_compile.py"], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "kernel" not in line]
-    assert len(rows) == 13, out.stdout
+    assert len(rows) == 15, out.stdout
     assert all(int(line.split("|")[2]) > 0 and int(line.split("|")[4]) > 100 for line in rows), out.stdout
+    sass = {line.split("|")[1].strip(): int(line.split("|")[4]) for line in rows}
+    # Q6_K padded to 224 bytes (kernels.quant.weight) is read in whole words: fewer instructions than its 16-bit halves
+    assert sass["dp4a Q6_K@224"] < 0.8 * sass["dp4a Q6_K"] and sass["mma Q6_K@224"] < sass["mma Q6_K"], out.stdout
 
 
 def test_int_dot_types_from_the_environment(caplog):

@@ -64,7 +64,7 @@ def triton_quant(monkeypatch) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda")
     monkeypatch.setattr(kernels.quant, "impl", lambda package, *t: QT)
-    monkeypatch.setattr(QT, "config_for", lambda n, k, qtype: QT.Config(128))
+    monkeypatch.setattr(QT, "config_for", lambda n, k, qtype, stride=None: QT.Config(128))
     monkeypatch.setattr(QT, "tiled_config_for", lambda n, k, qtype, dtype=None: QT.TiledConfig(128, 128, 4, 1))
     return torch.device("cpu")
 

@@ -32,11 +32,12 @@ _OPCODE = re.compile(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 
 
 def compile_skinny(qtype: str, n: int, k: int, config=None, words: bool | None = None, swap: bool | None = None,
-                   arch: int = 90):
+                   arch: int = 90, stride: int | None = None):
     """Compile the skinny path's kernel for an ``[n, k]`` weight of ``qtype`` and bfloat16 ``x``
     (``config``: a :class:`kernels.quant.triton.Config`, default ``config_for``; ``words`` /
-    ``swap``: ``WORD_LOADS`` / ``SWAP_AB``, default the module's) for ``sm_<arch>``; returns the
-    compiled kernel (``.asm["cubin"]``, ``.metadata``)."""
+    ``swap``: ``WORD_LOADS`` / ``SWAP_AB``, default the module's; ``stride``: bytes per stored
+    block, default the GGUF size: ``kernels.quant.weight``'s padded blocks) for ``sm_<arch>``;
+    returns the compiled kernel (``.asm["cubin"]``, ``.metadata``)."""
     import torch
     import triton
     from gguf.constants import GGML_QUANT_SIZES
@@ -45,17 +46,19 @@ def compile_skinny(qtype: str, n: int, k: int, config=None, words: bool | None =
     from kernels.quant import triton as T
     from kernels.quant.weight import as_qtype
 
-    cfg = config or T.config_for(n, k, qtype)
+    cfg = config or T.config_for(n, k, qtype, stride)
     saved = (T.WORD_LOADS, T.SWAP_AB)
     try:
         if words is not None:
             T.WORD_LOADS = words
         if swap is not None:
             T.SWAP_AB = swap
-        consts = T.kernel_constants(qtype, torch.bfloat16, T.BLOCK_M, cfg.block_n, False, False, cfg.unroll, cfg.split_k)
+        consts = T.kernel_constants(qtype, torch.bfloat16, T.BLOCK_M, cfg.block_n, False, False, cfg.unroll, cfg.split_k,
+                                    stride=stride)
     finally:
         T.WORD_LOADS, T.SWAP_AB = saved
     qk, bs = GGML_QUANT_SIZES[as_qtype(qtype)]
+    bs = stride or bs
     ints = {"N": n, "K": k, "sxm": k, "swn": k // qk * bs, "sym": n}
     sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "y_ptr": "*fp32" if cfg.split_k > 1 else "*bf16", "M": "i32",
            **{name: "i32" for name in ints}}

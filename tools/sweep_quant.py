@@ -185,9 +185,16 @@ def write_rows(path: str | None, rows) -> None:
 def cold_weights(name: str, n: int, k: int, device) -> tuple:
     """``(w0, copies, calls)`` for timing one ``[n, k]`` ``name`` weight from HBM: ``w0`` (seed 0),
     enough seeded copies to span twice the L2 cache (at least 2) for a graph of calls to cycle
-    through, and the calls per graph (at least 20, at least one per copy)."""
-    w0 = random_weight(name, n, k, device)
-    copies = [random_weight(name, n, k, device, seed=i) for i in range(max(2, -(-2 * L2_BYTES // w0.nbytes)))]
+    through, and the calls per graph (at least 20, at least one per copy). Each in the block stride
+    the loader gives the type (``kernels.quant.weight.stride_for``: Q6_K padded unless
+    ``DFLASH_QUANT_Q6K_STRIDE=210``)."""
+    from kernels.quant.weight import stride_for
+
+    def make(seed):
+        return random_weight(name, n, k, device, seed=seed).with_stride(stride_for(name))
+
+    w0 = make(0)
+    copies = [make(i) for i in range(max(2, -(-2 * L2_BYTES // w0.nbytes)))]
     return w0, copies, max(20, len(copies))
 
 

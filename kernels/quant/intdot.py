@@ -277,7 +277,7 @@ def _reference_legacy(x: torch.Tensor, w: QuantizedWeight, p: Planes) -> torch.T
     m, k = x.shape
     n = w.shape[0]
     name = w.qtype.name
-    codes, d, mn = legacy_codes(name, w.data.cpu().reshape(n, k // 32, -1))
+    codes, d, mn = legacy_codes(name, w.blocks().cpu())
     hp = p.h.cpu().to(torch.int64).reshape(m, k // 32, 32)
     lp = p.l.cpu().to(torch.int64).reshape(m, k // 32, 32)
     dot_h = torch.einsum("nbi,mbi->mnb", codes, hp)
@@ -295,7 +295,7 @@ def _reference_legacy(x: torch.Tensor, w: QuantizedWeight, p: Planes) -> torch.T
 def _reference_q6k(x: torch.Tensor, w: QuantizedWeight, p: Planes) -> torch.Tensor:
     m, k = x.shape
     n = w.shape[0]
-    codes, sc, d = q6k_codes(w.data.cpu().reshape(n, k // 256, 210))
+    codes, sc, d = q6k_codes(w.blocks().cpu())
     codes = codes.reshape(n, k // 256, 16, 16)
     hp = p.h.cpu().to(torch.int64).reshape(m, k // 256, 16, 16)
     lp = p.l.cpu().to(torch.int64).reshape(m, k // 256, 16, 16)
@@ -577,17 +577,43 @@ def _q6k_run(qa, qb, qh, r: tl.constexpr):
 
 
 @triton.jit
-def _q6k_half(blk, nh: tl.constexpr):
-    """The code words of half ``nh`` of the Q6_K super-blocks at ``blk``: ``(ql[0:32], ql[32:64],
-    qh[0:32])`` of the half, each ``[R, 8]`` int32 (:func:`_q6k_run` assembles them)."""
-    return _words16(blk + 64 * nh, 8), _words16(blk + 64 * nh + 32, 8), _words16(blk + 128 + 32 * nh, 8)
+def _words(ptr, NW: tl.constexpr, STRIDE: tl.constexpr):
+    """``4 * NW`` bytes from ``ptr`` (``[R]`` uint8 pointers into blocks of ``STRIDE`` bytes) as
+    ``NW`` little-endian 32-bit words per row, ``[R, NW]`` int32: whole-word loads where the
+    blocks are 4-byte aligned (a padded stride: ``kernels.quant.weight``, "Padded blocks"), else
+    :func:`_words16`. ``ptr``'s offset inside its block must be a multiple of 4."""
+    if STRIDE % 4 == 0:
+        return tl.load(ptr.to(tl.pointer_type(tl.int32))[:, None] + tl.arange(0, NW)[None, :])
+    else:
+        return _words16(ptr, NW)
+
+
+@triton.jit
+def _less32(q):
+    """Code words (four 6-bit codes 0..63, one per byte) less 32 per byte, as signed bytes -32..31:
+    flipping bit 5 gives ``code - 32`` as a 6-bit two's complement, whose sign bit is copied into
+    bits 6 and 7 (no borrow crosses a byte)."""
+    t = q ^ 0x20202020
+    s = t & 0x20202020
+    return t | (s << 1) | (s << 2)
+
+
+@triton.jit
+def _q6k_half(blk, nh: tl.constexpr, STRIDE: tl.constexpr):
+    """The code words of half ``nh`` of the Q6_K super-blocks at ``blk`` (blocks of ``STRIDE``
+    bytes): ``(ql[0:32], ql[32:64], qh[0:32])`` of the half, each ``[R, 8]`` int32
+    (:func:`_q6k_run` assembles them)."""
+    return (_words(blk + 64 * nh, 8, STRIDE), _words(blk + 64 * nh + 32, 8, STRIDE),
+            _words(blk + 128 + 32 * nh, 8, STRIDE))
 
 
 @triton.jit
 def _q6k_dp4a_kernel(h_ptr, l_ptr, s_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, N, K, swn,
-                     BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, FUSED: tl.constexpr = False):
-    """As :func:`_q4k_dp4a_kernel` for a Q6_K weight (uint8 ``[N, K / 256 * 210]``): per half
-    super-block the 96 code bytes as three ``[BLOCK_N, 8]`` tiles of words (:func:`_words16`), four
+                     BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, FUSED: tl.constexpr = False,
+                     STRIDE: tl.constexpr = 210):
+    """As :func:`_q4k_dp4a_kernel` for a Q6_K weight (uint8 ``[N, K / 256 * STRIDE]``: super-blocks
+    of 210 bytes, or padded: ``kernels.quant.weight``): per half
+    super-block the 96 code bytes as three ``[BLOCK_N, 8]`` tiles of words (:func:`_words`), four
     runs of 32 codes (:func:`_q6k_run`), each two 16-element groups; per group ``dot - 32 * sum``
     of each plane (``hs_ptr``, ``ls_ptr``: :class:`Planes`' int32 half-group sums) and
     :func:`_acc6`."""
@@ -597,10 +623,10 @@ def _q6k_dp4a_kernel(h_ptr, l_ptr, s_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, part_ptr
     lw = l_ptr.to(tl.pointer_type(tl.int32))
     acc = tl.zeros([BLOCK_N], tl.float32)
     for b in range(b0, b0 + nb):
-        blk = row + b * 210
+        blk = row + b * STRIDE
         d = _f16(blk + 208)
         for nh in tl.static_range(2):
-            qa, qb, qh = _q6k_half(blk, nh)
+            qa, qb, qh = _q6k_half(blk, nh, STRIDE)
             for r in tl.static_range(4):
                 q = _q6k_run(qa, qb, qh, r)
                 xw = b * 64 + 32 * nh + 8 * r + i8
@@ -620,40 +646,41 @@ def _q6k_dp4a_kernel(h_ptr, l_ptr, s_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, part_ptr
 
 @triton.jit
 def _q6k_mma_kernel(h_ptr, l_ptr, s_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, swn,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, FUSED: tl.constexpr = False):
-    """As :func:`_q4k_mma_kernel` for a Q6_K weight: each run of 32 codes as int8 tensor-core dots,
-    one per 16-element group (the other group's codes zeroed), then :func:`_q6k_dp4a_kernel`'s
-    group terms in the same order."""
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, FUSED: tl.constexpr = False,
+                    STRIDE: tl.constexpr = 210):
+    """As :func:`_q4k_mma_kernel` for a Q6_K weight: each run of 32 codes, less their offset of 32
+    (signed int8 -32..31), as int8 tensor-core dots, one per 16-element group (``x``'s rows of the
+    other group zeroed): exactly :func:`_q6k_dp4a_kernel`'s ``dot - 32 * sum`` per group and plane
+    (``hs_ptr``, ``ls_ptr`` unread here), then its group terms in the same order."""
     rn, row, b0, nb = _program(w_ptr, N, K, swn, BLOCK_N, SPLIT_K)
     rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     i32 = tl.arange(0, 32)
-    first = (i32 < 16)[None, :]
+    first = (i32 < 16)[:, None]
     mrow = rm < M
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for b in range(b0, b0 + nb):
-        blk = row + b * 210
+        blk = row + b * STRIDE
         d = _f16(blk + 208)
         for nh in tl.static_range(2):
-            qa, qb, qh = _q6k_half(blk, nh)
+            qa, qb, qh = _q6k_half(blk, nh, STRIDE)
             for r in tl.static_range(4):
-                q = _q6k_run(qa, qb, qh, r)
-                codes = _bytes_of(q)
-                c0 = tl.where(first, codes, 0).to(tl.int8)
-                c1 = tl.where(first, 0, codes).to(tl.int8)
+                codes = _bytes_of(_less32(_q6k_run(qa, qb, qh, r)))   # int8 -32..31: the offset inside the dots
                 xo = rm[:, None].to(tl.int64) * K + (b * 256 + 128 * nh + 32 * r + i32)[None, :]
                 xh = tl.trans(tl.load(h_ptr + xo, mask=mrow[:, None], other=0))   # [32, BLOCK_M] int8
                 xl = tl.trans(tl.load(l_ptr + xo, mask=mrow[:, None], other=0))
+                # each group's dot: the run's 32 codes against x with the other group's 16 rows zeroed
+                # (the small operand masked; the same exact integer sums as masking the codes)
+                xh0 = tl.where(first, xh, 0).to(tl.int8)
+                xh1 = tl.where(first, 0, xh).to(tl.int8)
+                xl0 = tl.where(first, xl, 0).to(tl.int8)
+                xl1 = tl.where(first, 0, xl).to(tl.int8)
                 g = 8 * nh + 2 * r
                 sx = tl.load(s_ptr + rm * (K // 32) + b * 8 + g // 2, mask=mrow, other=1.0)[None, :]
                 sc0 = tl.load(blk + 192 + g).to(tl.int8, bitcast=True).to(tl.float32)
                 sc1 = tl.load(blk + 193 + g).to(tl.int8, bitcast=True).to(tl.float32)
-                hs0 = tl.load(hs_ptr + rm * (K // 16) + b * 16 + g, mask=mrow, other=0)[None, :]
-                ls0 = tl.load(ls_ptr + rm * (K // 16) + b * 16 + g, mask=mrow, other=0)[None, :]
-                hs1 = tl.load(hs_ptr + rm * (K // 16) + b * 16 + g + 1, mask=mrow, other=0)[None, :]
-                ls1 = tl.load(ls_ptr + rm * (K // 16) + b * 16 + g + 1, mask=mrow, other=0)[None, :]
-                acc = _acc6(acc, tl.dot(c0, xh, out_dtype=tl.int32) - 32 * hs0, tl.dot(c0, xl, out_dtype=tl.int32) - 32 * ls0,
+                acc = _acc6(acc, tl.dot(codes, xh0, out_dtype=tl.int32), tl.dot(codes, xl0, out_dtype=tl.int32),
                             (d * sc0)[:, None], sx)
-                acc = _acc6(acc, tl.dot(c1, xh, out_dtype=tl.int32) - 32 * hs1, tl.dot(c1, xl, out_dtype=tl.int32) - 32 * ls1,
+                acc = _acc6(acc, tl.dot(codes, xh1, out_dtype=tl.int32), tl.dot(codes, xl1, out_dtype=tl.int32),
                             (d * sc1)[:, None], sx)
     _store_split(acc, y_ptr, part_ptr, cnt_ptr, rm[None, :].to(tl.int64) * N + rn[:, None], (rn[:, None] < N) & mrow[None, :],
                  tl.program_id(2) * tl.num_programs(0) + tl.program_id(0), M * N, SPLIT_K, FUSED)
@@ -794,7 +821,7 @@ def linear(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, split_k: 
     Raises:
         ValueError: another type; ``K`` not a multiple of the type's block times ``split_k``;
             ``x2`` not of unit stride along ``K``; ``y`` not a contiguous ``[M, N]``; ``mma=False``
-            with more than one row.
+            with more than one row; a padded Q6_K weight whose bytes do not start 4-byte aligned.
     """
     n, k = weight.shape
     m = x2.shape[0]
@@ -811,6 +838,9 @@ def linear(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, split_k: 
                          f"strides {x2.stride()} and y {tuple(y.shape)}")
     p = planes if planes is not None else split_x(x2)
     data = weight.data
+    q6_stride = weight.block_stride if q6 else 210   # a padded Q6_K's (kernels.quant.weight): word loads
+    if q6_stride != 210 and data.data_ptr() % 4:
+        raise ValueError("a padded Q6_K weight's bytes must start on a 4-byte boundary")
     emulate = x2.device.type != "cuda"
     one_row = (m == 1) if mma is None else not mma
     if one_row and m != 1:
@@ -831,7 +861,8 @@ def linear(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, split_k: 
                                       EMULATE=emulate, FUSED=fused, num_warps=num_warps or 1)
         elif q6:
             _q6k_dp4a_kernel[grid](*xs, p.hsum, p.lsum, data, y, part, cnt, n, k, data.stride(0), BLOCK_N=bn,
-                                   SPLIT_K=split, EMULATE=emulate, FUSED=fused, num_warps=num_warps or 1)
+                                   SPLIT_K=split, EMULATE=emulate, FUSED=fused, STRIDE=q6_stride,
+                                   num_warps=num_warps or 1)
         else:
             _q4k_dp4a_kernel[grid](*xs, p.xsum, data, y, part, cnt, n, k, data.stride(0), BLOCK_N=bn,
                                    SPLIT_K=split, EMULATE=emulate, Q5=name == "Q5_K", FUSED=fused, num_warps=num_warps or 1)
@@ -843,7 +874,8 @@ def linear(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, split_k: 
                                      SPLIT_K=split, FUSED=fused, num_warps=num_warps or warps_mma)
         elif q6:
             _q6k_mma_kernel[grid](*xs, p.hsum, p.lsum, data, y, part, cnt, m, n, k, data.stride(0), BLOCK_M=MMA_ROWS,
-                                  BLOCK_N=bn, SPLIT_K=split, FUSED=fused, num_warps=num_warps or warps_mma)
+                                  BLOCK_N=bn, SPLIT_K=split, FUSED=fused, STRIDE=q6_stride,
+                                  num_warps=num_warps or warps_mma)
         else:
             _q4k_mma_kernel[grid](*xs, p.xsum, data, y, part, cnt, m, n, k, data.stride(0), BLOCK_M=MMA_ROWS,
                                   BLOCK_N=bn, SPLIT_K=split, Q5=name == "Q5_K", FUSED=fused, num_warps=num_warps or warps_mma)

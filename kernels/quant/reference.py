@@ -81,9 +81,7 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> t
     (equal bit for bit to ``gguf.quants.dequantize``), then cast once. Temporary memory: a few
     float32 / int32 copies of the whole matrix (dequantize big weights by :meth:`~QuantizedWeight.rows`)."""
     n, k = weight.shape
-    qk, bs = weight.block_elems, weight.block_bytes
-    blocks = weight.data.reshape(n, k // qk, bs)
-    out = _blocks_f32(blocks, weight.qtype.name).reshape(n, k)
+    out = _blocks_f32(weight.blocks(), weight.qtype.name).reshape(n, k)   # (a padded weight's blocks without the pad)
     return out if dtype == torch.float32 else out.to(dtype)
 
 

@@ -182,7 +182,7 @@ def split_k_for(n: int, k: int, qtype, block_n: int) -> int:
     return next((s for s in fits if outs * s >= TARGET_PROGRAMS), fits[-1])
 
 
-def config_for(n: int, k: int, qtype) -> Config:
+def config_for(n: int, k: int, qtype, stride: int | None = None) -> Config:
     """The launch config of an ``[N, K]`` weight of ``qtype``: ``BLOCK_N`` 32 (16 below 32 features),
     2 warps (with :data:`SWAP_AB`: ``benchmarks/gpu/quant/run6``), 3 stages, no unroll, and ``K`` split over the fewest programs ``s`` that bring the launch
     to :data:`TARGET_PROGRAMS` (:func:`split_k_for`). A decode-sized call is latency-bound: one
@@ -190,9 +190,19 @@ def config_for(n: int, k: int, qtype) -> Config:
     an H200 with :data:`BIAS_DOT`, ``tools/quant_config_ab.py``, ``benchmarks/gpu/quant/run5``: Q4_K
     4096 x 4096 70.8 -> 21.2 us, 4096 x 12288 206 -> 50 us; Q8_0 4096 x 4096 71 -> 22 us; SmolLM2's
     Q4_1 3072 x 576 11.8 -> 7.4 us; still 1.5-2.4x the bf16 kernel on a bf16 weight of the shape). Never depends on ``M`` (the split's partials are added in a fixed order, so a
-    row's bits do not either)."""
+    row's bits do not either). ``stride``: the weight's bytes per stored block
+    (:attr:`QuantizedWeight.block_stride`); a padded Q6_K takes :data:`PADDED_STAGES` stages."""
     bn = 32 if n >= 32 else 16
-    return Config(bn, 2, 3, 1, split_k_for(n, k, qtype, bn))
+    stages = PADDED_STAGES if stride is not None and as_qtype(qtype).name == "Q6_K" and stride % 4 == 0 else 3
+    return Config(bn, 2, stages, 1, split_k_for(n, k, qtype, bn))
+
+
+#: :func:`config_for`'s pipeline stages for a padded Q6_K weight (``kernels.quant.weight``, "Padded
+#: blocks"). Compiled for sm_90, the 16-byte aligned super-blocks let Triton's pipeliner move the
+#: code loads into asynchronous copies through shared memory (``LDGSTS``), which made the 9B
+#: Q4_K_M step slower on an H200 (4.28 -> 4.73 ms, ``benchmarks/gpu/quant/run11``); with one stage
+#: they are direct 8-byte loads. The bits do not depend on it. ``DFLASH_QUANT_Q6K_STAGES``: A/B runs.
+PADDED_STAGES = int(os.environ.get("DFLASH_QUANT_Q6K_STAGES", "1") or 1)
 
 
 #: Diagnostic only (``tools/quant_diag.py``): every dequantized weight rounded to ``x``'s dtype
@@ -252,6 +262,11 @@ def int_dot_types(value: str | None) -> tuple[str, ...]:
 
 
 INT_DOTS = int_dot_types(os.environ.get("DFLASH_QUANT_INT_DOTS"))
+
+#: The generic kernel reads a padded Q6_K's codes (``kernels.quant.weight``) as whole words
+#: (``DFLASH_QUANT_Q6K_WORDS=1``); default off: on an H200 it made the 9B Q4_K_M step slower
+#: (4.31 -> 4.74 ms), the 16-bit halves stay.
+Q6_WORDS = tl.constexpr(os.environ.get("DFLASH_QUANT_Q6K_WORDS", "") == "1")
 
 
 @triton.jit
@@ -403,16 +418,22 @@ def _nibbles_h(ptr, NH: tl.constexpr):
 
 
 @triton.jit
-def _codes_w(blk, s: tl.constexpr, d, m, QTYPE: tl.constexpr, G: tl.constexpr):
+def _codes_w(blk, s: tl.constexpr, d, m, QTYPE: tl.constexpr, G: tl.constexpr, BS: tl.constexpr):
     """:func:`_codes` with the codes read as whole 32-bit words (16-bit where a block's size is
-    only even: Q4_0, Q5_0, Q8_0, Q6_K) instead of one load per byte: the same integers, in the
-    same positions except for the legacy 4- and 5-bit types, whose codes come in the interleaved
-    order of :func:`_nibbles_w` (``x`` read to match: :func:`_group`'s ``XPERM``)."""
+    only even: Q4_0, Q5_0, Q8_0, Q6_K in the file's 210-byte layout; a padded Q6_K, ``BS`` a
+    multiple of 4, takes words: ``kernels.quant.weight``, "Padded blocks") instead of one load per
+    byte: the same integers, in the same positions except for the legacy 4- and 5-bit types, whose
+    codes come in the interleaved order of :func:`_nibbles_w` (``x`` read to match:
+    :func:`_group`'s ``XPERM``). ``BS``: the blocks' stride in bytes."""
     if QTYPE == _Q6_K:  # 16 groups of 16
         hh = s // 8
         r = (s % 8) * 16
-        lo = (_bytes_h(blk + hh * 64 + (r % 64), 8) >> (4 * (r // 64))) & 15
-        hi = (_bytes_h(blk + 128 + hh * 32 + (r % 32), 8) >> (2 * (r // 32))) & 3
+        if Q6_WORDS and BS % 4 == 0:   # padded: every field 4-byte aligned (16-byte at a stride of 224)
+            lo = (_bytes_w(blk + hh * 64 + (r % 64), 4) >> (4 * (r // 64))) & 15
+            hi = (_bytes_w(blk + 128 + hh * 32 + (r % 32), 4) >> (2 * (r // 32))) & 3
+        else:
+            lo = (_bytes_h(blk + hh * 64 + (r % 64), 8) >> (4 * (r // 64))) & 15
+            hi = (_bytes_h(blk + 128 + hh * 32 + (r % 32), 8) >> (2 * (r // 32))) & 3
         q = (lo | (hi << 4)) - 32
         scale = d * _i8(blk + 192 + s).to(tl.float32)
         bias = scale
@@ -558,7 +579,7 @@ def _qlinear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
             d, m = _head(blk, QTYPE, HAS_BIAS, WORDS)
             for s in tl.static_range(QK // G):
                 if WORDS:
-                    q, scale, bias = _codes_w(blk, s, d, m, QTYPE, G)
+                    q, scale, bias = _codes_w(blk, s, d, m, QTYPE, G, BS)
                 else:
                     q, scale, bias = _codes(blk, s, d, m, QTYPE, G)
                 if SWAP:
@@ -618,7 +639,7 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | No
     x2 = skinny_rows(x, k, None if wide else MAX_ROWS)
     m = x2.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
-    cfg = config or config_for(n, k, weight.qtype)
+    cfg = config or config_for(n, k, weight.qtype, weight.block_stride)
     if not cfg.fits(k, weight.qtype):
         raise ValueError(f"config {cfg} does not fit a {weight.qtype.name} weight of K = {k}: "
                          f"K / {weight.block_elems} blocks must be a multiple of unroll * split_k")
@@ -741,14 +762,16 @@ _BIASED = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")
 
 
 def kernel_constants(qtype, x_dtype: torch.dtype, block_m: int, block_n: int, dequant: bool, split: bool,
-                     unroll: int = 1, split_k: int = 1, aligned: bool = True) -> dict:
+                     unroll: int = 1, split_k: int = 1, aligned: bool = True, stride: int | None = None) -> dict:
     """The ``tl.constexpr`` arguments of :func:`_qlinear_kernel` for a weight of ``qtype`` and ``x``
     of ``x_dtype`` (what a launch passes; ``tools/sweep_quant.py`` precompiles with them).
     ``aligned``: the weight's bytes start on a 4-byte boundary (its rows then all do: every row
     of the word-read types is a multiple of 4 bytes, of the others of 2), which
-    :data:`WORD_LOADS` needs; a view that does not takes the byte gathers."""
+    :data:`WORD_LOADS` needs; a view that does not takes the byte gathers. ``stride``: bytes per
+    stored block (:attr:`QuantizedWeight.block_stride`; default the GGUF block size)."""
     qt = as_qtype(qtype)
     qk, bs = GGML_QUANT_SIZES[qt]
+    bs = int(stride or bs)
     words = bool(WORD_LOADS) and bool(aligned)
     return dict(QTYPE=int(qt), QK=qk, BS=bs, G=16 if qt.name == "Q6_K" else 32, HAS_BIAS=qt.name in _BIASED,
                 BLOCK_M=block_m, BLOCK_N=block_n, DEQUANT=bool(dequant),
@@ -764,5 +787,5 @@ def _launch(x2, weight: QuantizedWeight, y, m, n, k, block_m, block_n, num_warps
     _qlinear_kernel[(triton.cdiv(n, block_n) * triton.cdiv(m, block_m), split_k)](
         x2, weight.data, y, m, n, k, x2.stride(0), weight.data.stride(0), y.stride(-2),
         **kernel_constants(weight.qtype, x2.dtype, block_m, block_n, dequant, split, unroll, split_k,
-                           weight.data.data_ptr() % 4 == 0),
+                           weight.data.data_ptr() % 4 == 0, weight.block_stride),
         num_warps=num_warps, num_stages=num_stages, **opts)

@@ -37,11 +37,24 @@ Q6_K   256   210  ``ql[128]`` @0, ``qh[64]`` @128, ``scales[16]`` int8 @192, ``d
 
 Other GGUF types (Q2_K, Q3_K, the IQ types, ...) are not handled here; F32 / F16 / BF16 weights
 stay plain tensors.
+
+**Padded blocks.** A weight may hold each block in ``S >= BS`` bytes (its *block stride*): the
+block's ``BS`` bytes unchanged, then ``S - BS`` zero bytes. Only Q6_K takes it
+(:data:`PADDED_STRIDES`): its 210-byte super-blocks start only on 2-byte boundaries in the file,
+so every kernel read them as 16-bit halves; padded to 224 bytes every super-block and each of
+its fields (``ql`` @0, ``qh`` @128, ``scales`` @192) starts on a 16-byte boundary and the kernels
+read whole 32-bit (and 128-bit) words. The stride is the data's own shape (``data.shape[1] / (K /
+QK)``), so a view, a row gather or a concatenation of padded weights stays padded. The loader
+pads at load (:func:`stride_for`, ``DFLASH_QUANT_Q6K_STRIDE``); :meth:`QuantizedWeight.with_stride`
+converts either way. The values are the same: every reader takes the first ``BS`` bytes of each
+stored block.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 
 import numpy as np
 import torch
@@ -51,6 +64,42 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 QTYPES: dict[str, GGMLQuantizationType] = {
     n: GGMLQuantizationType[n] for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 }
+
+
+log = logging.getLogger(__name__)
+
+#: The block strides a weight may hold besides the GGUF block size, per type (module docstring,
+#: "Padded blocks"): Q6_K's 210-byte super-blocks padded to a 4-, 8- or 16-byte boundary.
+PADDED_STRIDES: dict[str, tuple[int, ...]] = {"Q6_K": (212, 216, 224)}
+
+
+def _stride_setting(value: str | None) -> int:
+    """:data:`Q6K_STRIDE` from the value of ``DFLASH_QUANT_Q6K_STRIDE``: unset or empty the
+    default 224; ``210`` (the file's layout) or one of ``PADDED_STRIDES["Q6_K"]``; anything else
+    is logged and the default kept."""
+    default = 224
+    v = (value or "").strip()
+    if not v:
+        return default
+    if v.isdigit() and int(v) in (210,) + PADDED_STRIDES["Q6_K"]:
+        return int(v)
+    log.warning("DFLASH_QUANT_Q6K_STRIDE must be 210 or one of %s: left at %d", PADDED_STRIDES["Q6_K"], default,
+                extra={"value": v})
+    return default
+
+
+#: Bytes per Q6_K super-block as the loader holds them on the device (:func:`stride_for`): 224, the
+#: 210 GGUF bytes then 14 zero bytes, so every super-block starts on a 16-byte boundary (6.7% more
+#: bytes for the Q6_K tensors, about 1.7% of a Q4_K_M file). Read once at import from
+#: ``DFLASH_QUANT_Q6K_STRIDE`` (``210``: the file's layout, for A/B runs; or 212, 216).
+Q6K_STRIDE = _stride_setting(os.environ.get("DFLASH_QUANT_Q6K_STRIDE"))
+
+
+def stride_for(qtype: "GGMLQuantizationType | str | int") -> int:
+    """The block stride the loader gives a weight of ``qtype``: :data:`Q6K_STRIDE` for Q6_K, else
+    the GGUF block size (``GGML_QUANT_SIZES``)."""
+    qt = as_qtype(qtype)
+    return Q6K_STRIDE if qt.name == "Q6_K" else GGML_QUANT_SIZES[qt][1]
 
 
 def as_qtype(qtype: "GGMLQuantizationType | str | int") -> GGMLQuantizationType:
@@ -80,8 +129,10 @@ class QuantizedWeight:
     ``F.linear``) in GGUF block-quantized form.
 
     Attributes:
-        data: ``torch.uint8`` ``[N, K // QK * BS]``, contiguous: the GGUF file's bytes of the
-            tensor, row ``n`` = the blocks of output feature ``n`` (module docstring). Any device.
+        data: ``torch.uint8`` ``[N, K // QK * S]``, contiguous: the GGUF file's bytes of the
+            tensor, row ``n`` = the blocks of output feature ``n`` (module docstring), each block in
+            ``S`` bytes: ``S = BS`` (the file's layout) or, for a type of :data:`PADDED_STRIDES`, a
+            padded stride (the block's ``BS`` bytes first). Any device.
         qtype: the ``GGMLQuantizationType`` (construct with a name or number: it is normalised).
         shape: the logical shape ``(N, K)`` in elements; ``K`` is a multiple of the block size.
 
@@ -89,7 +140,8 @@ class QuantizedWeight:
 
     Raises:
         ValueError: unsupported type, ``K`` not a multiple of the block size, or ``data`` not a
-            contiguous 2-D uint8 tensor of ``[N, K // QK * BS]`` bytes.
+            contiguous 2-D uint8 tensor of ``[N, K // QK * S]`` bytes with ``S`` the block size or
+            one of the type's :data:`PADDED_STRIDES`.
     """
 
     data: torch.Tensor
@@ -105,9 +157,14 @@ class QuantizedWeight:
         if k % qk:
             raise ValueError(f"{qt.name} weight [{n}, {k}]: K must be a multiple of {qk}")
         d = self.data
-        if not isinstance(d, torch.Tensor) or d.dtype != torch.uint8 or tuple(d.shape) != (n, k // qk * bs):
+        nb = k // qk
+        ok = isinstance(d, torch.Tensor) and d.dtype == torch.uint8 and d.dim() == 2 and d.shape[0] == n
+        if ok and d.shape[1] != nb * bs:   # a padded stride (module docstring)
+            ok = nb > 0 and d.shape[1] % nb == 0 and d.shape[1] // nb in PADDED_STRIDES.get(qt.name, ())
+        if not ok:
             got = tuple(d.shape) if isinstance(d, torch.Tensor) else type(d).__name__
-            raise ValueError(f"{qt.name} weight [{n}, {k}] needs uint8 data [{n}, {k // qk * bs}], got {got}"
+            pads = "".join(f" or [{n}, {nb * p}]" for p in PADDED_STRIDES.get(qt.name, ()))
+            raise ValueError(f"{qt.name} weight [{n}, {k}] needs uint8 data [{n}, {nb * bs}]{pads}, got {got}"
                              f"{'' if not isinstance(d, torch.Tensor) else ' ' + str(d.dtype)}")
         if not d.is_contiguous():
             raise ValueError(f"{qt.name} weight data must be contiguous")
@@ -123,9 +180,41 @@ class QuantizedWeight:
         return GGML_QUANT_SIZES[self.qtype][1]
 
     @property
+    def block_stride(self) -> int:
+        """Bytes each block takes in :attr:`data` (``S``: :attr:`block_bytes`, or a padded stride)."""
+        nb = self.shape[1] // self.block_elems
+        return self.data.shape[1] // nb if nb else self.block_bytes
+
+    @property
     def nbytes(self) -> int:
-        """Bytes held: ``N * K / QK * BS``."""
+        """Bytes held: ``N * K / QK * S``."""
         return self.data.numel()
+
+    def with_stride(self, stride: int) -> "QuantizedWeight":
+        """The same weight with each block in ``stride`` bytes (module docstring, "Padded
+        blocks"): itself when it already is, else a new tensor on the same device (each block's
+        ``BS`` bytes, then zeros up to ``stride``).
+
+        Raises:
+            ValueError: ``stride`` neither :attr:`block_bytes` nor one of the type's
+                :data:`PADDED_STRIDES`.
+        """
+        bs = self.block_bytes
+        if stride != bs and stride not in PADDED_STRIDES.get(self.qtype.name, ()):
+            raise ValueError(f"{self.qtype.name} blocks take {bs} bytes or one of {PADDED_STRIDES.get(self.qtype.name, ())}, "
+                             f"not {stride}")
+        if stride == self.block_stride:
+            return self
+        n, k = self.shape
+        blocks = self.data.reshape(n, k // self.block_elems, self.block_stride)[..., :bs]
+        out = torch.zeros(n, k // self.block_elems, stride, dtype=torch.uint8, device=self.device)
+        out[..., :bs] = blocks
+        return QuantizedWeight(out.reshape(n, -1), self.qtype, self.shape)
+
+    def blocks(self) -> torch.Tensor:
+        """The blocks without their padding: uint8 ``[N, K / QK, BS]`` (a view when unpadded)."""
+        n, k = self.shape
+        return self.data.reshape(n, k // self.block_elems, self.block_stride)[..., : self.block_bytes]
 
     @property
     def device(self) -> torch.device:
@@ -241,8 +330,10 @@ def pack_rows(parts) -> "torch.Tensor | QuantizedWeight | PackedWeight":
     for p in flat:
         if not isinstance(p, (torch.Tensor, QuantizedWeight)):
             raise ValueError(f"cannot pack a {type(p).__name__}")
-        key = p.qtype if isinstance(p, QuantizedWeight) else None
-        if groups and (groups[-1][0].qtype if isinstance(groups[-1][0], QuantizedWeight) else None) == key:
+        def kind(w):   # parts of one type and block stride join into one byte tensor
+            return (w.qtype, w.block_stride) if isinstance(w, QuantizedWeight) else None
+
+        if groups and kind(groups[-1][0]) == kind(p):
             groups[-1].append(p)
         else:
             groups.append([p])
