@@ -275,7 +275,6 @@ def legacy_codes(name: str, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def _reference_legacy(x: torch.Tensor, w: QuantizedWeight, p: Planes) -> torch.Tensor:
     m, k = x.shape
-    n = w.shape[0]
     name = w.qtype.name
     codes, d, mn = legacy_codes(name, w.blocks().cpu())
     hp = p.h.cpu().to(torch.int64).reshape(m, k // 32, 32)
