@@ -184,6 +184,12 @@ def _mma_launch_setting() -> dict[str, tuple[int, int]]:
 #: the several-row kernel's launch per type (:func:`mma_launches`)
 MMA_LAUNCH = _mma_launch_setting()
 
+#: the several-row kernels' software-pipelining stages (``num_stages``; ``None``: Triton's default,
+#: 3): ``DFLASH_QUANT_MMA_STAGES`` for A/B runs (compiled for sm_90, the stages move the weight
+#: loads into asynchronous copies through shared memory, ``LDGSTS``). The bits do not depend on it.
+MMA_STAGES = int(os.environ["DFLASH_QUANT_MMA_STAGES"]) if os.environ.get("DFLASH_QUANT_MMA_STAGES", "").isdigit() \
+    and int(os.environ["DFLASH_QUANT_MMA_STAGES"]) >= 1 else None
+
 
 def block_elems(name: str) -> int:
     """Elements per block of ``name`` (:data:`TYPES`): 256 for the k-quants, 32 for the legacy types."""
@@ -867,17 +873,18 @@ def linear(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, split_k: 
                                    SPLIT_K=split, EMULATE=emulate, Q5=name == "Q5_K", FUSED=fused, num_warps=num_warps or 1)
     else:
         grid = (triton.cdiv(n, bn), split, triton.cdiv(m, MMA_ROWS))
+        stages = {} if MMA_STAGES is None else {"num_stages": MMA_STAGES}
         if legacy:
             _legacy_mma_kernel[grid](*xs, p.xsum, p.hsum, p.lsum, data, y, part, cnt, m, n, k, data.stride(0),
                                      QT=_LEGACY_CODE[name], BS=data.shape[1] * 32 // k, BLOCK_M=MMA_ROWS, BLOCK_N=bn,
-                                     SPLIT_K=split, FUSED=fused, num_warps=num_warps or warps_mma)
+                                     SPLIT_K=split, FUSED=fused, num_warps=num_warps or warps_mma, **stages)
         elif q6:
             _q6k_mma_kernel[grid](*xs, p.hsum, p.lsum, data, y, part, cnt, m, n, k, data.stride(0), BLOCK_M=MMA_ROWS,
                                   BLOCK_N=bn, SPLIT_K=split, FUSED=fused, STRIDE=q6_stride,
-                                  num_warps=num_warps or warps_mma)
+                                  num_warps=num_warps or warps_mma, **stages)
         else:
             _q4k_mma_kernel[grid](*xs, p.xsum, data, y, part, cnt, m, n, k, data.stride(0), BLOCK_M=MMA_ROWS,
-                                  BLOCK_N=bn, SPLIT_K=split, Q5=name == "Q5_K", FUSED=fused, num_warps=num_warps or warps_mma)
+                                  BLOCK_N=bn, SPLIT_K=split, Q5=name == "Q5_K", FUSED=fused, num_warps=num_warps or warps_mma, **stages)
     if split > 1 and not fused:
         _split_sum_kernel[(triton.cdiv(m * n, 1024),)](part, y, m * n, SPLIT_K=split, BLOCK=1024, num_warps=4)
     return y
