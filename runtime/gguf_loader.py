@@ -240,7 +240,8 @@ class GGUFFile:
                     quantized: bool = False) -> "torch.Tensor | Any":
         """Tensor ``name`` as a model holds it (``--weights``): with ``quantized`` and a type of
         :data:`kernels.quant.QTYPES`, its blocks on ``device`` (a :class:`kernels.quant.QuantizedWeight`,
-        no float copy); otherwise :meth:`load_tensor` (dequantized to ``dtype``). A caller that asked
+        no float copy; Q6_K's super-blocks padded to ``kernels.quant.weight.Q6K_STRIDE`` bytes,
+        ``stride_for``); otherwise :meth:`load_tensor` (dequantized to ``dtype``). A caller that asked
         ``quantized`` and got a tensor of a type not in :data:`FLOAT_TYPES` had a block type the
         kernels do not read (Q2_K, IQ...): its to warn.
 

@@ -729,11 +729,25 @@ def test_padded_q6k_blocks_give_the_same_bits(stride, tmp_path, monkeypatch):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(5, k, generator=g).to(DEV)
     cfg = T.Config(16) if DEV == "cpu" else None
-    for xx in (x, x.to(torch.float16)):
+    xs = [x, x.to(torch.float16)] + ([x.to(torch.bfloat16)] if DEV == "cuda" else [])   # (the interpreter's bf16 dot is broken)
+    for xx in xs:
         for rows in (xx[:1], xx):
             assert torch.equal(T.linear(rows, p, torch.float32, config=cfg), T.linear(rows, w, torch.float32, config=cfg))
     tcfg = T.TiledConfig(32, 32, 4, 1) if DEV == "cpu" else None
-    assert torch.equal(T.linear_tiled(x, p, config=tcfg), T.linear_tiled(x, w, config=tcfg))
+    for xx in xs:   # (on the GPU the default tiles: bf16 x takes the factored arithmetic at 2 stages)
+        assert torch.equal(T.linear_tiled(xx, p, config=tcfg), T.linear_tiled(xx, w, config=tcfg))
+    # a padded Q6_K takes one pipeline stage (PADDED_STAGES); the file's layout and other types keep 3
+    assert T.config_for(4096, 4096, "Q6_K", stride).num_stages == T.PADDED_STAGES
+    assert T.config_for(4096, 4096, "Q6_K", 210).num_stages == T.config_for(4096, 4096, "Q4_K", 144).num_stages == 3
+    # a padded view whose bytes start 2 bytes off a word: the generic kernel takes its byte gathers
+    # (the same bits); the integer kernels, which read words, refuse it
+    buf = torch.zeros(p.data.numel() + 2, dtype=torch.uint8, device=DEV)
+    buf[2:] = p.data.reshape(-1)
+    odd = QuantizedWeight(buf[2:].view(n, -1), "Q6_K", (n, k))
+    assert odd.block_stride == stride and odd.data.data_ptr() % 4 == 2
+    assert torch.equal(T.linear(x[:1], odd, torch.float32, config=cfg), T.linear(x[:1], w, torch.float32, config=cfg))
+    with pytest.raises(ValueError, match="4-byte"):
+        intdot.linear(x[:1], odd, torch.empty(1, n, device=DEV))
     for split in (1, 2):
         for rows in (x[:1], x):
             m = rows.shape[0]
@@ -752,6 +766,15 @@ def test_padded_q6k_blocks_give_the_same_bits(stride, tmp_path, monkeypatch):
     assert GGUFFile(path).load_weight("w", device=DEV, quantized=True).block_stride == 210
     assert W._stride_setting(None) == W._stride_setting("") == 224 and W._stride_setting("216") == 216
     assert W._stride_setting("210") == 210 and W._stride_setting("220") == 224 and W._stride_setting("x") == 224
+    # the speed settings never stop an import: a bad value is logged and the default kept
+    one_to_eight = lambda v: 1 <= v <= 8   # noqa: E731 (PADDED_STAGES' and MMA_STAGES' range)
+    assert W.int_setting("S", " 2 ", 1, one_to_eight) == 2 and W.int_setting("S", None, None, one_to_eight) is None
+    for bad in ("abc", "0", "-1", "9", "\u00b2", "2.5"):
+        assert W.int_setting("S", bad, 1, one_to_eight) == 1, bad
+    # an empty weight pads to an empty weight
+    assert p.rows(3, 3).with_stride(210).data.shape == (0, 2 * 210) and w.rows(0, 0).with_stride(stride).nbytes == 0
+    with pytest.raises(ValueError):   # from_bytes takes the file's layout only
+        QuantizedWeight.from_bytes(p.data.cpu().numpy(), "Q6_K", (n, k))
 
 
 @pytest.mark.gpu

@@ -41,7 +41,9 @@ def variants(n: int, k: int, qtype) -> dict:
 
     from kernels.quant import triton as T
 
-    base = T.config_for(n, k, qtype)
+    from kernels.quant.weight import stride_for
+
+    base = T.config_for(n, k, qtype, stride_for(qtype))   # (sweep_quant.cold_weights: the loader's stride)
     out = {}
     for bn in (16, 64, 128):
         out[f"bn{bn}"] = dataclasses.replace(base, block_n=bn, split_k=T.split_k_for(n, k, qtype, bn))
@@ -86,7 +88,7 @@ def run_regs(timer, dev, sq, T, cases) -> list:
     rows = []
     for name, n, k in cases:
         w0, ws, calls = sq.cold_weights(name, n, k, dev)
-        base = T.config_for(n, k, name)
+        base = T.config_for(n, k, name, w0.block_stride)
         for m in (1, 4, 16):
             x = torch.randn(m, k, device=dev).to(torch.bfloat16)
             got = {}
@@ -169,7 +171,7 @@ def main() -> int:
         src = [w.data for w in ws]
         dst = torch.empty_like(src[0])
         copy = timer(lambda i: dst.copy_(src[i % len(src)]), calls)
-        cfg = T.config_for(n, k, name)
+        cfg = T.config_for(n, k, name, ws[0].block_stride)
         for m in (1, 16):
             x = torch.randn(m, k, device=dev).to(torch.bfloat16)
             bf = timer(lambda i: LT.linear(x, wb[i % len(wb)]), calls)

@@ -101,7 +101,7 @@ def old_config_rule():
 
     old = QT.config_for
 
-    def rule(n, k, qtype):
+    def rule(n, k, qtype, stride=None):
         return QT.Config(16 if n <= 4096 else (32 if n <= 16384 else 64), 4, 2)
 
     QT.config_for = rule
@@ -339,9 +339,9 @@ def site_configs(model) -> dict:
         n, k = ws[0].shape
         qt = ws[0].qtype
         x = torch.randn(1, k, device=model.device, dtype=model.dtype)
-        default = QT.config_for(n, k, qt)
+        default = QT.config_for(n, k, qt, ws[0].block_stride)
         with old_config_rule():
-            old = QT.config_for(n, k, qt)
+            old = QT.config_for(n, k, qt, ws[0].block_stride)
         cands = {"default": default, "old rule": old}
         nb = k // ws[0].block_elems
         splits = [sk for sk in (2, 3, 4, 6) if nb % sk == 0 and -(-n // 16) * sk <= 4 * 132][:2]

@@ -108,13 +108,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--maxnreg", type=int, default=None)
     p.add_argument("--bytes", action="store_true", help="byte gathers (WORD_LOADS off)")
     p.add_argument("--no-swap", action="store_true", help="dot(x, q^T) (SWAP_AB off)")
+    p.add_argument("--stride", type=int, default=None,
+                   help="bytes per stored block (default: the loader's, kernels.quant.weight.stride_for: Q6_K padded)")
     p.add_argument("--arch", type=int, default=90, help="sm_ARCH (default 90: H100 / H200)")
     p.add_argument("--top", type=int, default=10, help="opcodes listed")
     a = p.parse_args(argv)
-    cfg = T.config_for(a.n, a.k, a.type)
+    from kernels.quant.weight import stride_for
+
+    stride = a.stride or stride_for(a.type)
+    cfg = T.config_for(a.n, a.k, a.type, stride)
     cfg = dataclasses.replace(cfg, **{f: v for f, v in (("block_n", a.block_n), ("num_warps", a.warps), ("num_stages", a.stages),
                                                         ("split_k", a.split_k), ("maxnreg", a.maxnreg)) if v is not None})
-    ck = compile_skinny(a.type, a.n, a.k, cfg, words=not a.bytes, swap=not a.no_swap, arch=a.arch)
+    ck = compile_skinny(a.type, a.n, a.k, cfg, words=not a.bytes, swap=not a.no_swap, arch=a.arch, stride=stride)
     r = sass_report(ck.asm["cubin"])
     threads = 32 * cfg.num_warps
     per_sm = 65536 // (r["registers"] * threads) if r["registers"] else None

@@ -113,6 +113,15 @@ def random_weight(name: str, n: int, k: int, device, seed: int = 0):
     return QuantizedWeight(raw.reshape(n, -1).contiguous(), name, (n, k))
 
 
+def engine_weight(name: str, n: int, k: int, device, seed: int = 0):
+    """:func:`random_weight` in the block stride the loader gives the type
+    (``kernels.quant.weight.stride_for``: Q6_K padded unless ``DFLASH_QUANT_Q6K_STRIDE=210``), so
+    that timings are of the layout the engine runs."""
+    from kernels.quant.weight import stride_for
+
+    return random_weight(name, n, k, device, seed=seed).with_stride(stride_for(name))
+
+
 def probe_launches(n: int, k: int, block_ns, warps, targets) -> dict:
     """``{"bn{BLOCK_N}-w{warps}-s{split}": (BLOCK_N, warps, split)}``: a probe kernel's launch grid
     over a k-quant weight ``[N, K]`` (``tools/quant_gemv_probe.py``, ``tools/quant_sb_probe.py``):
@@ -188,13 +197,8 @@ def cold_weights(name: str, n: int, k: int, device) -> tuple:
     through, and the calls per graph (at least 20, at least one per copy). Each in the block stride
     the loader gives the type (``kernels.quant.weight.stride_for``: Q6_K padded unless
     ``DFLASH_QUANT_Q6K_STRIDE=210``)."""
-    from kernels.quant.weight import stride_for
-
-    def make(seed):
-        return random_weight(name, n, k, device, seed=seed).with_stride(stride_for(name))
-
-    w0 = make(0)
-    copies = [make(i) for i in range(max(2, -(-2 * L2_BYTES // w0.nbytes)))]
+    w0 = engine_weight(name, n, k, device)
+    copies = [engine_weight(name, n, k, device, seed=i) for i in range(max(2, -(-2 * L2_BYTES // w0.nbytes)))]
     return w0, copies, max(20, len(copies))
 
 
@@ -236,7 +240,7 @@ def tiled_candidates(smoke: bool = False) -> list:
 def _warm_worker(items: list[tuple]) -> int:
     """Compile kernels into Triton's on-disk cache (a process of the pool); returns how many failed."""
     from kernels.quant import triton as T
-    from kernels.quant.weight import block_geometry
+    from kernels.quant.weight import block_geometry, stride_for
 
     failed = 0
     for kind, name, n, k, cfg in items:
@@ -244,10 +248,12 @@ def _warm_worker(items: list[tuple]) -> int:
         try:
             if kind == "skinny":
                 bn, w, s, unroll, split_k = cfg
-                const = T.kernel_constants(name, torch.bfloat16, T.BLOCK_M, bn, False, False, unroll, split_k)
+                const = T.kernel_constants(name, torch.bfloat16, T.BLOCK_M, bn, False, False, unroll, split_k,
+                                           stride=stride_for(name))
             else:
                 bm, bn, w, s, dq, split = cfg
-                const = T.kernel_constants(name, torch.bfloat16, bm, bn, dq, True if split is None else split)
+                const = T.kernel_constants(name, torch.bfloat16, bm, bn, dq, True if split is None else split,
+                                           stride=stride_for(name))
             T._qlinear_kernel.warmup(torch.bfloat16, torch.uint8, torch.bfloat16, 1, n, k, k, k // qk * bs, n,
                                      **const, num_warps=w, num_stages=s, grid=(1,))
         except Exception:  # noqa: BLE001 - the timed run reports it
@@ -337,6 +343,7 @@ def sweep(args) -> dict:
     from kernels.linear import triton as LT
     from kernels.quant import reference as R
     from kernels.quant import triton as T
+    from kernels.quant.weight import stride_for
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     sms = torch.cuda.get_device_properties(0).multi_processor_count if device.type == "cuda" else 2
@@ -347,7 +354,7 @@ def sweep(args) -> dict:
     gen = torch.Generator().manual_seed(1)
 
     def copies(name, n, k, r):
-        return [random_weight(name, n, k, device, seed=i) for i in range(r)]
+        return [engine_weight(name, n, k, device, seed=i) for i in range(r)]
 
     def n_copies(nbytes: int) -> int:
         return 1 if device.type != "cuda" else max(2, math.ceil(2 * L2_BYTES / max(nbytes, 1)))
@@ -358,7 +365,7 @@ def sweep(args) -> dict:
         items = []
         for name, n, k in cases:
             items += [("skinny", name, n, k, dataclasses.astuple(c))
-                      for c in skinny_candidates(n, sms, k, name, args.smollm) + [T.config_for(n, k, name)]]
+                      for c in skinny_candidates(n, sms, k, name, args.smollm) + [T.config_for(n, k, name, stride_for(name))]]
         for name in args.types:
             for n, k in ([] if args.skinny_only else args.prefill_shapes):
                 d = T.tiled_config_for(n, k, name)
@@ -367,14 +374,14 @@ def sweep(args) -> dict:
         precompile(sorted(set(items), key=repr), args.jobs)
     # ---------------------------------------------------------------------- skinny (decode, verify)
     for name, n, k in cases:
-        w0 = random_weight(name, n, k, device)
+        w0 = engine_weight(name, n, k, device)
         ws = copies(name, n, k, n_copies(w0.nbytes))
         wb = [torch.randn(n, k, generator=gen).to(device, torch.bfloat16) for _ in range(n_copies(n * k * 2))]
         src = [w.data for w in ws]
         dst = torch.empty_like(src[0])
         calls = max(args.calls, len(ws)) if args.smollm else args.calls   # every call on a cold copy
         copy_us = timer(lambda i: dst.copy_(src[i % len(src)]), calls)
-        default = T.config_for(n, k, name)
+        default = T.config_for(n, k, name, w0.block_stride)
         if args.smoke:
             cands = [default, T.Config(32, 4, 2)] + [c for c in (T.Config(16, 4, 2, 2, 2),) if c.fits(k, name)]
         else:

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from kernels.quant.partials import _split_sum_kernel, _store_split, tile_counters
-from kernels.quant.weight import QuantizedWeight
+from kernels.quant.weight import QuantizedWeight, int_setting
 
 log = logging.getLogger(__name__)
 
@@ -187,8 +187,7 @@ MMA_LAUNCH = _mma_launch_setting()
 #: the several-row kernels' software-pipelining stages (``num_stages``; ``None``: Triton's default,
 #: 3): ``DFLASH_QUANT_MMA_STAGES`` for A/B runs (compiled for sm_90, the stages move the weight
 #: loads into asynchronous copies through shared memory, ``LDGSTS``). The bits do not depend on it.
-MMA_STAGES = int(os.environ["DFLASH_QUANT_MMA_STAGES"]) if os.environ.get("DFLASH_QUANT_MMA_STAGES", "").isdigit() \
-    and int(os.environ["DFLASH_QUANT_MMA_STAGES"]) >= 1 else None
+MMA_STAGES = int_setting("DFLASH_QUANT_MMA_STAGES", os.environ.get("DFLASH_QUANT_MMA_STAGES"), None, lambda v: 1 <= v <= 8)
 
 
 def block_elems(name: str) -> int:
@@ -219,7 +218,7 @@ def reference(x: torch.Tensor, w: QuantizedWeight, planes: Planes | None = None)
     m, k = x.shape
     n = w.shape[0]
     q5 = w.qtype.name == "Q5_K"
-    raw = w.data.cpu().reshape(n, k // 256, 176 if q5 else 144)
+    raw = w.blocks().cpu()
     d = raw[:, :, 0:2].contiguous().view(torch.float16).float()[..., 0]
     dmin = raw[:, :, 2:4].contiguous().view(torch.float16).float()[..., 0]
     sc6 = raw[:, :, 4:16].to(torch.int64)

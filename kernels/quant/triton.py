@@ -84,7 +84,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from kernels.linear.triton import MAX_ROWS, is_pow2, skinny_rows
 from kernels.quant import intdot
 from kernels.quant.partials import _split_sum_kernel
-from kernels.quant.weight import QuantizedWeight, as_qtype
+from kernels.quant.weight import QuantizedWeight, as_qtype, int_setting
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ def config_for(n: int, k: int, qtype, stride: int | None = None) -> Config:
 #: code loads into asynchronous copies through shared memory (``LDGSTS``), which made the 9B
 #: Q4_K_M step slower on an H200 (4.28 -> 4.73 ms, ``benchmarks/gpu/quant/run11``); with one stage
 #: they are direct 8-byte loads. The bits do not depend on it. ``DFLASH_QUANT_Q6K_STAGES``: A/B runs.
-PADDED_STAGES = int(os.environ.get("DFLASH_QUANT_Q6K_STAGES", "1") or 1)
+PADDED_STAGES = int_setting("DFLASH_QUANT_Q6K_STAGES", os.environ.get("DFLASH_QUANT_Q6K_STAGES"), 1, lambda v: 1 <= v <= 8)
 
 
 #: Diagnostic only (``tools/quant_diag.py``): every dequantized weight rounded to ``x``'s dtype

@@ -42,8 +42,9 @@ stay plain tensors.
 block's ``BS`` bytes unchanged, then ``S - BS`` zero bytes. Only Q6_K takes it
 (:data:`PADDED_STRIDES`): its 210-byte super-blocks start only on 2-byte boundaries in the file,
 so every kernel read them as 16-bit halves; padded to 224 bytes every super-block and each of
-its fields (``ql`` @0, ``qh`` @128, ``scales`` @192) starts on a 16-byte boundary and the kernels
-read whole 32-bit (and 128-bit) words. The stride is the data's own shape (``data.shape[1] / (K /
+its fields (``ql`` @0, ``qh`` @128, ``scales`` @192) starts on a 16-byte boundary: the integer
+kernels read whole words (128-bit loads in the one-row kernel) and the compiler merges the generic
+kernel's 16-bit reads into 8-byte loads. The stride is the data's own shape (``data.shape[1] / (K /
 QK)``), so a view, a row gather or a concatenation of padded weights stays padded. The loader
 pads at load (:func:`stride_for`, ``DFLASH_QUANT_Q6K_STRIDE``); :meth:`QuantizedWeight.with_stride`
 converts either way. The values are the same: every reader takes the first ``BS`` bytes of each
@@ -73,24 +74,34 @@ log = logging.getLogger(__name__)
 PADDED_STRIDES: dict[str, tuple[int, ...]] = {"Q6_K": (212, 216, 224)}
 
 
-def _stride_setting(value: str | None) -> int:
-    """:data:`Q6K_STRIDE` from the value of ``DFLASH_QUANT_Q6K_STRIDE``: unset or empty the
-    default 224; ``210`` (the file's layout) or one of ``PADDED_STRIDES["Q6_K"]``; anything else
-    is logged and the default kept."""
-    default = 224
+def int_setting(name: str, value: str | None, default: "int | None", allowed) -> "int | None":
+    """An integer speed setting from an environment variable's ``value``: unset or empty gives
+    ``default``; an integer for which ``allowed(v)`` holds gives it; anything else (not an
+    integer, out of range) is logged as a warning naming ``name`` and gives ``default``, so a bad
+    value never stops a service from starting."""
     v = (value or "").strip()
     if not v:
         return default
-    if v.isdigit() and int(v) in (210,) + PADDED_STRIDES["Q6_K"]:
-        return int(v)
-    log.warning("DFLASH_QUANT_Q6K_STRIDE must be 210 or one of %s: left at %d", PADDED_STRIDES["Q6_K"], default,
-                extra={"value": v})
+    try:
+        n = int(v)
+    except ValueError:
+        n = None
+    if n is not None and allowed(n):
+        return n
+    log.warning("%s=%r is not a valid value: left at %s", name, v, default, extra={"setting": name, "value": v})
     return default
+
+
+def _stride_setting(value: str | None) -> int:
+    """:data:`Q6K_STRIDE` from the value of ``DFLASH_QUANT_Q6K_STRIDE``: unset or empty the
+    default 224; ``210`` (the file's layout) or one of ``PADDED_STRIDES["Q6_K"]``; anything else
+    is logged and the default kept (:func:`int_setting`)."""
+    return int_setting("DFLASH_QUANT_Q6K_STRIDE", value, 224, lambda v: v in (210,) + PADDED_STRIDES["Q6_K"])
 
 
 #: Bytes per Q6_K super-block as the loader holds them on the device (:func:`stride_for`): 224, the
 #: 210 GGUF bytes then 14 zero bytes, so every super-block starts on a 16-byte boundary (6.7% more
-#: bytes for the Q6_K tensors, about 1.7% of a Q4_K_M file). Read once at import from
+#: bytes for the Q6_K tensors: the synthetic 9B Q4_K_M holds 1.5% more, 4.25 GiB against 4.18). Read once at import from
 #: ``DFLASH_QUANT_Q6K_STRIDE`` (``210``: the file's layout, for A/B runs; or 212, 216).
 Q6K_STRIDE = _stride_setting(os.environ.get("DFLASH_QUANT_Q6K_STRIDE"))
 
@@ -130,7 +141,7 @@ class QuantizedWeight:
 
     Attributes:
         data: ``torch.uint8`` ``[N, K // QK * S]``, contiguous: the GGUF file's bytes of the
-            tensor, row ``n`` = the blocks of output feature ``n`` (module docstring), each block in
+            tensor (a copy with zeros after each block when padded), row ``n`` = the blocks of output feature ``n`` (module docstring), each block in
             ``S`` bytes: ``S = BS`` (the file's layout) or, for a type of :data:`PADDED_STRIDES`, a
             padded stride (the block's ``BS`` bytes first). Any device.
         qtype: the ``GGMLQuantizationType`` (construct with a name or number: it is normalised).
@@ -207,9 +218,10 @@ class QuantizedWeight:
             return self
         n, k = self.shape
         blocks = self.data.reshape(n, k // self.block_elems, self.block_stride)[..., :bs]
-        out = torch.zeros(n, k // self.block_elems, stride, dtype=torch.uint8, device=self.device)
+        nb = k // self.block_elems
+        out = torch.zeros(n, nb, stride, dtype=torch.uint8, device=self.device)
         out[..., :bs] = blocks
-        return QuantizedWeight(out.reshape(n, -1), self.qtype, self.shape)
+        return QuantizedWeight(out.reshape(n, nb * stride), self.qtype, self.shape)
 
     def blocks(self) -> torch.Tensor:
         """The blocks without their padding: uint8 ``[N, K / QK, BS]`` (a view when unpadded)."""
@@ -233,7 +245,12 @@ class QuantizedWeight:
     def from_bytes(cls, data: "np.ndarray | torch.Tensor", qtype: "GGMLQuantizationType | str | int",
                    shape: tuple[int, int]) -> "QuantizedWeight":
         """From a GGUF tensor's bytes (numpy or torch, any shape holding ``N * K / QK * BS``
-        uint8 values in file order), copied into a new contiguous CPU tensor if numpy."""
+        uint8 values in file order: the file's layout, :meth:`with_stride` pads), copied into a new
+        contiguous CPU tensor if numpy.
+
+        Raises:
+            ValueError: ``K`` not a multiple of the block size, or not ``N * K / QK * BS`` bytes.
+        """
         qt = as_qtype(qtype)
         n, k = (int(v) for v in shape)
         qk, bs = GGML_QUANT_SIZES[qt]
@@ -241,6 +258,9 @@ class QuantizedWeight:
             data = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))
         if k % qk:
             raise ValueError(f"{qt.name} weight [{n}, {k}]: K must be a multiple of {qk}")
+        if data.numel() != n * (k // qk) * bs:
+            raise ValueError(f"{qt.name} weight [{n}, {k}] needs {n * (k // qk) * bs} bytes (the file's layout), "
+                             f"got {data.numel()}")
         return cls(data.reshape(n, k // qk * bs).contiguous(), qt, (n, k))
 
     @classmethod
