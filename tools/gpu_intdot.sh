@@ -24,7 +24,8 @@
 # SETS: space-separated settings (default "generic default all"): generic (DFLASH_QUANT_INT_DOTS=0),
 # default (nothing set), unfused (DFLASH_QUANT_FUSED_SUM=0), unpadded (Q6_K in the file's 210-byte
 # super-blocks: DFLASH_QUANT_Q6K_STRIDE=210), pad212 / pad216 / pad224 (that stride), q6k (Q4_K,Q6_K),
-# q6k-unpadded (Q4_K,Q6_K at 210), all (every integer type:
+# q6k-unpadded (Q4_K,Q6_K at 210), mma2 / q6k-mma2 (the several-row integer kernels at 2 pipeline
+# stages: DFLASH_QUANT_MMA_STAGES=2; without / with Q6_K on them), all (every integer type:
 # Q4_K,Q5_K,Q6_K,Q4_0,Q4_1,Q8_0), or a DFLASH_QUANT_INT_DOTS value; SETS_<type> (e.g. SETS_Q8_0) for one file type.
 # PROFILE_SET: DFLASH_QUANT_INT_DOTS of the profile (default unset). TESTS_K: a pytest -k filter of the
 # tests of `start`; PROBE_S: the probe's time limit (default 200 s; DP4A_QUICK=1 for its default launches). The machine keeps /tmp while warm, so `decode` follows `start`.
@@ -85,6 +86,8 @@ decode() {
         unpadded) envs="DFLASH_QUANT_Q6K_STRIDE=210" ;;
         pad212|pad216|pad224) envs="DFLASH_QUANT_Q6K_STRIDE=${s#pad}" ;;
         q6k-unpadded) envs="DFLASH_QUANT_INT_DOTS=Q4_K,Q6_K DFLASH_QUANT_Q6K_STRIDE=210" ;;
+        mma2) envs="DFLASH_QUANT_MMA_STAGES=2" ;;
+        q6k-mma2) envs="DFLASH_QUANT_INT_DOTS=Q4_K,Q6_K DFLASH_QUANT_MMA_STAGES=2" ;;
         unfused) envs="DFLASH_QUANT_FUSED_SUM=0" ;;
         q6k) envs="DFLASH_QUANT_INT_DOTS=Q4_K,Q6_K" ;;
         all) envs="DFLASH_QUANT_INT_DOTS=$ALL" ;;
