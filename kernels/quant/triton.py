@@ -264,8 +264,10 @@ def int_dot_types(value: str | None) -> tuple[str, ...]:
 INT_DOTS = int_dot_types(os.environ.get("DFLASH_QUANT_INT_DOTS"))
 
 #: The generic kernel reads a padded Q6_K's codes (``kernels.quant.weight``) as whole words
-#: (``DFLASH_QUANT_Q6K_WORDS=1``); default off: on an H200 it made the 9B Q4_K_M step slower
-#: (4.31 -> 4.74 ms), the 16-bit halves stay.
+#: (``DFLASH_QUANT_Q6K_WORDS=1``); default off, the 16-bit halves (which the compiler merges into
+#: 8-byte loads). On an H200 at three pipeline stages both reads of padded blocks gave the 9B
+#: Q4_K_M step 4.73-4.74 ms against 4.29-4.31 unpadded (``benchmarks/gpu/quant/run11`` calls 2 and 4:
+#: the stages, :data:`PADDED_STAGES`); the word reads at one stage are not measured.
 Q6_WORDS = tl.constexpr(os.environ.get("DFLASH_QUANT_Q6K_WORDS", "") == "1")
 
 
