@@ -28,7 +28,7 @@
 # stages: DFLASH_QUANT_MMA_STAGES=2; without / with Q6_K on them), all (every integer type:
 # Q4_K,Q5_K,Q6_K,Q4_0,Q4_1,Q8_0), or a DFLASH_QUANT_INT_DOTS value; SETS_<type> (e.g. SETS_Q8_0) for one file type.
 # PROFILE_SET: DFLASH_QUANT_INT_DOTS of the profile (default unset). TESTS_K: a pytest -k filter of the
-# tests of `start`; PROBE_S: the probe's time limit (default 200 s; DP4A_QUICK=1 for its default launches). The machine keeps /tmp while warm, so `decode` follows `start`.
+# tests of `start` (TESTS_S: their time limit, default 330 s: they share the machine with the prep's build); PROBE_S: the probe's time limit (default 200 s; DP4A_QUICK=1 for its default launches). The machine keeps /tmp while warm, so `decode` follows `start`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; M=/tmp/models; Q=/tmp/quant; mkdir -p "$OUT" "$M" "$Q/res"
@@ -63,7 +63,7 @@ start() {
   else
     prep "${QUANTS:-Q4_K_M Q8_0}"
   fi
-  DFLASH_QUANT_INT_DOTS=$ALL timeout 330 python3 -m pytest -q -p no:cacheprovider tests/test_quant_kernels.py \
+  DFLASH_QUANT_INT_DOTS=$ALL timeout ${TESTS_S:-330} python3 -m pytest -q -p no:cacheprovider tests/test_quant_kernels.py \
     tests/test_quant_weights.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -30 > "$OUT/intdot-tests.txt"
   tail -5 "$OUT/intdot-tests.txt"
   timeout ${PROBE_S:-200} python3 tools/quant_dp4a_probe.py --out "$OUT/probe.json" > "$OUT/probe.txt" 2>&1
