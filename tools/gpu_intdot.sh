@@ -16,6 +16,8 @@
 #   SYNTH_Q4K=1 bash tools/gpu_intdot.sh start   # the same, but the 9B written by fixtures.synth --dtype q4_k
 #                                     # instead of llama.cpp's build and llama-quantize (minutes sooner; no
 #                                     # Q6_K, no llama.cpp figure): then QUANTS=SYNTH_Q4_K ... decode
+#   PROBE_SETS="default;DFLASH_QUANT_MMA_STAGES=2" bash tools/gpu_intdot.sh probe   # the probe per setting
+#                                     # (no model, no prep: a fresh machine's first call can be this)
 #   bash tools/gpu_intdot.sh decode   # per file of $QUANTS (default Q4_K_M): bench.gpu engine --quick
 #                                     # --weights quantized with DFLASH_QUANT_INT_DOTS per $SETS, then
 #                                     # llama-bench on the file; tools/verify_profile.py (1x1, 1x16) with the
@@ -113,6 +115,23 @@ decode() {
   (cd "$OUT" && tar czf intdot.tgz --exclude intdot.tgz ./*.txt ./*.json 2>/dev/null)
 }
 
+probe() {
+  # the dp4a / several-row probe (tools/quant_dp4a_probe.py, no model) once per setting of PROBE_SETS
+  # (';'-separated environments, e.g. "default;DFLASH_QUANT_Q6K_STRIDE=210;DFLASH_QUANT_MMA_STAGES=2";
+  # "default": nothing set), in that order -> $OUT/probe-set<i>.{txt,json}; DP4A_TYPES / DP4A_QUICK
+  # / DP4A_MMA16 as the probe reads them; PROBE_S: each one's time limit (default 120 s)
+  local i=0 envs
+  IFS=';' read -r -a sets <<< "${PROBE_SETS:-}"
+  [ ${#sets[@]} -gt 0 ] || sets=("")
+  for envs in "${sets[@]}"; do
+    i=$((i + 1))
+    [ "$envs" = default ] && envs=""
+    # shellcheck disable=SC2086
+    env $envs timeout ${PROBE_S:-120} python3 tools/quant_dp4a_probe.py --out "$OUT/probe-set$i.json" > "$OUT/probe-set$i.txt" 2>&1
+    echo "== probe set $i: ${envs:-defaults}"; grep "^| [QS]" "$OUT/probe-set$i.txt" || tail -3 "$OUT/probe-set$i.txt"
+  done
+}
+
 q6k() {
   # the several-row Q6_K kernel's BLOCK_N x warps at M = 16 (DP4A_MMA16), the best one taken for the
   # 9B decode with Q6_K on the integer kernels (DFLASH_QUANT_MMA_LAUNCH) beside the default set
@@ -144,5 +163,6 @@ case "${1:-}" in
   start) start ;;
   q6k) q6k ;;
   decode) decode ;;
-  *) echo "usage: $0 start|decode|q6k" >&2; exit 2 ;;
+  probe) probe ;;
+  *) echo "usage: $0 start|decode|q6k|probe" >&2; exit 2 ;;
 esac
