@@ -16,7 +16,7 @@
 #   SYNTH_Q4K=1 bash tools/gpu_intdot.sh start   # the same, but the 9B written by fixtures.synth --dtype q4_k
 #                                     # instead of llama.cpp's build and llama-quantize (minutes sooner; no
 #                                     # Q6_K, no llama.cpp figure): then QUANTS=SYNTH_Q4_K ... decode
-#   PROBE_SETS="default;DFLASH_QUANT_MMA_STAGES=2" bash tools/gpu_intdot.sh probe   # the probe per setting
+#   PROBE_SETS="default mma2 unpadded" bash tools/gpu_intdot.sh probe   # the probe per set (names as SETS)
 #                                     # (no model, no prep: a fresh machine's first call can be this)
 #   bash tools/gpu_intdot.sh decode   # per file of $QUANTS (default Q4_K_M): bench.gpu engine --quick
 #                                     # --weights quantized with DFLASH_QUANT_INT_DOTS per $SETS, then
@@ -30,7 +30,7 @@
 # stages: DFLASH_QUANT_MMA_STAGES=2; without / with Q6_K on them), all (every integer type:
 # Q4_K,Q5_K,Q6_K,Q4_0,Q4_1,Q8_0), or a DFLASH_QUANT_INT_DOTS value; SETS_<type> (e.g. SETS_Q8_0) for one file type.
 # PROFILE_SET: DFLASH_QUANT_INT_DOTS of the profile (default unset). TESTS_K: a pytest -k filter of the
-# tests of `start` (TESTS_S: their time limit, default 330 s: they share the machine with the prep's build); PROBE_S: the probe's time limit (default 200 s; DP4A_QUICK=1 for its default launches). The machine keeps /tmp while warm, so `decode` follows `start`.
+# tests of `start` (TESTS_S: their time limit, default 330 s: they share the machine with the prep's build); PROBE_S: the probe's time limit (start: default 200 s, probe: 120 s, q6k: 240 s; DP4A_QUICK=1 for its default launches). The machine keeps /tmp while warm, so `decode` follows `start`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; M=/tmp/models; Q=/tmp/quant; mkdir -p "$OUT" "$M" "$Q/res"
@@ -65,8 +65,9 @@ start() {
   else
     prep "${QUANTS:-Q4_K_M Q8_0}"
   fi
-  DFLASH_QUANT_INT_DOTS=$ALL timeout ${TESTS_S:-330} python3 -m pytest -q -p no:cacheprovider tests/test_quant_kernels.py \
+  DFLASH_QUANT_INT_DOTS=$ALL timeout -s INT ${TESTS_S:-330} python3 -m pytest -q -p no:cacheprovider tests/test_quant_kernels.py \
     tests/test_quant_weights.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -30 > "$OUT/intdot-tests.txt"
+  echo "pytest rc=${PIPESTATUS[0]} (124: cut at ${TESTS_S:-330} s)" >> "$OUT/intdot-tests.txt"
   tail -5 "$OUT/intdot-tests.txt"
   timeout ${PROBE_S:-200} python3 tools/quant_dp4a_probe.py --out "$OUT/probe.json" > "$OUT/probe.txt" 2>&1
   tail -40 "$OUT/probe.txt"
@@ -81,22 +82,8 @@ decode() {
     [ -e $M/q35-9b-$T.done ] || { echo "no $F: $(tail -3 $Q/prep.log $Q/synth-q4k.log 2>/dev/null)"; continue; }
     local v=SETS_$T
     for s in ${!v:-${SETS:-generic default all}}; do
-      tag=$T-$s
-      case $s in                          # the environment of each set
-        generic) envs="DFLASH_QUANT_INT_DOTS=0" ;;
-        default) envs="" ;;
-        unpadded) envs="DFLASH_QUANT_Q6K_STRIDE=210" ;;
-        pad212|pad216|pad224) envs="DFLASH_QUANT_Q6K_STRIDE=${s#pad}" ;;
-        q6k-unpadded) envs="DFLASH_QUANT_INT_DOTS=Q4_K,Q6_K DFLASH_QUANT_Q6K_STRIDE=210" ;;
-        mma2) envs="DFLASH_QUANT_MMA_STAGES=2" ;;
-        q6k-mma2) envs="DFLASH_QUANT_INT_DOTS=Q4_K,Q6_K DFLASH_QUANT_MMA_STAGES=2" ;;
-        unfused) envs="DFLASH_QUANT_FUSED_SUM=0" ;;
-        q6k) envs="DFLASH_QUANT_INT_DOTS=Q4_K,Q6_K" ;;
-        all) envs="DFLASH_QUANT_INT_DOTS=$ALL" ;;
-        tuned) envs="DFLASH_QUANT_MMA_LAUNCH=${TUNED:?}" ;;
-        q6k-tuned) envs="DFLASH_QUANT_INT_DOTS=Q4_K,Q6_K DFLASH_QUANT_MMA_LAUNCH=${TUNED:?}" ;;
-        *) envs="DFLASH_QUANT_INT_DOTS=$s"; tag=$T-${s//,/-} ;;
-      esac
+      tag=$T-${s//,/-}
+      envs=$(set_env "$s") || { echo "unknown set $s: skipped" | tee -a "$OUT/decode-errors.txt"; continue; }
       # shellcheck disable=SC2086
       env $envs timeout 200 python3 -m bench.gpu engine --quick --reps 3 --weights quantized --model $F \
         --name "q35-9b-$tag" --out "$OUT/decode-$tag.json" > "$OUT/decode-$tag.txt" 2>&1
@@ -115,20 +102,43 @@ decode() {
   (cd "$OUT" && tar czf intdot.tgz --exclude intdot.tgz ./*.txt ./*.json 2>/dev/null)
 }
 
+set_env() {
+  # the environment assignments of set $1 (see SETS above); status 1 for a name it does not know
+  # (a DFLASH_QUANT_INT_DOTS value must be 0, 1 or a list of the integer types)
+  case $1 in
+    generic) echo "DFLASH_QUANT_INT_DOTS=0" ;;
+    default) echo "" ;;
+    unpadded) echo "DFLASH_QUANT_Q6K_STRIDE=210" ;;
+    pad212|pad216|pad224) echo "DFLASH_QUANT_Q6K_STRIDE=${1#pad}" ;;
+    q6k-unpadded) echo "DFLASH_QUANT_INT_DOTS=Q4_K,Q6_K DFLASH_QUANT_Q6K_STRIDE=210" ;;
+    mma2) echo "DFLASH_QUANT_MMA_STAGES=2" ;;
+    q6k-mma2) echo "DFLASH_QUANT_INT_DOTS=Q4_K,Q6_K DFLASH_QUANT_MMA_STAGES=2" ;;
+    unfused) echo "DFLASH_QUANT_FUSED_SUM=0" ;;
+    q6k) echo "DFLASH_QUANT_INT_DOTS=Q4_K,Q6_K" ;;
+    all) echo "DFLASH_QUANT_INT_DOTS=$ALL" ;;
+    tuned) echo "DFLASH_QUANT_MMA_LAUNCH=${TUNED:?}" ;;
+    q6k-tuned) echo "DFLASH_QUANT_INT_DOTS=Q4_K,Q6_K DFLASH_QUANT_MMA_LAUNCH=${TUNED:?}" ;;
+    0|1) echo "DFLASH_QUANT_INT_DOTS=$1" ;;
+    *)
+      local t
+      for t in ${1//,/ }; do case ",$ALL," in *",$t,"*) ;; *) return 1 ;; esac; done
+      echo "DFLASH_QUANT_INT_DOTS=$1" ;;
+  esac
+}
+
 probe() {
   # the dp4a / several-row probe (tools/quant_dp4a_probe.py, no model) once per setting of PROBE_SETS
-  # (';'-separated environments, e.g. "default;DFLASH_QUANT_Q6K_STRIDE=210;DFLASH_QUANT_MMA_STAGES=2";
-  # "default": nothing set), in that order -> $OUT/probe-set<i>.{txt,json}; DP4A_TYPES / DP4A_QUICK
-  # / DP4A_MMA16 as the probe reads them; PROBE_S: each one's time limit (default 120 s)
-  local i=0 envs
-  IFS=';' read -r -a sets <<< "${PROBE_SETS:-}"
-  [ ${#sets[@]} -gt 0 ] || sets=("")
-  for envs in "${sets[@]}"; do
+  # (space-separated set names as SETS takes them, e.g. "default unpadded mma2"; the probe forces the
+  # generic kernel's baseline itself, so the INT_DOTS sets change nothing there), in that order ->
+  # $OUT/probe-set<i>.{txt,json}; DP4A_TYPES / DP4A_QUICK / DP4A_MMA16 as the probe reads them;
+  # PROBE_S: each one's time limit (default 120 s)
+  local i=0 envs s
+  for s in ${PROBE_SETS:-default}; do
     i=$((i + 1))
-    [ "$envs" = default ] && envs=""
+    envs=$(set_env "$s") || { echo "unknown set $s: skipped"; continue; }
     # shellcheck disable=SC2086
     env $envs timeout ${PROBE_S:-120} python3 tools/quant_dp4a_probe.py --out "$OUT/probe-set$i.json" > "$OUT/probe-set$i.txt" 2>&1
-    echo "== probe set $i: ${envs:-defaults}"; grep "^| [QS]" "$OUT/probe-set$i.txt" || tail -3 "$OUT/probe-set$i.txt"
+    echo "== probe set $i: $s (${envs:-defaults})"; grep "^| [QS]" "$OUT/probe-set$i.txt" || tail -3 "$OUT/probe-set$i.txt"
   done
 }
 

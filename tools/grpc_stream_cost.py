@@ -22,7 +22,7 @@ alternative of gRPC's asyncio server, with nothing else in the process:
 * the clients in another process (``grpc.aio``, one event loop), so their CPU is not counted.
 
 Reported per server: the server process's CPU seconds (``time.process_time``: every thread,
-gRPC's own included) over the steady window (from every stream's first message to the producer's
+gRPC's own included) over the steady window (from the moment every stream is open to the producer's
 last event) divided by the messages the handlers yielded in it (``us/message``) and by the events
 handed to them (``us/event``: below ``us/message`` where a stream fell behind and sent several
 events as one message), in microseconds; the events per second; and the wall time. Each server runs ``--repeats`` times, alternating. Figures are of this machine (a
@@ -60,8 +60,12 @@ def _producer(streams: int, messages: int, tick_s: float, every: int, put_tick, 
               marks: dict, yielded: list) -> None:
     """The scheduler's stand-in: once every stream is open, ``messages`` ticks; each hands one
     event to every ``every``-th stream (rotating), then a final ``None`` to every stream.
-    ``yielded``: the servers' count of messages sent (``[n]``), read at both ends of the window."""
-    ready.wait()
+    ``yielded``: the servers' count of messages sent (``[n]``), read at both ends of the window.
+    If the streams do not all open within a minute (a client died), ``marks["error"]`` says so
+    and no tick runs."""
+    if not ready.wait(60):
+        marks["error"] = "the clients did not open every stream within 60 s"
+        return
     marks["t0"], marks["cpu0"], marks["y0"] = time.monotonic(), time.process_time(), yielded[0]
     sent = 0
     for tick in range(messages * every):
@@ -83,7 +87,12 @@ def _serve_sync(port_q, args) -> None:
     opened = threading.Event()
     lock = threading.Lock()
     marks: dict = {}
-    yielded = [0]   # (+= from many threads: a count, not exact under races; the aio server's is)
+    yielded = [0]   # (the handler threads count under count_lock)
+    count_lock = threading.Lock()
+
+    def count():
+        with count_lock:
+            yielded[0] += 1
 
     def stream(request, context):
         sid = int.from_bytes(request, "little")
@@ -99,12 +108,12 @@ def _serve_sync(port_q, args) -> None:
             try:   # the events queued behind it go out in the same message (the orchestrator's rule)
                 while True:
                     if q.get_nowait() is None:
-                        yielded[0] += 1
+                        count()
                         yield payload
                         return
             except queue.Empty:
                 pass
-            yielded[0] += 1
+            count()
             yield payload
 
     def put_tick(targets, ev):
@@ -205,18 +214,34 @@ def _clients(port: int, streams: int, out_q) -> None:
 
 
 def run_one(kind: str, args) -> dict:
-    """One server of ``kind`` (``sync`` / ``aio``) with ``args.streams`` clients; its figures."""
+    """One server of ``kind`` (``sync`` / ``aio``) with ``args.streams`` clients; its figures.
+
+    Raises:
+        RuntimeError: the server or the clients failed or stalled (both processes are stopped:
+            they are daemons, terminated on the way out)."""
     ctx = mp.get_context("spawn")
     port_q, out_q = ctx.Queue(), ctx.Queue()
-    server = ctx.Process(target=_serve_sync if kind == "sync" else _serve_aio, args=(port_q, args))
-    server.start()
-    port = port_q.get(timeout=60)
-    client = ctx.Process(target=_clients, args=(port, args.streams, out_q))
-    client.start()
-    marks = port_q.get(timeout=600)
-    received = out_q.get(timeout=120)
-    client.join(30)
-    server.join(30)
+    server = ctx.Process(target=_serve_sync if kind == "sync" else _serve_aio, args=(port_q, args), daemon=True)
+    client = None
+    limit = 120 + 2 * args.messages * args.every * args.tick_ms / 1000   # the ticks' own time, twice, and two minutes
+    try:
+        server.start()
+        port = port_q.get(timeout=60)
+        client = ctx.Process(target=_clients, args=(port, args.streams, out_q), daemon=True)
+        client.start()
+        marks = port_q.get(timeout=limit)
+        if "error" in marks:
+            raise RuntimeError(f"{kind}: {marks['error']}")
+        received = out_q.get(timeout=120)
+        client.join(30)
+        server.join(30)
+    except queue.Empty:
+        raise RuntimeError(f"{kind}: the server or its clients stalled (no figures within {limit:.0f} s)") from None
+    finally:
+        for proc in (client, server):
+            if proc is not None and proc.is_alive():
+                proc.terminate()
+                proc.join(10)
     wall = marks["t1"] - marks["t0"]
     cpu = marks["cpu1"] - marks["cpu0"]
     msgs = marks["y1"] - marks["y0"]
