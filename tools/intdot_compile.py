@@ -40,7 +40,7 @@ def _cases() -> list[tuple[str, object, dict, dict, int]]:
         tag = "" if stride == 210 else f"@{stride}"
         out.append((f"dp4a Q6_K{tag}", I._q6k_dp4a_kernel, {**sig, **one},
                     dict(BLOCK_N=16, SPLIT_K=8, EMULATE=False, FUSED=True, STRIDE=stride), 1))
-        out.append((f"mma Q6_K{tag}", I._q6k_mma_kernel, {**sig, **many},
+        out.append((f"mma Q6_K{tag}", I._q6k_mma_kernel, {**_X, "w_ptr": "*u8", **_Y, **many},
                     dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=8, FUSED=True, STRIDE=stride), 2))
     sig = {**_X, "xs_ptr": "*fp32", "hs_ptr": "*i32", "ls_ptr": "*i32", "w_ptr": "*u8", **_Y}
     for name, bs in (("Q4_0", 18), ("Q4_1", 20), ("Q8_0", 34)):

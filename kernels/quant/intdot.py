@@ -649,13 +649,13 @@ def _q6k_dp4a_kernel(h_ptr, l_ptr, s_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, part_ptr
 
 
 @triton.jit
-def _q6k_mma_kernel(h_ptr, l_ptr, s_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, swn,
+def _q6k_mma_kernel(h_ptr, l_ptr, s_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, swn,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, FUSED: tl.constexpr = False,
                     STRIDE: tl.constexpr = 210):
     """As :func:`_q4k_mma_kernel` for a Q6_K weight: each run of 32 codes, less their offset of 32
     (signed int8 -32..31), as int8 tensor-core dots, one per 16-element group (``x``'s rows of the
     other group zeroed): exactly :func:`_q6k_dp4a_kernel`'s ``dot - 32 * sum`` per group and plane
-    (``hs_ptr``, ``ls_ptr`` unread here), then its group terms in the same order."""
+    (no half-group sums needed), then its group terms in the same order."""
     rn, row, b0, nb = _program(w_ptr, N, K, swn, BLOCK_N, SPLIT_K)
     rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     i32 = tl.arange(0, 32)
@@ -842,8 +842,8 @@ def linear(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, split_k: 
                          f"strides {x2.stride()} and y {tuple(y.shape)}")
     p = planes if planes is not None else split_x(x2)
     data = weight.data
-    q6_stride = weight.block_stride if q6 else 210   # a padded Q6_K's (kernels.quant.weight): word loads
-    if q6_stride != 210 and data.data_ptr() % 4:
+    stride = weight.block_stride   # bytes per stored block (a padded Q6_K's: kernels.quant.weight)
+    if q6 and stride != 210 and data.data_ptr() % 4:
         raise ValueError("a padded Q6_K weight's bytes must start on a 4-byte boundary")
     emulate = x2.device.type != "cuda"
     one_row = (m == 1) if mma is None else not mma
@@ -861,11 +861,11 @@ def linear(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, split_k: 
         grid = (triton.cdiv(n, bn), split)
         if legacy:
             _legacy_dp4a_kernel[grid](*xs, p.xsum, p.hsum, p.lsum, data, y, part, cnt, n, k, data.stride(0),
-                                      QT=_LEGACY_CODE[name], BS=data.shape[1] * 32 // k, BLOCK_N=bn, SPLIT_K=split,
+                                      QT=_LEGACY_CODE[name], BS=stride, BLOCK_N=bn, SPLIT_K=split,
                                       EMULATE=emulate, FUSED=fused, num_warps=num_warps or 1)
         elif q6:
             _q6k_dp4a_kernel[grid](*xs, p.hsum, p.lsum, data, y, part, cnt, n, k, data.stride(0), BLOCK_N=bn,
-                                   SPLIT_K=split, EMULATE=emulate, FUSED=fused, STRIDE=q6_stride,
+                                   SPLIT_K=split, EMULATE=emulate, FUSED=fused, STRIDE=stride,
                                    num_warps=num_warps or 1)
         else:
             _q4k_dp4a_kernel[grid](*xs, p.xsum, data, y, part, cnt, n, k, data.stride(0), BLOCK_N=bn,
@@ -875,11 +875,11 @@ def linear(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, split_k: 
         stages = {} if MMA_STAGES is None else {"num_stages": MMA_STAGES}
         if legacy:
             _legacy_mma_kernel[grid](*xs, p.xsum, p.hsum, p.lsum, data, y, part, cnt, m, n, k, data.stride(0),
-                                     QT=_LEGACY_CODE[name], BS=data.shape[1] * 32 // k, BLOCK_M=MMA_ROWS, BLOCK_N=bn,
+                                     QT=_LEGACY_CODE[name], BS=stride, BLOCK_M=MMA_ROWS, BLOCK_N=bn,
                                      SPLIT_K=split, FUSED=fused, num_warps=num_warps or warps_mma, **stages)
         elif q6:
-            _q6k_mma_kernel[grid](*xs, p.hsum, p.lsum, data, y, part, cnt, m, n, k, data.stride(0), BLOCK_M=MMA_ROWS,
-                                  BLOCK_N=bn, SPLIT_K=split, FUSED=fused, STRIDE=q6_stride,
+            _q6k_mma_kernel[grid](*xs, data, y, part, cnt, m, n, k, data.stride(0), BLOCK_M=MMA_ROWS,
+                                  BLOCK_N=bn, SPLIT_K=split, FUSED=fused, STRIDE=stride,
                                   num_warps=num_warps or warps_mma, **stages)
         else:
             _q4k_mma_kernel[grid](*xs, p.xsum, data, y, part, cnt, m, n, k, data.stride(0), BLOCK_M=MMA_ROWS,

@@ -55,13 +55,27 @@ def _store_split(acc, y_ptr, part_ptr, cnt_ptr, offs, mask, tile, MN, SPLIT_K: t
         tl.debug_barrier()
         done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if done == SPLIT_K - 1:
-            p = part_ptr + offs
-            tot = tl.load(p, mask=mask, other=0.0, cache_modifier=".cg")
-            for _ in tl.static_range(1, SPLIT_K):
-                p += MN                       # (pointer steps: no int32 product s * MN to overflow)
-                tot += tl.load(p, mask=mask, other=0.0, cache_modifier=".cg")
+            tot = _sum_partials(part_ptr + offs, mask, MN, SPLIT_K, True)
             tl.store(y_ptr + offs, tot.to(y_ptr.dtype.element_ty), mask=mask)
             tl.store(cnt_ptr + tile, 0)
+
+
+@triton.jit
+def _sum_partials(p, mask, MN, SPLIT_K: tl.constexpr, L2: tl.constexpr):
+    """``p[0] + p[MN] + ... + p[(SPLIT_K - 1) * MN]`` in that order (float32; masked-off lanes 0):
+    the one summation of the split's partials, so the separate kernel and the in-kernel sum give
+    the same bits. ``L2``: loads through L2 only (``.cg``: partials other programs just wrote)."""
+    if L2:
+        tot = tl.load(p, mask=mask, other=0.0, cache_modifier=".cg")
+    else:
+        tot = tl.load(p, mask=mask, other=0.0)
+    for _ in tl.static_range(1, SPLIT_K):
+        p += MN                               # (pointer steps: no int32 product s * MN to overflow)
+        if L2:
+            tot += tl.load(p, mask=mask, other=0.0, cache_modifier=".cg")
+        else:
+            tot += tl.load(p, mask=mask, other=0.0)
+    return tot
 
 
 @triton.jit
@@ -70,9 +84,5 @@ def _split_sum_kernel(p_ptr, y_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constex
     once to ``y``'s dtype: the partial sums ``[SPLIT_K, M * N]`` of a split-``K`` launch."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < MN
-    p = p_ptr + i
-    acc = tl.load(p, mask=mask, other=0.0)
-    for _ in tl.static_range(1, SPLIT_K):
-        p += MN                               # (pointer steps: no int32 product s * MN to overflow)
-        acc += tl.load(p, mask=mask, other=0.0)
+    acc = _sum_partials(p_ptr + i, mask, MN, SPLIT_K, False)
     tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=mask)

@@ -217,10 +217,9 @@ class QuantizedWeight:
         if stride == self.block_stride:
             return self
         n, k = self.shape
-        blocks = self.data.reshape(n, k // self.block_elems, self.block_stride)[..., :bs]
         nb = k // self.block_elems
         out = torch.zeros(n, nb, stride, dtype=torch.uint8, device=self.device)
-        out[..., :bs] = blocks
+        out[..., :bs] = self.blocks()
         return QuantizedWeight(out.reshape(n, nb * stride), self.qtype, self.shape)
 
     def blocks(self) -> torch.Tensor:
@@ -346,13 +345,13 @@ def pack_rows(parts) -> "torch.Tensor | QuantizedWeight | PackedWeight":
     flat = []
     for p in parts:
         flat.extend(p.parts if isinstance(p, PackedWeight) else [p])
+    def kind(w):   # parts of one type and block stride join into one byte tensor
+        return (w.qtype, w.block_stride) if isinstance(w, QuantizedWeight) else None
+
     groups: list[list] = []
     for p in flat:
         if not isinstance(p, (torch.Tensor, QuantizedWeight)):
             raise ValueError(f"cannot pack a {type(p).__name__}")
-        def kind(w):   # parts of one type and block stride join into one byte tensor
-            return (w.qtype, w.block_stride) if isinstance(w, QuantizedWeight) else None
-
         if groups and kind(groups[-1][0]) == kind(p):
             groups[-1].append(p)
         else:
