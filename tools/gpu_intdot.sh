@@ -71,7 +71,7 @@ start() {
   tail -5 "$OUT/intdot-tests.txt"
   timeout ${PROBE_S:-200} python3 tools/quant_dp4a_probe.py --out "$OUT/probe.json" > "$OUT/probe.txt" 2>&1
   tail -40 "$OUT/probe.txt"
-  tail -5 $Q/prep.log $Q/synth-q4k.log 2>/dev/null
+  tail -5 $Q/prep.log $Q/synth-q4k.log 2>/dev/null || true   # (synth-q4k.log only with SYNTH_Q4K)
 }
 
 decode() {
@@ -81,8 +81,11 @@ decode() {
     for _ in $(seq 1 60); do [ -e $M/q35-9b-$T.done ] && break; sleep 5; done
     [ -e $M/q35-9b-$T.done ] || { echo "no $F: $(tail -3 $Q/prep.log $Q/synth-q4k.log 2>/dev/null)"; continue; }
     local v=SETS_$T
+    local -A seen=()
     for s in ${!v:-${SETS:-generic default all}}; do
       tag=$T-${s//,/-}
+      seen[$s]=$(( ${seen[$s]:-0} + 1 ))
+      [ "${seen[$s]}" -gt 1 ] && tag=$tag-${seen[$s]}   # a set named again: its own files (default, default-2)
       envs=$(set_env "$s") || { echo "unknown set $s: skipped" | tee -a "$OUT/decode-errors.txt"; continue; }
       # shellcheck disable=SC2086
       env $envs timeout 200 python3 -m bench.gpu engine --quick --reps 3 --weights quantized --model $F \
