@@ -84,6 +84,10 @@ class OrchestratorConfig:
     draft: str | None = setting(None, "draft service address host:port (omit: autoregressive only)")
     local_hop: bool = setting(True, "reach the target and draft services over their Unix socket when they offer one on "
                                     "this host (docs/ARCHITECTURE.md, 'The same-host hop'); off: gRPC always")
+    grpc_server: str = setting(
+        "aio", "the public gRPC server: aio (gRPC's asyncio server, each Generate stream a coroutine: about half the "
+        "host time per streamed message) or threads (a thread per stream; docs/ARCHITECTURE.md, 'Serving many "
+        "sessions')", choices=("aio", "threads"))
     model: str | None = setting(None, "target GGUF, read for its tokenizer and chat template (default: the default model)")
     host: str = setting(DEFAULT_HOST, "interface to listen on")
     port: int = setting(ORCHESTRATOR_PORT, "port to listen on (0 picks a free one)")

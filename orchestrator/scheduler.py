@@ -62,7 +62,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
-import queue
 import threading
 import time
 
@@ -74,6 +73,7 @@ from dflash_grpc.transport import reason_of
 from dflash_grpc.v1 import common_pb2, draft_pb2, generation_pb2, target_pb2
 from orchestrator import metrics
 from orchestrator.config import OrchestratorConfig
+from orchestrator.events import Events
 from orchestrator.messages import (CheckedTrees, ProposeItems, TreeChecker, join_rows, propose_results, verify_columns,
                                    verify_request)
 from orchestrator.peers import (DirectStreamCall, DraftDeadline, DraftPeer, ExchangeTimeout, LocalHopCall, StreamCall,
@@ -177,7 +177,7 @@ class Request:
     speculative: bool = True
     eos: frozenset = frozenset()
     stats: AcceptanceStats = dataclasses.field(default_factory=lambda: AcceptanceStats(requests=1))
-    events: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
+    events: Events = dataclasses.field(default_factory=Events)   # (its handler reads them: orchestrator.events)
     # runtime state, owned by the scheduler thread
     root: int = -1
     length: int = 0                 # L: committed rows on the target

@@ -35,6 +35,8 @@ log and ``draft_fallbacks`` counted).
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import math
 import queue
@@ -49,6 +51,7 @@ from dflash_grpc.v1 import common_pb2, draft_pb2, generation_pb2, generation_pb2
 from orchestrator import metrics
 from orchestrator.config import OrchestratorConfig
 from orchestrator.detok import TextStream
+from orchestrator.events import LoopWaker
 from orchestrator.peers import DraftPeer, TargetPeer, drafter_mismatch
 from orchestrator.scheduler import FINISH_CONTEXT, FINISH_EOS, Failure, Rejected, Request, Scheduler
 from orchestrator.stats import GlobalStats
@@ -240,7 +243,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         return req.max_tokens or self.default_max_tokens
 
     # ------------------------------------------------------------------ RPCs
-    def Generate(self, request, context):
+    def open(self, request: generation_pb2.GenerateRequest) -> "Responses":
+        """Check ``request`` (sizes before tokenizing), tokenize it and hand it to the scheduler.
+
+        The part of ``Generate`` before any message, shared by this servicer's ``Generate``, the
+        asyncio server's (:class:`AioGenerationServicer`, which runs it on a worker thread: it
+        tokenizes) and the HTTP front door through ``Generate``.
+
+        Returns:
+            the request's :class:`Responses` (its scheduler request: ``.req``).
+
+        Raises:
+            RequestError: the request is refused (counted in the requests metric): its status
+                code and reason.
+        """
         t0 = time.monotonic()
         try:
             self._check_size(request)             # before any tokenizing
@@ -250,24 +266,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             speculative, tree = self._plan(request)
         except RequestError as e:
             metrics.REQUESTS.labels(outcome=e.code.name).inc()
-            abort(context, e.code, str(e), str(e.reason))
+            raise
         rid = "".join(c for c in request.request_id if c.isalnum() or c in "-_.") or "req"
         req = Request(session_id=f"{rid}-{uuid.uuid4().hex[:12]}", prompt=prompt, sampling=request.sampling,
                       max_tokens=max_tokens, tree=tree, speculative=speculative,
                       eos=frozenset() if request.ignore_eos else frozenset(self.tokenizer.eos_token_ids))
-        stats = req.stats
-        stats.prompt_tokens = len(prompt)
+        req.stats.prompt_tokens = len(prompt)
         try:
             self.scheduler.submit(req)
         except Rejected as e:
             metrics.REQUESTS.labels(outcome=e.code.name).inc()
+            raise RequestError(e.code, str(e), e.reason) from None
+        return Responses(self, req, list(request.stop), t0)
+
+    def Generate(self, request, context):
+        try:
+            out = self.open(request)
+        except RequestError as e:
             abort(context, e.code, str(e), str(e.reason))
+        req = out.req
         # a client that goes away (cancel, deadline) frees the sessions on the next tick
         context.add_callback(lambda: self.scheduler.close(req, Failure(grpc.StatusCode.CANCELLED, "cancelled")))
-        text = TextStream(self.tokenizer.decode, list(request.stop))
-        stops = text.has_stops
-        finish = generation_pb2.FINISH_REASON_LENGTH
-        first = True
         events = req.events
         event = None   # taken from the queue and not handled yet
         note = getattr(self.scheduler, "note_message", None)   # (the CPU cost of each message, for its adaptive hold)
@@ -277,50 +296,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     event = events.get()
                 cpu = time.thread_time()
                 if isinstance(event, Failure):
-                    metrics.REQUESTS.labels(outcome=event.code.name).inc()
-                    if event.code == grpc.StatusCode.CANCELLED:
+                    if out.failed(event):
                         return
                     abort(context, event.code, event.message, str(event.reason))
-                # this event's tokens and those of every Tokens event queued behind it (ticks that
-                # came while the last message was being sent, or were held) go out as one message;
-                # with stop strings each is pushed through the text stream on its own, as if sent
-                # alone (a stop string ends the message there); without, all at once (one decode:
-                # the same text, TextStream)
-                deltas, ids, done = [], [], False
-                while True:
-                    stats.generated_tokens += len(event.tokens)
-                    if stops:
-                        deltas.append(text.push(event.tokens))
-                    ids += event.tokens
-                    if event.finish in _FINISH:
-                        finish = _FINISH[event.finish]
-                    if text.stopped:
-                        finish = generation_pb2.FINISH_REASON_STOP
-                    done = event.finish is not None or text.stopped
-                    event = None
-                    if done:
-                        break
-                    try:
-                        event = events.get_nowait()
-                    except queue.Empty:
-                        break
-                    if isinstance(event, Failure):
-                        break   # handled after this message
-                delta = "".join(deltas) if stops else text.push(ids)
-                if delta or ids or first:
-                    yield generation_pb2.GenerateResponse(text=delta, token_ids=ids, prompt_tokens=len(prompt) if first else 0)
-                    first = False
+                message, done, event = out.message(event)
+                if message is not None:
+                    yield message
                     if note is not None:   # (resumed by grpc once the message is sent: the send included)
                         note(time.thread_time() - cpu)
                 if done:
                     break
         finally:
             self.scheduler.close(req)
-        stats.wall_time_s = time.monotonic() - t0
-        self.stats.add(stats)
-        metrics.observe_request(stats)
-        tail = text.finish()
-        yield generation_pb2.GenerateResponse(text=tail, finished=True, finish_reason=finish, stats=stats.to_proto())
+        yield out.last()
 
     def GetStats(self, request, context):
         return self.stats.snapshot()
@@ -336,3 +324,190 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if info is not None:
             status.model.CopyFrom(info.model)
         return generation_pb2.ServiceInfo(target=self.target_info, drafter=status, version=VERSION, scheduler=self.scheduler.status())
+
+
+class Responses:
+    """The Generate messages of one request the scheduler took (:meth:`GenerationServicer.open`),
+    built from its events (``Tokens``, ``Failure``: :mod:`orchestrator.scheduler`) by whichever
+    handler streams them: a thread's (``GenerationServicer.Generate``) or a coroutine's
+    (:class:`AioGenerationServicer`).
+
+    Args:
+        servicer: the servicer that admitted the request (tokenizer, stats).
+        req: the scheduler's request.
+        stop: the request's stop strings.
+        t0: ``time.monotonic()`` when the request arrived (its wall time in the stats).
+    """
+
+    def __init__(self, servicer: GenerationServicer, req: Request, stop: list[str], t0: float):
+        self.servicer = servicer
+        self.req = req
+        self.text = TextStream(servicer.tokenizer.decode, stop)
+        self.t0 = t0
+        self.finish = generation_pb2.FINISH_REASON_LENGTH
+        self.first = True
+
+    def failed(self, event: Failure) -> bool:
+        """Count the request's ``Failure`` in the metrics; True when it is a cancellation (the
+        handler then returns quietly), False when the handler must end the call with the event's
+        status and reason."""
+        metrics.REQUESTS.labels(outcome=event.code.name).inc()
+        return event.code == grpc.StatusCode.CANCELLED
+
+    def message(self, event) -> tuple[generation_pb2.GenerateResponse | None, bool, object]:
+        """The message for ``event`` (``Tokens``) and every ``Tokens`` event queued behind it (ticks
+        that came while the last message was being sent, or were held).
+
+        With stop strings each event is pushed through the text stream on its own, as if sent
+        alone (a stop string ends the message there); without, all at once (one decode: the same
+        text, :class:`~orchestrator.detok.TextStream`).
+
+        Returns:
+            ``(message or None when there is nothing to send, whether the request is done, the
+            event taken from the queue and not handled yet: a ``Failure`` or None)``.
+        """
+        req, text = self.req, self.text
+        stats, stops, events = req.stats, text.has_stops, req.events
+        deltas, ids, done = [], [], False
+        while True:
+            stats.generated_tokens += len(event.tokens)
+            if stops:
+                deltas.append(text.push(event.tokens))
+            ids += event.tokens
+            if event.finish in _FINISH:
+                self.finish = _FINISH[event.finish]
+            if text.stopped:
+                self.finish = generation_pb2.FINISH_REASON_STOP
+            done = event.finish is not None or text.stopped
+            event = None
+            if done:
+                break
+            try:
+                event = events.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(event, Failure):
+                break   # handled after this message
+        delta = "".join(deltas) if stops else text.push(ids)
+        message = None
+        if delta or ids or self.first:
+            message = generation_pb2.GenerateResponse(text=delta, token_ids=ids,
+                                                      prompt_tokens=len(req.prompt) if self.first else 0)
+            self.first = False
+        return message, done, event
+
+    def last(self) -> generation_pb2.GenerateResponse:
+        """The request's last message (the text held back, the finish reason, its stats), once the
+        scheduler is done with it; its stats go into the servicer's and the metrics."""
+        stats = self.req.stats
+        stats.wall_time_s = time.monotonic() - self.t0
+        self.servicer.stats.add(stats)
+        metrics.observe_request(stats)
+        return generation_pb2.GenerateResponse(text=self.text.finish(), finished=True, finish_reason=self.finish,
+                                               stats=stats.to_proto())
+
+
+class AioGenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
+    """The GenerationService of a :class:`GenerationServicer` for gRPC's asyncio server
+    (:func:`dflash_grpc.serving.make_aio_server`; the orchestrator's default, ``--grpc-server aio``).
+
+    ``Generate`` is a coroutine on the server's event loop instead of a thread per stream: the
+    checks and tokenizing (:meth:`GenerationServicer.open`) run on a small pool of worker threads,
+    then the request's events are awaited (:meth:`orchestrator.events.Events.next`, woken once
+    per batch of the scheduler's hand-overs) and streamed. The same messages, statuses and stats as
+    the thread-per-stream server's ``Generate``; gRPC's asyncio send path costs about half the host
+    time per message (``tools/grpc_stream_cost.py``). The adaptive hold's message cost
+    (:meth:`Scheduler.note_message`) is the loop thread's CPU time per message sent, averaged over
+    :data:`METER_MESSAGES` messages.
+
+    Args:
+        servicer: the servicer whose checks, scheduler and stats it uses.
+        open_workers: threads that run :meth:`GenerationServicer.open` (tokenizing).
+    """
+
+    #: messages per measurement of the loop's CPU time per message
+    METER_MESSAGES = 32
+
+    def __init__(self, servicer: GenerationServicer, open_workers: int = 4):
+        self.servicer = servicer
+        self._pool = concurrent.futures.ThreadPoolExecutor(max(1, int(open_workers)), thread_name_prefix="generate-open")
+        self._waker: LoopWaker | None = None
+        self._note = getattr(servicer.scheduler, "note_message", None)
+        self._sent = 0
+        self._cpu0 = 0.0
+
+    def _waker_of(self, loop: asyncio.AbstractEventLoop) -> LoopWaker:
+        if self._waker is None or self._waker.loop is not loop:
+            self._waker = LoopWaker(loop)
+        return self._waker
+
+    def _meter(self) -> None:
+        """One message sent: every :data:`METER_MESSAGES`, the loop thread's CPU per message to the
+        scheduler's adaptive hold."""
+        if self._note is None:
+            return
+        if self._sent == 0:
+            self._cpu0 = time.thread_time()
+        self._sent += 1
+        if self._sent > self.METER_MESSAGES:
+            now = time.thread_time()
+            self._note((now - self._cpu0) / (self._sent - 1))
+            self._sent = 0
+
+    async def _open(self, request) -> Responses:
+        """:meth:`GenerationServicer.open` on a worker thread; a request admitted after its client
+        went away is closed at once (its sessions freed on the next tick)."""
+        svc = self.servicer
+        job = asyncio.get_running_loop().run_in_executor(self._pool, svc.open, request)
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            def close(done: asyncio.Future) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    svc.scheduler.close(done.result().req, Failure(grpc.StatusCode.CANCELLED, "cancelled"))
+
+            job.add_done_callback(close)
+            raise
+
+    async def Generate(self, request, context):
+        svc = self.servicer
+        waker = self._waker_of(asyncio.get_running_loop())
+        try:
+            out = await self._open(request)
+        except RequestError as e:
+            await abort(context, e.code, str(e), str(e.reason))
+            return
+        req = out.req
+        events = req.events
+        event = None   # taken from the queue and not handled yet
+        try:
+            while True:
+                if event is None:
+                    event = await events.next(waker)
+                if isinstance(event, Failure):
+                    if out.failed(event):
+                        return
+                    await abort(context, event.code, event.message, str(event.reason))
+                    return
+                message, done, event = out.message(event)
+                if message is not None:
+                    yield message
+                    self._meter()
+                if done:
+                    break
+        except (asyncio.CancelledError, GeneratorExit):   # the client went away (cancel, deadline)
+            metrics.REQUESTS.labels(outcome=grpc.StatusCode.CANCELLED.name).inc()
+            raise
+        finally:
+            svc.scheduler.close(req)
+        yield out.last()
+
+    async def GetStats(self, request, context):
+        return self.servicer.GetStats(request, context)
+
+    async def Info(self, request, context):
+        return self.servicer.Info(request, context)
+
+    def close(self) -> None:
+        """Stop the worker threads (once the server has stopped)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)

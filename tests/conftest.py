@@ -394,13 +394,15 @@ def draft_in_process(drafter_path: str, target_path: str, *, max_sessions: int, 
 @contextlib.contextmanager
 def orchestrator_in_process(model_path: str, target_port: int, draft_port: int | None = None, *, max_sessions: int,
                             max_queue: int = 64, max_tokens: int = 8, metadata=(), max_workers: int = 32,
-                            **scheduler_kw):
+                            server_kind: str = "threads", **scheduler_kw):
     """The orchestrator in this process, as ``python -m orchestrator`` builds it: ``TargetPeer`` and
     ``DraftPeer`` (their channels carry ``metadata``, e.g. the peers' token and the
     ``dflash-owner`` / ``dflash-owner-epoch`` pair; no other channel of the process does), a
     ``Scheduler`` (``max_sessions``, ``max_queue``, ``scheduler_kw``) and ``GenerationServicer``
-    with the GGUF tokenizer of ``model_path``, served by ``make_server`` on a free loopback port.
-    Yields ``(servicer, port)``; stops the scheduler (releasing what it holds) afterwards."""
+    with the GGUF tokenizer of ``model_path``, served by ``make_server`` on a free loopback port
+    (``server_kind="aio"``: by ``make_aio_server`` through ``AioGenerationServicer``, as
+    ``--grpc-server aio``). Yields ``(servicer, port)``; stops the scheduler (releasing what it
+    holds) afterwards."""
     from dflash_grpc import serving
     from dflash_grpc.v1 import generation_pb2_grpc
     from orchestrator.peers import DraftPeer, TargetPeer
@@ -419,16 +421,27 @@ def orchestrator_in_process(model_path: str, target_port: int, draft_port: int |
         sched = Scheduler(target, draft, max_sessions=max_sessions, max_queue=max_queue, **scheduler_kw)
         try:
             servicer = GenerationServicer(target, draft, GGUFTokenizer.from_gguf(model_path), max_tokens, None, sched)
+            aio = None
+            if server_kind == "aio":
+                from dflash_grpc.aio_serving import make_aio_server
+                from orchestrator.servicer import AioGenerationServicer
+
+                aio = AioGenerationServicer(servicer)
 
             def add(server):
-                generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+                generation_pb2_grpc.add_GenerationServiceServicer_to_server(aio or servicer, server)
                 return ["dflash_grpc.v1.GenerationService"]
 
-            server, _, port = serving.make_server(add, "127.0.0.1:0", max_workers=max_workers)
+            if aio is not None:
+                server, _, port = make_aio_server(add, "127.0.0.1:0", max_streams=max_workers)
+            else:
+                server, _, port = serving.make_server(add, "127.0.0.1:0", max_workers=max_workers)
             try:
                 yield servicer, port
             finally:
-                server.stop(None)
+                server.stop(None).wait()
+                if aio is not None:
+                    aio.close()
         finally:
             sched.stop()
     finally:

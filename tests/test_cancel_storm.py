@@ -70,16 +70,18 @@ def greedy(engine, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-@pytest.fixture(scope="module")
-def storm(tiny_llama, tiny_drafter):
-    """``(GenerationService stub, servicer, target stub, draft stub, draft servicer)``."""
+@pytest.fixture(scope="module", params=["threads", "aio"])
+def storm(request, tiny_llama, tiny_drafter):
+    """``(GenerationService stub, servicer, target stub, draft stub, draft servicer)``; the
+    orchestrator on either of its gRPC servers (``--grpc-server``)."""
     with target_in_process(tiny_llama.path, max_sessions=TARGET_SLOTS, max_context=CONTEXT, max_workers=8,
                            name="storm-target") as tport, \
             draft_in_process(tiny_drafter, tiny_llama.path, max_sessions=DRAFT_SLOTS, max_context=CONTEXT,
                              max_workers=8) as (dservicer, dport):
         md = [(OWNER_KEY, "storm-orchestrator"), (EPOCH_KEY, uuid.uuid4().hex)]
         with orchestrator_in_process(tiny_llama.path, tport, dport, max_sessions=MAX_SESSIONS, max_queue=MAX_QUEUE,
-                                     metadata=md, step_timeout=30.0, max_workers=CLIENTS + 4) as (servicer, oport), \
+                                     metadata=md, step_timeout=30.0, max_workers=CLIENTS + 4,
+                                     server_kind=request.param) as (servicer, oport), \
                 grpc.insecure_channel(f"127.0.0.1:{oport}", options=GRPC_OPTIONS) as och, \
                 grpc.insecure_channel(f"127.0.0.1:{tport}", options=GRPC_OPTIONS) as tch, \
                 grpc.insecure_channel(f"127.0.0.1:{dport}", options=GRPC_OPTIONS) as dch:

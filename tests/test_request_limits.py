@@ -87,9 +87,10 @@ class FakeTarget(target_pb2_grpc.TargetServiceServicer):
         return common_pb2.ReleaseResponse(released=len(request.session_ids))
 
 
-def _orchestrator(tokenizer, fake: FakeTarget, **limits):
+def _orchestrator(tokenizer, fake: FakeTarget, server_kind: str = "threads", **limits):
     """Start a fake target and a GenerationService over it, served like ``python -m orchestrator``
-    (grpc's receive limit = the servicer's ``max_request_bytes``); returns (stub, servicer, stop)."""
+    (grpc's receive limit = the servicer's ``max_request_bytes``; ``server_kind``: its
+    ``--grpc-server``); returns (stub, servicer, stop)."""
     from orchestrator.peers import DraftPeer, TargetPeer
     from orchestrator.scheduler import Scheduler
     from orchestrator.servicer import GenerationServicer
@@ -103,19 +104,31 @@ def _orchestrator(tokenizer, fake: FakeTarget, **limits):
     sched = Scheduler(peer, draft, max_sessions=2, max_queue=4, step_timeout=10.0)
     servicer = GenerationServicer(peer, draft, tokenizer, 2, None, sched, **limits)
 
+    aio = None
+    if server_kind == "aio":
+        from orchestrator.servicer import AioGenerationServicer
+
+        aio = AioGenerationServicer(servicer)
+
     def add(server):
-        generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server(aio or servicer, server)
         return ["dflash_grpc.v1.GenerationService"]
 
     # getattr: the same wiring as __main__, and still runnable on a servicer without the attribute
-    server, _, port = serving.make_server(add, "127.0.0.1:0", max_workers=4,
-                                          **({"max_receive_bytes": servicer.max_request_bytes}
-                                             if hasattr(servicer, "max_request_bytes") else {}))
+    limit = {"max_receive_bytes": servicer.max_request_bytes} if hasattr(servicer, "max_request_bytes") else {}
+    if aio is not None:
+        from dflash_grpc.aio_serving import make_aio_server
+
+        server, _, port = make_aio_server(add, "127.0.0.1:0", max_streams=4, **limit)
+    else:
+        server, _, port = serving.make_server(add, "127.0.0.1:0", max_workers=4, **limit)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
 
     def stop():
         channel.close()
-        server.stop(None)
+        server.stop(None).wait()
+        if aio is not None:
+            aio.close()
         sched.stop()
         peer.close()
         tserver.stop(None)
@@ -123,11 +136,12 @@ def _orchestrator(tokenizer, fake: FakeTarget, **limits):
     return generation_pb2_grpc.GenerationServiceStub(channel), servicer, stop
 
 
-@pytest.fixture()
-def orch():
-    """``(stub, spy tokenizer, servicer)`` with the default (auto) limits for a context of 64."""
+@pytest.fixture(params=["threads", "aio"])
+def orch(request):
+    """``(stub, spy tokenizer, servicer)`` with the default (auto) limits for a context of 64, on
+    either gRPC server of the orchestrator (``--grpc-server``)."""
     spy = SpyTokenizer()
-    stub, servicer, stop = _orchestrator(spy, FakeTarget())
+    stub, servicer, stop = _orchestrator(spy, FakeTarget(), request.param)
     try:
         yield stub, spy, servicer
     finally:
@@ -195,11 +209,12 @@ def test_chat_over_the_limits_is_refused_before_tokenizing(orch):
     assert _run(stub, ok)[-1].finished and spy.calls == 1
 
 
-def test_explicit_limits_and_the_byte_check_in_process():
+@pytest.mark.parametrize("server_kind", ["threads", "aio"])
+def test_explicit_limits_and_the_byte_check_in_process(server_kind):
     from orchestrator.servicer import RequestError
 
     spy = SpyTokenizer()
-    stub, servicer, stop = _orchestrator(spy, FakeTarget(), max_prompt_chars=100, max_request_bytes=300)
+    stub, servicer, stop = _orchestrator(spy, FakeTarget(), server_kind, max_prompt_chars=100, max_request_bytes=300)
     try:
         assert (servicer.max_prompt_chars, servicer.max_request_bytes) == (100, 300)
         assert _refused(stub, generation_pb2.GenerateRequest(prompt="x" * 101))[:2] == (RE, "PROMPT_TOO_LONG")

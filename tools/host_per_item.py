@@ -2,6 +2,7 @@
 
     python tools/host_per_item.py [--streams 1,16,64] [--modes ar,spec] [--tokens 128] [--repeats 1]
                                   [--stream-interval-ms MS] [--stream-hold-max-ms MS] [--no-local-hop] [--threads]
+                                  [--grpc-server aio|threads] [--device-ms VERIFY,PROPOSE]
                                   [--scheduler-set NAME=VALUE ...] [--py-spy DIR] [--json FILE]
     python tools/host_per_item.py --summary LABEL=GLOB [LABEL=GLOB ...]   # median [min, max] of --json runs
 
@@ -53,6 +54,9 @@ HIDDEN, LAYERS = 576, (1, 8, 14, 20, 27)   # SmolLM2-135M and its shipped drafte
 VOCAB = 49152
 BLOCK = 16
 MAX_SESSIONS = 256
+#: --device-ms: seconds each fake engine's step sleeps after its work (a GPU's device time, which
+#: costs no CPU): [verify, propose]
+DEVICE_S = [0.0, 0.0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,6 +161,8 @@ class InstantTarget:
             out.append(VerifyOutcome(nodes_of[k], tokens[1:k + 1], 100 + s[0] % 1000, s[0],
                                      feats[:k + 1, :s[1]].clone() if s[1] else None))
         self.clock.s += time.thread_time() - t0
+        if DEVICE_S[0]:
+            time.sleep(DEVICE_S[0])
         return out
 
     def release(self, session_ids):
@@ -223,6 +229,8 @@ class InstantDrafter:
             root = it.root_token
             out.append(ProposeOutcome([root] + [(root + i) % VOCAB for i in range(1, nodes)], parents, it.committed_length))
         self.clock.s += time.thread_time() - t0
+        if DEVICE_S[1]:
+            time.sleep(DEVICE_S[1])
         return out
 
 
@@ -301,8 +309,10 @@ def serve_draft(local_hop: bool) -> None:
 
 
 def serve_orchestrator(target: str, draft: str, local_hop: bool, stream_interval_ms: float,
-                       stream_hold_max_ms: float | None = None, settings: list[str] | None = None) -> None:
-    """As ``python -m orchestrator --target TARGET --draft DRAFT`` (CUDA defaults: the target says cuda:0)."""
+                       stream_hold_max_ms: float | None = None, settings: list[str] | None = None,
+                       grpc_server: str | None = None) -> None:
+    """As ``python -m orchestrator --target TARGET --draft DRAFT`` (CUDA defaults: the target says cuda:0);
+    ``grpc_server``: its ``--grpc-server`` (None: the checkout's default; older checkouts: threads)."""
     import uuid
 
     from dflash_grpc import serving
@@ -337,12 +347,24 @@ def serve_orchestrator(target: str, draft: str, local_hop: bool, stream_interval
     servicer = GenerationServicer(tpeer, dpeer, GGUFTokenizer.from_gguf(default_model_path()), cfg.max_tokens,
                                   default_tree(cfg), sched)
 
+    kind = grpc_server or getattr(cfg, "grpc_server", "threads")
+    aio = None
+    if kind == "aio":
+        from orchestrator.servicer import AioGenerationServicer
+
+        aio = AioGenerationServicer(servicer)
+
     def add(server):
-        generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server(aio or servicer, server)
         return ["dflash_grpc.v1.GenerationService"]
 
-    server, _, port = serving.make_server(add, "127.0.0.1:0", max_workers=worker_threads(0, cfg.max_sessions + cfg.max_queue),
-                                          max_receive_bytes=cfg.max_request_bytes)
+    workers = worker_threads(0, cfg.max_sessions + cfg.max_queue)
+    if aio is not None:
+        from dflash_grpc.aio_serving import make_aio_server
+
+        server, _, port = make_aio_server(add, "127.0.0.1:0", max_streams=workers, max_receive_bytes=cfg.max_request_bytes)
+    else:
+        server, _, port = serving.make_server(add, "127.0.0.1:0", max_workers=workers, max_receive_bytes=cfg.max_request_bytes)
     print(json.dumps({"port": port}), flush=True)
     _control(None, lambda: {"ticks": sched.ticks, "items": sched.batched_items, "fallbacks": sched.fallbacks})
 
@@ -529,17 +551,20 @@ def summarize(specs: list[str]) -> None:
             sel = [r for r in rs if r["mode"] == mode and r["streams"] == n]
             cells += [cell(sel, "tok_s"), cell(sel, "msgs_item"), cell(sel, "gap_p50_ms"), cell(sel, "gap_p99_ms")]
         print(f"| {mode} | {n} | " + " | ".join(cells) + " |")
-    threads = ("pool-worker", "scheduler", "_serve")   # the orchestrator's (--threads): handlers, ticks, grpc's server
+    # the orchestrator's threads (--threads): its gRPC server's (the thread server's handlers and its
+    # _serve thread; the asyncio server's loop, grpc's poller and the tokenizing workers), the ticks
+    groups = {"server": ("pool-worker", "_serve", "grpc-aio", "_poll_wrapper", "generate-open", "grpc-aio-sync"),
+              "scheduler": ("scheduler",)}
     if any("orchestrator_threads" in r for rs in rows.values() for r in rs):
-        print("\n## the orchestrator's us per item by thread (steady window; Generate handlers, the scheduler, grpc's "
-              "server thread)\n| mode | streams | " + " | ".join(f"{k} {t}" for k in rows for t in threads) + " |\n|---|---|"
-              + "---|" * (len(rows) * len(threads)))
+        print("\n## the orchestrator's us per item by thread (steady window; server: the gRPC server's threads, "
+              "Generate handlers included; scheduler: the ticks)\n| mode | streams | "
+              + " | ".join(f"{k} {t}" for k in rows for t in groups) + " |\n|---|---|" + "---|" * (len(rows) * len(groups)))
         for mode, n in levels:
             cells = []
             for rs in rows.values():
                 sel = [r for r in rs if r["mode"] == mode and r["streams"] == n and "orchestrator_threads" in r]
-                for t in threads:
-                    xs = [r["orchestrator_threads"].get(t, 0.0) for r in sel]
+                for names in groups.values():
+                    xs = [sum(r["orchestrator_threads"].get(t, 0.0) for t in names) for r in sel]
                     cells.append(f"{statistics.median(xs):.1f} [{min(xs):.1f}, {max(xs):.1f}]" if xs else "-")
             print(f"| {mode} | {n} | " + " | ".join(cells) + " |")
 
@@ -561,6 +586,11 @@ def main() -> int:
     ap.add_argument("--scheduler-set", action="append", default=[], metavar="NAME=VALUE",
                     help="a keyword of the orchestrator's Scheduler (a number), e.g. history_bytes=0 or "
                          "stream_host_share=0.1 (repeatable; default: the config's defaults)")
+    ap.add_argument("--grpc-server", choices=("aio", "threads"), default=None,
+                    help="the orchestrator's --grpc-server (default: the checkout's own default)")
+    ap.add_argument("--device-ms", default="0,0", metavar="VERIFY,PROPOSE",
+                    help="milliseconds each fake engine's step sleeps after its work, as a GPU's device time would "
+                         "(no CPU; default 0,0: instant)")
     ap.add_argument("--threads", action="store_true", help="CPU per item split by thread name")
     ap.add_argument("--py-spy", default=None, metavar="DIR", help="py-spy record -f raw of each service per level")
     ap.add_argument("--json", default=None, metavar="FILE", help="every row as JSON lines")
@@ -571,6 +601,7 @@ def main() -> int:
         summarize(args.summary)
         return 0
     hop = not args.no_local_hop
+    DEVICE_S[:] = [float(x) / 1e3 for x in args.device_ms.split(",")]
     if args.role:
         _name_threads()
         from dflash_grpc import serving
@@ -583,21 +614,22 @@ def main() -> int:
             serve_draft(hop)
         else:
             serve_orchestrator(args.target, args.draft, hop, args.stream_interval_ms, args.stream_hold_max_ms,
-                               args.scheduler_set)
+                               args.scheduler_set, args.grpc_server)
         return 0
 
-    flag = [] if hop else ["--no-local-hop"]
+    flag = ([] if hop else ["--no-local-hop"]) + ["--device-ms", args.device_ms]
     target = Service("target", flag)
     draft = Service("draft", flag)
     hold = [] if args.stream_hold_max_ms is None else ["--stream-hold-max-ms", str(args.stream_hold_max_ms)]
     hold += [f"--scheduler-set={kv}" for kv in args.scheduler_set]
+    hold += ["--grpc-server", args.grpc_server] if args.grpc_server else []
     orch = Service("orchestrator", [*flag, *hold, "--stream-interval-ms", str(args.stream_interval_ms), "--target", f"127.0.0.1:{target.port}", "--draft", f"127.0.0.1:{draft.port}"])
     services = {"orchestrator": orch, "target": target, "draft": draft}
     rows = []
     try:
         asyncio.run(_clients(orch.port, 2, 8, True, lambda: None, lambda: None))   # warm-up: streams opened, imports done
         print(f"# host_per_item: {args.tokens} tokens per stream, {'same-host hop' if hop else 'gRPC'} between services, "
-              f"stream interval {args.stream_interval_ms:g} ms, "
+              f"stream interval {args.stream_interval_ms:g} ms, device ms (verify, propose) {args.device_ms}, "
               f"{os.cpu_count()} CPUs; us/item = service CPU (less its fake engine's) / items verified", flush=True)
         print(f"{'':21} {'steady window: every stream decoding':^66} | {'whole run':^20}")
         print(f"{'mode':5} {'streams':>7} {'rep':>3} {'tok/s':>7} {'ms/tick':>8} {'items/tick':>10} "
