@@ -130,13 +130,13 @@ def main(argv: list[str] | None = None) -> None:
             REGISTRY.register(StepLoopCollector(local.servicer.loop, "target"))
         start_http_server(cfg.metrics_port, addr=cfg.host)
 
-    aio = AioGenerationServicer(servicer) if cfg.grpc_server == "aio" else None
+    max_workers = worker_threads(cfg.max_workers, cfg.max_sessions + cfg.max_queue)
+    aio = AioGenerationServicer(servicer, open_workers=min(32, max_workers)) if cfg.grpc_server == "aio" else None
 
     def add(server):
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(aio or servicer, server)
         return ["dflash_grpc.v1.GenerationService"]
 
-    max_workers = worker_threads(cfg.max_workers, cfg.max_sessions + cfg.max_queue)
     http = _http_server(cfg, p, servicer, tls, max_workers) if cfg.http_port else None
     # grpc refuses a larger request before decoding it (RESOURCE_EXHAUSTED)
     if aio is not None:   # each Generate stream a coroutine (AioGenerationServicer), at most max_workers at once

@@ -158,8 +158,9 @@ class OrchestratorConfig:
     served_model_name: str | None = setting(
         None, "with --http-port: the model id of /v1/models and requests (default: the target's model name)")
     max_workers: int | None = setting(
-        None, "gRPC worker threads (one per open Generate stream; default: max sessions + max queue + 16); "
-        "8 more are kept for unary calls")
+        None, "most Generate streams open at once (default: max sessions + max queue + 16; more: RESOURCE_EXHAUSTED, "
+        "STREAMS_BUSY): with --grpc-server threads the gRPC worker threads (one per stream; 8 more are kept for unary "
+        "calls), with aio also the threads that check and tokenize new requests (at most 32)")
     log_level: str | None = setting(None, "log level (default WARNING, or $DFLASH_LOG_LEVEL)")
 
     @classmethod

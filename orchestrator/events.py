@@ -72,11 +72,15 @@ class Events:
         self._waker: LoopWaker | None = None
 
     def put(self, event: Any) -> None:
-        """Queue ``event`` and wake the coroutine waiting in :meth:`next`, if one is (any thread)."""
+        """Queue ``event`` and wake the coroutine waiting in :meth:`next`, if one is (any thread).
+
+        Only :meth:`next` sets or clears the waiter: a put that cleared it could, switched out
+        between reading and clearing it, wipe the next wait's future, and every later put would
+        find no waiter (a lost wake-up). Waking a future twice, or one whose wait was given up,
+        does nothing (:meth:`LoopWaker.wake` leaves done futures alone)."""
         self._queue.put(event)
         waiter = self._waiter
         if waiter is not None:
-            self._waiter = None
             self._waker.wake(waiter)
 
     def get(self, timeout: float | None = None) -> Any:

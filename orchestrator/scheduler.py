@@ -642,6 +642,9 @@ class Scheduler:
         if not gone:
             return
         self._active = [r for r in self._active if not r.closed]
+        if self.policy is not None:   # (a request closed without an end event, e.g. its coroutine cancelled)
+            for r in gone:
+                self.policy.forget(r.session_id)
         self._release([r for r in gone if r.on_target], [r for r in gone if r.on_drafter])
         for r in gone:
             r.on_target = r.on_drafter = False

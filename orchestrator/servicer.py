@@ -285,8 +285,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         except RequestError as e:
             abort(context, e.code, str(e), str(e.reason))
         req = out.req
-        # a client that goes away (cancel, deadline) frees the sessions on the next tick
-        context.add_callback(lambda: self.scheduler.close(req, Failure(grpc.StatusCode.CANCELLED, "cancelled")))
+        # a client that goes away (cancel, deadline) frees the sessions on the next tick; one that
+        # went away while the request was opened (grpc then runs no callback) at once
+        cancelled = lambda: self.scheduler.close(req, Failure(grpc.StatusCode.CANCELLED, "cancelled"))  # noqa: E731
+        if not context.add_callback(cancelled):
+            cancelled()
         events = req.events
         event = None   # taken from the queue and not handled yet
         note = getattr(self.scheduler, "note_message", None)   # (the CPU cost of each message, for its adaptive hold)
@@ -409,7 +412,7 @@ class Responses:
 
 class AioGenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     """The GenerationService of a :class:`GenerationServicer` for gRPC's asyncio server
-    (:func:`dflash_grpc.serving.make_aio_server`; the orchestrator's default, ``--grpc-server aio``).
+    (:func:`dflash_grpc.aio_serving.make_aio_server`; the orchestrator's default, ``--grpc-server aio``).
 
     ``Generate`` is a coroutine on the server's event loop instead of a thread per stream: the
     checks and tokenizing (:meth:`GenerationServicer.open`) run on a small pool of worker threads,
@@ -418,17 +421,20 @@ class AioGenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     the thread-per-stream server's ``Generate``; gRPC's asyncio send path costs about half the host
     time per message (``tools/grpc_stream_cost.py``). The adaptive hold's message cost
     (:meth:`Scheduler.note_message`) is the loop thread's CPU time per message sent, averaged over
-    :data:`METER_MESSAGES` messages.
+    :data:`METER_MESSAGES` messages (everything else the loop does, e.g. refusing calls, counts
+    in it too).
 
     Args:
         servicer: the servicer whose checks, scheduler and stats it uses.
-        open_workers: threads that run :meth:`GenerationServicer.open` (tokenizing).
+        open_workers: threads that run :meth:`GenerationServicer.open` (tokenizing): that many
+            requests are checked and tokenized at once, the next wait (``python -m orchestrator``:
+            ``--max-workers``' streams, at most 32).
     """
 
     #: messages per measurement of the loop's CPU time per message
     METER_MESSAGES = 32
 
-    def __init__(self, servicer: GenerationServicer, open_workers: int = 4):
+    def __init__(self, servicer: GenerationServicer, open_workers: int = 8):
         self.servicer = servicer
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, int(open_workers)), thread_name_prefix="generate-open")
         self._waker: LoopWaker | None = None
@@ -455,18 +461,22 @@ class AioGenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             self._sent = 0
 
     async def _open(self, request) -> Responses:
-        """:meth:`GenerationServicer.open` on a worker thread; a request admitted after its client
-        went away is closed at once (its sessions freed on the next tick)."""
+        """:meth:`GenerationServicer.open` on a worker thread. When the client goes away first, a
+        job not started yet never runs; one running is left to finish and its request, if the
+        scheduler took it, is closed at once (no handler reads its events; its sessions are
+        freed on the next tick)."""
         svc = self.servicer
-        job = asyncio.get_running_loop().run_in_executor(self._pool, svc.open, request)
+        job = self._pool.submit(svc.open, request)
         try:
-            return await asyncio.shield(job)
+            return await asyncio.wrap_future(job)
         except asyncio.CancelledError:
-            def close(done: asyncio.Future) -> None:
-                if not done.cancelled() and done.exception() is None:
-                    svc.scheduler.close(done.result().req, Failure(grpc.StatusCode.CANCELLED, "cancelled"))
+            metrics.REQUESTS.labels(outcome=grpc.StatusCode.CANCELLED.name).inc()
+            if not job.cancel():
+                def close(done: concurrent.futures.Future) -> None:
+                    if not done.cancelled() and done.exception() is None:
+                        svc.scheduler.close(done.result().req)
 
-            job.add_done_callback(close)
+                job.add_done_callback(close)
             raise
 
     async def Generate(self, request, context):

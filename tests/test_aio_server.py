@@ -10,6 +10,7 @@ is this one.) No torch.
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import time
 
@@ -63,6 +64,72 @@ def test_events_wake_their_coroutines_in_one_handover_per_batch():
         loop.close()
     assert got == [("event", i) for i in range(64)]
     assert waker.handovers == 1
+
+
+def test_a_put_switched_out_after_reading_the_waiter_loses_no_wake_up():
+    """The interleaving of a lost wake-up, forced: the coroutine sets its waiter F1; the putting
+    thread queues ``e1`` and reads F1, and is switched out there; the coroutine's re-check sees
+    ``e1``, takes it and waits again on F2; then the putting thread goes on. It must not have
+    cleared F2, or its next put (``end``) would wake nobody."""
+    waiter_set, read, resume = threading.Event(), threading.Event(), threading.Event()
+    putter: list[threading.Thread] = []
+
+    class FirstEmptyLetsThePutterIn:   # the coroutine's re-check runs after the putter read F1
+        def __init__(self):
+            self.q, self.first = queue.SimpleQueue(), True
+
+        def put(self, x):
+            self.q.put(x)
+
+        def get_nowait(self):
+            return self.q.get_nowait()
+
+        def empty(self):
+            if self.first:
+                self.first = False
+                waiter_set.set()
+                read.wait(5)
+            return self.q.empty()
+
+    class Paused(Events):   # the putting thread is switched out right after reading the waiter
+        @property
+        def _waiter(self):
+            w = self.__dict__.get("w")
+            if putter and threading.current_thread() is putter[0] and not read.is_set():
+                read.set()
+                resume.wait(5)
+            return w
+
+        @_waiter.setter
+        def _waiter(self, value):
+            self.__dict__["w"] = value
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        waker, ev, got = LoopWaker(loop), Paused(), []
+        ev._queue = FirstEmptyLetsThePutterIn()
+
+        async def consumer():
+            while True:
+                got.append(await ev.next(waker))
+                if got[-1] == "end":
+                    return
+
+        def first_put():
+            waiter_set.wait(5)
+            ev.put("e1")
+
+        putter.append(threading.Thread(target=first_put))
+        putter[0].start()
+        task = asyncio.ensure_future(consumer())
+        await asyncio.sleep(0.1)   # the coroutine took e1 and waits on F2
+        resume.set()
+        await loop.run_in_executor(None, putter[0].join)
+        await loop.run_in_executor(None, ev.put, "end")
+        await asyncio.wait_for(task, 5)
+        return got
+
+    assert asyncio.run(main()) == ["e1", "end"]
 
 
 def test_events_keep_order_and_serve_a_thread_too():
@@ -165,16 +232,47 @@ def test_draining_refuses_new_calls_and_turns_health_not_serving(held):
     first.cancel()
 
 
+class PlainMethods(generation_pb2_grpc.GenerationServiceServicer):
+    """A thread server's servicer: methods that are not coroutines."""
+
+    def Generate(self, request, context):
+        yield generation_pb2.GenerateResponse(text="never")
+
+    def GetStats(self, request, context):
+        return generation_pb2.AcceptanceStats()
+
+
+def test_plain_methods_are_refused_with_a_clear_status():
+    def add(server):
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server(PlainMethods(), server)
+        return ["dflash_grpc.v1.GenerationService"]
+
+    server, _, port = make_aio_server(add, "127.0.0.1:0", max_streams=2)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            for call in (lambda: list(stub.Generate(generation_pb2.GenerateRequest(prompt="a"), timeout=10)),
+                         lambda: stub.GetStats(generation_pb2.GetStatsRequest(), timeout=10)):
+                with pytest.raises(grpc.RpcError) as ei:
+                    call()
+                assert ei.value.code() == grpc.StatusCode.UNIMPLEMENTED and "coroutine" in ei.value.details()
+    finally:
+        server.stop(None).wait()
+        assert server.stop(None).wait(1)   # a second stop returns at once
+
+
 # ------------------------------------------------------------------------------------------------
 # the same messages as the thread-per-stream server
 
 
-def _messages(stub, req: generation_pb2.GenerateRequest) -> list[tuple]:
-    out = []
-    for m in stub.Generate(req, timeout=30):
-        out.append((m.text, tuple(m.token_ids), m.prompt_tokens, m.finished, m.finish_reason,
-                    m.stats.generated_tokens if m.finished else 0))
-    return out
+def _messages(stub, req: generation_pb2.GenerateRequest) -> tuple:
+    """What a client reads of a request: the text and token ids joined (how the tokens are cut
+    into messages depends on timing, on either server), the prompt tokens of the first message,
+    the last message's finish reason and generated tokens."""
+    msgs = list(stub.Generate(req, timeout=30))
+    assert msgs[-1].finished and not any(m.finished for m in msgs[:-1])
+    return ("".join(m.text for m in msgs), [t for m in msgs for t in m.token_ids], msgs[0].prompt_tokens,
+            msgs[-1].finish_reason, msgs[-1].stats.generated_tokens)
 
 
 def test_generate_sends_the_same_messages_on_both_servers():
@@ -191,5 +289,5 @@ def test_generate_sends_the_same_messages_on_both_servers():
         finally:
             stop()
     assert got["aio"] == got["threads"]
-    assert all(msgs[-1][3] for msgs in got["aio"])   # every request finished
-    assert got["aio"][3][-1][4] == generation_pb2.FINISH_REASON_STOP
+    assert got["aio"][3][3] == generation_pb2.FINISH_REASON_STOP
+    assert [len(r[1]) for r in got["aio"]][:2] == [1, 5]

@@ -356,3 +356,43 @@ def test_each_request_drafts_by_its_own_text_pulled_towards_all_requests():
     assert policy.tokens("c") == pytest.approx(policy.prior())
     with pytest.raises(ValueError):
         DraftPolicy(alpha_tokens=0.0)
+
+
+@pytest.mark.parametrize("server_kind", ["threads", "aio"])
+def test_a_request_its_client_cancels_is_forgotten_by_the_policy(server_kind, tiny_llama, tiny_drafter):
+    """``--draft-policy measured`` keeps an estimate per drafting request until the request ends. A
+    client that cancels mid-stream ends it either way: on the thread server its context callback
+    closes the request with a failure event, on the asyncio server the cancelled coroutine closes
+    it without one; the estimate is forgotten in both (the scheduler drops closed requests)."""
+    import uuid
+
+    import grpc
+
+    from dflash_grpc.transport import GRPC_OPTIONS
+    from dflash_grpc.v1 import generation_pb2, generation_pb2_grpc
+    from runtime.owners import EPOCH_KEY, OWNER_KEY
+    from tests.conftest import draft_in_process, orchestrator_in_process, target_in_process
+
+    with target_in_process(tiny_llama.path, max_sessions=4, max_context=256, max_workers=8,
+                           name=f"forget-{server_kind}") as tport, \
+            draft_in_process(tiny_drafter, tiny_llama.path, max_sessions=4, max_context=256, max_workers=8) as (_, dport):
+        md = [(OWNER_KEY, f"forget-{server_kind}"), (EPOCH_KEY, uuid.uuid4().hex)]
+        with orchestrator_in_process(tiny_llama.path, tport, dport, max_sessions=4, metadata=md, max_workers=8,
+                                     server_kind=server_kind, draft_policy="measured") as (servicer, oport), \
+                grpc.insecure_channel(f"127.0.0.1:{oport}", options=GRPC_OPTIONS) as ch:
+            stub = generation_pb2_grpc.GenerationServiceStub(ch)
+            sched = servicer.scheduler
+            for i in range(6):
+                req = generation_pb2.GenerateRequest(prompt_tokens=generation_pb2.PromptTokens(ids=[5, 17, 40 + i]),
+                                                     max_tokens=150, ignore_eos=True)
+                req.speculative.enabled = True
+                call = stub.Generate(req, timeout=30)
+                for k, _ in enumerate(call):
+                    if k == 3:
+                        call.cancel()
+                        break
+            deadline = time.monotonic() + 15
+            while (sched.status().active_sessions or sched.policy._req) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert sched.status().active_sessions == 0
+            assert not sched.policy._req, f"{len(sched.policy._req)} cancelled requests never forgotten"

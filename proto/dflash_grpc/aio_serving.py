@@ -12,7 +12,8 @@ of a service's ``main`` drives as it drives a server of ``make_server``:
 take it as they are.
 
 What the thread-per-stream server's interceptors do, :class:`AioGate` does for methods that take
-one request message (unary and server-streaming, the GenerationService's kinds): refuse new calls
+one request message (unary and server-streaming, the GenerationService's kinds), which must be
+coroutines or async generators (a plain method is answered UNIMPLEMENTED): refuse new calls
 once draining (UNAVAILABLE, ``SHUTTING_DOWN``; health, reflection and ``Release`` excepted),
 count the streams in flight, refuse a stream past ``max_streams`` (RESOURCE_EXHAUSTED,
 ``STREAMS_BUSY``) and answer a request message that does not decode INVALID_ARGUMENT. Methods
@@ -73,6 +74,21 @@ class AioGate(grpc.aio.ServerInterceptor):
         keep_open = method.rsplit("/", 1)[-1] == "Release"
         parse, serialize = handler.request_deserializer, handler.response_serializer
         gate = self
+        behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
+        if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
+            # a thread server's method would run on the loop and get the asyncio context, whose
+            # abort it would not await: refused, with a status that says why
+            async def plain(raw, context):
+                await abort(context, grpc.StatusCode.UNIMPLEMENTED,
+                            f"{method}: not a coroutine; the asyncio server serves coroutine methods only")
+
+            if handler.response_streaming:
+                async def plain_stream(raw, context):
+                    await plain(raw, context)
+                    yield  # never reached: an async generator, as a streaming response is
+
+                return grpc.unary_stream_rpc_method_handler(plain_stream, response_serializer=serialize)
+            return grpc.unary_unary_rpc_method_handler(plain, response_serializer=serialize)
 
         async def decode(raw, context):
             if parse is None:
@@ -87,15 +103,11 @@ class AioGate(grpc.aio.ServerInterceptor):
                 await abort(context, grpc.StatusCode.UNAVAILABLE, f"{method}: the server is shutting down", SHUTTING_DOWN)
 
         if not handler.response_streaming:
-            behavior = handler.unary_unary
-
             async def unary_unary(raw, context):
                 await admit(context)
-                result = behavior(await decode(raw, context), context)
-                return await result if inspect.isawaitable(result) else result
+                return await behavior(await decode(raw, context), context)
 
             return grpc.unary_unary_rpc_method_handler(unary_unary, response_serializer=serialize)
-        behavior = handler.unary_stream
 
         async def unary_stream(raw, context):
             await admit(context)
@@ -107,15 +119,11 @@ class AioGate(grpc.aio.ServerInterceptor):
                 gate._busy += 1
                 try:
                     responses = behavior(await decode(raw, context), context)
-                    if inspect.isasyncgen(responses):
-                        try:
-                            async for message in responses:
-                                yield message
-                        finally:
-                            await responses.aclose()
-                    else:   # a generator of a thread-per-stream servicer, run on the loop
-                        for message in responses:
+                    try:
+                        async for message in responses:
                             yield message
+                    finally:
+                        await responses.aclose()
                 finally:
                     gate._busy -= 1
             finally:
@@ -174,7 +182,12 @@ class AioServer:
 
     def stop(self, grace: float | None) -> _Stopping:
         """Stop the server: calls in flight get ``grace`` seconds (None: none), then are cancelled.
-        Returns an object whose ``wait()`` blocks until it has stopped (as ``grpc.Server.stop``)."""
+        Returns an object whose ``wait()`` blocks until it has stopped (as ``grpc.Server.stop``;
+        again after the stop: at once)."""
+        if self._ended:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(None)
+            return _Stopping(done, self)
         return _Stopping(asyncio.run_coroutine_threadsafe(self.server.stop(grace), self.loop), self)
 
     def _end_loop(self) -> None:
@@ -202,13 +215,15 @@ def make_aio_server(
 
     Args:
         add_servicers: called on the loop with the ``grpc.aio.Server``; registers servicers
-            (coroutine methods run on the loop; plain ones on ``unary_workers`` threads) and
-            returns their full service names.
+            whose methods are coroutines or async generators (run on the loop; :class:`AioGate`
+            answers a plain method UNIMPLEMENTED) and returns their full service names.
         address: ``host:port``; port 0 picks a free port.
         max_streams: most server-streaming calls at a time (RESOURCE_EXHAUSTED beyond); with
             ``unary_workers`` also grpc's ``maximum_concurrent_rpcs``.
-        unary_workers: threads for handlers that are not coroutines (e.g. health's ``Watch`` of
-            a thread-per-stream servicer; none of ours).
+        unary_workers: threads grpc keeps for handlers that are not coroutines and that
+            :class:`AioGate` does not gate (none of the services registered here: health and
+            reflection are asyncio servicers); with ``max_streams`` also grpc's
+            ``maximum_concurrent_rpcs``.
         tls: serve TLS with ``tls.cert`` / ``tls.key``; with ``tls.ca`` also require client
             certificates signed by it. None: plaintext.
         max_receive_bytes: most bytes of one received message (at most
