@@ -2,7 +2,7 @@
 
     python tools/host_per_item.py [--streams 1,16,64] [--modes ar,spec] [--tokens 128] [--repeats 1]
                                   [--stream-interval-ms MS] [--stream-hold-max-ms MS] [--no-local-hop] [--threads]
-                                  [--grpc-server aio|threads] [--device-ms VERIFY,PROPOSE]
+                                  [--grpc-server aio|threads] [--device-ms VERIFY,PROPOSE] [--cprofile DIR]
                                   [--scheduler-set NAME=VALUE ...] [--py-spy DIR] [--json FILE]
     python tools/host_per_item.py --summary LABEL=GLOB [LABEL=GLOB ...]   # median [min, max] of --json runs
 
@@ -57,6 +57,41 @@ MAX_SESSIONS = 256
 #: --device-ms: seconds each fake engine's step sleeps after its work (a GPU's device time, which
 #: costs no CPU): [verify, propose]
 DEVICE_S = [0.0, 0.0]
+#: --cprofile: the cProfile.Profile collecting now in this service process (None: off)
+_PROF: list = [None]
+
+
+def _profiled(fn):
+    """``fn`` (a plain function) profiled while a --cprofile profile is on (its calling thread only)."""
+    def run(*a, **k):
+        p = _PROF[0]
+        if p is None:
+            return fn(*a, **k)
+        p.enable()
+        try:
+            return fn(*a, **k)
+        finally:
+            p.disable()
+    return run
+
+
+def _profiled_gen(fn):
+    """``fn`` (a generator function) profiled, each step, while a --cprofile profile is on."""
+    def run(*a, **k):
+        gen = fn(*a, **k)
+        while True:
+            p = _PROF[0]
+            if p is not None:
+                p.enable()
+            try:
+                item = next(gen)
+            except StopIteration:
+                return
+            finally:
+                if p is not None:
+                    p.disable()
+            yield item
+    return run
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,6 +280,25 @@ def _control(engine_clock: _Clock | None, extra=None):
             print(json.dumps({"engine_s": engine_clock.s if engine_clock else 0.0, "cpu_s": time.process_time(),
                               "sys_s": os.times().system,
                               **(extra() if extra else {})}), flush=True)
+        elif cmd == "cprofile-start":
+            import cProfile
+
+            _PROF[0] = cProfile.Profile()
+            print("{}", flush=True)
+        elif cmd.startswith("cprofile-dump "):
+            import pstats
+
+            prof, _PROF[0] = _PROF[0], None
+            path = cmd.split(" ", 1)[1]
+            if prof is not None:
+                prof.create_stats()
+                with open(path + ".txt", "w") as f:
+                    if prof.stats:
+                        prof.dump_stats(path + ".prof")
+                        pstats.Stats(path + ".prof", stream=f).sort_stats("tottime").print_stats(30)
+                    else:   # (e.g. the drafter while every request decodes plainly)
+                        f.write("no calls profiled\n")
+            print("{}", flush=True)
         elif cmd == "quit":
             break
     os._exit(0)
@@ -269,6 +323,7 @@ def serve_target(local_hop: bool) -> None:
                                 max_sessions=engine.max_sessions, hidden_size=HIDDEN, num_layers=30,
                                 features=list(FEATURES), device="cuda:0")
     servicer = TargetServicer(StepLoop(engine, name="target", owners=Owners()), info)
+    servicer._verify = _profiled_gen(servicer._verify)   # (--cprofile: a Verify stream's work per request)
 
     def add(server):
         target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
@@ -293,6 +348,7 @@ def serve_draft(local_hop: bool) -> None:
     engine = InstantDrafter("instant-target")
     servicer = DraftServiceServicer(engine, model_name="instant-drafter", model_fingerprint="instant-drafter",
                                     tokenizer_fingerprint=tokenizer_fingerprint(open_gguf(default_model_path())))
+    servicer.propose = _profiled(servicer.propose)   # (--cprofile: a Propose's work)
 
     def add(server):
         # as the draft service's main registers it (older checkouts: the generated registration)
@@ -344,6 +400,7 @@ def serve_orchestrator(target: str, draft: str, local_hop: bool, stream_interval
     kwargs = dict(max_sessions=cfg.max_sessions, max_queue=cfg.max_queue, step_nodes=cfg.step_nodes,
                   step_timeout=cfg.step_timeout, history_bytes=cfg.history_bytes)
     sched = Scheduler(tpeer, dpeer, **{**kwargs, **extra})
+    sched._tick = _profiled(sched._tick)   # (--cprofile: the scheduler thread's ticks)
     servicer = GenerationServicer(tpeer, dpeer, GGUFTokenizer.from_gguf(default_model_path()), cfg.max_tokens,
                                   default_tree(cfg), sched)
 
@@ -384,8 +441,8 @@ class Service:
             raise RuntimeError(f"{name} failed to start")
         self.port = json.loads(line)["port"]
 
-    def ask(self) -> dict:
-        self.proc.stdin.write("engine\n")
+    def ask(self, cmd: str = "engine") -> dict:
+        self.proc.stdin.write(cmd + "\n")
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline())
 
@@ -457,8 +514,12 @@ async def _clients(port: int, n: int, tokens: int, spec: bool, on_started, on_fi
 
 
 def run_level(services: dict[str, Service], orch: Service, n: int, tokens: int, spec: bool, want_threads: bool,
-              spy_dir: str | None, tag: str) -> dict:
+              spy_dir: str | None, tag: str, prof_dir: str | None = None) -> dict:
     spies = []
+    if prof_dir:
+        os.makedirs(prof_dir, exist_ok=True)
+        for s in services.values():
+            s.ask("cprofile-start")
     if spy_dir:
         os.makedirs(spy_dir, exist_ok=True)
         for name, s in services.items():
@@ -481,6 +542,9 @@ def run_level(services: dict[str, Service], orch: Service, n: int, tokens: int, 
     for p in spies:
         p.send_signal(2)
         p.wait(30)
+    if prof_dir:   # the whole level's profile of each service (its start and end too), then off
+        for name, s in services.items():
+            s.ask(f"cprofile-dump {os.path.join(os.path.abspath(prof_dir), f'{name}-{tag}')}")
     if state["tokens"] != n * tokens:
         raise RuntimeError(f"{n} streams received {state['tokens']} tokens, not {n * tokens}")
 
@@ -593,6 +657,9 @@ def main() -> int:
                          "(no CPU; default 0,0: instant)")
     ap.add_argument("--threads", action="store_true", help="CPU per item split by thread name")
     ap.add_argument("--py-spy", default=None, metavar="DIR", help="py-spy record -f raw of each service per level")
+    ap.add_argument("--cprofile", default=None, metavar="DIR",
+                    help="cProfile per level of the scheduler's ticks, the target's Verify stream and the drafter's "
+                         "Propose (their threads only) -> DIR/<service>-<mode>-<streams>-<rep>.{prof,txt}")
     ap.add_argument("--json", default=None, metavar="FILE", help="every row as JSON lines")
     ap.add_argument("--summary", nargs="+", metavar="LABEL=GLOB",
                     help="no run: median [min, max] per level of the --json files of each label (repeats, checkouts)")
@@ -640,7 +707,7 @@ def main() -> int:
             for n in (int(x) for x in args.streams.split(",")):
                 for rep in range(args.repeats):
                     row = run_level(services, orch, n, args.tokens, mode == "spec", args.threads, args.py_spy,
-                                    f"{mode}-{n}-{rep}")
+                                    f"{mode}-{n}-{rep}", args.cprofile)
                     row["rep"] = rep
                     rows.append(row)
                     print(f"{mode:5} {n:7d} {rep:3d} {row['tok_s']:7.0f} {row['ms_tick']:8.2f} {row['items_tick']:10.1f} "
