@@ -470,11 +470,19 @@ class AioGenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         try:
             return await asyncio.wrap_future(job)
         except asyncio.CancelledError:
-            metrics.REQUESTS.labels(outcome=grpc.StatusCode.CANCELLED.name).inc()
-            if not job.cancel():
+            cancelled = metrics.REQUESTS.labels(outcome=grpc.StatusCode.CANCELLED.name)
+            if job.cancel():   # never ran
+                cancelled.inc()
+            else:   # running: a refusal is counted by open() itself; an admitted request is closed here
                 def close(done: concurrent.futures.Future) -> None:
-                    if not done.cancelled() and done.exception() is None:
+                    if done.cancelled():
+                        return
+                    error = done.exception()
+                    if error is None:
+                        cancelled.inc()
                         svc.scheduler.close(done.result().req)
+                    elif not isinstance(error, RequestError):
+                        log.error("opening a request whose client left failed", exc_info=error)
 
                 job.add_done_callback(close)
             raise

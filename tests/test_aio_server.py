@@ -261,6 +261,75 @@ def test_plain_methods_are_refused_with_a_clear_status():
         assert server.stop(None).wait(1)   # a second stop returns at once
 
 
+class _OpenGate:
+    """A servicer whose ``open()`` waits for the test (as tokenizing a large prompt would), then
+    admits the request or refuses it as ``GenerationServicer.open`` does (counting its refusal)."""
+
+    def __init__(self, refuse: bool):
+        from orchestrator import metrics
+
+        self.refuse, self.metrics = refuse, metrics
+        self.started, self.go = threading.Event(), threading.Event()
+        self.opened, self.closed = 0, []
+        self.scheduler = self
+
+    def open(self, request):
+        from orchestrator.servicer import RequestError
+
+        self.opened += 1
+        self.started.set()
+        self.go.wait(10)
+        if self.refuse:
+            self.metrics.REQUESTS.labels(outcome="RESOURCE_EXHAUSTED").inc()
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+        return type("Opened", (), {"req": "the request"})()
+
+    def close(self, req, why=None):
+        self.closed.append((req, why))
+
+
+@pytest.mark.parametrize("case", ["admitted", "refused", "not started"])
+def test_a_client_that_leaves_while_its_request_opens(case):
+    """The client goes away while ``open()`` runs on a worker thread (or before it starts): a request
+    admitted meanwhile is closed without events and counted CANCELLED once; one refused is counted
+    only as its refusal; a job that had not started never runs."""
+    from orchestrator import metrics
+    from orchestrator.servicer import AioGenerationServicer
+
+    def count(outcome):
+        return metrics.REQUESTS.labels(outcome=outcome)._value.get()
+
+    svc = _OpenGate(refuse=case == "refused")
+    aio = AioGenerationServicer(svc, open_workers=1)
+    blocker = aio._pool.submit(svc.go.wait, 10) if case == "not started" else None
+
+    async def main():
+        task = asyncio.ensure_future(aio._open(generation_pb2.GenerateRequest(prompt="x")))
+        if blocker is None:
+            await asyncio.get_running_loop().run_in_executor(None, svc.started.wait, 10)
+        else:
+            await asyncio.sleep(0.05)   # queued behind the busy worker
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    before = {o: count(o) for o in ("CANCELLED", "RESOURCE_EXHAUSTED")}
+    try:
+        asyncio.run(main())
+        svc.go.set()
+        aio._pool.shutdown(wait=True)
+    finally:
+        svc.go.set()
+        aio.close()
+    got = {o: count(o) - before[o] for o in before}
+    if case == "admitted":
+        assert svc.closed == [("the request", None)] and got == {"CANCELLED": 1, "RESOURCE_EXHAUSTED": 0}
+    elif case == "refused":
+        assert svc.closed == [] and got == {"CANCELLED": 0, "RESOURCE_EXHAUSTED": 1}
+    else:
+        assert svc.opened == 0 and svc.closed == [] and got == {"CANCELLED": 1, "RESOURCE_EXHAUSTED": 0}
+
+
 # ------------------------------------------------------------------------------------------------
 # the same messages as the thread-per-stream server
 

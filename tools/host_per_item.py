@@ -44,6 +44,7 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 
@@ -57,17 +58,34 @@ MAX_SESSIONS = 256
 #: --device-ms: seconds each fake engine's step sleeps after its work (a GPU's device time, which
 #: costs no CPU): [verify, propose]
 DEVICE_S = [0.0, 0.0]
-#: --cprofile: the cProfile.Profile collecting now in this service process (None: off)
-_PROF: list = [None]
+#: --cprofile: whether profiling is on in this service process, and a cProfile.Profile per thread
+#: that ran a profiled call (one profile is not safe across threads: its call stack is one)
+_PROF: dict = {"on": False, "threads": {}}
+
+
+def _thread_profile():
+    """This thread's profile while --cprofile is on, else None."""
+    if not _PROF["on"]:
+        return None
+    ident = threading.get_ident()
+    p = _PROF["threads"].get(ident)
+    if p is None:
+        import cProfile
+
+        p = _PROF["threads"].setdefault(ident, cProfile.Profile())
+    return p
 
 
 def _profiled(fn):
-    """``fn`` (a plain function) profiled while a --cprofile profile is on (its calling thread only)."""
+    """``fn`` (a plain function) profiled in its calling thread's profile while --cprofile is on."""
     def run(*a, **k):
-        p = _PROF[0]
+        p = _thread_profile()
         if p is None:
             return fn(*a, **k)
-        p.enable()
+        try:
+            p.enable()
+        except ValueError:   # (Python 3.12+: profiling is process-wide and another thread's is on)
+            return fn(*a, **k)
         try:
             return fn(*a, **k)
         finally:
@@ -76,19 +94,24 @@ def _profiled(fn):
 
 
 def _profiled_gen(fn):
-    """``fn`` (a generator function) profiled, each step, while a --cprofile profile is on."""
+    """``fn`` (a generator function) profiled, each step, as :func:`_profiled`."""
     def run(*a, **k):
         gen = fn(*a, **k)
         while True:
-            p = _PROF[0]
+            p = _thread_profile()
+            on = False
             if p is not None:
-                p.enable()
+                try:
+                    p.enable()
+                    on = True
+                except ValueError:
+                    pass
             try:
                 item = next(gen)
             except StopIteration:
                 return
             finally:
-                if p is not None:
+                if on:
                     p.disable()
             yield item
     return run
@@ -281,23 +304,27 @@ def _control(engine_clock: _Clock | None, extra=None):
                               "sys_s": os.times().system,
                               **(extra() if extra else {})}), flush=True)
         elif cmd == "cprofile-start":
-            import cProfile
-
-            _PROF[0] = cProfile.Profile()
+            _PROF["threads"] = {}
+            _PROF["on"] = True
             print("{}", flush=True)
         elif cmd.startswith("cprofile-dump "):
             import pstats
 
-            prof, _PROF[0] = _PROF[0], None
+            _PROF["on"] = False
+            profiles, _PROF["threads"] = list(_PROF["threads"].values()), {}
             path = cmd.split(" ", 1)[1]
-            if prof is not None:
+            stats = None
+            for prof in profiles:   # (a call still running keeps its own thread's profile: left out)
                 prof.create_stats()
-                with open(path + ".txt", "w") as f:
-                    if prof.stats:
-                        prof.dump_stats(path + ".prof")
-                        pstats.Stats(path + ".prof", stream=f).sort_stats("tottime").print_stats(30)
-                    else:   # (e.g. the drafter while every request decodes plainly)
-                        f.write("no calls profiled\n")
+                if prof.stats:
+                    stats = pstats.Stats(prof) if stats is None else stats.add(prof)
+            with open(path + ".txt", "w") as f:
+                if stats is not None:
+                    stats.dump_stats(path + ".prof")
+                    stats.stream = f
+                    stats.sort_stats("tottime").print_stats(30)
+                else:   # (e.g. the drafter while every request decodes plainly)
+                    f.write("no calls profiled\n")
             print("{}", flush=True)
         elif cmd == "quit":
             break
@@ -659,7 +686,8 @@ def main() -> int:
     ap.add_argument("--py-spy", default=None, metavar="DIR", help="py-spy record -f raw of each service per level")
     ap.add_argument("--cprofile", default=None, metavar="DIR",
                     help="cProfile per level of the scheduler's ticks, the target's Verify stream and the drafter's "
-                         "Propose (their threads only) -> DIR/<service>-<mode>-<streams>-<rep>.{prof,txt}")
+                         "Propose (a profile per thread, merged; wall-clock time, so waits show as the calls that "
+                         "wait: poll, readv, the fake device's sleep) -> DIR/<service>-<mode>-<streams>-<rep>.{prof,txt}")
     ap.add_argument("--json", default=None, metavar="FILE", help="every row as JSON lines")
     ap.add_argument("--summary", nargs="+", metavar="LABEL=GLOB",
                     help="no run: median [min, max] per level of the --json files of each label (repeats, checkouts)")

@@ -13,7 +13,8 @@ take it as they are.
 
 What the thread-per-stream server's interceptors do, :class:`AioGate` does for methods that take
 one request message (unary and server-streaming, the GenerationService's kinds), which must be
-coroutines or async generators (a plain method is answered UNIMPLEMENTED): refuse new calls
+coroutines (unary) or async generators (streaming; any other method is answered UNIMPLEMENTED):
+refuse new calls
 once draining (UNAVAILABLE, ``SHUTTING_DOWN``; health, reflection and ``Release`` excepted),
 count the streams in flight, refuse a stream past ``max_streams`` (RESOURCE_EXHAUSTED,
 ``STREAMS_BUSY``) and answer a request message that does not decode INVALID_ARGUMENT. Methods
@@ -75,12 +76,14 @@ class AioGate(grpc.aio.ServerInterceptor):
         parse, serialize = handler.request_deserializer, handler.response_serializer
         gate = self
         behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
-        if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
+        if not (inspect.isasyncgenfunction(behavior) if handler.response_streaming else inspect.iscoroutinefunction(behavior)):
             # a thread server's method would run on the loop and get the asyncio context, whose
-            # abort it would not await: refused, with a status that says why
+            # abort it would not await (and a streaming method must be an async generator, a unary
+            # one a coroutine): refused, with a status that says why
             async def plain(raw, context):
                 await abort(context, grpc.StatusCode.UNIMPLEMENTED,
-                            f"{method}: not a coroutine; the asyncio server serves coroutine methods only")
+                            f"{method}: not a coroutine (unary) or async generator (streaming); the asyncio "
+                            "server serves only those")
 
             if handler.response_streaming:
                 async def plain_stream(raw, context):
@@ -215,8 +218,9 @@ def make_aio_server(
 
     Args:
         add_servicers: called on the loop with the ``grpc.aio.Server``; registers servicers
-            whose methods are coroutines or async generators (run on the loop; :class:`AioGate`
-            answers a plain method UNIMPLEMENTED) and returns their full service names.
+            whose unary methods are coroutines and streaming ones async generators (run on the
+            loop; :class:`AioGate` answers any other UNIMPLEMENTED) and returns their full
+            service names.
         address: ``host:port``; port 0 picks a free port.
         max_streams: most server-streaming calls at a time (RESOURCE_EXHAUSTED beyond); with
             ``unary_workers`` also grpc's ``maximum_concurrent_rpcs``.
