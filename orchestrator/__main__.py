@@ -22,14 +22,12 @@ import uuid
 import grpc
 
 from dflash_grpc import localhop, serving
-from dflash_grpc.aio_serving import make_aio_server
-from dflash_grpc.v1 import generation_pb2_grpc
 from orchestrator import peers
 from orchestrator.config import OrchestratorConfig
 from orchestrator.local_target import LocalTargetPeer
 from orchestrator.peers import DraftPeer, TargetPeer, drafter_mismatch
 from orchestrator.scheduler import Scheduler
-from orchestrator.servicer import AioGenerationServicer, GenerationServicer, default_tree
+from orchestrator.servicer import GenerationServicer, default_tree, serve_generation
 from runtime.config import add_flags, from_args, worker_threads
 from runtime.defaults import default_model_path
 from runtime.owners import EPOCH_KEY, OWNER_KEY
@@ -131,19 +129,11 @@ def main(argv: list[str] | None = None) -> None:
         start_http_server(cfg.metrics_port, addr=cfg.host)
 
     max_workers = worker_threads(cfg.max_workers, cfg.max_sessions + cfg.max_queue)
-    aio = AioGenerationServicer(servicer, open_workers=min(32, max_workers)) if cfg.grpc_server == "aio" else None
-
-    def add(server):
-        generation_pb2_grpc.add_GenerationServiceServicer_to_server(aio or servicer, server)
-        return ["dflash_grpc.v1.GenerationService"]
-
     http = _http_server(cfg, p, servicer, tls, max_workers) if cfg.http_port else None
-    # grpc refuses a larger request before decoding it (RESOURCE_EXHAUSTED)
-    if aio is not None:   # each Generate stream a coroutine (AioGenerationServicer), at most max_workers at once
-        server, health, port = make_aio_server(add, f"{cfg.host}:{cfg.port}", max_streams=max_workers, tls=tls,
-                                               max_receive_bytes=cfg.max_request_bytes, reflection=args.reflection)
-    else:
-        server, health, port = serving.make_server(add, f"{cfg.host}:{cfg.port}", max_workers=max_workers, tls=tls,
+    # grpc refuses a larger request before decoding it (RESOURCE_EXHAUSTED); --grpc-server aio: each
+    # Generate stream a coroutine (AioGenerationServicer), at most max_workers at once
+    server, health, port, close = serve_generation(servicer, f"{cfg.host}:{cfg.port}", cfg.grpc_server,
+                                                   max_streams=max_workers, tls=tls,
                                                    max_receive_bytes=cfg.max_request_bytes, reflection=args.reflection)
     # SIGTERM: admit nothing new, let requests finish (--shutdown-timeout), end the rest
     # UNAVAILABLE / SHUTTING_DOWN, release every session on both services, exit
@@ -151,8 +141,7 @@ def main(argv: list[str] | None = None) -> None:
                           drain=scheduler.drain)
     if http is not None:
         http.stop()
-    if aio is not None:
-        aio.close()
+    close()
     if local is not None:
         from target_service.__main__ import stop_servicer
 

@@ -529,3 +529,46 @@ class AioGenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def close(self) -> None:
         """Stop the worker threads (once the server has stopped)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def serve_generation(servicer: GenerationServicer, address: str, grpc_server: str = OrchestratorConfig.grpc_server, *,
+                     max_streams: int, tls=None, max_receive_bytes: int | None = None, reflection: bool = False):
+    """Serve ``servicer``'s GenerationService on ``address`` as ``python -m orchestrator`` does:
+    ``grpc_server`` ``"aio"`` through :class:`AioGenerationServicer` on
+    :func:`dflash_grpc.aio_serving.make_aio_server` (its open workers: ``max_streams``, at most
+    32), ``"threads"`` on :func:`dflash_grpc.serving.make_server` (``max_streams`` worker threads);
+    at most ``max_streams`` Generate streams at once either way. ``tls``, ``max_receive_bytes`` and
+    ``reflection`` as those functions take them.
+
+    Returns:
+        ``(server, health, port, close)``: the started server (stopped by the caller, e.g.
+        :func:`dflash_grpc.serving.serve_forever`), its health servicer, the bound port, and
+        ``close()`` to call once the server has stopped (the asyncio servicer's threads; nothing for
+        the thread server).
+
+    Raises:
+        ValueError: ``grpc_server`` is neither ``"aio"`` nor ``"threads"``.
+    """
+    from dflash_grpc import serving
+
+    if grpc_server not in ("aio", "threads"):
+        raise ValueError(f"grpc_server must be 'aio' or 'threads', got {grpc_server!r}")
+    aio = AioGenerationServicer(servicer, open_workers=min(32, max_streams)) if grpc_server == "aio" else None
+
+    def add(server):
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server(aio or servicer, server)
+        return ["dflash_grpc.v1.GenerationService"]
+
+    if aio is None:
+        server, health, port = serving.make_server(add, address, max_workers=max_streams, tls=tls,
+                                                   max_receive_bytes=max_receive_bytes, reflection=reflection)
+        return server, health, port, lambda: None
+    from dflash_grpc.aio_serving import make_aio_server
+
+    try:
+        server, health, port = make_aio_server(add, address, max_streams=max_streams, tls=tls,
+                                               max_receive_bytes=max_receive_bytes, reflection=reflection)
+    except BaseException:
+        aio.close()
+        raise
+    return server, health, port, aio.close

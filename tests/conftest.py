@@ -399,15 +399,13 @@ def orchestrator_in_process(model_path: str, target_port: int, draft_port: int |
     ``DraftPeer`` (their channels carry ``metadata``, e.g. the peers' token and the
     ``dflash-owner`` / ``dflash-owner-epoch`` pair; no other channel of the process does), a
     ``Scheduler`` (``max_sessions``, ``max_queue``, ``scheduler_kw``) and ``GenerationServicer``
-    with the GGUF tokenizer of ``model_path``, served by ``make_server`` on a free loopback port
-    (``server_kind="aio"``: by ``make_aio_server`` through ``AioGenerationServicer``, as
-    ``--grpc-server aio``). Yields ``(servicer, port)``; stops the scheduler (releasing what it
-    holds) afterwards."""
+    with the GGUF tokenizer of ``model_path``, served on a free loopback port by
+    ``orchestrator.servicer.serve_generation`` (``server_kind``: its ``--grpc-server``). Yields
+    ``(servicer, port)``; stops the scheduler (releasing what it holds) afterwards."""
     from dflash_grpc import serving
-    from dflash_grpc.v1 import generation_pb2_grpc
     from orchestrator.peers import DraftPeer, TargetPeer
     from orchestrator.scheduler import Scheduler
-    from orchestrator.servicer import GenerationServicer
+    from orchestrator.servicer import GenerationServicer, serve_generation
     from runtime.tokenizer import GGUFTokenizer
 
     before = serving.client_metadata()
@@ -421,27 +419,12 @@ def orchestrator_in_process(model_path: str, target_port: int, draft_port: int |
         sched = Scheduler(target, draft, max_sessions=max_sessions, max_queue=max_queue, **scheduler_kw)
         try:
             servicer = GenerationServicer(target, draft, GGUFTokenizer.from_gguf(model_path), max_tokens, None, sched)
-            aio = None
-            if server_kind == "aio":
-                from dflash_grpc.aio_serving import make_aio_server
-                from orchestrator.servicer import AioGenerationServicer
-
-                aio = AioGenerationServicer(servicer)
-
-            def add(server):
-                generation_pb2_grpc.add_GenerationServiceServicer_to_server(aio or servicer, server)
-                return ["dflash_grpc.v1.GenerationService"]
-
-            if aio is not None:
-                server, _, port = make_aio_server(add, "127.0.0.1:0", max_streams=max_workers)
-            else:
-                server, _, port = serving.make_server(add, "127.0.0.1:0", max_workers=max_workers)
+            server, _, port, close = serve_generation(servicer, "127.0.0.1:0", server_kind, max_streams=max_workers)
             try:
                 yield servicer, port
             finally:
                 server.stop(None).wait()
-                if aio is not None:
-                    aio.close()
+                close()
         finally:
             sched.stop()
     finally:

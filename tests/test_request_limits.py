@@ -93,7 +93,7 @@ def _orchestrator(tokenizer, fake: FakeTarget, server_kind: str = "threads", **l
     ``--grpc-server``); returns (stub, servicer, stop)."""
     from orchestrator.peers import DraftPeer, TargetPeer
     from orchestrator.scheduler import Scheduler
-    from orchestrator.servicer import GenerationServicer
+    from orchestrator.servicer import GenerationServicer, serve_generation
 
     def add_target(server):
         target_pb2_grpc.add_TargetServiceServicer_to_server(fake, server)
@@ -104,31 +104,15 @@ def _orchestrator(tokenizer, fake: FakeTarget, server_kind: str = "threads", **l
     sched = Scheduler(peer, draft, max_sessions=2, max_queue=4, step_timeout=10.0)
     servicer = GenerationServicer(peer, draft, tokenizer, 2, None, sched, **limits)
 
-    aio = None
-    if server_kind == "aio":
-        from orchestrator.servicer import AioGenerationServicer
-
-        aio = AioGenerationServicer(servicer)
-
-    def add(server):
-        generation_pb2_grpc.add_GenerationServiceServicer_to_server(aio or servicer, server)
-        return ["dflash_grpc.v1.GenerationService"]
-
     # getattr: the same wiring as __main__, and still runnable on a servicer without the attribute
-    limit = {"max_receive_bytes": servicer.max_request_bytes} if hasattr(servicer, "max_request_bytes") else {}
-    if aio is not None:
-        from dflash_grpc.aio_serving import make_aio_server
-
-        server, _, port = make_aio_server(add, "127.0.0.1:0", max_streams=4, **limit)
-    else:
-        server, _, port = serving.make_server(add, "127.0.0.1:0", max_workers=4, **limit)
+    server, _, port, close = serve_generation(servicer, "127.0.0.1:0", server_kind, max_streams=4,
+                                              max_receive_bytes=getattr(servicer, "max_request_bytes", None))
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
 
     def stop():
         channel.close()
         server.stop(None).wait()
-        if aio is not None:
-            aio.close()
+        close()
         sched.stop()
         peer.close()
         tserver.stop(None)

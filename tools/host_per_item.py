@@ -395,7 +395,8 @@ def serve_orchestrator(target: str, draft: str, local_hop: bool, stream_interval
                        stream_hold_max_ms: float | None = None, settings: list[str] | None = None,
                        grpc_server: str | None = None) -> None:
     """As ``python -m orchestrator --target TARGET --draft DRAFT`` (CUDA defaults: the target says cuda:0);
-    ``grpc_server``: its ``--grpc-server`` (None: the checkout's default; older checkouts: threads)."""
+    ``grpc_server``: its ``--grpc-server`` (None: the checkout's default; older checkouts: threads,
+    ``--grpc-server`` ignored)."""
     import uuid
 
     from dflash_grpc import serving
@@ -431,24 +432,18 @@ def serve_orchestrator(target: str, draft: str, local_hop: bool, stream_interval
     servicer = GenerationServicer(tpeer, dpeer, GGUFTokenizer.from_gguf(default_model_path()), cfg.max_tokens,
                                   default_tree(cfg), sched)
 
-    kind = grpc_server or getattr(cfg, "grpc_server", "threads")
-    aio = None
-    if kind == "aio":
-        from orchestrator.servicer import AioGenerationServicer
-
-        aio = AioGenerationServicer(servicer)
-
-    def add(server):
-        generation_pb2_grpc.add_GenerationServiceServicer_to_server(aio or servicer, server)
-        return ["dflash_grpc.v1.GenerationService"]
-
     workers = worker_threads(0, cfg.max_sessions + cfg.max_queue)
-    if aio is not None:
-        from dflash_grpc.aio_serving import make_aio_server
+    try:   # as python -m orchestrator serves it
+        from orchestrator.servicer import serve_generation
+    except ImportError:   # (an older checkout: the thread server only)
+        def add(server):
+            generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+            return ["dflash_grpc.v1.GenerationService"]
 
-        server, _, port = make_aio_server(add, "127.0.0.1:0", max_streams=workers, max_receive_bytes=cfg.max_request_bytes)
-    else:
         server, _, port = serving.make_server(add, "127.0.0.1:0", max_workers=workers, max_receive_bytes=cfg.max_request_bytes)
+    else:
+        server, _, port, _ = serve_generation(servicer, "127.0.0.1:0", grpc_server or cfg.grpc_server,
+                                              max_streams=workers, max_receive_bytes=cfg.max_request_bytes)
     print(json.dumps({"port": port}), flush=True)
     _control(None, lambda: {"ticks": sched.ticks, "items": sched.batched_items, "fallbacks": sched.fallbacks})
 

@@ -35,8 +35,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection as reflection_service
 
-from dflash_grpc.serving import _ALWAYS_OPEN, SHUTTING_DOWN, UNARY_WORKERS
-from dflash_grpc.transport import GRPC_OPTIONS, MAX_MESSAGE_BYTES, TlsConfig, abort
+from dflash_grpc.serving import _ALWAYS_OPEN, SHUTTING_DOWN, UNARY_WORKERS, server_options
+from dflash_grpc.transport import TlsConfig, abort
 
 __all__ = ["AioGate", "AioServer", "make_aio_server"]
 
@@ -194,12 +194,16 @@ class AioServer:
         return _Stopping(asyncio.run_coroutine_threadsafe(self.server.stop(grace), self.loop), self)
 
     def _end_loop(self) -> None:
-        if self._ended:
-            return
-        self._ended = True
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(LOOP_CALL_S)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if not self._ended:
+            self._ended = True
+            _end_loop(self.loop, self._thread, self._pool)
+
+
+def _end_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread, pool: concurrent.futures.ThreadPoolExecutor) -> None:
+    """Stop ``loop``, wait for its ``thread`` to end, give up ``pool``'s threads."""
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(LOOP_CALL_S)
+    pool.shutdown(wait=False, cancel_futures=True)
 
 
 def make_aio_server(
@@ -222,8 +226,7 @@ def make_aio_server(
             loop; :class:`AioGate` answers any other UNIMPLEMENTED) and returns their full
             service names.
         address: ``host:port``; port 0 picks a free port.
-        max_streams: most server-streaming calls at a time (RESOURCE_EXHAUSTED beyond); with
-            ``unary_workers`` also grpc's ``maximum_concurrent_rpcs``.
+        max_streams: most server-streaming calls at a time (RESOURCE_EXHAUSTED beyond).
         unary_workers: threads grpc keeps for handlers that are not coroutines and that
             :class:`AioGate` does not gate (none of the services registered here: health and
             reflection are asyncio servicers); with ``max_streams`` also grpc's
@@ -244,11 +247,7 @@ def make_aio_server(
         TlsError: ``tls`` has no certificate, or a file cannot be read.
     """
     credentials = tls.server_credentials() if tls is not None else None
-    options = GRPC_OPTIONS
-    if max_receive_bytes is not None:
-        limit = max(1, min(int(max_receive_bytes), MAX_MESSAGE_BYTES))
-        options = [(k, v) for k, v in GRPC_OPTIONS if k != "grpc.max_receive_message_length"]
-        options.append(("grpc.max_receive_message_length", limit))
+    options = server_options(max_receive_bytes)
     max_streams, unary_workers = max(1, int(max_streams)), max(1, int(unary_workers))
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="grpc-aio", daemon=True)
@@ -276,8 +275,6 @@ def make_aio_server(
     try:
         server, health_servicer, port = asyncio.run_coroutine_threadsafe(build(), loop).result(LOOP_CALL_S)
     except BaseException:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(LOOP_CALL_S)
-        pool.shutdown(wait=False)
+        _end_loop(loop, thread, pool)
         raise
     return AioServer(server, loop, thread, gate, pool), _Health(health_servicer, loop), port

@@ -59,7 +59,7 @@ __all__ = [
     "AUTH_METADATA_KEY", "AUTH_TOKEN_ENV", "GRPC_OPTIONS", "MIN_TOKEN_CHARS", "TlsConfig", "TlsError",
     "add_client_metadata", "add_security_flags", "add_tls_flags", "auth_token_from_args", "bearer", "channel",
     "check_token", "client_metadata", "client_tls", "graceful_stop", "set_client_metadata", "is_loopback", "local_endpoint",
-    "make_server", "stop_local_hop",
+    "make_server", "server_options", "stop_local_hop",
     "peer_tls_from_args", "read_token_file", "serve_forever", "server_tls_from_args", "set_client_tls", "setup_logging",
     "start_draining", "streams_in_flight", "wait_healthy",
 ]
@@ -409,6 +409,16 @@ class _RequireToken(grpc.ServerInterceptor):
         return grpc.stream_stream_rpc_method_handler(refuse)
 
 
+def server_options(max_receive_bytes: int | None = None) -> list[tuple[str, Any]]:
+    """A server's grpc options: :data:`GRPC_OPTIONS`, with received messages limited to
+    ``max_receive_bytes`` (at most :data:`MAX_MESSAGE_BYTES`; None: that limit)."""
+    if max_receive_bytes is None:
+        return list(GRPC_OPTIONS)
+    limit = max(1, min(int(max_receive_bytes), MAX_MESSAGE_BYTES))
+    return [*((k, v) for k, v in GRPC_OPTIONS if k != "grpc.max_receive_message_length"),
+            ("grpc.max_receive_message_length", limit)]
+
+
 def make_server(
     add_servicers: Callable[[grpc.Server], Iterable[str]],
     address: str,
@@ -468,11 +478,7 @@ def make_server(
     credentials = tls.server_credentials() if tls is not None else None
     max_workers, unary_workers = max(1, int(max_workers)), max(0, int(unary_workers))
     pool = max_workers + unary_workers
-    options = GRPC_OPTIONS
-    if max_receive_bytes is not None:
-        limit = max(1, min(int(max_receive_bytes), MAX_MESSAGE_BYTES))
-        options = [(k, v) for k, v in GRPC_OPTIONS if k != "grpc.max_receive_message_length"]
-        options.append(("grpc.max_receive_message_length", limit))
+    options = server_options(max_receive_bytes)
     gate = _DrainGate()
     chain = [*interceptors, gate, _StreamLimit(max_workers), _MalformedRequestIsInvalidArgument()]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=pool), options=options, interceptors=chain,
