@@ -349,3 +349,126 @@ def _launch(x2, weight, y, m, n, k, cfg: Config, block_m: int = BLOCK_M) -> None
         x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=x2.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+# ---------------------------------------------------------------------------------------------
+# The residual add and RMSNorm as the projection's prologue
+
+
+@triton.jit(do_not_specialize=["M"])
+def _norm_skinny_kernel(x_ptr, d_ptr, g_ptr, s_ptr, w_ptr, y_ptr, M, N, K, eps, sxm, sdm, ssm, swn, sym,
+                        HAS_DELTA: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """``s = x + d`` (rounded to ``x``'s dtype; ``s = x`` without ``HAS_DELTA``) and
+    ``y = rsqrt(mean(s^2) + eps) * ((s * g) @ w^T)`` for one block of ``BLOCK_N`` output features
+    (``SWIGLU``: ``silu(gate) * up`` of the gate rows ``[0, N)`` and the up rows ``[N, 2N)``, as
+    :func:`_skinny_swiglu_kernel` finishes them). The programs of the first feature block store
+    ``s``. A row's sum of squares is the diagonal of the tensor-core product ``s @ s^T``
+    accumulated over the same ``BLOCK_K`` slices as the projection, so, like the projection's
+    sums, it does not depend on ``M``, on the tile height or on the warps (module docstring)."""
+    rn, rm, nm, mm = _tile(M, N, BLOCK_M, BLOCK_N)
+    first = tl.program_id(0) < tl.cdiv(M, BLOCK_M)        # the programs of feature block 0
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    sq = tl.zeros([BLOCK_M, BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        km = rk < K
+        xm = mm[:, None] & km[None, :]
+        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :], mask=xm, other=0.0)
+        if HAS_DELTA:
+            d = tl.load(d_ptr + rm[:, None] * sdm + rk[None, :], mask=xm, other=0.0)
+            x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(s_ptr + rm[:, None] * ssm + rk[None, :], x, mask=xm & first)
+        g = tl.load(g_ptr + rk, mask=km, other=0.0)
+        xg = (x.to(tl.float32) * g.to(tl.float32)[None, :]).to(x_ptr.dtype.element_ty)
+        wm = nm[:, None] & km[None, :]
+        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * swn + rk[None, :], mask=wm, other=0.0)
+        if SWIGLU:
+            wu = tl.load(w_ptr + (rn[:, None] + N).to(tl.int64) * swn + rk[None, :], mask=wm, other=0.0)
+        if IEEE:
+            sq += tl.dot(x, tl.trans(x), input_precision="ieee")
+            acc += tl.dot(xg, tl.trans(w), input_precision="ieee")
+            if SWIGLU:
+                acc_u += tl.dot(xg, tl.trans(wu), input_precision="ieee")
+        else:
+            sq += tl.dot(x, tl.trans(x))
+            acc += tl.dot(xg, tl.trans(w))
+            if SWIGLU:
+                acc_u += tl.dot(xg, tl.trans(wu))
+    r = tl.arange(0, BLOCK_M)
+    ss = tl.sum(tl.where(r[:, None] == r[None, :], sq, 0.0), axis=1)   # exact: the diagonal plus zeros
+    inv = tl.math.rsqrt(ss / K + eps)
+    out = (acc * inv[:, None]).to(x_ptr.dtype.element_ty)
+    if SWIGLU:
+        gf = out.to(tl.float32)
+        u = (acc_u * inv[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(y_ptr.dtype.element_ty)
+        out = (act.to(tl.float32) * u).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rm[:, None] * sym + rn[None, :], out.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+
+
+def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                weight: torch.Tensor, swiglu: bool = False, config: Config | None = None,
+                wide: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of ``kernels.linear.reference.norm_linear``: the residual add, the RMSNorm
+    and the projection (with ``swiglu``, the gate-up projection and SwiGLU) in one launch, where
+    the reference runs ``kernels.norm``'s kernel and then :func:`linear` / :func:`linear_swiglu`.
+
+    Each program recomputes its rows' norm from ``x`` (and ``delta``) as it streams the ``K``
+    slices: ``(s * g)`` rounded to ``x``'s dtype is the dot's input and the row's
+    ``rsqrt(mean(s^2) + eps)`` (float32; the sum of squares from the tensor cores' exact products,
+    :func:`_norm_skinny_kernel`) scales the float32 accumulator before its one rounding. So the
+    normalised row is not rounded to ``x``'s dtype before the weight as the reference rounds it:
+    results agree with the reference to that rounding (about ``2^-8`` of a value in bfloat16), not
+    bit for bit. Rows keep the bits of a 1-row call for any ``M`` and, with ``wide``, past
+    :data:`MAX_ROWS` (the launch rules of :func:`linear`; checked on the GPU).
+
+    Args:
+        x: ``[..., K]`` residual stream, float16 / bfloat16 / float32.
+        delta: ``[..., K]`` what the layer adds to it (same dtype), or None (``s = x``).
+        norm_weight: ``[K]`` the RMSNorm's weight (GGUF ``*_norm.weight``).
+        eps: the RMSNorm's epsilon (GGUF ``*.attention.layer_norm_rms_epsilon``).
+        weight: ``[N, K]`` (``swiglu``: ``[2F, K]``, gate rows then up rows), same dtype as ``x``,
+            contiguous last dim.
+        config: launch config (default :func:`config_for` of the whole weight, as :func:`linear`).
+
+    Returns:
+        ``(s [..., K], y [..., N or F])`` in ``x``'s dtype; ``s`` is ``x`` itself when ``delta`` is None.
+
+    Raises:
+        ValueError: as :func:`linear` / :func:`linear_swiglu`, or shapes of ``delta`` /
+            ``norm_weight`` that do not match ``x``.
+    """
+    k = x.shape[-1]
+    n = weight.shape[0]
+    if weight.shape[-1] != k or (swiglu and n % 2):
+        raise ValueError(f"x [..., {k}] does not match weight {tuple(weight.shape)}")
+    if weight.stride(-1) != 1:
+        raise ValueError("weight must have a contiguous last dim")
+    if norm_weight.shape != (k,) or (delta is not None and delta.shape != x.shape):
+        raise ValueError(f"norm weight {tuple(norm_weight.shape)} / delta "
+                         f"{None if delta is None else tuple(delta.shape)} do not match x {tuple(x.shape)}")
+    x2 = skinny_rows(x, k, None if wide else MAX_ROWS)
+    m = x2.shape[0]
+    d2 = skinny_rows(delta, k, None) if delta is not None else x2
+    s = torch.empty_like(x2) if delta is not None else x2
+    f = n // 2 if swiglu else n
+    y = torch.empty(m, f, device=x.device, dtype=x.dtype)
+    g = norm_weight if norm_weight.is_contiguous() else norm_weight.contiguous()
+    cfg = config or config_for(n, k, x.dtype)
+    tiles = 2 if swiglu else 1
+    block_m = BLOCK_M
+    if m > MAX_ROWS:
+        block_m, cfg = wide_config(cfg, x.dtype, weight_tiles=tiles)
+    elif swiglu:
+        cfg = dataclasses.replace(cfg, num_stages=_stages_fitting(cfg.num_stages, BLOCK_M, cfg.block_n, cfg.block_k,
+                                                                  x.dtype, 2))
+    if m and f:
+        _norm_skinny_kernel[(triton.cdiv(f, cfg.block_n) * triton.cdiv(m, block_m),)](
+            x2, d2, g, s, weight, y, m, f, k, float(eps), x2.stride(0), d2.stride(0), s.stride(0), weight.stride(0),
+            y.stride(0), HAS_DELTA=delta is not None, SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, IEEE=x2.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    elif delta is not None and m:
+        s.copy_(x2 + d2)
+    return (s.reshape(x.shape) if delta is not None else x), y.reshape(*x.shape[:-1], f)
