@@ -355,13 +355,6 @@ def _launch(x2, weight, y, m, n, k, cfg: Config, block_m: int = BLOCK_M) -> None
 # The residual add and RMSNorm as the projection's prologue
 
 
-#: Row tiles per pipeline stage that :func:`norm_linear` budgets for (``x``, ``delta``, and the
-#: two operands of the sum-of-squares product), against :data:`WIDE_SMEM`: with one, as
-#: :func:`linear` budgets, a 130-row call on a 96-wide ``K`` asked an H200 for 263,168 bytes of
-#: shared memory (232,448 there).
-NORM_ROW_TILES = 4
-
-
 @triton.jit(do_not_specialize=["M"])
 def _norm_skinny_kernel(x_ptr, d_ptr, g_ptr, s_ptr, w_ptr, y_ptr, M, N, K, eps, sxm, sdm, ssm, swn, sym,
                         HAS_DELTA: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -468,10 +461,9 @@ def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.
     block_m = BLOCK_M
     if m > MAX_ROWS:
         block_m, cfg = wide_config(cfg, x.dtype, weight_tiles=tiles)
-    # besides the projection's tiles, a stage holds the rows of delta and the operands of s @ s^T
-    # (as many again as the rows: NORM_ROW_TILES); the stages never change the bits
-    cfg = dataclasses.replace(cfg, num_stages=_stages_fitting(cfg.num_stages, NORM_ROW_TILES * block_m, cfg.block_n,
-                                                              cfg.block_k, x.dtype, tiles))
+    elif swiglu:
+        cfg = dataclasses.replace(cfg, num_stages=_stages_fitting(cfg.num_stages, BLOCK_M, cfg.block_n, cfg.block_k,
+                                                                  x.dtype, 2))
     if m and f:
         _norm_skinny_kernel[(triton.cdiv(f, cfg.block_n) * triton.cdiv(m, block_m),)](
             x2, d2, g, s, weight, y, m, f, k, float(eps), x2.stride(0), d2.stride(0), s.stride(0), weight.stride(0),
