@@ -9,15 +9,13 @@ the kernels the target engine uses (docs/ARCHITECTURE.md, "The drafter step"):
 
 * ``kernels.linear.linear`` on packed weights: ``[q; k; v]`` for the block, ``[k; v]`` for the
   context rows, ``[gate; up]`` for the MLP (one launch each instead of three or two);
-* ``kernels.linear.norm_linear``: each block layer's residual add and norm run inside the
-  projection that reads them (the qkv and the gate-up, as in the llama target's
-  ``layers_forward``); ``kernels.norm.rms_norm`` for the context rows and the q / k norms, and
-  ``add_rms_norm`` for the output norm;
+* ``kernels.norm.rms_norm`` / ``add_rms_norm`` (the residual add fused into the next norm, as in
+  the target models' ``layers_forward``);
 * ``kernels.rope.rope_store``: RoPE of ``q`` and ``k`` and the K/V write into the context pool in
   one launch, with ``cos`` / ``sin`` read from a table made once
   (``kernels.rope.reference.rope_table``: the float64 angles rounded to float32, which is what
   the reference's ``apply_rope`` computes with);
-* SwiGLU in the gate-up projection's epilogue (``norm_linear(..., swiglu=True)``);
+* ``kernels.linear.linear_swiglu`` for the gate-up projection and SwiGLU;
 * ``kernels.attention.pool_attention`` with the layer's window on sliding layers
   (``DrafterConfig.layer_window``; the kernel skips key tiles below the window);
 * ``kernels.topk.topk_log_softmax`` for the per-depth top-K of the log-softmax (two launches
@@ -39,7 +37,7 @@ import math
 import torch
 
 from kernels import attention as attn_ops
-from kernels.linear import linear, norm_linear
+from kernels.linear import linear, linear_swiglu
 from kernels.norm import add_rms_norm, rms_norm
 from kernels.quant import QuantizedWeight, embedding
 from kernels.rope import rope_store
@@ -129,10 +127,10 @@ class FusedDrafter:
         cos, sin = self.cos[flat], self.sin[flat]
         scale = 1.0 / math.sqrt(D)
         x = embedding(self.embed, tokens.reshape(-1), self.drafter.dtype)        # [b*B, H]
+        h = rms_norm(x, self.layers[0].attn_norm, self.eps)
         n = b * B
-        delta = None                                                             # the last MLP's output
         for i, lw in enumerate(self.layers):
-            x, qkv = norm_linear(x, delta, lw.attn_norm, self.eps, lw.qkv)
+            qkv = linear(h, lw.qkv)
             q = rms_norm(qkv[:, : nh * D].reshape(n, nh, D), lw.q_norm, self.eps)
             kk = rms_norm(qkv[:, nh * D : (nh + nkv) * D].reshape(n, nkv, D), lw.k_norm, self.eps)
             v = qkv[:, (nh + nkv) * D :].reshape(n, nkv, D)
@@ -140,9 +138,9 @@ class FusedDrafter:
             o = attn_ops.pool_attention(q.reshape(b, B, nh, D), pool.k[i], pool.v[i], slots, lengths, ancestors,
                                         scale, splits=splits, window=c.layer_window(i),
                                         max_splits=max_splits)
-            x, act = norm_linear(x, linear(o.reshape(n, nh * D), lw.o), lw.ffn_norm, self.eps, lw.gate_up, swiglu=True)
-            delta = linear(act, lw.down)
-        x, h = add_rms_norm(x, delta, self.drafter.output_norm.weight, self.eps)
+            x, h = add_rms_norm(x, linear(o.reshape(n, nh * D), lw.o), lw.ffn_norm, self.eps)
+            nxt = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.drafter.output_norm.weight
+            x, h = add_rms_norm(x, linear(linear_swiglu(h, lw.gate_up), lw.down), nxt, self.eps)
         hidden = h.reshape(b, B, -1)[:, 1:].reshape(b * (B - 1), -1)
         logits = linear(hidden, self.head, torch.float32)                       # [b*(B-1), V]
         values, indices = topk_log_softmax(logits, k)

@@ -118,69 +118,6 @@ def test_linear_swiglu(dtype, config):
         T.linear_swiglu(x, w)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("swiglu", [False, True], ids=["linear", "swiglu"])
-@pytest.mark.parametrize("with_delta", [False, True], ids=["norm", "add_norm"])
-def test_norm_linear(dtype, swiglu, with_delta):
-    """The residual add and RMSNorm as the projection's prologue (``T.norm_linear``): ``s`` is the
-    reference's ``x + delta`` exactly (``x`` itself without a delta); ``y`` is the reference (the
-    norm, then the projection) within :data:`TOL` (the normed row is not rounded before the weight);
-    each row of a 16-, 37-, 64- and, with ``wide``, 130-row call has the bits of a 1-row call on a
-    GPU (the sum of squares is a tensor-core product, like the projection's sums)."""
-    gen = torch.Generator().manual_seed(11 + 2 * swiglu + with_delta)
-    n, k = 80, 96
-    w = rand(gen, n, k, dtype=dtype)
-    x = rand(gen, 130, k, dtype=dtype)
-    d = rand(gen, 130, k, dtype=dtype) if with_delta else None
-    g = (1.0 + 0.2 * torch.randn(k, generator=gen)).to(DEV, dtype)
-    s, y = T.norm_linear(x, d, g, 1e-6, w, swiglu=swiglu, wide=True)
-    rs, ry = R.norm_linear(x, d, g, 1e-6, w, swiglu=swiglu)
-    assert y.shape == (130, n // 2 if swiglu else n) and y.dtype == dtype
-    assert torch.equal(s, rs) and (with_delta or s is x)
-    assert rel(y, ry) < TOL[dtype]
-    for m in (16, 37, 64):
-        sm, ym = T.norm_linear(x[:m], None if d is None else d[:m], g, 1e-6, w, swiglu=swiglu)
-        assert torch.equal(sm, s[:m])
-        assert_bits_on_gpu(ym, y[:m], TOL[dtype], m)
-    for i in (0, 15, 16, 63, 64, 129):
-        one = T.norm_linear(x[i:i + 1], None if d is None else d[i:i + 1], g, 1e-6, w, swiglu=swiglu)[1]
-        assert_bits_on_gpu(one[0], y[i], TOL[dtype], i)
-    with pytest.raises(ValueError, match="at most 64"):
-        T.norm_linear(x, d, g, 1e-6, w, swiglu=swiglu)
-    with pytest.raises(ValueError, match="do not match"):
-        T.norm_linear(x[:2], None, g[:-1], 1e-6, w)
-    with pytest.raises(ValueError, match="do not match"):
-        T.norm_linear(x[:2], x[:3], g, 1e-6, w)
-
-
-def test_norm_linear_dispatch(monkeypatch):
-    """``kernels.linear.norm_linear``: on the CPU exactly ``kernels.norm``'s add-and-norm then the
-    projection (the reference); with the Triton kernels (the interpreter here) the fused launch up
-    to 64 rows, the unfused pair past them, and the fused wide tiles inside ``batch_invariant``."""
-    import kernels.linear as L
-    from kernels.norm import add_rms_norm
-
-    gen = torch.Generator().manual_seed(8)
-    k, n = 32, 48
-    w = rand(gen, n, k, dtype=torch.float16)
-    g = rand(gen, k, dtype=torch.float16)
-    for mode in ("", "triton"):
-        monkeypatch.setenv("DFLASH_KERNELS", mode)
-        for rows in (3, 70):
-            x, d = rand(gen, rows, k, dtype=torch.float16), rand(gen, rows, k, dtype=torch.float16)
-            s, y = L.norm_linear(x, d, g, 1e-6, w, swiglu=True)
-            xs, h = add_rms_norm(x, d, g, 1e-6)
-            assert torch.equal(s, xs)
-            fused = rows <= 64 and (mode == "triton" or DEV == "cuda")
-            if fused:
-                assert torch.equal(y, T.norm_linear(x, d, g, 1e-6, w, swiglu=True)[1]), (mode, rows)
-            else:
-                assert torch.equal(y, L.linear_swiglu(h, w)), (mode, rows)
-            if mode == "triton" and rows > 64:
-                with L.batch_invariant():
-                    assert torch.equal(L.norm_linear(x, d, g, 1e-6, w)[1], T.norm_linear(x, d, g, 1e-6, w, wide=True)[1])
-
-
 def test_batch_invariant_dispatch(monkeypatch):
     """``kernels.linear.linear`` past 64 rows: the reference (cuBLAS on a GPU) outside
     ``batch_invariant``, the Triton kernel's wide tiles inside it (nested, per thread)."""

@@ -1,7 +1,6 @@
 """Linear projections: the skinny Triton kernel on CUDA for at most 64 rows (any number inside
 :func:`batch_invariant`), PyTorch otherwise; GGUF block-quantized weights through :mod:`kernels.quant`;
-:func:`linear_swiglu`, the gate-up projection with SwiGLU fused in the same way; :func:`norm_linear`,
-the residual add and the RMSNorm of a pre-norm sublayer fused into its first projection."""
+:func:`linear_swiglu`, the gate-up projection with SwiGLU fused in the same way."""
 
 import torch
 
@@ -54,26 +53,4 @@ def linear_swiglu(x, weight):
     return silu_mul(linear(x, weight))
 
 
-def norm_linear(x, delta, norm_weight, eps, weight, swiglu=False):
-    """``(s, y)``: the residual add ``s = x + delta`` (``x`` when ``delta`` is None), its RMSNorm
-    with ``norm_weight`` and ``eps``, and :func:`linear` (``swiglu``: :func:`linear_swiglu`) of the
-    normed rows (:func:`kernels.linear.reference.norm_linear`). Where :func:`linear` would run the
-    skinny kernel on a float weight, one Triton launch
-    (:func:`kernels.linear.triton.norm_linear`: the norm as the projection's prologue, every row the
-    bits of a 1-row call); otherwise (cuBLAS rows, quantized or packed weights, the CPU)
-    ``kernels.norm``'s add-and-norm and then the projection, as before.
-
-    A decode step of a small model is a chain of short kernels whose launch and ramp-up latency
-    is most of their time (SmolLM2: 61 norm launches of about 1.5 us of a 0.9 ms step,
-    benchmarks/gpu/step/run14-verify-profile); this removes one per projection that follows a norm."""
-    skinny = _skinny(x, weight) if isinstance(weight, torch.Tensor) else None
-    if skinny is not None:
-        mod, wide = skinny
-        return mod.norm_linear(x, delta, norm_weight, eps, weight, swiglu=swiglu, wide=wide)
-    from kernels.norm import add_rms_norm, rms_norm
-
-    s, h = (x, rms_norm(x, norm_weight, eps)) if delta is None else add_rms_norm(x, delta, norm_weight, eps)
-    return s, (linear_swiglu(h, weight) if swiglu else linear(h, weight))
-
-
-__all__ = ["batch_invariant", "invariant", "linear", "linear_swiglu", "norm_linear"]
+__all__ = ["batch_invariant", "invariant", "linear", "linear_swiglu"]

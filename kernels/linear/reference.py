@@ -21,16 +21,3 @@ def linear_swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     from kernels.activation.reference import silu_mul
 
     return silu_mul(linear(x, weight))
-
-
-def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                weight: torch.Tensor, swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """A pre-norm sublayer's input: the residual add ``s = x + delta`` (``x`` itself when ``delta``
-    is None), its RMSNorm (``kernels.norm.reference``: ``rms_norm`` / ``add_rms_norm``) and the
-    projection of the normed rows (:func:`linear`, or :func:`linear_swiglu` with ``swiglu``).
-    Returns ``(s, y)``: ``x`` ``[..., K]``, ``norm_weight`` ``[K]``, ``weight`` ``[N, K]`` ->
-    ``s`` ``[..., K]``, ``y`` ``[..., N]`` (``[..., N / 2]`` with ``swiglu``)."""
-    from kernels.norm import reference as norm
-
-    s, h = (x, norm.rms_norm(x, norm_weight, eps)) if delta is None else norm.add_rms_norm(x, delta, norm_weight, eps)
-    return s, (linear_swiglu(h, weight) if swiglu else linear(h, weight))

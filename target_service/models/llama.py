@@ -46,10 +46,10 @@ import math
 import torch
 
 from kernels.attention import tree_attention
-from kernels.linear import linear, norm_linear
+from kernels.linear import linear
 from kernels.quant import embedding
 from kernels.norm import add_rms_norm, rms_norm
-from target_service.models.layers import apply_rope_rows, moe_then_norm, rope_cos_sin
+from target_service.models.layers import apply_rope_rows, mlp_then_norm, moe_then_norm, rope_cos_sin
 from runtime.gguf_loader import GGUFError, GGUFFile, open_gguf, vocab_size
 from target_service.models.kv_cache import KVCache
 from target_service.models.weights import FLOAT_TYPES, load_weights, pack_rows, permute_rows, place
@@ -324,12 +324,8 @@ class LlamaModel:
                        taps: list[int] | tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The decoder layers over ``N`` token rows (one sequence or a flattened batch).
 
-        Each residual add is fused into the norm that follows it, and in a dense model that norm
-        into the projection that reads it (``kernels.linear.norm_linear``: the attention's qkv and
-        the MLP's gate-up, one launch each where the skinny kernel runs; a MoE layer keeps
-        ``kernels.norm.add_rms_norm``), so a layer's output reaches the residual stream inside the
-        next layer's first projection and the result is the final hidden state already through
-        ``output_norm``.
+        Each residual add is fused into the norm that follows it (``kernels.norm.add_rms_norm``),
+        so the result is the final hidden state already through ``output_norm``.
 
         Args:
             x: ``[N, H]`` embeddings.
@@ -345,55 +341,27 @@ class LlamaModel:
             ``(h [N, H] normed by output_norm, {layer: [N, H]} for the taps)``.
         """
         c = self.cfg
+        n = x.shape[0]
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         scale = 1.0 / math.sqrt(c.head_dim)
         want = set(taps)
         feats = {}
-        if not c.num_experts:
-            return self._dense_layers(x, cos, sin, backend, want)
         h = rms_norm(x, self.layers[0]["attn_norm"], c.rms_eps)
         for i, lw in enumerate(self.layers):
             qkv = linear(h, lw["qkv"])
-            q, k, v = self._heads(qkv, lw)
+            q = qkv[:, :q_size].reshape(n, c.num_heads, c.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].reshape(n, c.num_kv_heads, c.head_dim)
+            v = qkv[:, q_size + kv_size :].reshape(n, c.num_kv_heads, c.head_dim)
+            if c.qk_norm:                            # qwen3: per-head RMSNorm before the rotary
+                q, k = rms_norm(q, lw["q_norm"], c.rms_eps), rms_norm(k, lw["k_norm"], c.rms_eps)
             x, h = add_rms_norm(x, linear(backend.attend(i, q, k, v, scale, cos, sin), lw["o"]), lw["ffn_norm"], c.rms_eps)
             nxt = self.layers[i + 1]["attn_norm"] if i + 1 < len(self.layers) else self.norm
-            x, h = moe_then_norm(x, h, lw, nxt, c.rms_eps, c.num_experts_used, c.norm_topk_prob)   # qwen3moe's sparse FFN
+            if c.num_experts:                        # qwen3moe: the sparse MoE FFN
+                x, h = moe_then_norm(x, h, lw, nxt, c.rms_eps, c.num_experts_used, c.norm_topk_prob)
+            else:
+                x, h = mlp_then_norm(x, h, lw, nxt, c.rms_eps)
             if i in want:
                 feats[i] = x
-        return h, feats
-
-    def _heads(self, qkv: torch.Tensor, lw: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``q [N, Hq, D]``, ``k``, ``v [N, Hkv, D]`` of a layer's packed projection ``qkv``
-        ``[N, (Hq + 2 Hkv) D]`` (qwen3: ``q`` and ``k`` through their per-head RMSNorm)."""
-        c = self.cfg
-        n = qkv.shape[0]
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        q = qkv[:, :q_size].reshape(n, c.num_heads, c.head_dim)
-        k = qkv[:, q_size : q_size + kv_size].reshape(n, c.num_kv_heads, c.head_dim)
-        v = qkv[:, q_size + kv_size :].reshape(n, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:                                # qwen3: per-head RMSNorm before the rotary
-            q, k = rms_norm(q, lw["q_norm"], c.rms_eps), rms_norm(k, lw["k_norm"], c.rms_eps)
-        return q, k, v
-
-    def _dense_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend,
-                      want: set[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """:meth:`layers_forward` of a dense model: each layer's two norms run inside the projection
-        that follows them (``norm_linear``), so the residual stream after layer ``i`` (its tap) is
-        written by layer ``i + 1``'s qkv projection, and after the last layer by the output norm."""
-        c = self.cfg
-        scale = 1.0 / math.sqrt(c.head_dim)
-        feats = {}
-        delta = None                                 # what the previous layer's MLP adds to x
-        for i, lw in enumerate(self.layers):
-            x, qkv = norm_linear(x, delta, lw["attn_norm"], c.rms_eps, lw["qkv"])
-            if i - 1 in want:
-                feats[i - 1] = x
-            q, k, v = self._heads(qkv, lw)
-            attn = linear(backend.attend(i, q, k, v, scale, cos, sin), lw["o"])
-            x, act = norm_linear(x, attn, lw["ffn_norm"], c.rms_eps, lw["gate_up"], swiglu=True)
-            delta = linear(act, lw["down"])
-        x, h = add_rms_norm(x, delta, self.norm, c.rms_eps)
-        if len(self.layers) - 1 in want:
-            feats[len(self.layers) - 1] = x
         return h, feats
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
