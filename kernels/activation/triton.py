@@ -12,9 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import gdc_enter
+
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, F, sgu, so, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, F, sgu, so, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)   # (kernels.pdl)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < F
@@ -34,5 +38,5 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
         r = r.contiguous()
     out = torch.empty(r.shape[0], f, device=gu.device, dtype=gu.dtype)
     block = min(1024, triton.next_power_of_2(f))
-    _silu_mul_kernel[(r.shape[0], triton.cdiv(f, block))](r, out, f, r.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(r.shape[0], triton.cdiv(f, block))](r, out, f, r.stride(0), out.stride(0), BLOCK=block, num_warps=4, **pdl.launch(r))
     return out.reshape(*gu.shape[:-1], f)

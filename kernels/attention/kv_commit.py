@@ -23,10 +23,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import gdc_enter
+
 
 @triton.jit
 def _kv_commit_kernel(k_ptr, v_ptr, slots_ptr, lengths_ptr, path_ptr, W, HD, s_layer, s_slot, s_row,
-                      WP: tl.constexpr, BLOCK: tl.constexpr):
+                      WP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)   # (kernels.pdl)
     layer = tl.program_id(0)
     b = tl.program_id(1)
     e = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
@@ -70,4 +74,5 @@ def pool_kv_commit(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tens
     block = min(triton.next_power_of_2(hd), max(16, 4096 // wp))
     _kv_commit_kernel[(a, bsz, triton.cdiv(hd, block))](
         k_pool, v_pool, slots.contiguous(), lengths.contiguous(), path.contiguous(), w, hd,
-        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), WP=wp, BLOCK=block, num_warps=4)
+        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), WP=wp, BLOCK=block, num_warps=4,
+        **pdl.launch(k_pool))

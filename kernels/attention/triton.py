@@ -46,6 +46,8 @@ import triton
 import triton.language as tl
 
 from kernels.attention import CHUNK, default_splits  # noqa: F401 (re-exported)
+from kernels import pdl
+from kernels.pdl import gdc_enter
 
 
 @triton.jit
@@ -104,8 +106,9 @@ def _pool_attention_kernel(
     sks, skr, skh,                 # pool strides (same for k and v)
     sob, sow, soh,                 # out strides
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    IEEE: tl.constexpr, WINDOW: tl.constexpr,
+    IEEE: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    gdc_enter(PDL)   # (kernels.pdl)
     pid_m, split, b, kvh, L, slot = _program(lengths_ptr, slots_ptr, HKV)
 
     d = tl.arange(0, D)
@@ -192,6 +195,7 @@ def _pool_tree_nodes_kernel(
     sm_scale, W, G, HKV, SPLITS, CHUNK,
     sqb, sqw, sqh, sks, skr, skh, sob, sow, soh,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NODES: tl.constexpr, IEEE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """:func:`_pool_attention_kernel`'s tree step (no window) with ``NODES`` tree nodes per program
     (their ``G`` query heads each, node-major rows of the same ``BLOCK_M`` tile): a key tile of
@@ -201,6 +205,7 @@ def _pool_tree_nodes_kernel(
     the tiles the one-node kernel gives it, in the same order, through the same tile shape and
     warps: the same bits (``tests/test_kernels.py`` checks it on the GPU); ``NODES`` only changes
     how many programs share the reads."""
+    gdc_enter(PDL)   # (kernels.pdl)
     pid_m, split, b, kvh, L, slot = _program(lengths_ptr, slots_ptr, HKV)
     d = tl.arange(0, D)
     r = tl.arange(0, BLOCK_M)
@@ -253,7 +258,8 @@ def _pool_tree_nodes_kernel(
 
 @triton.jit
 def _combine_kernel(part_ptr, lse_ptr, out_ptr, HQ, W, SPLITS, sob, sow, soh,
-                    D: tl.constexpr, BLOCK_S: tl.constexpr):
+                    D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)   # (kernels.pdl)
     pid = tl.program_id(0)                         # (b * W + w) * Hq + head
     head = pid % HQ
     bw = pid // HQ
@@ -369,7 +375,7 @@ def pool_attention(
                out.stride(0), out.stride(1), out.stride(2))
     shape = (w, g, hkv, splits, chunk if splits > 1 else 1 << 30)
     launch = dict(D=d, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-                  num_warps=TREE_LAUNCH["num_warps"], **_stages(causal))
+                  num_warps=TREE_LAUNCH["num_warps"], **_stages(causal), **pdl.launch(q))
     if nodes > 1:
         _pool_tree_nodes_kernel[(bsz * hkv, triton.cdiv(w, nodes), splits)](*args, *shape, *strides, NODES=nodes,
                                                                             **launch)
@@ -379,5 +385,6 @@ def pool_attention(
                                      WINDOW=int(window) > 0, **launch)
     if splits > 1:
         _combine_kernel[(bsz * w * hq,)](part, lse, out, hq, w, splits, out.stride(0), out.stride(1), out.stride(2),
-                                         D=d, BLOCK_S=triton.next_power_of_2(max(splits, max_splits or 1)))
+                                         D=d, BLOCK_S=triton.next_power_of_2(max(splits, max_splits or 1)),
+                                         **pdl.launch(q))
     return out

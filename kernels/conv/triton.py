@@ -40,6 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import gdc_enter
+
 #: channels per program
 BLOCK_C = 256
 #: nodes per program (at most; fewer for narrower steps)
@@ -77,9 +80,10 @@ def _write_state(pool, xb, win_last, last, cols, cm, spr, sxw, KM1: tl.constexpr
 @triton.jit
 def _conv_kernel(x_ptr, pool_ptr, slots_ptr, win_ptr, w_ptr, out_ptr, xs_ptr, W, C, sxb, sxw, sps, spr,
                  KM1: tl.constexpr, KP: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
-                 SILU: tl.constexpr, COMMIT: tl.constexpr, SAVE_X: tl.constexpr):
+                 SILU: tl.constexpr, COMMIT: tl.constexpr, SAVE_X: tl.constexpr, PDL: tl.constexpr = False):
     """Grid ``(B, cdiv(W, BLOCK_W), cdiv(C, BLOCK_C))``. ``COMMIT`` only when ``W <= BLOCK_W``;
     ``SAVE_X``: the nodes' inputs are also copied to ``xs_ptr`` (``[B * W, C]`` contiguous)."""
+    gdc_enter(PDL)   # (kernels.pdl)
     b = tl.program_id(0)
     nodes = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -113,9 +117,10 @@ def _conv_kernel(x_ptr, pool_ptr, slots_ptr, win_ptr, w_ptr, out_ptr, xs_ptr, W,
 
 @triton.jit
 def _conv_commit_kernel(x_ptr, pool_ptr, slots_ptr, win_ptr, last_ptr, W, C, sxb, sxw, sps, spr, sxl, spl,
-                   KM1: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr, HAS_LAST: tl.constexpr):
+                   KM1: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr, HAS_LAST: tl.constexpr, PDL: tl.constexpr = False):
     """Grid ``(B, cdiv(C, BLOCK_C), L)``; the last node is ``last_ptr[b]``, or ``W - 1`` without it;
     layer ``l`` reads ``x_ptr + l * sxl`` and writes ``pool_ptr + l * spl``."""
+    gdc_enter(PDL)   # (kernels.pdl)
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     layer = tl.program_id(2).to(tl.int64)
@@ -153,7 +158,7 @@ def _commit(xs: torch.Tensor, pools: torch.Tensor, slots: torch.Tensor, window: 
     _conv_commit_kernel[(bsz, triton.cdiv(c, BLOCK_C), nl)](
         xs, pools, slots, window, last if last is not None else slots, w, c, xs.stride(1), xs.stride(2),
         pools.stride(1), pools.stride(2), xs.stride(0), pools.stride(0), KM1=km1,
-        KP=max(2, triton.next_power_of_2(km1)), BLOCK_C=BLOCK_C, HAS_LAST=last is not None, num_warps=4)
+        KP=max(2, triton.next_power_of_2(km1)), BLOCK_C=BLOCK_C, HAS_LAST=last is not None, num_warps=4, **pdl.launch(xs))
 
 
 def _conv(x, conv_pool, slots, window, weight, commit: bool, silu: bool, block_w: int | None,
@@ -178,7 +183,7 @@ def _conv(x, conv_pool, slots, window, weight, commit: bool, silu: bool, block_w
         x, conv_pool, slots, window, weight, out, x_save if x_save is not None else out, w, c, x.stride(0),
         x.stride(1), conv_pool.stride(0), conv_pool.stride(1), KM1=km1, KP=max(2, triton.next_power_of_2(km1)),
         BLOCK_W=bw, BLOCK_C=bc, SILU=silu, COMMIT=fused, SAVE_X=x_save is not None, num_warps=4,
-        enable_fp_fusion=False)
+        enable_fp_fusion=False, **pdl.launch(x))
     if commit and not fused:
         _commit(x[None], conv_pool[None], slots, window, None)
     return out

@@ -28,6 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import gdc_enter
+
 from kernels.ddtree.reference import DEPTH_SHIFT, INVALID
 
 _INVALID = tl.constexpr(INVALID)
@@ -54,7 +57,8 @@ def _ddtree_kernel(lp_ptr, tok_ptr, roots_ptr, budget_ptr, topk_ptr, depth_ptr,
                    tokens_ptr, parents_ptr, count_ptr, table_ptr,
                    D, K, s_lp_b, s_lp_d, s_tok_b, s_tok_d, s_tokens, s_parents, s_count, s_table,
                    N: tl.constexpr, S: tl.constexpr, DP: tl.constexpr, KP: tl.constexpr, TABLE: tl.constexpr,
-                   TUPLE: tl.constexpr = False):
+                   TUPLE: tl.constexpr = False, PDL: tl.constexpr = False):
+    gdc_enter(PDL)   # (kernels.pdl)
     row = tl.program_id(0).to(tl.int64)
     budget = tl.load(budget_ptr + row).to(tl.int64)
     top_k = tl.load(topk_ptr + row).to(tl.int64)
@@ -176,7 +180,7 @@ def launch(lp: torch.Tensor, tok: torch.Tensor, roots: torch.Tensor, budget: tor
                          D, K, lp.stride(0), lp.stride(1), tok.stride(0), tok.stride(1), tokens.stride(0),
                          parents.stride(0), count.stride(0), s_table, N=N, S=triton.next_power_of_2(N + 1),
                          DP=triton.next_power_of_2(D), KP=triton.next_power_of_2(K), TABLE=table is not None,
-                         num_warps=1, TUPLE=TUPLE)
+                         num_warps=1, TUPLE=TUPLE, **pdl.launch(lp))
 
 
 def build_trees_batched(lp: torch.Tensor, tok: torch.Tensor, roots: torch.Tensor, budget: torch.Tensor,

@@ -40,6 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import gdc_enter
+
 #: how a tree (not a committed chain) is walked: ``leaves`` (``_tree_walk_kernel``) or ``replay``
 #: (``_tree_kernel``, every restart replays from the committed state); ``DFLASH_GDN_TREE_WALK``
 #: overrides it (A/B runs). Both give the same bits.
@@ -118,7 +121,8 @@ def _node_update(S, x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, g_out_ptr, node, h, kh,
 def _tree_kernel(x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, state_ptr, slots_ptr, parents_ptr, anc_ptr, o_ptr, g_out_ptr,
                  W, HK, HV, C, sab, q_scale,
                  DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, COMMIT: tl.constexpr,
-                 GATES_OUT: tl.constexpr):
+                 GATES_OUT: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)   # (kernels.pdl)
     b, h, vb, kh, HKDK, dk, cols, dv, s_off = _program(slots_ptr, HK, HV, DK, DV, BV)
     S0 = tl.load(state_ptr + s_off + dk[:, None] * DV + cols[None, :])
     S = S0
@@ -151,10 +155,11 @@ def _bit_index(low):
 @triton.jit
 def _tree_walk_kernel(x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, state_ptr, slots_ptr, parents_ptr, anc_ptr, kids_ptr, o_ptr,
                       g_out_ptr, W, HK, HV, C, sab, q_scale,
-                      DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, GATES_OUT: tl.constexpr):
+                      DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, GATES_OUT: tl.constexpr, PDL: tl.constexpr = False):
     """The tree forward without most replays (module docstring): grid and results as
     :func:`_tree_kernel` without ``COMMIT``; ``kids_ptr``: per node the bit mask of its leaf
     children (:func:`leaf_children`)."""
+    gdc_enter(PDL)   # (kernels.pdl)
     b, h, vb, kh, HKDK, dk, cols, dv, s_off = _program(slots_ptr, HK, HV, DK, DV, BV)
     S0 = tl.load(state_ptr + s_off + dk[:, None] * DV + cols[None, :])
     S = S0
@@ -202,7 +207,8 @@ def _tree_walk_kernel(x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, state_ptr, slots_ptr,
 @triton.jit
 def _commit_kernel(x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, state_ptr, slots_ptr, path_ptr, n_ptr,
                    W, HK, HV, C, sab,
-                   DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+                   DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)   # (kernels.pdl)
     b, h, vb, kh, HKDK, dk, cols, dv, s_off = _program(slots_ptr, HK, HV, DK, DV, BV)
     S = tl.load(state_ptr + s_off + dk[:, None] * DV + cols[None, :])
     n = tl.load(n_ptr + b)
@@ -215,10 +221,11 @@ def _commit_kernel(x_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, state_ptr, slots_ptr, pa
 @triton.jit
 def _commit_layers_kernel(x_ptr, g_ptr, state_ptr, slots_ptr, path_ptr, n_ptr,
                           W, HK, HV, C, NVB, sxl, sgl, ssl,
-                          DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+                          DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False):
     """Grid ``(B, HV, L * NVB)``: program ``(b, h, l * NVB + vb)`` commits layer ``l``'s columns
     ``[vb * BV, (vb + 1) * BV)`` of value head ``h`` of row ``b``, with the gates the tree forward
     stored (``g_ptr``: ``[L, B * W, HV, 2]`` float32)."""
+    gdc_enter(PDL)   # (kernels.pdl)
     b = tl.program_id(0)
     h = tl.program_id(1)
     lv = tl.program_id(2)
@@ -292,19 +299,20 @@ def pool_gdn_tree(conv_out, a, b, A, dt_bias, state_pool: torch.Tensor, slots: t
         _tree_walk_kernel[(bsz, hv, dv // bv)](conv_out, a, b, A, dt_bias, state_pool, slots, parents, anc, kids, out,
                                                 gates_out if gates_out is not None else out,
                                                 w, key_heads, hv, c, a.stride(1), dk ** -0.5,
-                                                DK=dk, DV=dv, BV=bv, GATES_OUT=gates_out is not None, num_warps=4)
+                                                DK=dk, DV=dv, BV=bv, GATES_OUT=gates_out is not None, num_warps=4, **pdl.launch(conv_out))
         return out
     _tree_kernel[(bsz, hv, dv // bv)](conv_out, a, b, A, dt_bias, state_pool, slots, parents, anc, out,
                                        gates_out if gates_out is not None else out,
                                        w, key_heads, hv, c, a.stride(1), dk ** -0.5,
                                        DK=dk, DV=dv, BV=bv, COMMIT=bool(commit), GATES_OUT=gates_out is not None,
-                                       num_warps=4)
+                                       num_warps=4, **pdl.launch(conv_out))
     return out
 
 
 @triton.jit
-def _leaf_kids_kernel(par_ptr, out_ptr, W, WP: tl.constexpr):
+def _leaf_kids_kernel(par_ptr, out_ptr, W, WP: tl.constexpr, PDL: tl.constexpr = False):
     """Grid ``(B,)``: row ``b``'s :func:`leaf_children` in one program."""
+    gdc_enter(PDL)   # (kernels.pdl)
     row = tl.program_id(0).to(tl.int64) * W
     idx = tl.arange(0, WP)
     par = tl.load(par_ptr + row + idx, mask=idx < W, other=-2)
@@ -343,7 +351,7 @@ def leaf_children(parents: torch.Tensor) -> torch.Tensor:
     parents = parents.to(torch.int64).contiguous()     # (the masks are int64 whatever the parents)
     out = torch.empty_like(parents)
     if bsz and w:
-        _leaf_kids_kernel[(bsz,)](parents, out, w, WP=max(2, triton.next_power_of_2(w)), num_warps=1)
+        _leaf_kids_kernel[(bsz,)](parents, out, w, WP=max(2, triton.next_power_of_2(w)), num_warps=1, **pdl.launch(parents))
     return out
 
 
@@ -362,7 +370,7 @@ def pool_gdn_commit(state_pool: torch.Tensor, slots: torch.Tensor, conv_out, a, 
     hv, dk, dv = state_pool.shape[1], state_pool.shape[2], state_pool.shape[3]
     bv = _block_v(dv)
     _commit_kernel[(bsz, hv, dv // bv)](conv_out, a, b, A, dt_bias, state_pool, slots, path, n_accept,
-                                         w, key_heads, hv, c, a.stride(1), DK=dk, DV=dv, BV=bv, num_warps=4)
+                                         w, key_heads, hv, c, a.stride(1), DK=dk, DV=dv, BV=bv, num_warps=4, **pdl.launch(conv_out))
 
 
 def pool_gdn_commit_layers(state_pools: torch.Tensor, slots: torch.Tensor, conv_outs: torch.Tensor, gates: torch.Tensor,
@@ -394,4 +402,4 @@ def pool_gdn_commit_layers(state_pools: torch.Tensor, slots: torch.Tensor, conv_
     nvb = dv // bv
     _commit_layers_kernel[(bsz, hv, nl * nvb)](conv_outs, gates, state_pools, slots, path, n_accept,
                                                w, key_heads, hv, c, nvb, conv_outs.stride(0), gates.stride(0),
-                                               state_pools.stride(0), DK=dk, DV=dv, BV=bv, num_warps=4)
+                                               state_pools.stride(0), DK=dk, DV=dv, BV=bv, num_warps=4, **pdl.launch(conv_outs))

@@ -54,6 +54,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import gdc_enter
+
 MAX_ROWS = 64
 #: Rows per program (the tensor-core tile height); fixed, so it can never depend on ``M``.
 BLOCK_M = 16
@@ -217,9 +220,12 @@ def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                   PDL: tl.constexpr = False):
     """``y = x @ w^T`` for one block of output features; the result is rounded to ``x``'s dtype
-    first (as ``F.linear`` rounds it) and then stored in ``y``'s dtype."""
+    first (as ``F.linear`` rounds it) and then stored in ``y``'s dtype. ``PDL``: launched with
+    programmatic dependent launch (:mod:`kernels.pdl`)."""
+    gdc_enter(PDL)
     rn, rm, nm, mm = _tile(M, N, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -237,10 +243,12 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
 
 @triton.jit(do_not_specialize=["M"])
 def _skinny_swiglu_kernel(x_ptr, w_ptr, y_ptr, M, F, K, sxm, swn, sym,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                          PDL: tl.constexpr = False):
     """``y = silu(x @ w[:F]^T) * (x @ w[F:]^T)`` for one block of ``BLOCK_N`` output features: the
     gate and up tiles of :func:`_skinny_kernel` side by side (same slices, same order, each rounded
     to ``x``'s dtype), then ``kernels.activation.triton``'s arithmetic."""
+    gdc_enter(PDL)
     rn, rm, nm, mm = _tile(M, F, BLOCK_M, BLOCK_N)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -302,7 +310,7 @@ def linear_swiglu(x: torch.Tensor, weight: torch.Tensor, config: Config | None =
         _skinny_swiglu_kernel[(triton.cdiv(f, cfg.block_n) * triton.cdiv(m, block_m),)](
             x2, weight, y, m, f, k, x2.stride(0), weight.stride(0), y.stride(0),
             BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=x2.dtype == torch.float32,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(x2))
     return y.reshape(*x.shape[:-1], f)
 
 
@@ -348,4 +356,4 @@ def _launch(x2, weight, y, m, n, k, cfg: Config, block_m: int = BLOCK_M) -> None
     _skinny_kernel[(triton.cdiv(n, cfg.block_n) * triton.cdiv(m, block_m),)](
         x2, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=x2.dtype == torch.float32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(x2))

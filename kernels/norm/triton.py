@@ -12,10 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import gdc_enter
+
 
 @triton.jit
 def _rms_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, z_ptr, N, eps, sx, sd, ss, sy, sz,
-                HAS_DELTA: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr):
+                HAS_DELTA: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)   # (kernels.pdl)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < N
@@ -54,7 +58,7 @@ def _launch(x, delta, weight, eps, z=None):
     block = triton.next_power_of_2(n)
     _rms_kernel[(xr.shape[0],)](xr, dr, weight, s, y, zr, n, float(eps), xr.stride(0), dr.stride(0), s.stride(0),
                                 y.stride(0), zr.stride(0), HAS_DELTA=delta is not None, GATED=z is not None,
-                                BLOCK=block, num_warps=4 if block <= 1024 else 8)
+                                BLOCK=block, num_warps=4 if block <= 1024 else 8, **pdl.launch(xr))
     return s.reshape(x.shape), y.reshape(*x.shape[:-1], n)
 
 

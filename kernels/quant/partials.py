@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import gdc_enter
+
 #: tile counters per device for :func:`_store_split`: int32, zero between launches
 _COUNTERS: dict = {}
 #: counters a buffer holds (tiles of one launch; a launch with more takes the separate sum kernel)
@@ -79,9 +81,10 @@ def _sum_partials(p, mask, MN, SPLIT_K: tl.constexpr, L2: tl.constexpr):
 
 
 @triton.jit
-def _split_sum_kernel(p_ptr, y_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def _split_sum_kernel(p_ptr, y_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """``y[i] = p[0, i] + p[1, i] + ... + p[SPLIT_K - 1, i]`` in that order (float32), rounded
     once to ``y``'s dtype: the partial sums ``[SPLIT_K, M * N]`` of a split-``K`` launch."""
+    gdc_enter(PDL)   # (kernels.pdl)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < MN
     acc = _sum_partials(p_ptr + i, mask, MN, SPLIT_K, False)

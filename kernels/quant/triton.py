@@ -79,6 +79,9 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from kernels import pdl
+from kernels.pdl import gdc_enter
 from gguf.constants import GGML_QUANT_SIZES
 
 from kernels.linear.triton import MAX_ROWS, is_pow2, skinny_rows
@@ -555,13 +558,14 @@ def _qlinear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
                     QTYPE: tl.constexpr, QK: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DEQUANT: tl.constexpr, SPLIT: tl.constexpr,
                     IEEE: tl.constexpr, UNROLL: tl.constexpr, SPLIT_K: tl.constexpr, BIAS_DOT: tl.constexpr = False,
-                    WORDS: tl.constexpr = False, SWAP: tl.constexpr = False, XPERM: tl.constexpr = False):
+                    WORDS: tl.constexpr = False, SWAP: tl.constexpr = False, XPERM: tl.constexpr = False, PDL: tl.constexpr = False):
     """``y = x @ dequant(w)^T``, ``UNROLL`` quantization blocks of ``K`` per iteration (each
     block's ``QK // G`` groups unrolled; the groups accumulate in ``K`` order whatever ``UNROLL``
     is), over the ``K / SPLIT_K`` range of program ``(.., program_id(1))``; with ``SPLIT_K`` > 1
     ``y_ptr`` is the float32 scratch ``[SPLIT_K, M, N]`` of partial sums (:func:`_split_sum_kernel`
     adds them). The skinny path (``DEQUANT`` off, ``BLOCK_M`` 16) and the tiled one (``DEQUANT``
     on, large tiles) differ only in :func:`_group` (module docstring)."""
+    gdc_enter(PDL)   # (kernels.pdl)
     num_m = tl.cdiv(M, BLOCK_M)
     pid = tl.program_id(0)
     rn = (pid // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -657,7 +661,7 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype | No
                     cfg.unroll, cfg.split_k, cfg.maxnreg)
             block = 1024
             _split_sum_kernel[(triton.cdiv(m * n, block),)](part, y, m * n, SPLIT_K=cfg.split_k, BLOCK=block,
-                                                            num_warps=4)
+                                                            num_warps=4, **pdl.launch(part))
         else:
             _launch(x2, weight, y, m, n, k, BLOCK_M, cfg.block_n, cfg.num_warps, cfg.num_stages, rw, False, cfg.unroll,
                     1, cfg.maxnreg)
@@ -790,4 +794,4 @@ def _launch(x2, weight: QuantizedWeight, y, m, n, k, block_m, block_n, num_warps
         x2, weight.data, y, m, n, k, x2.stride(0), weight.data.stride(0), y.stride(-2),
         **kernel_constants(weight.qtype, x2.dtype, block_m, block_n, dequant, split, unroll, split_k,
                            weight.data.data_ptr() % 4 == 0, weight.block_stride),
-        num_warps=num_warps, num_stages=num_stages, **opts)
+        num_warps=num_warps, num_stages=num_stages, **opts, **pdl.launch(x2))

@@ -8,11 +8,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import gdc_enter
+
 
 @triton.jit
 def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kp_ptr, vp_ptr, slots_ptr, rows_ptr, qo_ptr,
                        W, HQ, HKV, R_DIM, sqn, sqh, skn, skh, svn, svh, scn, sps, spr, sph, son, soh,
-                       D: tl.constexpr):
+                       D: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)   # (kernels.pdl)
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, D)
@@ -64,6 +68,6 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
         rows.shape[1], hq, hkv, cos.shape[-1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), out.stride(0), out.stride(1),
-        D=d, num_warps=1 if d <= 64 else 2,
+        D=d, num_warps=1 if d <= 64 else 2, **pdl.launch(q),
     )
     return out

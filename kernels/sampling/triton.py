@@ -38,6 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import gdc_enter
+
 from kernels.sampling import reference as _ref
 
 #: Elements per block and warps per program of the sampling kernel and of the threshold kernel.
@@ -211,8 +214,9 @@ def _scaled(base, offs, mask, inv_t):
 def _sample_kernel(
     logits_ptr, stride_r, inv_t_ptr, thr_ptr, seed_ptr, pos_ptr, key_ptr, idx_ptr,
     V, n_chunks, iters,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    gdc_enter(PDL)   # (kernels.pdl)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     inv_t = tl.load(inv_t_ptr + row)
@@ -255,7 +259,8 @@ def _sample_kernel(
 
 
 @triton.jit
-def _reduce_kernel(key_ptr, idx_ptr, out_ptr, n_chunks, BLOCK_C: tl.constexpr):
+def _reduce_kernel(key_ptr, idx_ptr, out_ptr, n_chunks, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)   # (kernels.pdl)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_C)
     mask = offs < n_chunks
@@ -269,8 +274,9 @@ def _reduce_kernel(key_ptr, idx_ptr, out_ptr, n_chunks, BLOCK_C: tl.constexpr):
 @triton.jit
 def _thresholds_kernel(
     logits_ptr, stride_r, inv_t_ptr, top_k_ptr, top_p_ptr, out_ptr, V,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    gdc_enter(PDL)   # (kernels.pdl)
     row = tl.program_id(0)
     inv_t = tl.load(inv_t_ptr + row)
     k = tl.load(top_k_ptr + row)
@@ -340,7 +346,8 @@ def _thresholds_kernel(
 
 
 @triton.jit
-def _noise_kernel(seed_ptr, pos_ptr, bits_ptr, gumbel_ptr, V, BLOCK: tl.constexpr):
+def _noise_kernel(seed_ptr, pos_ptr, bits_ptr, gumbel_ptr, V, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)   # (kernels.pdl)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < V
@@ -351,7 +358,8 @@ def _noise_kernel(seed_ptr, pos_ptr, bits_ptr, gumbel_ptr, V, BLOCK: tl.constexp
 
 
 @triton.jit
-def _gumbel_kernel(bits_ptr, out_ptr, N, BLOCK: tl.constexpr):
+def _gumbel_kernel(bits_ptr, out_ptr, N, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)   # (kernels.pdl)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     bits = tl.load(bits_ptr + offs, mask=mask, other=0).to(tl.uint32)
@@ -359,7 +367,8 @@ def _gumbel_kernel(bits_ptr, out_ptr, N, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _philox_kernel(c0_ptr, c1_ptr, c2_ptr, c3_ptr, k0_ptr, k1_ptr, out_ptr, N, BLOCK: tl.constexpr):
+def _philox_kernel(c0_ptr, c1_ptr, c2_ptr, c3_ptr, k0_ptr, k1_ptr, out_ptr, N, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)   # (kernels.pdl)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     c0 = tl.load(c0_ptr + offs, mask=mask, other=0).to(tl.uint32)
@@ -426,7 +435,7 @@ def filter_thresholds(
     if rows:
         _thresholds_kernel[(rows,)](
             logits, logits.stride(0), inv_t, k, p, out, vocab,
-            BLOCK=FILTER_BLOCK, num_warps=FILTER_WARPS, enable_fp_fusion=False,
+            BLOCK=FILTER_BLOCK, num_warps=FILTER_WARPS, enable_fp_fusion=False, **pdl.launch(logits)
         )
     return out
 
@@ -474,9 +483,9 @@ def sample_tokens(
     idx = torch.empty((rows, n_chunks), dtype=torch.int32, device=logits.device)
     _sample_kernel[(rows, n_chunks)](
         logits, logits.stride(0), inv_t, thr, seeds, positions, keys, idx, vocab, n_chunks, iters,
-        BLOCK=BLOCK_V, num_warps=SAMPLE_WARPS, enable_fp_fusion=False,
+        BLOCK=BLOCK_V, num_warps=SAMPLE_WARPS, enable_fp_fusion=False, **pdl.launch(logits)
     )
-    _reduce_kernel[(rows,)](keys, idx, out, n_chunks, BLOCK_C=triton.next_power_of_2(n_chunks), num_warps=1)
+    _reduce_kernel[(rows,)](keys, idx, out, n_chunks, BLOCK_C=triton.next_power_of_2(n_chunks), num_warps=1, **pdl.launch(keys))
     return out
 
 
@@ -491,7 +500,7 @@ def noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> tuple[tor
     gumbel = torch.empty((rows, vocab), dtype=torch.float32, device=seeds.device)
     if rows and vocab:
         _noise_kernel[(rows, triton.cdiv(vocab, BLOCK_V))](
-            seeds, positions, bits, gumbel, vocab, BLOCK=BLOCK_V, enable_fp_fusion=False
+            seeds, positions, bits, gumbel, vocab, BLOCK=BLOCK_V, enable_fp_fusion=False, **pdl.launch(seeds)
         )
     return bits, gumbel
 
@@ -509,7 +518,7 @@ def gumbel_from_bits(bits: torch.Tensor) -> torch.Tensor:
     block = 1024 if flat.is_cuda else 1 << 16  # big blocks: few programs under the interpreter
     if flat.numel():
         _gumbel_kernel[(triton.cdiv(flat.numel(), block),)](
-            flat, out, flat.numel(), BLOCK=block, enable_fp_fusion=False
+            flat, out, flat.numel(), BLOCK=block, enable_fp_fusion=False, **pdl.launch(flat)
         )
     return out.reshape(bits.shape)
 
@@ -523,5 +532,5 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1) -> tuple[torch.Tensor, torch.Tensor, t
     n = flat[0].numel()
     out = torch.empty((4, n), dtype=torch.int64, device=flat[0].device)
     if n:
-        _philox_kernel[(triton.cdiv(n, 256),)](*flat, out, n, BLOCK=256)
+        _philox_kernel[(triton.cdiv(n, 256),)](*flat, out, n, BLOCK=256, **pdl.launch(flat[0]))
     return tuple(o.reshape(shape) for o in out)  # type: ignore[return-value]

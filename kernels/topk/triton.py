@@ -35,6 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import gdc_enter
+
 from kernels.topk import reference as _reference
 
 #: Columns per chunk of the partial kernel, and its warps.
@@ -76,7 +79,8 @@ def _top(keys, K, slots, KP: tl.constexpr):
 
 @triton.jit
 def _topk_lsm_partial_kernel(x_ptr, m_ptr, s_ptr, key_ptr, V, sx, S, CPS, K,
-                             KP: tl.constexpr, BLOCK: tl.constexpr):
+                             KP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)   # (kernels.pdl)
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     slots = tl.arange(0, KP)
@@ -112,7 +116,8 @@ def _topk_lsm_partial_kernel(x_ptr, m_ptr, s_ptr, key_ptr, V, sx, S, CPS, K,
 
 @triton.jit
 def _topk_lsm_merge_kernel(x_ptr, m_ptr, s_ptr, key_ptr, v_ptr, i_ptr, sx, S, K,
-                           KP: tl.constexpr, SP: tl.constexpr):
+                           KP: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)   # (kernels.pdl)
     row = tl.program_id(0).to(tl.int64)
     parts = tl.arange(0, SP)
     pok = parts < S
@@ -182,7 +187,7 @@ def topk_log_softmax(logits: torch.Tensor, k: int, block: int | None = None,
     s = torch.empty((R, S), device=dev, dtype=torch.float32)
     keys = torch.empty((R, S, KP), device=dev, dtype=torch.int64)
     _topk_lsm_partial_kernel[(R, S)](x, m, s, keys, V, x.stride(0), S, cps, k, KP=KP, BLOCK=blk,
-                                     num_warps=PARTIAL_WARPS)
+                                     num_warps=PARTIAL_WARPS, **pdl.launch(x))
     _topk_lsm_merge_kernel[(R,)](x, m, s, keys, values, indices, x.stride(0), S, k, KP=KP, SP=SP,
-                                 num_warps=min(8, max(1, SP * KP // 256)))
+                                 num_warps=min(8, max(1, SP * KP // 256)), **pdl.launch(x))
     return values.reshape(*lead, k), indices.reshape(*lead, k)

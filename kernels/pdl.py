@@ -1,0 +1,69 @@
+"""Programmatic dependent launch (PDL) for the Triton kernels of a step (Hopper and later).
+
+A decode step of a small model is a chain of a few hundred short kernels, each waiting for the
+one before it; a kernel's launch (its grid set up, its programs placed on the SMs) is then a
+large part of its time (SmolLM2's step on an H200: about 350 kernels, most of them 2-4 us;
+benchmarks/gpu/RESULTS.md, "Kernel profile of one eager step"). With PDL a kernel is launched with
+``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`` (Triton's ``launch_pdl``): it may start
+as soon as every program of the kernel before it has executed ``griddepcontrol.launch_dependents``,
+and it executes ``griddepcontrol.wait`` (which returns once that kernel has completed and its
+memory writes are visible) before touching memory. CUDA graphs keep the launches' programmatic
+edges. CUDA C Programming Guide, "Programmatic Dependent Launch and Synchronization"; PTX ISA,
+``griddepcontrol``; Triton's tutorial 11 and ``triton.language.extra.cuda.gdc``.
+
+The rule every kernel here follows (:func:`gdc_enter`, first thing in the kernel): wait, then
+signal the dependents. So nothing of a kernel reads or writes memory before the previous kernel
+has completed, whatever that kernel is (one of ours, a PyTorch op or cuBLAS, which never signal:
+a kernel launched after them starts when they complete, as without PDL), and a kernel that
+completes has waited for its predecessor, so completion stays transitive along the stream. The
+next kernel's launch then overlaps this kernel's work. The arithmetic is untouched: the same
+bits with or without PDL.
+
+``DFLASH_PDL=0`` turns it off (the A/B of ``benchmarks/gpu/step/run22-pdl``); it is on by default
+on devices of compute capability 9.0 and later, and never under Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+#: Environment variable: ``0`` / ``off`` / ``false`` turn PDL off.
+ENV = "DFLASH_PDL"
+
+
+@functools.lru_cache(maxsize=16)
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch with PDL: a CUDA device of compute capability >= 9.0,
+    not under ``TRITON_INTERPRET=1``, and :data:`ENV` not set to ``0`` / ``off`` / ``false``."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "off", "false", "no"):
+        return False
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def launch(t: torch.Tensor) -> dict:
+    """Keyword arguments for a kernel launch on ``t``'s device: ``PDL`` (the kernels' constexpr
+    that adds :func:`gdc_enter`) and, when on, Triton's ``launch_pdl``."""
+    return {"PDL": True, "launch_pdl": True} if enabled(t.device) else {"PDL": False}
+
+
+@triton.jit
+def gdc_enter(PDL: tl.constexpr):
+    """A kernel's first statement: with ``PDL``, wait for the previous kernel to complete, then let
+    the next one launch (module docstring); without, nothing."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+__all__ = ["ENV", "enabled", "gdc_enter", "launch"]
