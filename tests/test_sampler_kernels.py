@@ -411,3 +411,51 @@ def test_gpu_sampler_in_cuda_graph():
         lg, it, kk, pp, sd, ps = new
         want = ref.sample_tokens(lg, it, ref.filter_thresholds(lg, it, kk, pp), sd, ps)
         assert torch.equal(out, want)
+
+
+def _random_trees(bsz: int, w: int, seed: int, vocab: int = 3):
+    """``bsz`` random trees of up to ``w`` nodes (padded rows past each tree's size, as the engine
+    pads them: parent -1, invalid, ancestors of the root only) with the inputs of
+    ``accept_trees``; a small vocabulary so that many nodes match."""
+    rng = random.Random(seed)
+    tokens = torch.zeros(bsz, w, dtype=torch.long)
+    parents = torch.full((bsz, w), -1, dtype=torch.long)
+    anc = torch.zeros(bsz, w, dtype=torch.long)
+    depth = torch.zeros(bsz, w, dtype=torch.long)
+    valid = torch.zeros(bsz, w, dtype=torch.bool)
+    choice = torch.randint(0, vocab, (bsz, w), generator=torch.Generator().manual_seed(seed))
+    for b in range(bsz):
+        n = rng.randint(1, w)
+        bits = [1] + [0] * (w - 1)
+        for j in range(w):
+            tokens[b, j] = rng.randrange(vocab)
+            if 0 < j < n:
+                p = rng.randrange(j)
+                parents[b, j] = p
+                depth[b, j] = depth[b, p] + 1
+                bits[j] = bits[p] | (1 << j)
+            elif j >= n:
+                bits[j] = 1
+            valid[b, j] = j < n
+            anc[b, j] = bits[j] - (1 << 64) if bits[j] >= 1 << 63 else bits[j]   # (int64: bit 63 wraps)
+    return tokens, parents, anc, depth, valid, choice
+
+
+@pytest.mark.parametrize("w", [1, 5, 16, 33, 64])
+def test_accept_trees_kernel_equals_reference(w):
+    """The acceptance walk as one Triton launch (``tri.accept_trees``) against its tensor-op
+    reference (``accept_trees_reference``): the same path (0 in its unused positions, which the
+    K/V and state commits read), accepted counts and bonus tokens, for random trees with padding,
+    at 1 to 64 nodes (64: the ancestor masks' last bit is the sign bit); the dispatcher picks the
+    kernel on CUDA."""
+    from kernels.sampling.accept import accept_trees, accept_trees_reference
+
+    for seed in range(3):
+        ins = dev(*_random_trees(6, w, seed + 10 * w))
+        want = accept_trees_reference(*ins)
+        got = tri.accept_trees(*ins)
+        for a, b in zip(got, want):
+            assert a.dtype == torch.long and torch.equal(a, b), (w, seed)
+        assert all(torch.equal(a, b) for a, b in zip(accept_trees(*ins), want))
+    with pytest.raises(ValueError, match="at most 64"):
+        tri.accept_trees(*dev(*_random_trees(1, 65, 0)))

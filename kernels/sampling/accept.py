@@ -2,15 +2,37 @@
 
 The batched, graph-safe form of :func:`kernels.sampling.reference.accept_path` (step 3 in
 docs/ARCHITECTURE.md, "One speculative step"): no host reads, no data-dependent shapes, so it runs
-inside the GPU engine's CUDA graphs; on CPU tensors it is the same code.
+inside the GPU engine's CUDA graphs. :func:`accept_trees_reference` is the walk in plain tensor
+ops (the CPU path and the oracle); :func:`accept_trees` runs it as one Triton kernel on CUDA.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels.dispatch import use_triton
+
 
 def accept_trees(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    ancestors: torch.Tensor,
+    depth: torch.Tensor,
+    valid: torch.Tensor,
+    choice: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`accept_trees_reference` (same arguments, results and values): on CUDA one Triton
+    launch (``kernels.sampling.triton.accept_trees``, one program per batch row), where the
+    reference's tensor ops are about 25 small kernels of every verify step, each a break in the
+    chain of programmatic dependent launches (``kernels.pdl``); the reference otherwise."""
+    if use_triton(tokens):
+        from kernels.sampling import triton as _triton
+
+        return _triton.accept_trees(tokens, parents, ancestors, depth, valid, choice)
+    return accept_trees_reference(tokens, parents, ancestors, depth, valid, choice)
+
+
+def accept_trees_reference(
     tokens: torch.Tensor,
     parents: torch.Tensor,
     ancestors: torch.Tensor,

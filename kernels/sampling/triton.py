@@ -534,3 +534,66 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1) -> tuple[torch.Tensor, torch.Tensor, t
     if n:
         _philox_kernel[(triton.cdiv(n, 256),)](*flat, out, n, BLOCK=256, **pdl.launch(flat[0]))
     return tuple(o.reshape(shape) for o in out)  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------------
+# The acceptance walk of a batch of trees (kernels.sampling.accept.accept_trees_reference)
+
+
+@triton.jit
+def _accept_kernel(tok_ptr, par_ptr, anc_ptr, dep_ptr, val_ptr, ch_ptr, path_ptr, n_ptr, bonus_ptr, W,
+                   s_tok, s_par, s_anc, s_dep, s_val, s_ch, s_path, BLOCK_W: tl.constexpr, PDL: tl.constexpr = False):
+    """One batch row's accepted path (``accept_trees_reference``'s arithmetic, all of it int64
+    and exact): the mismatching nodes' bits summed (distinct bits: the sum is their OR), the nodes
+    none of whose ancestors mismatch, the deepest of them (lowest index among equals), its
+    ancestors laid out by depth (0 where none), their count and the choice at the end."""
+    gdc_enter(PDL)   # (kernels.pdl)
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK_W)
+    live = j < W
+    tok = tl.load(tok_ptr + b * s_tok + j, mask=live, other=0)
+    par = tl.load(par_ptr + b * s_par + j, mask=live, other=-1)
+    anc = tl.load(anc_ptr + b * s_anc + j, mask=live, other=0)
+    dep = tl.load(dep_ptr + b * s_dep + j, mask=live, other=0)
+    val = tl.load(val_ptr + b * s_val + j, mask=live, other=0) != 0
+    ch = tl.load(ch_ptr + b * s_ch + j, mask=live, other=0)
+    at_parent = tl.load(ch_ptr + b * s_ch + tl.maximum(par, 0), mask=live, other=0)
+    match = ((tok == at_parent) & val & (par >= 0)) | (j == 0)
+    bit = tl.full([BLOCK_W], 1, tl.int64) << j.to(tl.int64)
+    mismatch = tl.sum(tl.where(match | (j >= W), 0, bit), axis=0)
+    score = tl.where(((anc & mismatch) == 0) & live, dep * (W + 1) + (W - j), -1)
+    end = tl.argmax(score, axis=0)
+    anc_end = tl.sum(tl.where(j == end, anc, 0), axis=0)
+    in_path = (((anc_end >> j.to(tl.int64)) & 1) != 0) & live
+    tl.store(n_ptr + b, tl.sum(in_path.to(tl.int64), axis=0))
+    tl.store(bonus_ptr + b, tl.sum(tl.where(j == end, ch, 0), axis=0))
+    p = tl.arange(0, BLOCK_W)
+    hit = in_path[None, :] & (dep[None, :] == p[:, None])
+    tl.store(path_ptr + b * s_path + p, tl.sum(tl.where(hit, j[None, :].to(tl.int64), 0), axis=1), mask=p < W)
+
+
+def accept_trees(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor, depth: torch.Tensor,
+                 valid: torch.Tensor, choice: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton version of ``kernels.sampling.accept.accept_trees_reference`` (same arguments and
+    results, the same values: the path's unused positions hold 0 as there): one launch, one
+    program per batch row, where the reference runs about 25 small tensor ops.
+
+    Raises:
+        ValueError: more than 64 nodes per tree (the ancestor bit masks hold 64), or inputs of
+            different shapes.
+    """
+    bsz, w = tokens.shape
+    if w > 64:
+        raise ValueError(f"trees of {w} nodes: at most 64 (ancestor bit masks)")
+    ins = (tokens, parents, ancestors, depth, valid, choice)
+    if any(t.shape != (bsz, w) for t in ins):
+        raise ValueError("tokens, parents, ancestors, depth, valid and choice must all be [B, W]")
+    ins = tuple(t if t.stride(-1) == 1 else t.contiguous() for t in ins)
+    path = torch.empty(bsz, w, dtype=torch.long, device=tokens.device)
+    n_accept = torch.empty(bsz, dtype=torch.long, device=tokens.device)
+    bonus = torch.empty(bsz, dtype=torch.long, device=tokens.device)
+    if bsz and w:
+        _accept_kernel[(bsz,)](*ins, path, n_accept, bonus, w, *(t.stride(0) for t in ins), path.stride(0),
+                               BLOCK_W=max(2, triton.next_power_of_2(w)), num_warps=1 if w <= 32 else 2,
+                               **pdl.launch(tokens))
+    return path, n_accept, bonus
