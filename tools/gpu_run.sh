@@ -295,7 +295,7 @@ cmd_e2e_ab() {
       --json "$OUT/e2e-colocated.json" --out "$OUT/e2e-colocated.txt"
   fi
   if [ -s .peer/old.tar.gz ]; then
-    rm -rf /tmp/old && mkdir -p /tmp/old && tar xzf .peer/old.tar.gz -C /tmp/old && cp draft_service/data/*.gguf /tmp/old/draft_service/data/
+    rm -rf /tmp/old && mkdir -p /tmp/old && tar xzf .peer/old.tar.gz -C /tmp/old && mkdir -p /tmp/old/draft_service/data && cp draft_service/data/*.gguf /tmp/old/draft_service/data/
     (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old:/tmp/old/proto python3 -m client.cli bench --device cuda --model "$smol" \
       --prompts 8 --max-tokens 128 --configs "$cfgs" --json "$OUT/e2e-before.json" --out "$OUT/e2e-before.txt")
   fi
@@ -386,7 +386,7 @@ cmd_step() {
     --out "$S/smollm2-135m-q4_1.json" 2>&1 | tail -20
   local cfgs=${CONFIGS:-ar,chain,tree:15:4,tree:16:4,tree:32:4}
   if [[ " ${LAYOUTS:-} " == *-old* ]] && [ -s .peer/old.tar.gz ] && [ ! -d /tmp/old ]; then
-    mkdir -p /tmp/old && tar xzf .peer/old.tar.gz -C /tmp/old && cp draft_service/data/*.gguf /tmp/old/draft_service/data/
+    mkdir -p /tmp/old && tar xzf .peer/old.tar.gz -C /tmp/old && mkdir -p /tmp/old/draft_service/data && cp draft_service/data/*.gguf /tmp/old/draft_service/data/
   fi
   for i in ${REPS:-1 2}; do
     for layout in ${LAYOUTS:-colocated 3proc}; do
