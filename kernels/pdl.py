@@ -9,7 +9,9 @@ as soon as every program of the kernel before it has executed ``griddepcontrol.l
 and it executes ``griddepcontrol.wait`` (which returns once that kernel has completed and its
 memory writes are visible) before touching memory. CUDA graphs keep the launches' programmatic
 edges. CUDA C Programming Guide, "Programmatic Dependent Launch and Synchronization"; PTX ISA,
-``griddepcontrol``; Triton's tutorial 11 and ``triton.language.extra.cuda.gdc``.
+``griddepcontrol``; Triton's tutorial 11 and ``triton.language.extra.cuda.gdc``. The
+integer-dot kernels of the quantized projections (``kernels/quant/intdot.py``) launch as before:
+they have not run on a GPU with it yet.
 
 The rule every kernel here follows (:func:`gdc_enter`, first thing in the kernel): wait, then
 signal the dependents. So nothing of a kernel reads or writes memory before the previous kernel

@@ -45,9 +45,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
-from kernels.pdl import gdc_enter
-
 from kernels.quant.partials import _split_sum_kernel, _store_split, tile_counters
 from kernels.quant.weight import QuantizedWeight, int_setting
 
@@ -336,12 +333,11 @@ def _round_even(v):
 
 @triton.jit
 def _split_kernel(x_ptr, h_ptr, l_ptr, s_ptr, xs_ptr, hs_ptr, ls_ptr, K, sxm, GROUPS: tl.constexpr,
-                  EMULATE: tl.constexpr, PDL: tl.constexpr = False):
+                  EMULATE: tl.constexpr):
     """Row ``program_id(0)``, groups ``program_id(1) * GROUPS ...`` of 32 of ``x`` (any float
     dtype, row stride ``sxm``) into :class:`Planes` (row-major), bit for bit :func:`quantize_x`: IEEE
     divisions (``tl.div_rn``: Triton's ``/`` is PTX's approximate ``div.full.f32``), an uncontracted
     product (:func:`_mul_rn`) and ties to even (:func:`_round_even`)."""
-    gdc_enter(PDL)   # (kernels.pdl)
     m = tl.program_id(0)
     gi = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     ng = K // 32
@@ -381,7 +377,7 @@ def split_x(x: torch.Tensor) -> Planes:
     if m and k:
         groups = 32
         _split_kernel[(m, triton.cdiv(k // 32, groups))](x, h, lo, s, xs, hs, ls, k, x.stride(0), GROUPS=groups,
-                                                          EMULATE=x.device.type != "cuda", num_warps=4, **pdl.launch(x))
+                                                          EMULATE=x.device.type != "cuda", num_warps=4)
     return Planes(h, lo, s, xs, hs, ls)
 
 
@@ -486,7 +482,7 @@ def _q45_codes(words, qh, c: tl.constexpr, hi: tl.constexpr, Q5: tl.constexpr):
 @triton.jit
 def _q4k_dp4a_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, N, K, swn,
                      BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, Q5: tl.constexpr = False,
-                     FUSED: tl.constexpr = False, PDL: tl.constexpr = False):
+                     FUSED: tl.constexpr = False):
     """One row of ``x`` as its planes (``h_ptr``, ``l_ptr``: int8 ``[K]``, read as int32 words of
     four; ``s_ptr``, ``xs_ptr``: float32 ``[K / 32]``) times a Q4_K weight (uint8 ``[N, K / 256 *
     144]``): per program ``BLOCK_N`` weight rows over ``K / SPLIT_K``; per super-block the 128 code
@@ -494,7 +490,6 @@ def _q4k_dp4a_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, cnt_pt
     ``4 i .. 4 i + 3`` of sub-blocks ``2 c`` (low nibbles) and ``2 c + 1`` (high). ``y_ptr``: ``[N]``;
     with ``SPLIT_K`` > 1 ``part_ptr`` the float32 partials ``[SPLIT_K, N]`` and ``cnt_ptr`` the tile
     counters (:func:`kernels.quant.partials._store_split`: the last program sums them into ``y``)."""
-    gdc_enter(PDL)   # (kernels.pdl)
     rn, row, b0, nb = _program(w_ptr, N, K, swn, BLOCK_N, SPLIT_K)
     i8 = tl.arange(0, 8)
     hw = h_ptr.to(tl.pointer_type(tl.int32))
@@ -520,13 +515,12 @@ def _q4k_dp4a_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, cnt_pt
 @triton.jit
 def _q4k_mma_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, swn,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, Q5: tl.constexpr = False,
-                    FUSED: tl.constexpr = False, PDL: tl.constexpr = False):
+                    FUSED: tl.constexpr = False):
     """``M`` rows of ``x`` as their planes (int8 ``[M, K]`` each; ``s``, ``xsum`` float32 ``[M, K /
     32]``) times a Q4_K weight: per sub-block the integer dots of 32 codes with both planes as int8
     tensor-core dots (exact: the sums :func:`_q4k_dp4a_kernel` makes with ``dp4a``), then the same
     :func:`_epilogue` in the same order. ``y_ptr``: ``[M, N]``; ``part_ptr`` ``[SPLIT_K, M, N]``
     and ``cnt_ptr`` as in :func:`_q4k_dp4a_kernel`, one counter per ``(program_id(2), program_id(0))``."""
-    gdc_enter(PDL)   # (kernels.pdl)
     rn, row, b0, nb = _program(w_ptr, N, K, swn, BLOCK_N, SPLIT_K)
     rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     i8, i32 = tl.arange(0, 8), tl.arange(0, 32)
@@ -620,14 +614,13 @@ def _q6k_half(blk, nh: tl.constexpr, STRIDE: tl.constexpr):
 @triton.jit
 def _q6k_dp4a_kernel(h_ptr, l_ptr, s_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, N, K, swn,
                      BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, FUSED: tl.constexpr = False,
-                     STRIDE: tl.constexpr = 210, PDL: tl.constexpr = False):
+                     STRIDE: tl.constexpr = 210):
     """As :func:`_q4k_dp4a_kernel` for a Q6_K weight (uint8 ``[N, K / 256 * STRIDE]``: super-blocks
     of 210 bytes, or padded: ``kernels.quant.weight``): per half
     super-block the 96 code bytes as three ``[BLOCK_N, 8]`` tiles of words (:func:`_words`), four
     runs of 32 codes (:func:`_q6k_run`), each two 16-element groups; per group ``dot - 32 * sum``
     of each plane (``hs_ptr``, ``ls_ptr``: :class:`Planes`' int32 half-group sums) and
     :func:`_acc6`."""
-    gdc_enter(PDL)   # (kernels.pdl)
     rn, row, b0, nb = _program(w_ptr, N, K, swn, BLOCK_N, SPLIT_K)
     i8 = tl.arange(0, 8)
     hw = h_ptr.to(tl.pointer_type(tl.int32))
@@ -658,12 +651,11 @@ def _q6k_dp4a_kernel(h_ptr, l_ptr, s_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, part_ptr
 @triton.jit
 def _q6k_mma_kernel(h_ptr, l_ptr, s_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, swn,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, FUSED: tl.constexpr = False,
-                    STRIDE: tl.constexpr = 210, PDL: tl.constexpr = False):
+                    STRIDE: tl.constexpr = 210):
     """As :func:`_q4k_mma_kernel` for a Q6_K weight: each run of 32 codes, less their offset of 32
     (signed int8 -32..31), as int8 tensor-core dots, one per 16-element group (``x``'s rows of the
     other group zeroed): exactly :func:`_q6k_dp4a_kernel`'s ``dot - 32 * sum`` per group and plane
     (no half-group sums needed), then its group terms in the same order."""
-    gdc_enter(PDL)   # (kernels.pdl)
     rn, row, b0, nb = _program(w_ptr, N, K, swn, BLOCK_N, SPLIT_K)
     rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     i32 = tl.arange(0, 32)
@@ -748,13 +740,12 @@ def _legacy_acc(acc, dh, dl, d, m, sx, xsum, hs, ls, QT: tl.constexpr):
 @triton.jit
 def _legacy_dp4a_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, N, K, swn,
                         QT: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-                        EMULATE: tl.constexpr, FUSED: tl.constexpr = False, PDL: tl.constexpr = False):
+                        EMULATE: tl.constexpr, FUSED: tl.constexpr = False):
     """One row of ``x`` (:class:`Planes`) times a legacy weight (``QT``: 0 Q4_0, 1 Q4_1, 2 Q8_0;
     ``BS`` bytes per block of 32): per block the code words of elements 0-15 and 16-31
     (:func:`_legacy_block`) against the planes' words, ``dp4a`` (Q8_0: signed), then
     :func:`_legacy_acc`. ``y_ptr``, ``part_ptr``, ``cnt_ptr``: as
     :func:`_q4k_dp4a_kernel`'s."""
-    gdc_enter(PDL)   # (kernels.pdl)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * swn
     nb = K // 32 // SPLIT_K
@@ -787,10 +778,9 @@ def _legacy_dp4a_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, hs_ptr, ls_ptr, w_ptr, y_pt
 @triton.jit
 def _legacy_mma_kernel(h_ptr, l_ptr, s_ptr, xs_ptr, hs_ptr, ls_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, swn,
                        QT: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       SPLIT_K: tl.constexpr, FUSED: tl.constexpr = False, PDL: tl.constexpr = False):
+                       SPLIT_K: tl.constexpr, FUSED: tl.constexpr = False):
     """As :func:`_legacy_dp4a_kernel` for ``M`` rows: each block's 32 codes as int8 tensor-core dots
     with both planes (exact), then :func:`_legacy_acc` in the same order."""
-    gdc_enter(PDL)   # (kernels.pdl)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * swn
     nb = K // 32 // SPLIT_K
@@ -872,30 +862,30 @@ def linear(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, split_k: 
         if legacy:
             _legacy_dp4a_kernel[grid](*xs, p.xsum, p.hsum, p.lsum, data, y, part, cnt, n, k, data.stride(0),
                                       QT=_LEGACY_CODE[name], BS=stride, BLOCK_N=bn, SPLIT_K=split,
-                                      EMULATE=emulate, FUSED=fused, num_warps=num_warps or 1, **pdl.launch(xs[0]))
+                                      EMULATE=emulate, FUSED=fused, num_warps=num_warps or 1)
         elif q6:
             _q6k_dp4a_kernel[grid](*xs, p.hsum, p.lsum, data, y, part, cnt, n, k, data.stride(0), BLOCK_N=bn,
                                    SPLIT_K=split, EMULATE=emulate, FUSED=fused, STRIDE=stride,
-                                   num_warps=num_warps or 1, **pdl.launch(xs[0]))
+                                   num_warps=num_warps or 1)
         else:
             _q4k_dp4a_kernel[grid](*xs, p.xsum, data, y, part, cnt, n, k, data.stride(0), BLOCK_N=bn,
-                                   SPLIT_K=split, EMULATE=emulate, Q5=name == "Q5_K", FUSED=fused, num_warps=num_warps or 1, **pdl.launch(xs[0]))
+                                   SPLIT_K=split, EMULATE=emulate, Q5=name == "Q5_K", FUSED=fused, num_warps=num_warps or 1)
     else:
         grid = (triton.cdiv(n, bn), split, triton.cdiv(m, MMA_ROWS))
         stages = {} if MMA_STAGES is None else {"num_stages": MMA_STAGES}
         if legacy:
             _legacy_mma_kernel[grid](*xs, p.xsum, p.hsum, p.lsum, data, y, part, cnt, m, n, k, data.stride(0),
                                      QT=_LEGACY_CODE[name], BS=stride, BLOCK_M=MMA_ROWS, BLOCK_N=bn,
-                                     SPLIT_K=split, FUSED=fused, num_warps=num_warps or warps_mma, **stages, **pdl.launch(xs[0]))
+                                     SPLIT_K=split, FUSED=fused, num_warps=num_warps or warps_mma, **stages)
         elif q6:
             _q6k_mma_kernel[grid](*xs, data, y, part, cnt, m, n, k, data.stride(0), BLOCK_M=MMA_ROWS,
                                   BLOCK_N=bn, SPLIT_K=split, FUSED=fused, STRIDE=stride,
-                                  num_warps=num_warps or warps_mma, **stages, **pdl.launch(xs[0]))
+                                  num_warps=num_warps or warps_mma, **stages)
         else:
             _q4k_mma_kernel[grid](*xs, p.xsum, data, y, part, cnt, m, n, k, data.stride(0), BLOCK_M=MMA_ROWS,
-                                  BLOCK_N=bn, SPLIT_K=split, Q5=name == "Q5_K", FUSED=fused, num_warps=num_warps or warps_mma, **stages, **pdl.launch(xs[0]))
+                                  BLOCK_N=bn, SPLIT_K=split, Q5=name == "Q5_K", FUSED=fused, num_warps=num_warps or warps_mma, **stages)
     if split > 1 and not fused:
-        _split_sum_kernel[(triton.cdiv(m * n, 1024),)](part, y, m * n, SPLIT_K=split, BLOCK=1024, num_warps=4, **pdl.launch(part))
+        _split_sum_kernel[(triton.cdiv(m * n, 1024),)](part, y, m * n, SPLIT_K=split, BLOCK=1024, num_warps=4)
     return y
 
 
