@@ -70,3 +70,40 @@ def test_same_bits_with_and_without_pdl(monkeypatch):
     for a, b in zip(out["0"][0] + out["0"][1], out["1"][0] + out["1"][1]):
         assert torch.equal(a, b)
     assert torch.equal(out["1"][0][1], out["1"][1][1])
+
+
+def test_every_pdl_launch_waits_first():
+    """A kernel launched with ``**pdl.launch(...)`` may start before the kernel ahead of it has
+    finished, so it must wait before it touches memory: every such kernel (in ``kernels/``) takes
+    the ``PDL`` constexpr and its first statement (after the docstring) is ``gdc_enter(PDL)``; and
+    every kernel with that statement is launched so somewhere (else it would never overlap; a
+    launch without PDL stays safe: ``PDL=False`` compiles the wait out). Read from the
+    source with ``ast``: a kernel added later without the wait fails here, on any machine."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "kernels"
+    defs, launched = {}, {}
+    for path in root.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef):
+                body = node.body[1:] if (isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+                                         and isinstance(node.body[0].value.value, str)) else node.body
+                first = body[0] if body else None
+                enters = (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
+                          and getattr(first.value.func, "id", None) == "gdc_enter")
+                params = {a.arg for a in node.args.args + node.args.kwonlyargs}
+                defs[node.name] = (enters and "PDL" in params, f"{path.name}:{node.lineno}")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+                    and isinstance(node.func.value, ast.Name)):
+                pdl_kw = any(k.arg is None and isinstance(k.value, ast.Call)
+                             and ast.unparse(k.value.func) == "pdl.launch" for k in node.keywords)
+                launched.setdefault(node.func.value.id, set()).add(pdl_kw)
+    with_pdl = {name for name, kinds in launched.items() if True in kinds}
+    assert len(with_pdl) >= 20
+    for name in with_pdl:
+        assert name in defs and defs[name][0], f"{name} is launched with PDL but does not wait first ({defs.get(name)})"
+    entering = {name for name, (ok, _) in defs.items() if ok and name != "gdc_enter"}
+    for name in entering:
+        assert True in launched.get(name, set()), f"{name} waits for PDL but is never launched with it"

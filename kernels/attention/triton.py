@@ -375,14 +375,14 @@ def pool_attention(
                out.stride(0), out.stride(1), out.stride(2))
     shape = (w, g, hkv, splits, chunk if splits > 1 else 1 << 30)
     launch = dict(D=d, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-                  num_warps=TREE_LAUNCH["num_warps"], **_stages(causal), **pdl.launch(q))
+                  num_warps=TREE_LAUNCH["num_warps"], **_stages(causal))
     if nodes > 1:
         _pool_tree_nodes_kernel[(bsz * hkv, triton.cdiv(w, nodes), splits)](*args, *shape, *strides, NODES=nodes,
-                                                                            **launch)
+                                                                            **launch, **pdl.launch(q))
     else:
         grid = (bsz * hkv, triton.cdiv(w * g, block_m) if causal else w, splits)
         _pool_attention_kernel[grid](*args, max(0, int(window)), *shape, *strides, CAUSAL=bool(causal),
-                                     WINDOW=int(window) > 0, **launch)
+                                     WINDOW=int(window) > 0, **launch, **pdl.launch(q))
     if splits > 1:
         _combine_kernel[(bsz * w * hq,)](part, lse, out, hq, w, splits, out.stride(0), out.stride(1), out.stride(2),
                                          D=d, BLOCK_S=triton.next_power_of_2(max(splits, max_splits or 1)),
