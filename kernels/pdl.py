@@ -43,10 +43,27 @@ def _capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+@functools.lru_cache(maxsize=1)
+def triton_supports() -> bool:
+    """Whether this Triton has PDL: the ``launch_pdl`` launch option and
+    ``triton.language.extra.cuda.gdc_wait`` (Triton 3.6, which ``pyproject.toml`` pins on Linux
+    x86_64, has both; an older one, e.g. beside another platform's PyTorch, launches without)."""
+    try:
+        import dataclasses
+
+        import triton.language.extra.cuda as cuda
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        return "launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)} and hasattr(cuda, "gdc_wait")
+    except Exception:   # (no NVIDIA backend, or a layout this check does not know: no PDL)
+        return False
+
+
 def enabled(device: torch.device) -> bool:
     """Whether kernels on ``device`` launch with PDL: a CUDA device of compute capability >= 9.0,
-    not under ``TRITON_INTERPRET=1``, and :data:`ENV` not set to ``0`` / ``off`` / ``false``."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    a Triton that has it (:func:`triton_supports`), not under ``TRITON_INTERPRET=1``, and
+    :data:`ENV` not set to ``0`` / ``off`` / ``false``."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or not triton_supports():
         return False
     if os.environ.get(ENV, "1").strip().lower() in ("0", "off", "false", "no"):
         return False
@@ -68,4 +85,4 @@ def gdc_enter(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-__all__ = ["ENV", "enabled", "gdc_enter", "launch"]
+__all__ = ["ENV", "enabled", "gdc_enter", "launch", "triton_supports"]

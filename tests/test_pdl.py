@@ -15,9 +15,13 @@ HOPPER = CUDA and torch.cuda.get_device_capability()[0] >= 9
 
 
 def test_enabled_rules(monkeypatch):
-    """Off for CPU tensors and under Triton's interpreter; ``DFLASH_PDL=0`` turns it off; on a
-    CUDA device it follows the compute capability."""
+    """Off for CPU tensors, under Triton's interpreter and with a Triton without PDL;
+    ``DFLASH_PDL=0`` turns it off; on a CUDA device it follows the compute capability."""
     monkeypatch.delenv(pdl.ENV, raising=False)
+    import triton
+
+    if triton.__version__ == "3.6.0":            # (the version pyproject.toml pins has it)
+        assert pdl.triton_supports()
     assert not pdl.enabled(torch.device("cpu"))
     assert pdl.launch(torch.zeros(1)) == {"PDL": False}
     if CUDA:
@@ -28,6 +32,9 @@ def test_enabled_rules(monkeypatch):
             monkeypatch.setenv(pdl.ENV, off)
             assert not pdl.enabled(dev)
         monkeypatch.setenv(pdl.ENV, "1")
+        monkeypatch.setattr(pdl, "triton_supports", lambda: False)
+        assert not pdl.enabled(dev)                # (an older Triton: launched as before)
+        monkeypatch.undo()
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         assert not pdl.enabled(dev)
 
