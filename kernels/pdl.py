@@ -14,10 +14,11 @@ integer-dot kernels of the quantized projections (``kernels/quant/intdot.py``) l
 they have not run on a GPU with it yet.
 
 The rule every kernel here follows (:func:`gdc_enter`, first thing in the kernel): wait, then
-signal the dependents. So nothing of a kernel reads or writes memory before the previous kernel
-has completed, whatever that kernel is (one of ours, a PyTorch op or cuBLAS, which never signal:
-a kernel launched after them starts when they complete, as without PDL), and a kernel that
-completes has waited for its predecessor, so completion stays transitive along the stream. The
+signal the dependents. So nothing of a kernel launched with PDL reads or writes memory before the
+previous kernel has completed, whatever that kernel is and whether or not it signalled early (one
+of ours, a PyTorch op, cuBLAS); a kernel launched without PDL (PyTorch's) starts after its
+predecessor completes, as always; and a kernel that completes has waited for its predecessor, so
+completion stays transitive along the stream. The
 next kernel's launch then overlaps this kernel's work. The arithmetic is untouched: the same
 bits with or without PDL.
 
@@ -59,21 +60,37 @@ def triton_supports() -> bool:
         return False
 
 
+def _interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET``, read as Triton reads
+    it: ``triton.knobs.runtime.interpret``, which takes ``1``, ``true``, ``on``, ``yes``)."""
+    try:
+        from triton import knobs
+
+        return bool(knobs.runtime.interpret)
+    except Exception:   # (an older Triton without knobs)
+        return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
+
+
 def enabled(device: torch.device) -> bool:
     """Whether kernels on ``device`` launch with PDL: a CUDA device of compute capability >= 9.0,
-    a Triton that has it (:func:`triton_supports`), not under ``TRITON_INTERPRET=1``, and
+    a Triton that has it (:func:`triton_supports`), not under Triton's interpreter, and
     :data:`ENV` not set to ``0`` / ``off`` / ``false``."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or not triton_supports():
+    if device.type != "cuda" or _interpreting() or not triton_supports():
         return False
     if os.environ.get(ENV, "1").strip().lower() in ("0", "off", "false", "no"):
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def options(device: torch.device) -> dict:
+    """Keyword arguments for a kernel launch (or ``warmup``) on ``device``: ``PDL`` (the kernels'
+    constexpr that adds :func:`gdc_enter`) and, when on, Triton's ``launch_pdl``."""
+    return {"PDL": True, "launch_pdl": True} if enabled(device) else {"PDL": False}
+
+
 def launch(t: torch.Tensor) -> dict:
-    """Keyword arguments for a kernel launch on ``t``'s device: ``PDL`` (the kernels' constexpr
-    that adds :func:`gdc_enter`) and, when on, Triton's ``launch_pdl``."""
-    return {"PDL": True, "launch_pdl": True} if enabled(t.device) else {"PDL": False}
+    """:func:`options` for ``t``'s device."""
+    return options(t.device)
 
 
 @triton.jit
@@ -85,4 +102,4 @@ def gdc_enter(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-__all__ = ["ENV", "enabled", "gdc_enter", "launch", "triton_supports"]
+__all__ = ["ENV", "enabled", "gdc_enter", "launch", "options", "triton_supports"]

@@ -35,8 +35,9 @@ def test_enabled_rules(monkeypatch):
         monkeypatch.setattr(pdl, "triton_supports", lambda: False)
         assert not pdl.enabled(dev)                # (an older Triton: launched as before)
         monkeypatch.undo()
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        assert not pdl.enabled(dev)
+        for on in ("1", "true"):                   # (as Triton reads it)
+            monkeypatch.setenv("TRITON_INTERPRET", on)
+            assert not pdl.enabled(dev)
 
 
 def _chain(x, w, g, n: int):
@@ -99,7 +100,8 @@ def test_every_pdl_launch_waits_first():
                                          and isinstance(node.body[0].value.value, str)) else node.body
                 first = body[0] if body else None
                 enters = (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
-                          and getattr(first.value.func, "id", None) == "gdc_enter")
+                          and getattr(first.value.func, "id", None) == "gdc_enter"
+                          and [ast.unparse(a) for a in first.value.args] == ["PDL"])
                 params = {a.arg for a in node.args.args + node.args.kwonlyargs}
                 defs[node.name] = (enters and "PDL" in params, f"{path.name}:{node.lineno}")
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)

@@ -435,7 +435,7 @@ def _random_trees(bsz: int, w: int, seed: int, vocab: int = 3):
                 depth[b, j] = depth[b, p] + 1
                 bits[j] = bits[p] | (1 << j)
             elif j >= n:
-                bits[j] = 1
+                bits[j] = 1 << j   # (the engine's padding: a node's own bit, target_service/pooled.py)
             valid[b, j] = j < n
             anc[b, j] = bits[j] - (1 << 64) if bits[j] >= 1 << 63 else bits[j]   # (int64: bit 63 wraps)
     return tokens, parents, anc, depth, valid, choice
@@ -457,5 +457,16 @@ def test_accept_trees_kernel_equals_reference(w):
         for a, b in zip(got, want):
             assert a.dtype == torch.long and torch.equal(a, b), (w, seed)
         assert all(torch.equal(a, b) for a, b in zip(accept_trees(*ins), want))
-    with pytest.raises(ValueError, match="at most 64"):
+    # a 64-node chain every node of which matches: the path ends at node 63 (the sign bit)
+    tokens, parents, anc, depth, valid, choice = _random_trees(1, 64, 0)
+    chain = torch.arange(64)
+    parents[0] = chain - 1
+    depth[0] = chain
+    anc[0] = torch.tensor([(1 << (j + 1)) - 1 - (1 << 64) if j == 63 else (1 << (j + 1)) - 1 for j in range(64)])
+    valid[0] = True
+    choice[0, :63] = tokens[0, 1:]
+    ins = dev(tokens, parents, anc, depth, valid, choice)
+    got, want = tri.accept_trees(*ins), accept_trees_reference(*ins)
+    assert int(got[1][0]) == 64 and all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(ValueError, match="1 to 64"):
         tri.accept_trees(*dev(*_random_trees(1, 65, 0)))

@@ -211,6 +211,7 @@ def cfg_dict(c) -> dict:
 # ----------------------------------------------------------------------------------- compilation
 def _warm_worker(items: list[tuple]) -> int:
     """Compile kernels into Triton's on-disk cache (a process of the pool); returns how many failed."""
+    from kernels import pdl
     from kernels.linear import triton as T
 
     failed = 0
@@ -219,7 +220,7 @@ def _warm_worker(items: list[tuple]) -> int:
         try:
             T._skinny_kernel.warmup(dt[x_dt], dt[x_dt], dt[y_dt], 1, n, k, k, k, n,
                                     BLOCK_M=T.BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, IEEE=x_dt == "float32",
-                                    num_warps=w, num_stages=s, grid=(1,))
+                                    num_warps=w, num_stages=s, grid=(1,), **pdl.options(torch.device("cuda")))
         except Exception:
             failed += 1
     return failed

@@ -239,6 +239,7 @@ def tiled_candidates(smoke: bool = False) -> list:
 
 def _warm_worker(items: list[tuple]) -> int:
     """Compile kernels into Triton's on-disk cache (a process of the pool); returns how many failed."""
+    from kernels import pdl
     from kernels.quant import triton as T
     from kernels.quant.weight import block_geometry, stride_for
 
@@ -255,7 +256,7 @@ def _warm_worker(items: list[tuple]) -> int:
                 const = T.kernel_constants(name, torch.bfloat16, bm, bn, dq, True if split is None else split,
                                            stride=stride_for(name))
             T._qlinear_kernel.warmup(torch.bfloat16, torch.uint8, torch.bfloat16, 1, n, k, k, k // qk * bs, n,
-                                     **const, num_warps=w, num_stages=s, grid=(1,))
+                                     **const, num_warps=w, num_stages=s, grid=(1,), **pdl.options(torch.device("cuda")))
         except Exception:  # noqa: BLE001 - the timed run reports it
             failed += 1
     return failed

@@ -579,12 +579,12 @@ def accept_trees(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.T
     program per batch row, where the reference runs about 25 small tensor ops.
 
     Raises:
-        ValueError: more than 64 nodes per tree (the ancestor bit masks hold 64), or inputs of
-            different shapes.
+        ValueError: no nodes or more than 64 per tree (the ancestor bit masks hold 64), or inputs
+            of different shapes.
     """
     bsz, w = tokens.shape
-    if w > 64:
-        raise ValueError(f"trees of {w} nodes: at most 64 (ancestor bit masks)")
+    if w > 64 or (bsz and not w):
+        raise ValueError(f"trees of {w} nodes: 1 to 64 (the root; the ancestor bit masks hold 64)")
     ins = (tokens, parents, ancestors, depth, valid, choice)
     if any(t.shape != (bsz, w) for t in ins):
         raise ValueError("tokens, parents, ancestors, depth, valid and choice must all be [B, W]")
