@@ -422,9 +422,12 @@ def serve_orchestrator(target: str, draft: str, local_hop: bool, stream_interval
     extra = {"stream_interval_ms": stream_interval_ms} if stream_interval_ms else {}   # (older checkouts: none)
     if stream_hold_max_ms is not None:
         extra["stream_hold_max_ms"] = stream_hold_max_ms
-    for kv in settings or ():   # --scheduler-set NAME=VALUE: a Scheduler keyword (a number)
+    for kv in settings or ():   # --scheduler-set NAME=VALUE: a Scheduler keyword (a number, else a string)
         name, _, value = kv.partition("=")
-        extra[name] = float(value) if "." in value or "e" in value else int(value)
+        try:
+            extra[name] = float(value) if "." in value or "e" in value else int(value)
+        except ValueError:      # (e.g. draft_policy=measured)
+            extra[name] = value
     kwargs = dict(max_sessions=cfg.max_sessions, max_queue=cfg.max_queue, step_nodes=cfg.step_nodes,
                   step_timeout=cfg.step_timeout, history_bytes=cfg.history_bytes)
     sched = Scheduler(tpeer, dpeer, **{**kwargs, **extra})
@@ -670,8 +673,8 @@ def main() -> int:
     ap.add_argument("--stream-hold-max-ms", type=float, default=None,
                     help="the orchestrator's --stream-hold-max-ms (the adaptive hold's most; 0: off; default: its default)")
     ap.add_argument("--scheduler-set", action="append", default=[], metavar="NAME=VALUE",
-                    help="a keyword of the orchestrator's Scheduler (a number), e.g. history_bytes=0 or "
-                         "stream_host_share=0.1 (repeatable; default: the config's defaults)")
+                    help="a keyword of the orchestrator's Scheduler (a number, else a string), e.g. history_bytes=0, "
+                         "stream_host_share=0.1 or draft_policy=measured (repeatable; default: the config's defaults)")
     ap.add_argument("--grpc-server", choices=("aio", "threads"), default=None,
                     help="the orchestrator's --grpc-server (default: the checkout's own default)")
     ap.add_argument("--device-ms", default="0,0", metavar="VERIFY,PROPOSE",
