@@ -18,12 +18,14 @@ signal the dependents. So nothing of a kernel launched with PDL reads or writes 
 previous kernel has completed, whatever that kernel is and whether or not it signalled early (one
 of ours, a PyTorch op, cuBLAS); a kernel launched without PDL (PyTorch's) starts after its
 predecessor completes, as always; and a kernel that completes has waited for its predecessor, so
-completion stays transitive along the stream. The
-next kernel's launch then overlaps this kernel's work. The arithmetic is untouched: the same
-bits with or without PDL.
+completion stays transitive along the stream. The next kernel's launch then overlaps this
+kernel's work. The arithmetic is untouched: the same bits with or without PDL.
 
 ``DFLASH_PDL=0`` turns it off (the A/B of ``benchmarks/gpu/step/run22-pdl``); it is on by default
-on devices of compute capability 9.0 and later, and never under Triton's interpreter.
+on devices of compute capability 9.0 and later, and never under Triton's interpreter. The choice
+is made once per device, at its first launch (:func:`enabled` is on every launch's path; the
+environment is read then, as Triton reads ``TRITON_INTERPRET`` once): :func:`refresh` makes it
+again.
 """
 
 from __future__ import annotations
@@ -37,11 +39,6 @@ import triton.language as tl
 
 #: Environment variable: ``0`` / ``off`` / ``false`` turn PDL off.
 ENV = "DFLASH_PDL"
-
-
-@functools.lru_cache(maxsize=16)
-def _capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 @functools.lru_cache(maxsize=1)
@@ -71,15 +68,30 @@ def _interpreting() -> bool:
         return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
 
 
-def enabled(device: torch.device) -> bool:
-    """Whether kernels on ``device`` launch with PDL: a CUDA device of compute capability >= 9.0,
-    a Triton that has it (:func:`triton_supports`), not under Triton's interpreter, and
-    :data:`ENV` not set to ``0`` / ``off`` / ``false``."""
-    if device.type != "cuda" or _interpreting() or not triton_supports():
+@functools.lru_cache(maxsize=16)
+def _on(index: int) -> bool:
+    """:func:`enabled` for CUDA device ``index``, decided at its first call (module docstring)."""
+    if _interpreting() or not triton_supports():
         return False
     if os.environ.get(ENV, "1").strip().lower() in ("0", "off", "false", "no"):
         return False
-    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch with PDL: a CUDA device of compute capability >= 9.0,
+    a Triton that has it (:func:`triton_supports`), not under Triton's interpreter, and
+    :data:`ENV` not set to ``0`` / ``off`` / ``false`` (read at the device's first call; a cached
+    answer after it)."""
+    if device.type != "cuda":
+        return False
+    return _on(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def refresh() -> None:
+    """Forget the choices :func:`enabled` made, so the next launch reads the environment again
+    (tests, and A/B runs in one process; kernels already captured in a CUDA graph keep theirs)."""
+    _on.cache_clear()
 
 
 def options(device: torch.device) -> dict:
@@ -102,4 +114,4 @@ def gdc_enter(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-__all__ = ["ENV", "enabled", "gdc_enter", "launch", "options", "triton_supports"]
+__all__ = ["ENV", "enabled", "gdc_enter", "launch", "options", "refresh", "triton_supports"]

@@ -14,6 +14,34 @@ CUDA = torch.cuda.is_available()
 HOPPER = CUDA and torch.cuda.get_device_capability()[0] >= 9
 
 
+@pytest.fixture(autouse=True)
+def _fresh_choice():
+    """Each test reads the environment anew, and leaves no choice it made behind."""
+    pdl.refresh()
+    yield
+    pdl.refresh()
+
+
+def test_choice_made_once_per_device(monkeypatch):
+    """``enabled`` is on every launch's path, so it decides once per device and answers from its
+    cache after; ``refresh`` makes it read the environment again (a CUDA device faked on the CPU:
+    compute capability 9.0, not under the interpreter)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(pdl, "triton_supports", lambda: True)
+    monkeypatch.delenv(pdl.ENV, raising=False)
+    dev = torch.device("cuda", 0)
+    assert pdl.enabled(dev) and pdl.options(dev) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setenv(pdl.ENV, "0")
+    assert pdl.enabled(dev)                        # (the choice made at the first call)
+    pdl.refresh()
+    assert not pdl.enabled(dev) and pdl.options(dev) == {"PDL": False}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    monkeypatch.delenv(pdl.ENV)
+    pdl.refresh()
+    assert not pdl.enabled(dev)                    # (an A100)
+
+
 def test_enabled_rules(monkeypatch):
     """Off for CPU tensors, under Triton's interpreter and with a Triton without PDL;
     ``DFLASH_PDL=0`` turns it off; on a CUDA device it follows the compute capability."""
@@ -30,13 +58,16 @@ def test_enabled_rules(monkeypatch):
         assert pdl.enabled(dev) == HOPPER
         for off in ("0", "off", "false"):
             monkeypatch.setenv(pdl.ENV, off)
+            pdl.refresh()
             assert not pdl.enabled(dev)
         monkeypatch.setenv(pdl.ENV, "1")
         monkeypatch.setattr(pdl, "triton_supports", lambda: False)
+        pdl.refresh()
         assert not pdl.enabled(dev)                # (an older Triton: launched as before)
         monkeypatch.undo()
         for on in ("1", "true"):                   # (as Triton reads it)
             monkeypatch.setenv("TRITON_INTERPRET", on)
+            pdl.refresh()
             assert not pdl.enabled(dev)
 
 
@@ -65,6 +96,7 @@ def test_same_bits_with_and_without_pdl(monkeypatch):
     out = {}
     for mode in ("0", "1"):
         monkeypatch.setenv(pdl.ENV, mode)
+        pdl.refresh()
         eager = _chain(x, w, g, 40)
         xs = x.clone()
         _chain(xs, w, g, 2)                      # warm-up (compiles) outside the capture

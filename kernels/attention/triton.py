@@ -45,8 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import CHUNK, default_splits  # noqa: F401 (re-exported)
 from kernels import pdl
+from kernels.attention import CHUNK, default_splits  # noqa: F401 (re-exported)
 from kernels.pdl import gdc_enter
 
 

@@ -29,9 +29,8 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.pdl import gdc_enter
-
 from kernels.ddtree.reference import DEPTH_SHIFT, INVALID
+from kernels.pdl import gdc_enter
 
 _INVALID = tl.constexpr(INVALID)
 _SHIFT = tl.constexpr(DEPTH_SHIFT)

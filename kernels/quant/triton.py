@@ -79,12 +79,11 @@ import os
 import torch
 import triton
 import triton.language as tl
-
-from kernels import pdl
-from kernels.pdl import gdc_enter
 from gguf.constants import GGML_QUANT_SIZES
 
+from kernels import pdl
 from kernels.linear.triton import MAX_ROWS, is_pow2, skinny_rows
+from kernels.pdl import gdc_enter
 from kernels.quant import intdot
 from kernels.quant.partials import _split_sum_kernel
 from kernels.quant.weight import QuantizedWeight, as_qtype, int_setting

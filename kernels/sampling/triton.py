@@ -40,7 +40,6 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.pdl import gdc_enter
-
 from kernels.sampling import reference as _ref
 
 #: Elements per block and warps per program of the sampling kernel and of the threshold kernel.
@@ -592,7 +591,7 @@ def accept_trees(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.T
     path = torch.empty(bsz, w, dtype=torch.long, device=tokens.device)
     n_accept = torch.empty(bsz, dtype=torch.long, device=tokens.device)
     bonus = torch.empty(bsz, dtype=torch.long, device=tokens.device)
-    if bsz and w:
+    if bsz:   # (w >= 1 then: checked above)
         _accept_kernel[(bsz,)](*ins, path, n_accept, bonus, w, *(t.stride(0) for t in ins), path.stride(0),
                                BLOCK_W=max(2, triton.next_power_of_2(w)), num_warps=1 if w <= 32 else 2,
                                **pdl.launch(tokens))

@@ -37,7 +37,6 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.pdl import gdc_enter
-
 from kernels.topk import reference as _reference
 
 #: Columns per chunk of the partial kernel, and its warps.
