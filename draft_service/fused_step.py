@@ -37,6 +37,7 @@ import math
 import torch
 
 from kernels import attention as attn_ops
+from kernels.embed import embed_block
 from kernels.linear import linear, linear_swiglu
 from kernels.norm import add_rms_norm, rms_norm
 from kernels.quant import QuantizedWeight, embedding
@@ -90,22 +91,45 @@ class FusedDrafter:
             self.head = head if isinstance(head, QuantizedWeight) else head.to(drafter.dtype).contiguous()
             self.embed = drafter.embed_weight
         self.cos, self.sin = rope_table(max_positions, c.head_dim, c.rope_theta, drafter.device)
+        self._anc: list[torch.Tensor] = []   # (_ancestors)
+
+    def _ancestors(self, b: int, device) -> torch.Tensor:
+        """``[b, B]`` int64 ancestor masks of the block, every bit set (each block row sees every
+        other): a slice of one tensor made outside any graph capture (the captures' warm-up runs
+        make it, largest batch first), so a replayed step does not refill it. Tensors made
+        before are kept: a graph captured with one of them still reads it."""
+        t = self._anc[-1] if self._anc else None
+        if t is None or t.shape[0] < b or t.device != torch.device(device):
+            B = self.config.block_size
+            t = torch.full((b, B), (1 << B) - 1 if B < 64 else -1, dtype=torch.long, device=device)
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                return t   # (made inside a capture: the graph refills it, and it is not kept)
+            self._anc.append(t)
+        return t[:b]
+
+    def _embed_block(self, roots: torch.Tensor) -> torch.Tensor:
+        """``[b*B, H]`` embeddings of the blocks ``[root, mask x (B-1)]`` (one launch for a float
+        table: :func:`kernels.embed.embed_block`)."""
+        c, d = self.config, self.drafter
+        if isinstance(self.embed, torch.Tensor):
+            return embed_block(self.embed, roots, c.mask_token_id, c.block_size, d.dtype)
+        tokens = torch.full((roots.shape[0], c.block_size), c.mask_token_id, dtype=torch.long, device=roots.device)
+        tokens[:, 0] = roots
+        return embedding(self.embed, tokens.reshape(-1), d.dtype)
 
     def _context(self, pool, slots: torch.Tensor, held: torch.Tensor, features: torch.Tensor) -> None:
-        """Every layer's context K/V of ``features`` ``[b, a, N*H]`` at rows ``held..held+a-1``."""
+        """Every layer's context K/V of ``features`` ``[b, a, N*H]`` at rows ``held..held+a-1``
+        (positions = pool rows: :func:`kernels.rope.rope_store` reads the rotary table at them)."""
         c, d = self.config, self.drafter
         b, a = features.shape[:2]
         nkv, D = c.num_kv_heads, c.head_dim
-        rows = held[:, None] + torch.arange(a, device=features.device)          # [b, a]
         ctx = rms_norm(linear(features.reshape(b * a, -1).to(d.dtype), d.fc.weight),
                        d.hidden_norm.weight, self.eps)                          # [b*a, H]
-        flat = rows.reshape(-1)
-        cos, sin = self.cos[flat], self.sin[flat]
         for i, lw in enumerate(self.layers):
             kv = linear(ctx, lw.kv)
-            k = rms_norm(kv[:, : nkv * D].reshape(b * a, nkv, D), lw.k_norm, self.eps)
+            k = rms_norm(kv[:, : nkv * D].reshape(b * a, nkv, D), lw.k_norm, self.eps)   # (read in place)
             v = kv[:, nkv * D :].reshape(b * a, nkv, D)
-            rope_store(k, k, v, cos, sin, pool.k[i], pool.v[i], slots, rows)
+            rope_store(k, k, v, self.cos, self.sin, pool.k[i], pool.v[i], slots, held, table=True)
 
     @torch.no_grad()
     def step(self, pool, slots: torch.Tensor, held: torch.Tensor, n_rows: torch.Tensor, roots: torch.Tensor,
@@ -118,15 +142,10 @@ class FusedDrafter:
         dev = features.device
         b = features.shape[0]
         self._context(pool, slots, held, features)
-        lengths = held + n_rows                                                  # L
-        block_rows = lengths[:, None] + torch.arange(B, device=dev)              # [b, B]
-        ancestors = torch.full((b, B), (1 << B) - 1 if B < 64 else -1, dtype=torch.long, device=dev)
-        tokens = torch.full((b, B), c.mask_token_id, dtype=torch.long, device=dev)
-        tokens[:, 0] = roots
-        flat = block_rows.reshape(-1)
-        cos, sin = self.cos[flat], self.sin[flat]
+        lengths = held + n_rows                                                  # L: the block at rows L..L+B-1
+        ancestors = self._ancestors(b, dev)
         scale = 1.0 / math.sqrt(D)
-        x = embedding(self.embed, tokens.reshape(-1), self.drafter.dtype)        # [b*B, H]
+        x = self._embed_block(roots)                                             # [b*B, H]
         h = rms_norm(x, self.layers[0].attn_norm, self.eps)
         n = b * B
         for i, lw in enumerate(self.layers):
@@ -134,7 +153,7 @@ class FusedDrafter:
             q = rms_norm(qkv[:, : nh * D].reshape(n, nh, D), lw.q_norm, self.eps)
             kk = rms_norm(qkv[:, nh * D : (nh + nkv) * D].reshape(n, nkv, D), lw.k_norm, self.eps)
             v = qkv[:, (nh + nkv) * D :].reshape(n, nkv, D)
-            q = rope_store(q, kk, v, cos, sin, pool.k[i], pool.v[i], slots, block_rows)
+            q = rope_store(q, kk, v, self.cos, self.sin, pool.k[i], pool.v[i], slots, lengths, table=True)
             o = attn_ops.pool_attention(q.reshape(b, B, nh, D), pool.k[i], pool.v[i], slots, lengths, ancestors,
                                         scale, splits=splits, window=c.layer_window(i),
                                         max_splits=max_splits)

@@ -141,12 +141,14 @@ class _Runner(StepGraph):
         st = StepTensors.from_buffer(self.layout, self.dev, e.conv_kernel)
         if self.prefill:
             out = prefill_step(e.model, e.pool, st, e.rope, e.taps)
+            self._dev_ints[: out.ints.shape[0]].copy_(out.ints)
+            if self._dev_feats is not None:
+                self._dev_feats.copy_(out.features)
         else:   # every row's bits independent of the step's rows (kernels.linear.batch_invariant)
-            with batch_invariant():
-                out = run_step(e.model, e.pool, st, e.rope, e.taps, self.splits, e.max_splits)
-        self._dev_ints[: out.ints.shape[0]].copy_(out.ints)
-        if self._dev_feats is not None:
-            self._dev_feats.copy_(out.features)
+            n = self.layout.batch * (self.layout.width + 2)   # (path, accepted counts, bonus tokens)
+            with batch_invariant():   # written into the output buffers: no copies after
+                run_step(e.model, e.pool, st, e.rope, e.taps, self.splits, e.max_splits,
+                         out_ints=self._dev_ints[:n], out_feats=self._dev_feats)
         if self.cuda:   # (off CUDA the host buffer is its own device twin)
             self.copy(self.out_host[: self._ints_bytes], self.out_dev[: self._ints_bytes])
 

@@ -28,10 +28,11 @@ import torch
 
 from kernels import attention as attn_ops
 from kernels import conv as conv_ops
+from kernels.embed import embed_rows
 from kernels import gated_delta as gdn_ops
 from kernels.gated_delta import fla
 from kernels.quant import embedding
-from kernels.sampling import filter_thresholds, sample_tokens
+from kernels.sampling import filter_thresholds, sample_tokens, step_nodes
 from kernels.rope import rope_store
 from kernels.sampling.accept import accept_trees
 
@@ -119,25 +120,23 @@ class StepTensors:
     top_p: torch.Tensor
     valid: torch.Tensor = None
     positions: torch.Tensor = None
-    rows: torch.Tensor = None
+    next_positions: torch.Tensor = None
     window: torch.Tensor | None = None
 
     @classmethod
     def from_buffer(cls, layout: StepLayout, buf: torch.Tensor, conv_kernel: int | None) -> "StepTensors":
-        """Views of the device buffer and the derived tensors (positions ``L + depth``, scratch
-        rows ``L + j``, node validity, conv windows)."""
+        """Views of the device buffer and the derived tensors (positions ``L + depth``, the next
+        positions, node validity: one launch, :func:`kernels.sampling.step_nodes`; conv windows). A node's scratch row is ``L + j``: :meth:`PoolBackend.attend`
+        gives :func:`kernels.rope.rope_store` each row's ``L``."""
         b, w = layout.batch, layout.width
         f = {}
         for name, (o, n) in layout.offsets().items():
             t = buf[o : o + n]
-            if name in _FLOAT_FIELDS:
-                t = t.view(torch.float64).float()
+            if name in _FLOAT_FIELDS:   # (float64: the sampler kernels round them once as they read them)
+                t = t.view(torch.float64)
             f[name] = t.reshape(b, w) if name in _NODE_FIELDS else t
         st = cls(**f)
-        j = torch.arange(w, device=buf.device)
-        st.valid = j[None, :] < st.n_nodes[:, None]
-        st.positions = st.lengths[:, None] + st.depth
-        st.rows = st.lengths[:, None] + j[None, :]
+        st.positions, st.next_positions, st.valid = step_nodes(st.lengths, st.depth, st.n_nodes)
         if conv_kernel:
             st.window = conv_ops.conv_window_index(st.parents, conv_kernel)
         return st
@@ -182,11 +181,14 @@ class PoolBackend:
         self.b, self.w = st.tokens.shape
 
     def attend(self, layer: int, q, k, v, scale: float, cos, sin) -> torch.Tensor:
+        """RoPE, the K/V write and the attention of one layer's nodes. ``cos`` / ``sin``: the
+        engine's whole rotary tables ``[P, r]`` (:func:`forward` passes them as they are), read
+        at the nodes' positions inside :func:`kernels.rope.rope_store`'s launch."""
         st, pool = self.st, self.pool
         a = pool.attn_index[layer]
         n, hq, d = q.shape
         kp, vp = pool.k[a], pool.v[a]
-        q = rope_store(q, k, v, cos, sin, kp, vp, st.slots, st.rows)
+        q = rope_store(q, k, v, cos, sin, kp, vp, st.slots, st.lengths, positions=st.positions, table=True)
         o = attn_ops.pool_attention(q.reshape(self.b, self.w, hq, d), kp, vp, st.slots, st.lengths,
                                     None if self.causal else st.ancestors, scale, causal=self.causal, splits=self.splits,
                                     max_splits=self.max_splits)
@@ -266,30 +268,27 @@ class StepOutputs:
     features: torch.Tensor | None
 
 
-def node_rows(t: torch.Tensor, width: int) -> torch.Tensor:
-    """A per-row value ``[B]`` repeated for each of the row's ``width`` nodes -> ``[B * width]``."""
-    return t[:, None].expand(t.shape[0], width).reshape(-1)
-
-
 def forward(model, pool, st: StepTensors, rope: tuple[torch.Tensor, torch.Tensor], taps: list[int], *,
             commit_chain: bool, causal: bool = False, splits: int = 1, fla: bool = False, max_splits: int | None = None):
     """Embed, run the layers over the pool, and return ``(hidden [B*W, H], taps {layer: [B*W, H]},
-    backend)``."""
+    backend)``. ``rope``: the engine's rotary tables ``(cos, sin)`` ``[P, r]``, passed whole to
+    the layers (:meth:`PoolBackend.attend` reads them at the nodes' positions)."""
     tokens = st.tokens.reshape(-1)
-    pos = st.positions.reshape(-1)
-    cos, sin = rope[0][pos], rope[1][pos]
     backend = PoolBackend(pool, st, commit_chain=commit_chain, causal=causal, splits=splits, fla=fla, max_splits=max_splits)
-    x, feats = model.layers_forward(embedding(model.embed, tokens, model.dtype), cos, sin, backend, taps)
+    embed = model.embed
+    x = embed_rows(embed, tokens, model.dtype) if isinstance(embed, torch.Tensor) else embedding(embed, tokens, model.dtype)
+    x, feats = model.layers_forward(x, rope[0], rope[1], backend, taps)
     return x, feats, backend
 
 
 def choose(logits: torch.Tensor, st: StepTensors, positions: torch.Tensor, width: int) -> torch.Tensor:
     """The target's token at each logits row (``[R, V]`` for ``R = B * width`` nodes): device
     thresholds for top-k / top-p, then the Gumbel-max sampler keyed by (seed, position, token).
-    ``positions`` ``[R]`` are the positions of the chosen tokens."""
-    inv = node_rows(st.inv_temperature, width)
-    thr = filter_thresholds(logits, inv, node_rows(st.top_k, width), node_rows(st.top_p, width))
-    return sample_tokens(logits, inv, thr, node_rows(st.seeds, width), positions)
+    ``positions`` ``[R]`` are the positions of the chosen tokens. A request's settings (``[B]``)
+    are shared by its ``width`` rows: the kernels read them so (``width``), nothing repeats them
+    per node first."""
+    thr = filter_thresholds(logits, st.inv_temperature, st.top_k, st.top_p, width)
+    return sample_tokens(logits, st.inv_temperature, thr, st.seeds, positions, width)
 
 
 def prefill_step(model, pool, st: StepTensors, rope, taps: list[int], fla: bool = False) -> StepOutputs:
@@ -304,24 +303,30 @@ def prefill_step(model, pool, st: StepTensors, rope, taps: list[int], fla: bool 
     w = st.tokens.shape[1]
     x, feats, _ = forward(model, pool, st, rope, taps, commit_chain=True, causal=True, fla=fla)
     last = (st.n_nodes[:1] - 1).clamp(min=0)                                    # [1]: the chunk's last prompt row
-    first = choose(model.logits(x.index_select(0, last)), st, st.positions.reshape(-1).index_select(0, last) + 1, 1)
+    first = choose(model.logits(x.index_select(0, last)), st, st.next_positions.reshape(-1).index_select(0, last), 1)
     features = torch.cat([feats[i] for i in taps], dim=-1).reshape(1, w, -1) if taps else None
     return StepOutputs(first.reshape(-1), features)
 
 
 def run_step(model, pool, st: StepTensors, rope, taps: list[int], splits: int = 1,
-             max_splits: int | None = None) -> StepOutputs:
+             max_splits: int | None = None, out_ints: torch.Tensor | None = None,
+             out_feats: torch.Tensor | None = None) -> StepOutputs:
     """One verify step of a ``(B, W)`` bucket (module docstring); graph-safe. ``splits`` /
-    ``max_splits``: the attention kernel's key-range splits (:class:`PoolBackend`)."""
+    ``max_splits``: the attention kernel's key-range splits (:class:`PoolBackend`). ``out_ints``
+    (``[B*W + 2B]`` int64) and ``out_feats`` (``[B, W, F]``, the model dtype): where to write
+    the results (a step graph's output buffers, so that no copy follows), else new tensors."""
     b, w = st.tokens.shape
     x, feats, backend = forward(model, pool, st, rope, taps, commit_chain=w == 1, splits=splits, max_splits=max_splits)
     logits = model.logits(x)
-    choice = choose(logits, st, (st.positions + 1).reshape(-1), w).reshape(b, w)
+    choice = choose(logits, st, st.next_positions.reshape(-1), w).reshape(b, w)
     path, n_accept, bonus = accept_trees(st.tokens, st.parents, st.ancestors, st.depth, st.valid, choice)
     if w > 1:
         backend.commit(path, n_accept)
     features = None
     if taps:
         f = torch.cat([feats[i] for i in taps], dim=-1).reshape(b, w, -1)
-        features = f.gather(1, path[..., None].expand(b, w, f.shape[-1]))
-    return StepOutputs(torch.cat([path.reshape(-1), n_accept, bonus]), features)
+        index = path[..., None].expand(b, w, f.shape[-1])
+        features = f.gather(1, index) if out_feats is None else torch.gather(f, 1, index, out=out_feats)
+    parts = [path.reshape(-1), n_accept, bonus]
+    ints = torch.cat(parts) if out_ints is None else torch.cat(parts, out=out_ints)
+    return StepOutputs(ints, features)

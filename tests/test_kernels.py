@@ -383,6 +383,10 @@ def test_norms_swiglu_rope(dtype):
         assert rel(got, want) < TOL[dtype]
     qg = torch.randn(5, 3, 32, generator=gen).to(DEV, dtype)               # per-head norm of a strided view
     assert rel(NT.rms_norm(qg[..., :16], w[:16], 1e-6), NR.rms_norm(qg[..., :16], w[:16], 1e-6)) < TOL[dtype]
+    # the heads of a packed projection, sliced, are read in place: the bits of a norm of their copy
+    packed = torch.randn(5, 7 * 16, generator=gen).to(DEV, dtype)
+    heads = packed[:, 2 * 16 : 5 * 16].reshape(5, 3, 16)
+    assert torch.equal(NT.rms_norm(heads, w[:16], 1e-6), NT.rms_norm(heads.contiguous(), w[:16], 1e-6))
     o, z = torch.randn(4, 6, 32, generator=gen).to(DEV), torch.randn(4, 6, 32, generator=gen).to(DEV, dtype)
     assert rel(NT.gated_rms_norm(o, z, w[:32], 1e-6), NR.gated_rms_norm(o, z, w[:32], 1e-6)) < TOL[dtype]
     gu = torch.randn(7, 80, generator=gen).to(DEV, dtype)
@@ -401,6 +405,17 @@ def test_norms_swiglu_rope(dtype):
         out_r = RR.rope_store(q, k, v, cos[pos], sin[pos], pools[0], pools[1], slots, rows)
         out_t = RT.rope_store(q, k, v, cos[pos], sin[pos], pools[2], pools[3], slots, rows)
         assert rel(out_t, out_r) < TOL[dtype] and rel(pools[2], pools[0]) < TOL[dtype] and torch.equal(pools[3], pools[1])
+        # the tables read at the positions inside the launch: the same bits as gathered rows
+        for mod, want, pk, pv in ((RR, out_r, pools[0], pools[1]), (RT, out_t, pools[2], pools[3])):
+            tk, tv = torch.zeros_like(pk), torch.zeros_like(pv)
+            got = mod.rope_store(q, k, v, cos, sin, tk, tv, slots, rows, positions=pos, table=True)
+            assert torch.equal(got, want) and torch.equal(tk, pk) and torch.equal(tv, pv)
+            # consecutive rows given by each batch row's first, positions = the rows (a drafter's)
+            at = rows.reshape(-1)
+            rk, rv, bk, bv = (torch.zeros_like(pk) for _ in range(4))
+            want_rows = mod.rope_store(q, k, v, cos[at], sin[at], rk, rv, slots, rows)
+            got_rows = mod.rope_store(q, k, v, cos, sin, bk, bv, slots, rows[:, 0], table=True)
+            assert torch.equal(got_rows, want_rows) and torch.equal(bk, rk) and torch.equal(bv, rv)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -416,3 +431,22 @@ def test_skinny_linear(dtype, m, n, k):
     # float32 out is the input-dtype result widened, exactly as F.linear(...).float()
     assert torch.equal(tri.linear(x, w, torch.float32).to(dtype), tri.linear(x, w))
     assert rel(tri.linear(x, w, torch.float32), reference.linear(x, w, torch.float32)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_embed_rows_and_block(dtype):
+    """The embedding launches copy the table's rows exactly (a drafter block: its root, then the
+    mask token), cast once to the result's dtype, as the reference's indexing does."""
+    from kernels.embed import reference as ER
+    from kernels.embed import triton as ET
+
+    gen = torch.Generator().manual_seed(3)
+    table = torch.randn(50, 40, generator=gen).to(DEV, dtype)
+    ids = torch.randint(0, 50, (3, 5), generator=gen).to(DEV)
+    for out_dtype in (None, torch.float32):
+        got, want = ET.embed_rows(table, ids, out_dtype), ER.embed_rows(table, ids, out_dtype)
+        assert got.shape == (3, 5, 40) and torch.equal(got, want)
+    roots = torch.tensor([7, 0, 49], device=DEV)
+    got, want = ET.embed_block(table, roots, 11, 4), ER.embed_block(table, roots, 11, 4)
+    assert got.shape == (12, 40) and torch.equal(got, want)
+    assert torch.equal(got[4], table[0]) and torch.equal(got[5], table[11])

@@ -470,3 +470,33 @@ def test_accept_trees_kernel_equals_reference(w):
     assert int(got[1][0]) == 64 and all(torch.equal(a, b) for a, b in zip(got, want))
     with pytest.raises(ValueError, match="1 to 64"):
         tri.accept_trees(*dev(*_random_trees(1, 65, 0)))
+
+
+def test_step_nodes_and_shared_settings():
+    """The verify step's node bookkeeping in one launch equals its tensor ops; the sampler's
+    settings read per request (``width`` rows each, float64 as stored in the step buffer) give
+    the same thresholds and tokens as the settings repeated per row in float32, in the kernels
+    and in the reference path."""
+    from kernels import sampling as S
+
+    gen = torch.Generator().manual_seed(5)
+    b, w = 3, 5
+    lengths = torch.tensor([0, 7, 300]).to(DEV)
+    depth = torch.randint(0, 4, (b, w), generator=gen).to(DEV)
+    n_nodes = torch.tensor([1, 5, 3]).to(DEV)
+    for got, want in zip(tri.step_nodes(lengths, depth, n_nodes), ref.step_nodes(lengths, depth, n_nodes)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    logits = torch.randn(b * w, 50, generator=gen).to(DEV)
+    inv = torch.tensor([0.0, 1.25, 0.5], dtype=torch.float64).to(DEV)     # one greedy request
+    top_k = torch.tensor([0, 7, 0]).to(DEV)
+    top_p = torch.tensor([0.0, 0.0, 0.9], dtype=torch.float64).to(DEV)
+    seeds = torch.tensor([1, 2, 3]).to(DEV)
+    positions = torch.arange(b * w).to(DEV) + 10
+    rep = [t.repeat_interleave(w) for t in (inv.float(), top_k, top_p.float(), seeds)]
+    for mod in (tri, S):   # (S: the dispatch, the reference path off CUDA)
+        thr = mod.filter_thresholds(logits, inv, top_k, top_p, width=w)
+        assert torch.equal(thr, ref.filter_thresholds(logits, rep[0], rep[1], rep[2]))
+        tokens = mod.sample_tokens(logits, inv, thr, seeds, positions, width=w)
+        assert torch.equal(tokens, ref.sample_tokens(logits, rep[0], thr, rep[3], positions))
+    with pytest.raises(ValueError):
+        tri.filter_thresholds(logits, inv, top_k, top_p, width=4)   # 15 rows: not 4 per setting

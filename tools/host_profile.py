@@ -57,10 +57,10 @@ class _DeviceTimer:
     def __enter__(self):
         timer = self
         for cls, orig in self._saved:
-            def run(r, _orig=orig):
+            def run(r, *args, _orig=orig, **kwargs):
                 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 s.record()
-                out = _orig(r)
+                out = _orig(r, *args, **kwargs)
                 e.record()
                 e.synchronize()
                 timer.times.append(s.elapsed_time(e))

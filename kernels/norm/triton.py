@@ -17,13 +17,14 @@ from kernels.pdl import gdc_enter
 
 
 @triton.jit
-def _rms_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, z_ptr, N, eps, sx, sd, ss, sy, sz,
+def _rms_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, z_ptr, N, eps, sx, sd, ss, sy, sz, HX, sxh,
                 HAS_DELTA: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     gdc_enter(PDL)   # (kernels.pdl)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < N
-    x = tl.load(x_ptr + row * sx + cols, mask=m, other=0.0)
+    # x's row `row` = head `row % HX` of its outer row `row // HX` (HX = 1: plain rows)
+    x = tl.load(x_ptr + (row // HX) * sx + (row % HX) * sxh + cols, mask=m, other=0.0)
     if GATED:
         x = x.to(z_ptr.dtype.element_ty)              # float32 recurrence output -> model dtype
     if HAS_DELTA:
@@ -47,18 +48,37 @@ def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
     return r if r.stride(-1) == 1 else r.contiguous()
 
 
+def _head_rows(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int, int, int, int]:
+    """``t`` as rows of ``n`` for the kernel: ``(tensor, rows, outer stride, heads per outer row,
+    head stride)``. A ``[A, heads, n]`` view whose heads are not one run of rows (the q or k heads
+    of a packed ``[A, (hq + 2 hkv) * n]`` projection, sliced) is read in place, as ``heads`` rows
+    per outer row, not copied first (a copy kernel per norm, and a break in the chain of
+    dependent launches: :mod:`kernels.pdl`)."""
+    if t.dim() == 3 and t.stride(-1) == 1 and t.shape[1] > 1:
+        try:
+            t.view(-1, n)
+        except RuntimeError:
+            return t, t.shape[0] * t.shape[1], t.stride(0), t.shape[1], t.stride(1)
+    r = _rows(t, n)
+    return r, r.shape[0], r.stride(0), 1, 0
+
+
 def _launch(x, delta, weight, eps, z=None):
     n = x.shape[-1]
-    xr = _rows(x, n)
+    if delta is None and z is None:
+        xr, rows, sx, hx, sxh = _head_rows(x, n)
+    else:
+        xr = _rows(x, n)
+        rows, sx, hx, sxh = xr.shape[0], xr.stride(0), 1, 0
     out_dtype = z.dtype if z is not None else torch.promote_types(x.dtype, weight.dtype)
-    y = torch.empty(xr.shape, device=x.device, dtype=out_dtype)
-    s = torch.empty_like(xr) if delta is not None else y
-    dr = _rows(delta, n) if delta is not None else xr
-    zr = _rows(z, n) if z is not None else xr
+    y = torch.empty(rows, n, device=x.device, dtype=out_dtype)
+    s = torch.empty_like(y, dtype=x.dtype) if delta is not None else y
+    dr = _rows(delta, n) if delta is not None else y
+    zr = _rows(z, n) if z is not None else y
     block = triton.next_power_of_2(n)
-    _rms_kernel[(xr.shape[0],)](xr, dr, weight, s, y, zr, n, float(eps), xr.stride(0), dr.stride(0), s.stride(0),
-                                y.stride(0), zr.stride(0), HAS_DELTA=delta is not None, GATED=z is not None,
-                                BLOCK=block, num_warps=4 if block <= 1024 else 8, **pdl.launch(xr))
+    _rms_kernel[(rows,)](xr, dr, weight, s, y, zr, n, float(eps), sx, dr.stride(0), s.stride(0),
+                         y.stride(0), zr.stride(0), hx, sxh, HAS_DELTA=delta is not None, GATED=z is not None,
+                         BLOCK=block, num_warps=4 if block <= 1024 else 8, **pdl.launch(y))
     return s.reshape(x.shape), y.reshape(*x.shape[:-1], n)
 
 

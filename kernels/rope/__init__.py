@@ -4,9 +4,9 @@
 from kernels._select import impl
 
 
-def rope_store(q, k, v, cos, sin, k_pool, v_pool, slots, rows):
+def rope_store(q, k, v, cos, sin, k_pool, v_pool, slots, rows, positions=None, table=False):
     """:func:`kernels.rope.reference.rope_store` (Triton on CUDA)."""
-    return impl("rope", q).rope_store(q, k, v, cos, sin, k_pool, v_pool, slots, rows)
+    return impl("rope", q).rope_store(q, k, v, cos, sin, k_pool, v_pool, slots, rows, positions, table)
 
 
 __all__ = ["rope_store"]

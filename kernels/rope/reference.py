@@ -60,20 +60,34 @@ def rope_table(max_positions: int, rope_dim: int, theta: float, device: torch.de
 
 
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+               k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
+               positions: torch.Tensor | None = None, table: bool = False) -> torch.Tensor:
     """Rotate ``q`` and ``k``, write ``k`` and ``v`` into the pool, return the rotated ``q``.
 
     Args:
         q: ``[N, Hq, D]``; k, v: ``[N, Hkv, D]`` (``N = B * W`` rows, row ``n`` = node ``n % W``
             of batch row ``n // W``).
-        cos, sin: ``[N, r]`` float32 rotary tables of the rows' positions (``r <= D``, even).
+        cos, sin: ``[N, r]`` float32 rotary tables of the rows' positions (``r <= D``, even); with
+            ``table``, ``[P, r]`` tables of positions ``0..P-1`` (:func:`rope_table`) read at each
+            node's position.
         k_pool, v_pool: ``[S, R, Hkv, D]`` one layer of the pool (written in place).
-        slots: ``[B]`` int64; rows: ``[B, W]`` int64 pool rows of the nodes.
+        slots: ``[B]`` int64; rows: ``[B, W]`` int64 pool rows of the nodes, or ``[B]``: each batch
+            row's first pool row, its nodes at ``rows[b] + j`` (consecutive rows).
+        positions: with ``table``, ``[B, W]`` (or ``[N]``) int64 positions of the nodes; None: a
+            node's position is its pool row (a drafter's context and block rows).
+        table: ``cos`` / ``sin`` are tables read at the positions (one launch, no gather kernels
+            before it on the GPU path).
 
     Returns:
         ``[N, Hq, D]`` rotated queries in ``q``'s dtype.
     """
-    b, w = rows.shape
+    b = slots.shape[0]
+    w = q.shape[0] // b
+    if rows.dim() == 1:
+        rows = rows[:, None] + torch.arange(w, device=rows.device)
+    if table:
+        p = (rows if positions is None else positions).reshape(-1)
+        cos, sin = cos[p], sin[p]
     where = (slots[:, None], rows)
     k_pool[where] = apply_rope_rows(k, cos, sin).reshape(b, w, *k.shape[1:]).to(k_pool.dtype)
     v_pool[where] = v.reshape(b, w, *v.shape[1:]).to(v_pool.dtype)

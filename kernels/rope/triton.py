@@ -13,9 +13,10 @@ from kernels.pdl import gdc_enter
 
 
 @triton.jit
-def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kp_ptr, vp_ptr, slots_ptr, rows_ptr, qo_ptr,
+def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kp_ptr, vp_ptr, slots_ptr, rows_ptr, pos_ptr, qo_ptr,
                        W, HQ, HKV, R_DIM, sqn, sqh, skn, skh, svn, svh, scn, sps, spr, sph, son, soh,
-                       D: tl.constexpr, PDL: tl.constexpr = False):
+                       D: tl.constexpr, ROWS_BASE: tl.constexpr = False, TABLE: tl.constexpr = False,
+                       HAS_POS: tl.constexpr = False, PDL: tl.constexpr = False):
     gdc_enter(PDL)   # (kernels.pdl)
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -24,8 +25,20 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kp_ptr, vp_ptr, sl
     rot = d < R_DIM
     partner = tl.where(d < half, d + half, d - half)
     sign = tl.where(d < half, -1.0, 1.0)
-    c = tl.load(cos_ptr + n * scn + d, mask=rot, other=1.0)
-    s = tl.load(sin_ptr + n * scn + d, mask=rot, other=0.0)
+    b = n // W
+    if ROWS_BASE:   # rows_ptr: each batch row's first pool row, its nodes consecutive
+        row = tl.load(rows_ptr + b).to(tl.int64) + n % W
+    else:
+        row = tl.load(rows_ptr + n).to(tl.int64)
+    if TABLE:       # cos / sin: tables read at the node's position (its pool row without positions)
+        if HAS_POS:
+            at = tl.load(pos_ptr + n).to(tl.int64)
+        else:
+            at = row
+    else:
+        at = n
+    c = tl.load(cos_ptr + at * scn + d, mask=rot, other=1.0)
+    s = tl.load(sin_ptr + at * scn + d, mask=rot, other=0.0)
     if h < HQ:
         base = q_ptr + n * sqn + h * sqh
         x = tl.load(base + d)
@@ -34,9 +47,7 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kp_ptr, vp_ptr, sl
         tl.store(qo_ptr + n * son + h * soh + d, y.to(qo_ptr.dtype.element_ty))
     else:
         kh = h - HQ
-        b = n // W
         slot = tl.load(slots_ptr + b).to(tl.int64)
-        row = tl.load(rows_ptr + n).to(tl.int64)
         dst = slot * sps + row * spr + kh * sph + d
         base = k_ptr + n * skn + kh * skh
         x = tl.load(base + d)
@@ -47,8 +58,11 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kp_ptr, vp_ptr, sl
 
 
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Triton version of ``kernels.rope.reference.rope_store``.
+               k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
+               positions: torch.Tensor | None = None, table: bool = False) -> torch.Tensor:
+    """Triton version of ``kernels.rope.reference.rope_store`` (same arguments: ``rows`` may be
+    each batch row's first row, ``table`` reads ``cos`` / ``sin`` at the nodes' positions inside
+    the launch).
 
     Raises:
         ValueError: head_dim not a power of two, or a last dim that is not contiguous.
@@ -61,13 +75,16 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
         if t.stride(-1) != 1:
             raise ValueError("last dims must be contiguous")
     assert k_pool.stride() == v_pool.stride() and cos.stride() == sin.stride()
-    rows_flat = rows.reshape(-1)
+    w = n // slots.shape[0]
+    rows_flat = rows.reshape(-1).contiguous()
+    pos = positions.reshape(-1).contiguous() if table and positions is not None else rows_flat
     out = torch.empty(n, hq, d, device=q.device, dtype=q.dtype)
     _rope_store_kernel[(n, hq + hkv)](
-        q, k, v, cos, sin, k_pool, v_pool, slots, rows_flat, out,
-        rows.shape[1], hq, hkv, cos.shape[-1],
+        q, k, v, cos, sin, k_pool, v_pool, slots, rows_flat, pos, out,
+        w, hq, hkv, cos.shape[-1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), out.stride(0), out.stride(1),
-        D=d, num_warps=1 if d <= 64 else 2, **pdl.launch(q),
+        D=d, ROWS_BASE=rows.dim() == 1, TABLE=bool(table), HAS_POS=bool(table) and positions is not None,
+        num_warps=1 if d <= 64 else 2, **pdl.launch(q),
     )
     return out

@@ -15,17 +15,25 @@ from kernels.sampling import reference as _reference
 from kernels.sampling.reference import accept_path, filtered_logprobs, gumbel_noise, philox4x32_10
 
 
+def _per_row(t: torch.Tensor, width: int) -> torch.Tensor:
+    """A per-request setting ``[R / width]`` repeated for each of its ``width`` rows -> ``[R]``."""
+    return t if width == 1 else t.repeat_interleave(width)
+
+
 def filter_thresholds(
-    logits: torch.Tensor, inv_temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor, inv_temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+    width: int = 1,
 ) -> torch.Tensor:
     """Per-row keep threshold ``[R]`` float32 of top-k / top-p filtering in the scaled domain
     (``kernels.sampling.reference.filter_thresholds`` documents the contract); Triton for CUDA
-    tensors, the reference otherwise."""
+    tensors, the reference otherwise. ``width``: rows per setting (the settings are ``[R /
+    width]``, each shared by ``width`` consecutive rows; the Triton kernel reads them so, without
+    a kernel that repeats them first); float64 settings are rounded to float32 as read."""
     if use_triton(logits):
         from kernels.sampling import triton as _triton
 
-        return _triton.filter_thresholds(logits, inv_temperature, top_k, top_p)
-    return _reference.filter_thresholds(logits, inv_temperature, top_k, top_p)
+        return _triton.filter_thresholds(logits, inv_temperature, top_k, top_p, width)
+    return _reference.filter_thresholds(logits, *(_per_row(t, width) for t in (inv_temperature, top_k, top_p)))
 
 
 def sample_tokens(
@@ -34,15 +42,30 @@ def sample_tokens(
     threshold: torch.Tensor,
     seeds: torch.Tensor,
     positions: torch.Tensor,
+    width: int = 1,
 ) -> torch.Tensor:
     """One token per row ``[R]`` int64: greedy argmax or a seeded Gumbel-max sample of the kept
     tokens (``kernels.sampling.reference.sample_tokens`` documents the contract); Triton for CUDA
-    tensors, the reference otherwise."""
+    tensors, the reference otherwise. ``width``: rows per setting, as :func:`filter_thresholds`
+    (``inv_temperature`` and ``seeds`` are ``[R / width]``; ``threshold`` and ``positions`` per row)."""
     if use_triton(logits):
         from kernels.sampling import triton as _triton
 
-        return _triton.sample_tokens(logits, inv_temperature, threshold, seeds, positions)
-    return _reference.sample_tokens(logits, inv_temperature, threshold, seeds, positions)
+        return _triton.sample_tokens(logits, inv_temperature, threshold, seeds, positions, width)
+    return _reference.sample_tokens(logits, _per_row(inv_temperature, width), threshold, _per_row(seeds, width),
+                                    positions)
+
+
+def step_nodes(lengths: torch.Tensor, depth: torch.Tensor, n_nodes: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A verify step's node positions, the next positions and node validity
+    (``kernels.sampling.reference.step_nodes`` documents the contract); one Triton launch for
+    CUDA tensors, the reference otherwise."""
+    if use_triton(depth):
+        from kernels.sampling import triton as _triton
+
+        return _triton.step_nodes(lengths, depth, n_nodes)
+    return _reference.step_nodes(lengths, depth, n_nodes)
 
 
 def select_tokens(
@@ -69,4 +92,5 @@ __all__ = [
     "philox4x32_10",
     "sample_tokens",
     "select_tokens",
+    "step_nodes",
 ]

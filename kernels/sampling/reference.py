@@ -533,3 +533,22 @@ def accept_path(
     order = torch.arange(t, device=depth.device)
     score = torch.where(on_path, depth * (t + 1) + (t - order), torch.full_like(depth, -1))
     return ancestors[torch.argmax(score)]
+
+
+def step_nodes(lengths: torch.Tensor, depth: torch.Tensor, n_nodes: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A verify step's per-node bookkeeping from its inputs.
+
+    Args:
+        lengths: ``[B]`` int64 committed rows ``L`` of each batch row.
+        depth: ``[B, W]`` int64 depth of each node (root 0).
+        n_nodes: ``[B]`` int64 real nodes of each row (the rest are padding).
+
+    Returns:
+        ``(positions, next_positions, valid)``: ``[B, W]`` int64 ``L + depth`` (a node's
+        position), ``L + depth + 1`` (the position of the token chosen after it) and bool
+        ``j < n_nodes`` (a real node).
+    """
+    positions = lengths[:, None] + depth
+    j = torch.arange(depth.shape[1], device=depth.device)
+    return positions, positions + 1, j[None, :] < n_nodes[:, None]

@@ -212,15 +212,16 @@ def _scaled(base, offs, mask, inv_t):
 @triton.jit
 def _sample_kernel(
     logits_ptr, stride_r, inv_t_ptr, thr_ptr, seed_ptr, pos_ptr, key_ptr, idx_ptr,
-    V, n_chunks, iters,
+    V, n_chunks, iters, WIDTH,
     BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
     gdc_enter(PDL)   # (kernels.pdl)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    inv_t = tl.load(inv_t_ptr + row)
+    # a request's settings are shared by its WIDTH rows (float64 settings rounded once, as .float())
+    inv_t = tl.load(inv_t_ptr + row // WIDTH).to(tl.float32)
     thr = tl.load(thr_ptr + row)
-    seed = tl.load(seed_ptr + row)
+    seed = tl.load(seed_ptr + row // WIDTH)
     pos = tl.load(pos_ptr + row)
     base = logits_ptr + row.to(tl.int64) * stride_r
     lanes = tl.arange(0, BLOCK)
@@ -272,14 +273,15 @@ def _reduce_kernel(key_ptr, idx_ptr, out_ptr, n_chunks, BLOCK_C: tl.constexpr, P
 
 @triton.jit
 def _thresholds_kernel(
-    logits_ptr, stride_r, inv_t_ptr, top_k_ptr, top_p_ptr, out_ptr, V,
+    logits_ptr, stride_r, inv_t_ptr, top_k_ptr, top_p_ptr, out_ptr, V, WIDTH,
     BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
     gdc_enter(PDL)   # (kernels.pdl)
     row = tl.program_id(0)
-    inv_t = tl.load(inv_t_ptr + row)
-    k = tl.load(top_k_ptr + row)
-    p = tl.load(top_p_ptr + row)
+    # a request's settings are shared by its WIDTH rows (float64 settings rounded once, as .float())
+    inv_t = tl.load(inv_t_ptr + row // WIDTH).to(tl.float32)
+    k = tl.load(top_k_ptr + row // WIDTH)
+    p = tl.load(top_p_ptr + row // WIDTH).to(tl.float32)
     k_on = (inv_t != 0.0) & (k > 0) & (k < V)
     p_on = (inv_t != 0.0) & (p > 0.0) & (p < 1.0)
     thr = tl.full([], float("-inf"), tl.float32)
@@ -384,9 +386,14 @@ def _philox_kernel(c0_ptr, c1_ptr, c2_ptr, c3_ptr, k0_ptr, k1_ptr, out_ptr, N, B
 
 
 # ------------------------------------------------------------------------------ wrappers
-def _rows(name: str, t: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
-    if t.dim() != 1 or t.shape[0] != rows:
-        raise ValueError(f"{name} must have shape [{rows}], got {list(t.shape)}")
+def _rows(name: str, t: torch.Tensor, rows: int, dtype: torch.dtype, width: int = 1) -> torch.Tensor:
+    """``t`` ``[rows // width]`` as the kernels read it: contiguous, in ``dtype``; a float64
+    ``t`` where ``dtype`` is float32 stays float64 (the kernels round it once as they load it:
+    the same values as ``t.float()``, without a conversion kernel before the launch)."""
+    if rows % width or t.dim() != 1 or t.shape[0] != rows // width:
+        raise ValueError(f"{name} must have shape [{rows // max(width, 1)}], got {list(t.shape)}")
+    if dtype == torch.float32 and t.dtype == torch.float64:
+        return t.contiguous()
     return t.to(dtype).contiguous()
 
 
@@ -399,7 +406,8 @@ def _logits2d(logits: torch.Tensor) -> torch.Tensor:
 
 
 def filter_thresholds(
-    logits: torch.Tensor, inv_temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor, inv_temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+    width: int = 1,
 ) -> torch.Tensor:
     """Per-row keep threshold of top-k / top-p filtering (``kernels.sampling.reference.
     filter_thresholds``, equal bit for bit), one Triton program per row.
@@ -410,6 +418,9 @@ def filter_thresholds(
         inv_temperature: ``[R]`` float32 ``float32(1 / T)``, 0 = greedy.
         top_k: ``[R]`` int64, 0 or >= V = off.
         top_p: ``[R]`` float32, 0 or >= 1 = off.
+        width: rows per setting: ``inv_temperature``, ``top_k`` and ``top_p`` are ``[R / width]``,
+            each shared by ``width`` consecutive rows (a request's tree nodes); float64 settings
+            are rounded to float32 as they are read.
 
     Returns:
         ``[R]`` float32 thresholds in the scaled domain ``x = float32(logits) * inv_temperature``
@@ -427,13 +438,13 @@ def filter_thresholds(
     rows, vocab = logits.shape
     if vocab > _ref.MAX_VOCAB:
         raise ValueError(f"vocabulary {vocab} exceeds {_ref.MAX_VOCAB} (exact top-p mass in int64)")
-    inv_t = _rows("inv_temperature", inv_temperature, rows, torch.float32)
-    k = _rows("top_k", top_k, rows, torch.int64)
-    p = _rows("top_p", top_p, rows, torch.float32)
+    inv_t = _rows("inv_temperature", inv_temperature, rows, torch.float32, width)
+    k = _rows("top_k", top_k, rows, torch.int64, width)
+    p = _rows("top_p", top_p, rows, torch.float32, width)
     out = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows:
         _thresholds_kernel[(rows,)](
-            logits, logits.stride(0), inv_t, k, p, out, vocab,
+            logits, logits.stride(0), inv_t, k, p, out, vocab, width,
             BLOCK=FILTER_BLOCK, num_warps=FILTER_WARPS, enable_fp_fusion=False, **pdl.launch(logits)
         )
     return out
@@ -445,6 +456,7 @@ def sample_tokens(
     threshold: torch.Tensor,
     seeds: torch.Tensor,
     positions: torch.Tensor,
+    width: int = 1,
 ) -> torch.Tensor:
     """Choose one token per row (``kernels.sampling.reference.sample_tokens``, equal token for
     token): greedy argmax where ``inv_temperature == 0``, else the lowest id maximising
@@ -456,6 +468,8 @@ def sample_tokens(
         inv_temperature: ``[R]`` float32; threshold: ``[R]`` float32 (from
             :func:`filter_thresholds`); seeds: ``[R]`` int64 (uint64 bit patterns); positions:
             ``[R]`` int64 absolute positions of the chosen tokens.
+        width: rows per setting: ``inv_temperature`` and ``seeds`` are ``[R / width]``, each
+            shared by ``width`` consecutive rows (float64 ``inv_temperature``: rounded as read).
 
     Returns:
         ``[R]`` int64 token ids.
@@ -468,9 +482,9 @@ def sample_tokens(
     """
     logits = _logits2d(logits)
     rows, vocab = logits.shape
-    inv_t = _rows("inv_temperature", inv_temperature, rows, torch.float32)
+    inv_t = _rows("inv_temperature", inv_temperature, rows, torch.float32, width)
     thr = _rows("threshold", threshold, rows, torch.float32)
-    seeds = _rows("seeds", seeds, rows, torch.int64)
+    seeds = _rows("seeds", seeds, rows, torch.int64, width)
     positions = _rows("positions", positions, rows, torch.int64)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0 or vocab == 0:
@@ -481,7 +495,7 @@ def sample_tokens(
     keys = torch.empty((rows, n_chunks), dtype=torch.int32, device=logits.device)
     idx = torch.empty((rows, n_chunks), dtype=torch.int32, device=logits.device)
     _sample_kernel[(rows, n_chunks)](
-        logits, logits.stride(0), inv_t, thr, seeds, positions, keys, idx, vocab, n_chunks, iters,
+        logits, logits.stride(0), inv_t, thr, seeds, positions, keys, idx, vocab, n_chunks, iters, width,
         BLOCK=BLOCK_V, num_warps=SAMPLE_WARPS, enable_fp_fusion=False, **pdl.launch(logits)
     )
     _reduce_kernel[(rows,)](keys, idx, out, n_chunks, BLOCK_C=triton.next_power_of_2(n_chunks), num_warps=1, **pdl.launch(keys))
@@ -596,3 +610,31 @@ def accept_trees(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.T
                                BLOCK_W=max(2, triton.next_power_of_2(w)), num_warps=1 if w <= 32 else 2,
                                **pdl.launch(tokens))
     return path, n_accept, bonus
+
+
+@triton.jit
+def _step_nodes_kernel(len_ptr, depth_ptr, n_ptr, pos_ptr, next_ptr, valid_ptr, W,
+                       BLOCK_W: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)   # (kernels.pdl)
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK_W)
+    m = j < W
+    p = tl.load(len_ptr + b) + tl.load(depth_ptr + b * W + j, mask=m, other=0)
+    tl.store(pos_ptr + b * W + j, p, mask=m)
+    tl.store(next_ptr + b * W + j, p + 1, mask=m)
+    tl.store(valid_ptr + b * W + j, (j < tl.load(n_ptr + b)).to(tl.int8), mask=m)
+
+
+def step_nodes(lengths: torch.Tensor, depth: torch.Tensor, n_nodes: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton version of ``kernels.sampling.reference.step_nodes``: one launch (one program per
+    batch row) where the tensor ops are four kernels."""
+    b, w = depth.shape
+    lengths, depth, n_nodes = lengths.contiguous(), depth.contiguous(), n_nodes.contiguous()
+    positions = torch.empty(b, w, dtype=torch.int64, device=depth.device)
+    nxt = torch.empty_like(positions)
+    valid = torch.empty(b, w, dtype=torch.int8, device=depth.device)
+    if b and w:
+        _step_nodes_kernel[(b,)](lengths, depth, n_nodes, positions, nxt, valid, w,
+                                 BLOCK_W=triton.next_power_of_2(w), num_warps=1, **pdl.launch(depth))
+    return positions, nxt, valid.view(torch.bool)
