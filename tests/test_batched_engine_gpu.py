@@ -157,9 +157,17 @@ def test_llama_streams_graphs_on_off_and_cpu_reference(smollm_model, smollm_gpu,
         got_off, feats_off = speculative_streams(off, prompts, s, want, n)
         assert got_on == got_off
         # the graphs copy a verify step's features to the host only when a session wants them
-        # (_Runner.fetch_features): the same bits as the eager steps (the prompt's rows aside: a
-        # graph prefill runs a padded chunk, an eager one the exact rows)
-        assert all(torch.equal(a[len(p):], b[len(p):]) for a, b, p in zip(feats_on, feats_off, prompts))
+        # (_Runner.fetch_features). A graph prefill runs a padded chunk and an eager one the exact
+        # rows; the prefill's projections are not width-invariant (cuBLAS picks its kernel by the
+        # row count: docs/ARCHITECTURE.md, "Width invariance"), so the prompt's K/V may round
+        # differently, and every later row reads them: the features agree to the dtype's rounding
+        # (relative error of each stream's rows), the tokens above exactly. On an H200 the float32
+        # rows differed by 7e-7 for the longest prompt and bf16 not at all (benchmarks/gpu/step/run23-fold)
+        tol = 1e-4 if dt == torch.float32 else 2e-2
+        for a, b, p in zip(feats_on, feats_off, prompts):
+            a, b = a[len(p):].double(), b[len(p):].double()
+            err = float((a - b).norm() / b.norm())
+            assert a.shape == b.shape and err < tol, (dt, err)
         ar = [ar_stream(on, "a", p, s, n)[0] for p in prompts]
         if dt == torch.float32:
             assert got_on == want and ar == want
