@@ -623,7 +623,29 @@ class BatchedDrafter:
         if not self.fixed:
             return 0
         shapes = [(b, self.append_rows, sp) for b in self.buckets() for sp in reversed(self.split_buckets)]
-        return self.graphs.capture(shapes, size=lambda s: s[0], progress=progress, desc="drafter: ")
+        n = self.graphs.capture(shapes, size=lambda s: s[0], progress=progress, desc="drafter: ")
+        self._warm_appends()
+        return n
+
+    #: row counts of the eager appends run at start (:meth:`_warm_appends`): one of each class
+    #: Triton compiles a kernel for (1 row, a multiple of 16, any other; at most 64 rows on the
+    #: skinny tiles, more on the wide ones)
+    WARM_APPEND_ROWS = (1, 2, 16, 65, 80)
+
+    def _warm_appends(self) -> None:
+        """Run :meth:`_append_rows` once per row count of :data:`WARM_APPEND_ROWS` (up to
+        ``prefill_chunk``) into the spare slot, which no session reads: the eager appends' kernel
+        variants (new sessions' prompt rows) compile now, not inside the first requests (one
+        ``rope_store`` variant took a first request ~0.3 s on an H200:
+        ``benchmarks/gpu/step/run23-e2e``)."""
+        feat = self.config.feature_size
+        counts = sorted({min(m, self.prefill_chunk, self.max_context) for m in self.WARM_APPEND_ROWS})
+        with torch.no_grad():
+            for m in counts:
+                f = torch.zeros(m, feat, dtype=self.dtype, device=self.device)
+                with batch_invariant():
+                    self._append_rows([(self.pool.spare, 0, f)])
+        self.eager_rows -= sum(counts)   # (not a session's rows)
 
     # ------------------------------------------------------------------ proposals
     @torch.no_grad()
