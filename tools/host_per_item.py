@@ -2,7 +2,7 @@
 
     python tools/host_per_item.py [--streams 1,16,64] [--modes ar,spec] [--tokens 128] [--repeats 1]
                                   [--stream-interval-ms MS] [--stream-hold-max-ms MS] [--no-local-hop] [--threads]
-                                  [--grpc-server aio|threads] [--device-ms VERIFY,PROPOSE] [--cprofile DIR]
+                                  [--grpc-server aio|threads] [--device-ms VERIFY,PROPOSE] [--hidden H] [--cprofile DIR]
                                   [--scheduler-set NAME=VALUE ...] [--py-spy DIR] [--json FILE]
     python tools/host_per_item.py --summary LABEL=GLOB [LABEL=GLOB ...]   # median [min, max] of --json runs
 
@@ -680,6 +680,10 @@ def main() -> int:
     ap.add_argument("--device-ms", default="0,0", metavar="VERIFY,PROPOSE",
                     help="milliseconds each fake engine's step sleeps after its work, as a GPU's device time would "
                          "(no CPU; default 0,0: instant)")
+    ap.add_argument("--hidden", type=int, default=HIDDEN,
+                    help="hidden size of the fake pair: the width of each of the 5 feature layers' rows that the "
+                         "target returns and the orchestrator passes on (default SmolLM2's 576; a small value "
+                         "takes the feature bytes out of the services' host time)")
     ap.add_argument("--threads", action="store_true", help="CPU per item split by thread name")
     ap.add_argument("--py-spy", default=None, metavar="DIR", help="py-spy record -f raw of each service per level")
     ap.add_argument("--cprofile", default=None, metavar="DIR",
@@ -695,6 +699,7 @@ def main() -> int:
         return 0
     hop = not args.no_local_hop
     DEVICE_S[:] = [float(x) / 1e3 for x in args.device_ms.split(",")]
+    globals()["HIDDEN"] = args.hidden   # (read by the fake engines and configs of every role)
     if args.role:
         _name_threads()
         from dflash_grpc import serving
@@ -710,7 +715,7 @@ def main() -> int:
                                args.scheduler_set, args.grpc_server)
         return 0
 
-    flag = ([] if hop else ["--no-local-hop"]) + ["--device-ms", args.device_ms]
+    flag = ([] if hop else ["--no-local-hop"]) + ["--device-ms", args.device_ms, "--hidden", str(args.hidden)]
     target = Service("target", flag)
     draft = Service("draft", flag)
     hold = [] if args.stream_hold_max_ms is None else ["--stream-hold-max-ms", str(args.stream_hold_max_ms)]
