@@ -450,3 +450,18 @@ def test_embed_rows_and_block(dtype):
     got, want = ET.embed_block(table, roots, 11, 4), ER.embed_block(table, roots, 11, 4)
     assert got.shape == (12, 40) and torch.equal(got, want)
     assert torch.equal(got[4], table[0]) and torch.equal(got[5], table[11])
+
+
+def test_rope_store_empty_batch():
+    """A batch of no rows rotates and writes nothing, in both versions (no division by its size)."""
+    from kernels.rope import reference as RR
+    from kernels.rope import triton as RT
+    from target_service.models.layers import rope_table
+
+    cos, sin = rope_table(8, 16, 10000.0, DEV)
+    for mod in (RR, RT):
+        q, k = torch.zeros(0, 2, 16, device=DEV), torch.zeros(0, 1, 16, device=DEV)
+        pool = torch.zeros(2, 4, 1, 16, device=DEV)
+        empty = torch.zeros(0, dtype=torch.long, device=DEV)
+        out = mod.rope_store(q, k, k, cos, sin, pool, pool.clone(), empty, empty, table=True)
+        assert out.shape == (0, 2, 16) and not pool.any()

@@ -498,5 +498,15 @@ def test_step_nodes_and_shared_settings():
         assert torch.equal(thr, ref.filter_thresholds(logits, rep[0], rep[1], rep[2]))
         tokens = mod.sample_tokens(logits, inv, thr, seeds, positions, width=w)
         assert torch.equal(tokens, ref.sample_tokens(logits, rep[0], thr, rep[3], positions))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="whole number"):
         tri.filter_thresholds(logits, inv, top_k, top_p, width=4)   # 15 rows: not 4 per setting
+    # only the settings the kernels round as they read them stay float64: a float64 threshold is
+    # rounded before the launch, as the reference rounds it (a value between two float32 logits)
+    two = torch.tensor([[1.0, 0.99999994]], device=DEV)
+    thr = torch.tensor([0.99999995], dtype=torch.float64, device=DEV)
+    one = torch.ones(1, dtype=torch.float64, device=DEV)
+    picks = {int(tri.sample_tokens(two, one, thr, torch.tensor([s], device=DEV), torch.zeros(1, dtype=torch.long, device=DEV)))
+             for s in range(40)}
+    want = {int(ref.sample_tokens(two, one, thr, torch.tensor([s], device=DEV), torch.zeros(1, dtype=torch.long, device=DEV)))
+            for s in range(40)}
+    assert picks == want == {0, 1}

@@ -82,7 +82,7 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
         ``[N, Hq, D]`` rotated queries in ``q``'s dtype.
     """
     b = slots.shape[0]
-    w = q.shape[0] // b
+    w = rows.shape[1] if rows.dim() == 2 else (q.shape[0] // b if b else 0)
     if rows.dim() == 1:
         rows = rows[:, None] + torch.arange(w, device=rows.device)
     if table:

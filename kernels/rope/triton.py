@@ -75,10 +75,12 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
         if t.stride(-1) != 1:
             raise ValueError("last dims must be contiguous")
     assert k_pool.stride() == v_pool.stride() and cos.stride() == sin.stride()
-    w = n // slots.shape[0]
+    out = torch.empty(n, hq, d, device=q.device, dtype=q.dtype)
+    if n == 0:   # (an empty batch: nothing to rotate or write)
+        return out
+    w = rows.shape[1] if rows.dim() == 2 else n // slots.shape[0]
     rows_flat = rows.reshape(-1).contiguous()
     pos = positions.reshape(-1).contiguous() if table and positions is not None else rows_flat
-    out = torch.empty(n, hq, d, device=q.device, dtype=q.dtype)
     _rope_store_kernel[(n, hq + hkv)](
         q, k, v, cos, sin, k_pool, v_pool, slots, rows_flat, pos, out,
         w, hq, hkv, cos.shape[-1],

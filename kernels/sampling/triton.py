@@ -386,13 +386,17 @@ def _philox_kernel(c0_ptr, c1_ptr, c2_ptr, c3_ptr, k0_ptr, k1_ptr, out_ptr, N, B
 
 
 # ------------------------------------------------------------------------------ wrappers
-def _rows(name: str, t: torch.Tensor, rows: int, dtype: torch.dtype, width: int = 1) -> torch.Tensor:
-    """``t`` ``[rows // width]`` as the kernels read it: contiguous, in ``dtype``; a float64
-    ``t`` where ``dtype`` is float32 stays float64 (the kernels round it once as they load it:
-    the same values as ``t.float()``, without a conversion kernel before the launch)."""
-    if rows % width or t.dim() != 1 or t.shape[0] != rows // width:
-        raise ValueError(f"{name} must have shape [{rows // max(width, 1)}], got {list(t.shape)}")
-    if dtype == torch.float32 and t.dtype == torch.float64:
+def _rows(name: str, t: torch.Tensor, rows: int, dtype: torch.dtype, width: int = 1,
+          keep_f64: bool = False) -> torch.Tensor:
+    """``t`` ``[rows // width]`` as the kernels read it: contiguous, in ``dtype``. ``keep_f64``
+    (only for the settings the kernels round as they load them: ``inv_temperature``, ``top_p``):
+    a float64 ``t`` stays float64, the same values as ``t.float()`` without a conversion kernel
+    before the launch."""
+    if width < 1 or rows % width:
+        raise ValueError(f"{rows} rows are not a whole number of requests of {width} rows ({name})")
+    if t.dim() != 1 or t.shape[0] != rows // width:
+        raise ValueError(f"{name} must have shape [{rows // width}], got {list(t.shape)}")
+    if keep_f64 and dtype == torch.float32 and t.dtype == torch.float64:
         return t.contiguous()
     return t.to(dtype).contiguous()
 
@@ -438,9 +442,9 @@ def filter_thresholds(
     rows, vocab = logits.shape
     if vocab > _ref.MAX_VOCAB:
         raise ValueError(f"vocabulary {vocab} exceeds {_ref.MAX_VOCAB} (exact top-p mass in int64)")
-    inv_t = _rows("inv_temperature", inv_temperature, rows, torch.float32, width)
+    inv_t = _rows("inv_temperature", inv_temperature, rows, torch.float32, width, keep_f64=True)
     k = _rows("top_k", top_k, rows, torch.int64, width)
-    p = _rows("top_p", top_p, rows, torch.float32, width)
+    p = _rows("top_p", top_p, rows, torch.float32, width, keep_f64=True)
     out = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows:
         _thresholds_kernel[(rows,)](
@@ -482,7 +486,7 @@ def sample_tokens(
     """
     logits = _logits2d(logits)
     rows, vocab = logits.shape
-    inv_t = _rows("inv_temperature", inv_temperature, rows, torch.float32, width)
+    inv_t = _rows("inv_temperature", inv_temperature, rows, torch.float32, width, keep_f64=True)
     thr = _rows("threshold", threshold, rows, torch.float32)
     seeds = _rows("seeds", seeds, rows, torch.int64, width)
     positions = _rows("positions", positions, rows, torch.int64)

@@ -329,8 +329,10 @@ class LlamaModel:
 
         Args:
             x: ``[N, H]`` embeddings.
-            cos, sin: ``[N, rope_dim]`` rotary tables of the rows' positions (float64 or float32
-                holding the float64 values rounded, :func:`~target_service.models.layers.rope_table`).
+            cos, sin: the rotary tables, passed to ``backend.attend`` as they are: ``[N, rope_dim]``
+                of the rows' positions (float64 or float32 holding the float64 values rounded,
+                :func:`~target_service.models.layers.rope_table`), or for ``PoolBackend`` the
+                engine's whole ``[P, rope_dim]`` tables, which it reads at the nodes' positions.
             backend: where K/V live: ``backend.attend(layer, q [N, Hq, D], k [N, Hkv, D],
                 v [N, Hkv, D], scale, cos, sin) -> [N, Hq * D]`` applies the rotary embedding to
                 ``q`` and ``k`` and attends (this module's :class:`SessionKV` for one session's

@@ -382,7 +382,9 @@ class Qwen35Model:
         """The decoder layers over ``N`` token rows (one sequence or a flattened batch).
 
         Args:
-            x: ``[N, H]`` embeddings; cos, sin: ``[N, rope_dim]`` rotary tables of the rows.
+            x: ``[N, H]`` embeddings; cos, sin: the rotary tables, passed to ``attend`` as they are
+                (``[N, rope_dim]`` of the rows, or for ``PoolBackend`` the engine's whole ``[P,
+                rope_dim]`` tables, read at the nodes' positions).
             backend: where the state lives. Attention: ``attend(layer, q [N, Hq, D], k, v [N, Hkv, D],
                 scale, cos, sin) -> [N, Hq * D]`` (rotary applied by the backend); GDN:
                 ``gdn(layer, conv_in [N, C], a [N, HV], b [N, HV], layer_weights, Hk, Dk) -> [N, HV, Dv]``
