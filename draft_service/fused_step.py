@@ -40,7 +40,7 @@ from kernels import attention as attn_ops
 from kernels.embed import embed_block
 from kernels.linear import linear, linear_swiglu
 from kernels.norm import add_rms_norm, rms_norm
-from kernels.quant import QuantizedWeight, embedding
+from kernels.quant import QuantizedWeight
 from kernels.rope import rope_store
 from kernels.rope.reference import rope_table
 from kernels.topk import topk_log_softmax
@@ -107,16 +107,6 @@ class FusedDrafter:
             self._anc.append(t)
         return t[:b]
 
-    def _embed_block(self, roots: torch.Tensor) -> torch.Tensor:
-        """``[b*B, H]`` embeddings of the blocks ``[root, mask x (B-1)]`` (one launch for a float
-        table: :func:`kernels.embed.embed_block`)."""
-        c, d = self.config, self.drafter
-        if isinstance(self.embed, torch.Tensor):
-            return embed_block(self.embed, roots, c.mask_token_id, c.block_size, d.dtype)
-        tokens = torch.full((roots.shape[0], c.block_size), c.mask_token_id, dtype=torch.long, device=roots.device)
-        tokens[:, 0] = roots
-        return embedding(self.embed, tokens.reshape(-1), d.dtype)
-
     def _context(self, pool, slots: torch.Tensor, held: torch.Tensor, features: torch.Tensor) -> None:
         """Every layer's context K/V of ``features`` ``[b, a, N*H]`` at rows ``held..held+a-1``
         (positions = pool rows: :func:`kernels.rope.rope_store` reads the rotary table at them)."""
@@ -145,7 +135,7 @@ class FusedDrafter:
         lengths = held + n_rows                                                  # L: the block at rows L..L+B-1
         ancestors = self._ancestors(b, dev)
         scale = 1.0 / math.sqrt(D)
-        x = self._embed_block(roots)                                             # [b*B, H]
+        x = embed_block(self.embed, roots, c.mask_token_id, B, self.drafter.dtype)   # [b*B, H]
         h = rms_norm(x, self.layers[0].attn_norm, self.eps)
         n = b * B
         for i, lw in enumerate(self.layers):

@@ -145,10 +145,9 @@ class _Runner(StepGraph):
             if self._dev_feats is not None:
                 self._dev_feats.copy_(out.features)
         else:   # every row's bits independent of the step's rows (kernels.linear.batch_invariant)
-            n = self.layout.batch * (self.layout.width + 2)   # (path, accepted counts, bonus tokens)
-            with batch_invariant():   # written into the output buffers: no copies after
+            with batch_invariant():   # written into the output buffers (ints: path, counts, bonus): no copies after
                 run_step(e.model, e.pool, st, e.rope, e.taps, self.splits, e.max_splits,
-                         out_ints=self._dev_ints[:n], out_feats=self._dev_feats)
+                         out_ints=self._dev_ints, out_feats=self._dev_feats)
         if self.cuda:   # (off CUDA the host buffer is its own device twin)
             self.copy(self.out_host[: self._ints_bytes], self.out_dev[: self._ints_bytes])
 

@@ -31,7 +31,6 @@ from kernels import conv as conv_ops
 from kernels.embed import embed_rows
 from kernels import gated_delta as gdn_ops
 from kernels.gated_delta import fla
-from kernels.quant import embedding
 from kernels.sampling import filter_thresholds, sample_tokens, step_nodes
 from kernels.rope import rope_store
 from kernels.sampling.accept import accept_trees
@@ -126,8 +125,9 @@ class StepTensors:
     @classmethod
     def from_buffer(cls, layout: StepLayout, buf: torch.Tensor, conv_kernel: int | None) -> "StepTensors":
         """Views of the device buffer and the derived tensors (positions ``L + depth``, the next
-        positions, node validity: one launch, :func:`kernels.sampling.step_nodes`; conv windows). A node's scratch row is ``L + j``: :meth:`PoolBackend.attend`
-        gives :func:`kernels.rope.rope_store` each row's ``L``."""
+        positions, node validity: one launch, :func:`kernels.sampling.step_nodes`; conv windows).
+        A node's scratch row is ``L + j``: :meth:`PoolBackend.attend` gives
+        :func:`kernels.rope.rope_store` each row's ``L``."""
         b, w = layout.batch, layout.width
         f = {}
         for name, (o, n) in layout.offsets().items():
@@ -275,9 +275,7 @@ def forward(model, pool, st: StepTensors, rope: tuple[torch.Tensor, torch.Tensor
     the layers (:meth:`PoolBackend.attend` reads them at the nodes' positions)."""
     tokens = st.tokens.reshape(-1)
     backend = PoolBackend(pool, st, commit_chain=commit_chain, causal=causal, splits=splits, fla=fla, max_splits=max_splits)
-    embed = model.embed
-    x = embed_rows(embed, tokens, model.dtype) if isinstance(embed, torch.Tensor) else embedding(embed, tokens, model.dtype)
-    x, feats = model.layers_forward(x, rope[0], rope[1], backend, taps)
+    x, feats = model.layers_forward(embed_rows(model.embed, tokens, model.dtype), rope[0], rope[1], backend, taps)
     return x, feats, backend
 
 

@@ -957,3 +957,19 @@ def _random_weight(name: str, n: int, k: int) -> QuantizedWeight:
     finally:
         sys.path.remove("tools")
     return sq.random_weight(name, n, k, torch.device("cpu"))
+
+
+def test_embed_lookups_of_a_quantized_table():
+    """``kernels.embed`` reads a quantized table through ``kernels.quant.embedding`` (the looked-up
+    rows' blocks, dequantized): a step's tokens, and a drafter's blocks (root, then the mask)."""
+    from kernels.embed import embed_block, embed_rows
+    from kernels.quant import embedding
+
+    rng = np.random.default_rng(4)
+    w = qweight(quantized_bytes(rng, "Q4_0", 20, 64), "Q4_0", 20, 64)
+    ids = torch.tensor([[3, 0], [19, 3]], device=DEV)
+    assert torch.equal(embed_rows(w, ids, torch.float32), embedding(w, ids, torch.float32))
+    roots = torch.tensor([5, 12], device=DEV)
+    got = embed_block(w, roots, 7, 3, torch.float32)
+    want = embedding(w, torch.tensor([5, 7, 7, 12, 7, 7], device=DEV), torch.float32)
+    assert got.shape == (6, 64) and torch.equal(got, want)

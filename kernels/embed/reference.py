@@ -34,6 +34,11 @@ def embed_block(weight: torch.Tensor, roots: torch.Tensor, mask_id: int, block: 
     Returns:
         ``[B * block, H]``: row ``b * block`` is ``weight[roots[b]]``, the others ``weight[mask_id]``.
     """
+    return embed_rows(weight, block_tokens(roots, mask_id, block).reshape(-1), dtype)
+
+
+def block_tokens(roots: torch.Tensor, mask_id: int, block: int) -> torch.Tensor:
+    """``[B, block]`` int64 tokens of the blocks: each root, then ``block - 1`` mask tokens."""
     tokens = torch.full((roots.shape[0], block), int(mask_id), dtype=torch.long, device=roots.device)
     tokens[:, 0] = roots
-    return embed_rows(weight, tokens.reshape(-1), dtype)
+    return tokens
