@@ -323,8 +323,5 @@ def run_step(model, pool, st: StepTensors, rope, taps: list[int], splits: int = 
     features = None
     if taps:
         f = torch.cat([feats[i] for i in taps], dim=-1).reshape(b, w, -1)
-        index = path[..., None].expand(b, w, f.shape[-1])
-        features = f.gather(1, index) if out_feats is None else torch.gather(f, 1, index, out=out_feats)
-    parts = [path.reshape(-1), n_accept, bonus]
-    ints = torch.cat(parts) if out_ints is None else torch.cat(parts, out=out_ints)
-    return StepOutputs(ints, features)
+        features = torch.gather(f, 1, path[..., None].expand(b, w, f.shape[-1]), out=out_feats)
+    return StepOutputs(torch.cat([path.reshape(-1), n_accept, bonus], out=out_ints), features)
