@@ -230,6 +230,21 @@ class StepLoop:
 
         return self.call(stop)
 
+    def ring_features(self, session_ids: list[str], owner: Owner | None = None) -> int:
+        """From the next step on, write these sessions' verified rows into the engine's feature
+        ring instead of their outcomes (on the loop thread: ``engine.ring_features``; with
+        ``owner``, another owner's sessions are skipped). Returns how many sessions use the ring;
+        0 for an engine without one.
+
+        Raises:
+            Unavailable: the loop is stopped.
+        """
+        fn = getattr(self.engine, "ring_features", None)
+        if fn is None:
+            return 0
+        ids = [sid for sid in session_ids if self.owners.may_touch(sid, owner)] if owner is not None else list(session_ids)
+        return self.call(lambda: fn(ids)) if ids else 0
+
     def release_all(self) -> int:
         """Release every session the engine holds (on the loop thread); returns how many."""
         return self.call(lambda: self._release_ids(list(getattr(self.engine, "sessions", ()))))

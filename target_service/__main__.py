@@ -90,7 +90,8 @@ def build_engine(model_path: str, config: TargetConfig | None = None, *, progres
                             max_tree_depth=max_tree_depth, feature_layers=cfg.feature_layers, memory_budget=budget,
                             cuda_graphs=cfg.cuda_graphs, batch_buckets=cfg.batch_buckets or None,
                             width_buckets=cfg.width_buckets or TargetConfig.width_buckets,
-                            max_step_tokens=cfg.max_step_tokens, prefill_chunk=cfg.prefill_chunk)
+                            max_step_tokens=cfg.max_step_tokens, prefill_chunk=cfg.prefill_chunk,
+                            ring_rows=cfg.feature_ring_rows, ring_bytes=cfg.feature_ring_bytes)
         log.info("state pool", extra={"max_sessions": eng.max_sessions, "asked": max_sessions,
                                       "slot_bytes": eng.slot_bytes, "budget_bytes": budget,
                                       "batch_buckets": list(eng.batch_buckets)})

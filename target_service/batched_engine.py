@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -29,6 +30,7 @@ from kernels.attention import default_splits, split_buckets, splits_for
 from kernels.linear import batch_invariant
 from target_service.config import TargetConfig
 from target_service.engine import PrefillJob, PrefillOutcome, Sampling, VerifyOutcome, check_prompt
+from runtime.feature_ring import FeatureRing, slot_rows_for
 from runtime.errors import EngineError, InvalidArgument, Reason, ResourceExhausted, SessionNotFound
 from runtime.graphs import GraphSet, StepGraph, batch_buckets_for, bucket_for, capped_buckets, slots_for_budget
 from target_service.models.layers import rope_table
@@ -37,6 +39,10 @@ from target_service.pooled import StepLayout, StepTensors, prefill_step, run_ste
 from runtime.tree import TreeError, analyze_tree
 
 log = logging.getLogger(__name__)
+
+#: fewest rows per slot a feature ring is made with (below, none: a client would give up its
+#: drafter sessions' rows after a few ticks without a Propose)
+RING_LEAST_ROWS = 16
 
 #: Default width buckets (docs/ARCHITECTURE.md, "The GPU path"): a step of B trees of at most W nodes runs in
 #: the smallest (batch, width) bucket that holds it (:class:`TargetConfig` holds the numbers); the default
@@ -55,6 +61,9 @@ class PoolSession:
     length: int = 0
     root: int = -1
     ready: bool = False
+    #: its verified rows go to the feature ring (:meth:`BatchedEngine.ring_features`) when its
+    #: feature layers are the ring's
+    ring: bool = False
 
     @property
     def inv_temperature(self) -> float:
@@ -199,7 +208,8 @@ class BatchedEngine:
                  feature_layers: list[int] | tuple[int, ...] = (), memory_budget: int | None = None,
                  cuda_graphs: bool = TargetConfig.cuda_graphs, batch_buckets: tuple[int, ...] | None = TargetConfig.batch_buckets,
                  width_buckets: tuple[int, ...] = WIDTH_BUCKETS, max_step_tokens: int = TargetConfig.max_step_tokens,
-                 prefill_chunk: int = TargetConfig.prefill_chunk, pad_to_buckets: bool | None = None):
+                 prefill_chunk: int = TargetConfig.prefill_chunk, pad_to_buckets: bool | None = None,
+                 ring_rows: int = TargetConfig.feature_ring_rows, ring_bytes: int = TargetConfig.feature_ring_bytes):
         self.model, self.cfg = model, model.cfg
         self.device, self.dtype = model.device, model.dtype
         self.max_context = min(max_context, model.cfg.context_length)
@@ -248,6 +258,12 @@ class BatchedEngine:
         #: steps run, forwards (graphs captured: :attr:`captures`)
         self.steps = 0
         self.forwards = 0
+        #: the feature ring (:meth:`feature_ring`), made on first use; ``ring_rows``: rows per
+        #: slot it is made with at most (0: no ring), ``ring_bytes`` its most bytes
+        self.ring: FeatureRing | None = None
+        self.ring_rows = int(ring_rows)
+        self.ring_bytes = int(ring_bytes)
+        self._ring_failed = False
 
     # ------------------------------------------------------------------ shapes
     @property
@@ -330,11 +346,54 @@ class BatchedEngine:
             self.prefill("__warmup__", [i % self.cfg.vocab_size for i in range(n)], s, list(self.taps))
             self.release(["__warmup__"])
 
+    def feature_ring(self) -> FeatureRing | None:
+        """The feature ring (:mod:`runtime.feature_ring`): one slot per session slot of
+        ``ring_rows`` rows (fewer where ``ring_bytes`` holds fewer; none below
+        :data:`RING_LEAST_ROWS`) of the tapped features, made on the first call (on the step
+        loop's thread). None: no taps, no ring configured, or no memory for it (then never
+        again)."""
+        if self.ring is not None or self._ring_failed or not self.taps:
+            return self.ring
+        item = torch.empty(0, dtype=self.dtype).element_size()
+        least = max(RING_LEAST_ROWS, 2 * (self.max_tree_width + 1))
+        rows = slot_rows_for(self.pool.slots, self.feature_width, item, self.ring_rows, self.ring_bytes, least)
+        if not rows:
+            self._ring_failed = True
+            return None
+        try:
+            self.ring = FeatureRing.create(self.pool.slots, rows, self.feature_width, self.dtype, self.device)
+        except (torch.OutOfMemoryError, RuntimeError, OSError) as e:
+            log.warning("no feature ring: feature rows go in the replies", extra={"error": str(e)[:200]})
+            self._ring_failed = True
+            return None
+        log.info("feature ring made", extra={"slots": self.pool.slots, "slot_rows": rows,
+                                             "kind": self.ring.descriptor.kind})
+        return self.ring
+
+    def ring_features(self, session_ids: list[str]) -> int:
+        """From the next step on, write these sessions' verified rows into the feature ring
+        instead of the outcomes (those whose feature layers are the ring's; unknown ids are
+        skipped). Returns how many sessions now use the ring (0: no ring)."""
+        if self.feature_ring() is None:
+            return 0
+        n = 0
+        for sid in session_ids:
+            s = self.sessions.get(sid)
+            if s is not None and s.feature_layers == self.taps:
+                s.ring = True
+                n += 1
+        return n
+
     def _ensure_taps(self, layers: list[int]) -> None:
         missing = set(layers) - set(self.taps)
         if not missing:
             return
         self.taps = sorted(set(self.taps) | missing)
+        if self.ring is not None:   # its rows are the old taps' width: a new ring on first use
+            self.ring.close()
+            self.ring = None
+            for s in self.sessions.values():
+                s.ring = False
         if self.graphs:
             log.warning("new feature layers requested: recapturing the step graphs", extra={"taps": self.taps})
             self.graphs.reset()
@@ -545,6 +604,8 @@ class BatchedEngine:
         lay = runner.layout
         v = runner.views
         wants_features = False   # some session of the step has feature layers (and the engine taps): its live rows' features come back
+        ring = self.ring
+        ringed: list[int] = []   # batch rows whose rows go to the feature ring
         for r, (_, s, tokens, parents, depth, bits) in enumerate(group):
             n = len(tokens)
             v["tokens"][r, :n] = tokens
@@ -553,10 +614,23 @@ class BatchedEngine:
             v["ancestors"][r, :n] = bits
             v["n_nodes"][r], v["slots"][r], v["lengths"][r] = n, s.slot, s.length
             self._fill_sampling(v, r, s)
-            wants_features = wants_features or bool(s.feature_layers)
+            if s.ring and ring is not None:
+                ringed.append(r)
+            else:
+                wants_features = wants_features or bool(s.feature_layers)
         wants_features = wants_features and runner.out_feats is not None
         lay.fill_padding(runner.host_np, self.pool.spare, first_row=b, views=v)
-        runner.run((lambda: runner.fetch_features(b)) if wants_features else None)
+        if ringed and runner.out_feats is not None:
+            def tail():
+                sessions = [group[r][1] for r in ringed]
+                ring.store(runner._dev_feats, ringed, [x.slot for x in sessions], [x.length for x in sessions],
+                           runner._dev_ints[lay.batch * lay.width : lay.batch * lay.width + lay.batch])
+                if wants_features:
+                    runner.fetch_features(b)
+            runner.run(tail)
+        else:
+            ringed = []
+            runner.run((lambda: runner.fetch_features(b)) if wants_features else None)
         self.steps += 1
         self.forwards += 1
         ints = runner.out_ints.numpy()
@@ -566,7 +640,7 @@ class BatchedEngine:
         bonus = ints[bw + lay.batch :]
         outs = []
         counts = n_acc[:b].tolist()
-        feats_of = self._step_features(runner, group, counts) if wants_features else None
+        feats_of = self._step_features(runner, group, counts, ringed) if wants_features else None
         for r, (_, s, tokens, *_rest) in enumerate(group):
             n = counts[r]
             nodes = path[r, :n].tolist()
@@ -574,9 +648,12 @@ class BatchedEngine:
             s.root = int(bonus[r])
             outs.append(VerifyOutcome(nodes, [tokens[j] for j in nodes[1:]], s.root, s.length,
                                       feats_of[r] if feats_of is not None else None))
+        for r in ringed:
+            outs[r].ring_slot = group[r][1].slot
         return outs
 
-    def _step_features(self, runner: _Runner, group: list, counts: list[int]) -> list[torch.Tensor | None]:
+    def _step_features(self, runner: _Runner, group: list, counts: list[int], ringed: Sequence[int] = ()
+                       ) -> list[torch.Tensor | None]:
         """Each item's accepted rows' features after a step (``[n, len(feature_layers) * H]`` in
         the model dtype, owned: the runner's buffer is the next step's; None for a session without
         feature layers). The sessions that tap exactly the engine's layers (the common case) take
@@ -587,9 +664,10 @@ class BatchedEngine:
         u8, taps = runner.out_feats_u8, self.taps
         out: list[torch.Tensor | None] = [None] * len(group)
         parts, sizes, where = [], [], []
+        skip = set(ringed)
         for r, item in enumerate(group):
             layers = item[1].feature_layers
-            if not layers:
+            if not layers or r in skip:   # (no layers, or its rows went to the feature ring)
                 continue
             n = counts[r]
             if layers == taps:

@@ -79,6 +79,12 @@ class TargetConfig:
     max_step_tokens: int = setting(1024, "most tree nodes in one batched step")
     prefill_chunk: int = setting(512, "batched engine: most prompt tokens per prefill forward")
     prefill_budget: int = setting(512, "prompt tokens prefilled per step-loop tick")
+    feature_ring_rows: int = setting(
+        128, "batched engine: rows per session slot of the feature ring, the shared memory through which a drafter on "
+        "this host reads the verified rows' features instead of through the orchestrator (docs/ARCHITECTURE.md, "
+        "'The feature ring'; 0: off)")
+    feature_ring_bytes: int = setting(256 << 20, "batched engine: most bytes of the feature ring (fewer rows per slot "
+                                                 "where its slots need more)")
     session_idle_timeout: float
     lease_s: float
     shutdown_timeout: float

@@ -120,6 +120,9 @@ class VerifyOutcome:
         bonus_token: the target's token after the path (the next root).
         committed_length: ``L`` after the commit.
         features: ``[k + 1, N*H]`` features of the committed rows, or ``None``.
+        ring_slot: the feature ring slot the committed rows were written to instead
+            (:mod:`runtime.feature_ring`: positions ``[committed_length - k - 1,
+            committed_length)``), or -1: none.
     """
 
     accepted_nodes: list[int]
@@ -127,6 +130,7 @@ class VerifyOutcome:
     bonus_token: int
     committed_length: int
     features: torch.Tensor | None
+    ring_slot: int = -1
 
 
 class TargetEngine:

@@ -29,7 +29,7 @@ import grpc
 import torch
 
 from dflash_grpc.columns import COLUMNAR, ColumnsError, pack_i32, read_trees, varint
-from dflash_grpc.localhop import Frames
+from dflash_grpc.localhop import Frames, LocalContext
 from dflash_grpc.transport import MAX_MESSAGE_BYTES
 from dflash_grpc.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dflash_grpc.wire import fill_tensor, tensor_to_proto
@@ -78,14 +78,20 @@ def _fill_verify(r: target_pb2.VerifyResult, out) -> None:
     r.bonus_token, r.committed_length = out.bonus_token, out.committed_length
     if out.features is not None:
         fill_tensor(r.features, out.features, torch.bfloat16)
+    if out.ring_slot >= 0:   # (its rows are in the feature ring)
+        r.ring_slot, r.ring_rows = out.ring_slot, len(out.accepted_nodes)
 
 
-def verify_response(items, outs, done) -> target_pb2.VerifyResponse:
+def verify_response(items, outs, done, ring: common_pb2.FeatureRing | None = None) -> target_pb2.VerifyResponse:
     """The ``VerifyResponse`` answering ``items`` (``VerifyItem`` messages) with their outcomes
     ``outs`` (a :class:`~target_service.engine.VerifyOutcome` or the exception that refused the
     item, in order) and the batch's timing ``done`` (:class:`~runtime.step_loop.BatchResult`),
-    built in place (:func:`runtime.status.batch_reply`)."""
-    return batch_reply(target_pb2.VerifyResponse, items, outs, done, _fill_verify)
+    built in place (:func:`runtime.status.batch_reply`); ``ring``: the feature ring's descriptor,
+    set on the reply when some item's rows are in it."""
+    response = batch_reply(target_pb2.VerifyResponse, items, outs, done, _fill_verify)
+    if ring is not None and any(not isinstance(o, BaseException) and o.ring_slot >= 0 for o in outs):
+        response.ring.CopyFrom(ring)
+    return response
 
 
 class _Named:
@@ -111,7 +117,7 @@ def verify_columns(columns: target_pb2.VerifyColumns) -> list[tuple[str, list[in
     return [(sid, tokens, parents) for sid, (tokens, parents) in zip(sids, read_trees(columns.trees, len(sids)))]
 
 
-def _columns_reply(items, outs, done):
+def _columns_reply(items, outs, done, ring: common_pb2.FeatureRing | None = None):
     """The columnar reply's message without its feature rows, and those rows: ``(response,
     feats)`` (``response.columns.features.rows`` set, ``rows_data`` not; ``feats`` the accepted
     items' ``[rows, width]`` tensors with rows, in order), or the per-item reply when the items'
@@ -121,6 +127,7 @@ def _columns_reply(items, outs, done):
     cols = response.columns
     cols.SetInParent()
     accepted, tokens, nodes, bonus, lengths, rows, feats = [], [], [], [], [], [], []
+    ring_slots: list[int] | None = None   # (the feature ring's columns, once an item's rows are in it)
     width = None
     for i, out in enumerate(outs):
         if isinstance(out, BaseException):
@@ -136,6 +143,10 @@ def _columns_reply(items, outs, done):
         nodes += out.accepted_nodes
         bonus.append(out.bonus_token)
         lengths.append(out.committed_length)
+        if out.ring_slot >= 0:
+            if ring_slots is None:
+                ring_slots, ring_rows = [-1] * len(outs), [0] * len(outs)
+            ring_slots[i], ring_rows[i] = out.ring_slot, len(t) + 1
         f = out.features
         if f is None or not f.shape[0]:
             rows.append(0)
@@ -152,16 +163,22 @@ def _columns_reply(items, outs, done):
     cols.bonus_tokens = pack_i32(bonus)
     cols.committed_lengths = pack_i32(lengths)
     cols.features.rows = pack_i32(rows)
+    if ring_slots is not None:
+        cols.features.ring_slots = pack_i32(ring_slots)
+        cols.features.ring_rows = pack_i32(ring_rows)
+        if ring is not None:
+            response.ring.CopyFrom(ring)
     return response, feats
 
 
-def verify_columns_response(items, outs, done) -> target_pb2.VerifyResponse:
+def verify_columns_response(items, outs, done, ring: common_pb2.FeatureRing | None = None) -> target_pb2.VerifyResponse:
     """The ``VerifyResponse`` answering a columnar request's ``items`` (engine items, in order)
     with their outcomes ``outs`` and the batch's timing ``done``, as columns (the refused items by
     index; every item's feature rows in one bf16 tensor). When the items' features differ in
     width (sessions that asked for other layers), one tensor cannot hold them: the reply is then
-    per item (:func:`verify_response`), which a columnar client reads too."""
-    built = _columns_reply(items, outs, done)
+    per item (:func:`verify_response`), which a columnar client reads too. ``ring``: as
+    :func:`verify_response`."""
+    built = _columns_reply(items, outs, done, ring)
     if type(built) is not tuple:
         return built
     response, feats = built
@@ -179,7 +196,8 @@ def _host_bytes(f: torch.Tensor) -> memoryview | None:
     return memoryview((ctypes.c_char * f.nbytes).from_address(f.data_ptr())).cast("B")
 
 
-def verify_columns_frames(items, outs, done) -> Frames | target_pb2.VerifyResponse:
+def verify_columns_frames(items, outs, done, ring: common_pb2.FeatureRing | None = None
+                          ) -> Frames | target_pb2.VerifyResponse:
     """:func:`verify_columns_response`'s reply for the same-host hop: its wire bytes as
     :class:`~dflash_grpc.localhop.Frames`, the feature rows sent from the items' own tensors (one
     buffer each, not copied: ``torch.cat``, the bytes read out, set into the message and its
@@ -189,13 +207,14 @@ def verify_columns_frames(items, outs, done) -> Frames | target_pb2.VerifyRespon
     level (``VerifyResponse.columns`` 6, ``.features`` 7, ``.rows_data`` 2, ``Tensor.data`` 3), so
     they end the message; only the three lengths around them are written here. The message as
     :func:`verify_columns_response` builds it where no item has rows, or one's rows are not a
-    contiguous bf16 CPU tensor."""
-    built = _columns_reply(items, outs, done)
+    contiguous bf16 CPU tensor, or some item's rows are in the feature ring (``ring``: fields
+    after the rows)."""
+    built = _columns_reply(items, outs, done, ring)
     if type(built) is not tuple:
         return built
     response, feats = built
     views = [_host_bytes(f) for f in feats]
-    if not feats or None in views:
+    if not feats or None in views or response.HasField("ring") or response.columns.features.ring_slots:
         if feats:
             fill_tensor(response.columns.features.rows_data, feats[0] if len(feats) == 1 else torch.cat(feats),
                         torch.bfloat16)
@@ -296,26 +315,56 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         with scope:
             try:
                 # on the same-host hop a columnar reply goes as its wire bytes (verify_columns_frames)
-                yield from self._verify(request_iterator, owner, getattr(context, "accepts_frames", False))
+                yield from self._verify(request_iterator, owner, getattr(context, "accepts_frames", False),
+                                        isinstance(context, LocalContext))
             except ColumnsError as e:
                 abort_with(context, InvalidArgument(f"malformed columns: {e}"))
 
-    def _verify(self, request_iterator, owner, frames: bool = False):
+    def _verify(self, request_iterator, owner, frames: bool = False, local: bool = False):
+        """The replies of one Verify stream; ``local``: the call came over the same-host hop or
+        from this process, the only callers for which ``feature_ring`` is honoured (the ring's
+        memory is this host's; its descriptor never leaves over gRPC)."""
         columns_reply = verify_columns_frames if frames else verify_columns_response
+        ringed: set[str] = set()   # sessions this stream has put on the feature ring
         for request in request_iterator:
             if request.stop_features:   # sessions decoded plainly from now on: no more feature rows
                 try:
                     self.loop.stop_features(list(request.stop_features), owner)
                 except EngineError:   # (a stopped loop: the items below get its status each)
                     pass
-            if request.HasField("columns"):
+            columnar = request.HasField("columns")
+            ring = None
+            if local and request.feature_ring:
+                ring = self._ring_for(request.columns.session_ids if columnar else
+                                      [it.session_id for it in request.items], ringed, owner)
+            if columnar:
                 items = verify_columns(request.columns)
                 outs, done = run_items(self.loop, items, _same, owner)
-                yield columns_reply(items, outs, done)
+                yield columns_reply(items, outs, done, ring)
                 continue
             items = request.items
             outs, done = run_items(self.loop, items, _decode_verify_item, owner)
-            yield verify_response(items, outs, done)
+            yield verify_response(items, outs, done, ring)
+
+    #: most session ids a Verify stream remembers as put on the feature ring (then it starts over:
+    #: asking the engine again is harmless)
+    RINGED_IDS = 1 << 16
+
+    def _ring_for(self, session_ids, ringed: set[str], owner) -> common_pb2.FeatureRing | None:
+        """Put the sessions of a ``feature_ring`` request on the engine's feature ring (those
+        the stream has not yet: one call to the step loop when there are any) and return the
+        ring's descriptor, or None when the engine has no ring."""
+        new = [sid for sid in session_ids if sid not in ringed]
+        if new:
+            if len(ringed) > self.RINGED_IDS:
+                ringed.clear()
+            try:
+                self.loop.ring_features(new, owner)
+            except EngineError:   # (a stopped loop: the items get its status each)
+                return None
+            ringed.update(new)
+        ring = getattr(self.loop.engine, "ring", None)
+        return ring.descriptor if ring is not None else None
 
     def Release(self, request, context):
         owner = caller(context)

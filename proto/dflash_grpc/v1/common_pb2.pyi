@@ -69,12 +69,50 @@ class TreeColumns(_message.Message):
     def __init__(self, sizes: _Optional[bytes] = ..., tokens: _Optional[bytes] = ..., parents: _Optional[bytes] = ...) -> None: ...
 
 class FeatureColumns(_message.Message):
-    __slots__ = ("rows", "rows_data")
+    __slots__ = ("rows", "rows_data", "ring_slots", "ring_rows")
     ROWS_FIELD_NUMBER: _ClassVar[int]
     ROWS_DATA_FIELD_NUMBER: _ClassVar[int]
+    RING_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    RING_ROWS_FIELD_NUMBER: _ClassVar[int]
     rows: bytes
     rows_data: Tensor
-    def __init__(self, rows: _Optional[bytes] = ..., rows_data: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    ring_slots: bytes
+    ring_rows: bytes
+    def __init__(self, rows: _Optional[bytes] = ..., rows_data: _Optional[_Union[Tensor, _Mapping]] = ..., ring_slots: _Optional[bytes] = ..., ring_rows: _Optional[bytes] = ...) -> None: ...
+
+class FeatureRing(_message.Message):
+    __slots__ = ("id", "kind", "slots", "slot_rows", "width", "dtype", "path", "device_uuid", "handle", "storage_bytes", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_ROWS_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    kind: str
+    slots: int
+    slot_rows: int
+    width: int
+    dtype: DType
+    path: str
+    device_uuid: str
+    handle: bytes
+    storage_bytes: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., slots: _Optional[int] = ..., slot_rows: _Optional[int] = ..., width: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., path: _Optional[str] = ..., device_uuid: _Optional[str] = ..., handle: _Optional[bytes] = ..., storage_bytes: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class IndexedStatus(_message.Message):
     __slots__ = ("index", "status")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from dflash_grpc.v1 import common_pb2 as dflash__grpc_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64\x66lash_grpc/v1/draft.proto\x12\x0e\x64\x66lash_grpc.v1\x1a\x1b\x64\x66lash_grpc/v1/common.proto\"\x14\n\x12\x44rafterInfoRequest\"\x84\x01\n\x0b\x44rafterInfo\x12(\n\x05model\x18\x01 \x01(\x0b\x32\x19.dflash_grpc.v1.ModelInfo\x12\x1a\n\x12target_fingerprint\x18\x02 \x01(\t\x12\x18\n\x10target_layer_ids\x18\x03 \x03(\x05\x12\x15\n\rmask_token_id\x18\x04 \x01(\x05\">\n\nTreeParams\x12\x0e\n\x06\x62udget\x18\x01 \x01(\x05\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x11\n\tmax_depth\x18\x03 \x01(\x05\"\xa3\x01\n\x0bProposeItem\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12(\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x16.dflash_grpc.v1.Tensor\x12\x12\n\nroot_token\x18\x03 \x01(\x05\x12\x18\n\x10\x63ommitted_length\x18\x04 \x01(\x05\x12(\n\x04tree\x18\x05 \x01(\x0b\x32\x1a.dflash_grpc.v1.TreeParams\"m\n\x0eProposeRequest\x12*\n\x05items\x18\x01 \x03(\x0b\x32\x1b.dflash_grpc.v1.ProposeItem\x12/\n\x07\x63olumns\x18\x02 \x01(\x0b\x32\x1e.dflash_grpc.v1.ProposeColumns\"\xbc\x01\n\x0eProposeColumns\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\x12\x13\n\x0broot_tokens\x18\x02 \x01(\x0c\x12\x19\n\x11\x63ommitted_lengths\x18\x03 \x01(\x0c\x12\x0f\n\x07\x62udgets\x18\x04 \x01(\x0c\x12\x0e\n\x06top_ks\x18\x05 \x01(\x0c\x12\x12\n\nmax_depths\x18\x06 \x01(\x0c\x12\x30\n\x08\x66\x65\x61tures\x18\x07 \x01(\x0b\x32\x1e.dflash_grpc.v1.FeatureColumns\"x\n\rProposeResult\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12*\n\x06status\x18\x02 \x01(\x0b\x32\x1a.dflash_grpc.v1.ItemStatus\x12\'\n\x04tree\x18\x03 \x01(\x0b\x32\x19.dflash_grpc.v1.TokenTree\"\xe8\x01\n\x0fProposeResponse\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.dflash_grpc.v1.ProposeResult\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x13\n\x0b\x62\x61tch_items\x18\x03 \x01(\x05\x12\x0f\n\x07queue_s\x18\x04 \x01(\x01\x12\x10\n\x08\x64\x65vice_s\x18\x05 \x01(\x01\x12.\n\x07refused\x18\x06 \x03(\x0b\x32\x1d.dflash_grpc.v1.IndexedStatus\x12*\n\x05trees\x18\x07 \x01(\x0b\x32\x1b.dflash_grpc.v1.TreeColumns2\xf3\x01\n\x0c\x44raftService\x12G\n\x04Info\x12\".dflash_grpc.v1.DrafterInfoRequest\x1a\x1b.dflash_grpc.v1.DrafterInfo\x12N\n\x07Propose\x12\x1e.dflash_grpc.v1.ProposeRequest\x1a\x1f.dflash_grpc.v1.ProposeResponse(\x01\x30\x01\x12J\n\x07Release\x12\x1e.dflash_grpc.v1.ReleaseRequest\x1a\x1f.dflash_grpc.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64\x66lash_grpc/v1/draft.proto\x12\x0e\x64\x66lash_grpc.v1\x1a\x1b\x64\x66lash_grpc/v1/common.proto\"\x14\n\x12\x44rafterInfoRequest\"\x84\x01\n\x0b\x44rafterInfo\x12(\n\x05model\x18\x01 \x01(\x0b\x32\x19.dflash_grpc.v1.ModelInfo\x12\x1a\n\x12target_fingerprint\x18\x02 \x01(\t\x12\x18\n\x10target_layer_ids\x18\x03 \x03(\x05\x12\x15\n\rmask_token_id\x18\x04 \x01(\x05\">\n\nTreeParams\x12\x0e\n\x06\x62udget\x18\x01 \x01(\x05\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x11\n\tmax_depth\x18\x03 \x01(\x05\"\xc9\x01\n\x0bProposeItem\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12(\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x16.dflash_grpc.v1.Tensor\x12\x12\n\nroot_token\x18\x03 \x01(\x05\x12\x18\n\x10\x63ommitted_length\x18\x04 \x01(\x05\x12(\n\x04tree\x18\x05 \x01(\x0b\x32\x1a.dflash_grpc.v1.TreeParams\x12\x11\n\tring_slot\x18\x06 \x01(\x05\x12\x11\n\tring_rows\x18\x07 \x01(\x05\"\x98\x01\n\x0eProposeRequest\x12*\n\x05items\x18\x01 \x03(\x0b\x32\x1b.dflash_grpc.v1.ProposeItem\x12/\n\x07\x63olumns\x18\x02 \x01(\x0b\x32\x1e.dflash_grpc.v1.ProposeColumns\x12)\n\x04ring\x18\x03 \x01(\x0b\x32\x1b.dflash_grpc.v1.FeatureRing\"\xbc\x01\n\x0eProposeColumns\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\x12\x13\n\x0broot_tokens\x18\x02 \x01(\x0c\x12\x19\n\x11\x63ommitted_lengths\x18\x03 \x01(\x0c\x12\x0f\n\x07\x62udgets\x18\x04 \x01(\x0c\x12\x0e\n\x06top_ks\x18\x05 \x01(\x0c\x12\x12\n\nmax_depths\x18\x06 \x01(\x0c\x12\x30\n\x08\x66\x65\x61tures\x18\x07 \x01(\x0b\x32\x1e.dflash_grpc.v1.FeatureColumns\"x\n\rProposeResult\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12*\n\x06status\x18\x02 \x01(\x0b\x32\x1a.dflash_grpc.v1.ItemStatus\x12\'\n\x04tree\x18\x03 \x01(\x0b\x32\x19.dflash_grpc.v1.TokenTree\"\xe8\x01\n\x0fProposeResponse\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.dflash_grpc.v1.ProposeResult\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x13\n\x0b\x62\x61tch_items\x18\x03 \x01(\x05\x12\x0f\n\x07queue_s\x18\x04 \x01(\x01\x12\x10\n\x08\x64\x65vice_s\x18\x05 \x01(\x01\x12.\n\x07refused\x18\x06 \x03(\x0b\x32\x1d.dflash_grpc.v1.IndexedStatus\x12*\n\x05trees\x18\x07 \x01(\x0b\x32\x1b.dflash_grpc.v1.TreeColumns2\xf3\x01\n\x0c\x44raftService\x12G\n\x04Info\x12\".dflash_grpc.v1.DrafterInfoRequest\x1a\x1b.dflash_grpc.v1.DrafterInfo\x12N\n\x07Propose\x12\x1e.dflash_grpc.v1.ProposeRequest\x1a\x1f.dflash_grpc.v1.ProposeResponse(\x01\x30\x01\x12J\n\x07Release\x12\x1e.dflash_grpc.v1.ReleaseRequest\x1a\x1f.dflash_grpc.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,15 +39,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TREEPARAMS']._serialized_start=232
   _globals['_TREEPARAMS']._serialized_end=294
   _globals['_PROPOSEITEM']._serialized_start=297
-  _globals['_PROPOSEITEM']._serialized_end=460
-  _globals['_PROPOSEREQUEST']._serialized_start=462
-  _globals['_PROPOSEREQUEST']._serialized_end=571
-  _globals['_PROPOSECOLUMNS']._serialized_start=574
-  _globals['_PROPOSECOLUMNS']._serialized_end=762
-  _globals['_PROPOSERESULT']._serialized_start=764
-  _globals['_PROPOSERESULT']._serialized_end=884
-  _globals['_PROPOSERESPONSE']._serialized_start=887
-  _globals['_PROPOSERESPONSE']._serialized_end=1119
-  _globals['_DRAFTSERVICE']._serialized_start=1122
-  _globals['_DRAFTSERVICE']._serialized_end=1365
+  _globals['_PROPOSEITEM']._serialized_end=498
+  _globals['_PROPOSEREQUEST']._serialized_start=501
+  _globals['_PROPOSEREQUEST']._serialized_end=653
+  _globals['_PROPOSECOLUMNS']._serialized_start=656
+  _globals['_PROPOSECOLUMNS']._serialized_end=844
+  _globals['_PROPOSERESULT']._serialized_start=846
+  _globals['_PROPOSERESULT']._serialized_end=966
+  _globals['_PROPOSERESPONSE']._serialized_start=969
+  _globals['_PROPOSERESPONSE']._serialized_end=1201
+  _globals['_DRAFTSERVICE']._serialized_start=1204
+  _globals['_DRAFTSERVICE']._serialized_end=1447
 # @@protoc_insertion_point(module_scope)

@@ -34,26 +34,32 @@ class TreeParams(_message.Message):
     def __init__(self, budget: _Optional[int] = ..., top_k: _Optional[int] = ..., max_depth: _Optional[int] = ...) -> None: ...
 
 class ProposeItem(_message.Message):
-    __slots__ = ("session_id", "features", "root_token", "committed_length", "tree")
+    __slots__ = ("session_id", "features", "root_token", "committed_length", "tree", "ring_slot", "ring_rows")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     ROOT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    RING_SLOT_FIELD_NUMBER: _ClassVar[int]
+    RING_ROWS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     features: _common_pb2.Tensor
     root_token: int
     committed_length: int
     tree: TreeParams
-    def __init__(self, session_id: _Optional[str] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., root_token: _Optional[int] = ..., committed_length: _Optional[int] = ..., tree: _Optional[_Union[TreeParams, _Mapping]] = ...) -> None: ...
+    ring_slot: int
+    ring_rows: int
+    def __init__(self, session_id: _Optional[str] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., root_token: _Optional[int] = ..., committed_length: _Optional[int] = ..., tree: _Optional[_Union[TreeParams, _Mapping]] = ..., ring_slot: _Optional[int] = ..., ring_rows: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("items", "columns")
+    __slots__ = ("items", "columns", "ring")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    RING_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[ProposeItem]
     columns: ProposeColumns
-    def __init__(self, items: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ..., columns: _Optional[_Union[ProposeColumns, _Mapping]] = ...) -> None: ...
+    ring: _common_pb2.FeatureRing
+    def __init__(self, items: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ..., columns: _Optional[_Union[ProposeColumns, _Mapping]] = ..., ring: _Optional[_Union[_common_pb2.FeatureRing, _Mapping]] = ...) -> None: ...
 
 class ProposeColumns(_message.Message):
     __slots__ = ("session_ids", "root_tokens", "committed_lengths", "budgets", "top_ks", "max_depths", "features")

@@ -56,14 +56,16 @@ class VerifyItem(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("items", "columns", "stop_features")
+    __slots__ = ("items", "columns", "stop_features", "feature_ring")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
     STOP_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_RING_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[VerifyItem]
     columns: VerifyColumns
     stop_features: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ..., columns: _Optional[_Union[VerifyColumns, _Mapping]] = ..., stop_features: _Optional[_Iterable[str]] = ...) -> None: ...
+    feature_ring: bool
+    def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ..., columns: _Optional[_Union[VerifyColumns, _Mapping]] = ..., stop_features: _Optional[_Iterable[str]] = ..., feature_ring: _Optional[bool] = ...) -> None: ...
 
 class VerifyColumns(_message.Message):
     __slots__ = ("session_ids", "trees")
@@ -74,7 +76,7 @@ class VerifyColumns(_message.Message):
     def __init__(self, session_ids: _Optional[_Iterable[str]] = ..., trees: _Optional[_Union[_common_pb2.TreeColumns, _Mapping]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("session_id", "status", "accepted_tokens", "accepted_nodes", "bonus_token", "committed_length", "features")
+    __slots__ = ("session_id", "status", "accepted_tokens", "accepted_nodes", "bonus_token", "committed_length", "features", "ring_slot", "ring_rows")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +84,8 @@ class VerifyResult(_message.Message):
     BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    RING_SLOT_FIELD_NUMBER: _ClassVar[int]
+    RING_ROWS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     status: _common_pb2.ItemStatus
     accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -89,23 +93,27 @@ class VerifyResult(_message.Message):
     bonus_token: int
     committed_length: int
     features: _common_pb2.Tensor
-    def __init__(self, session_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.ItemStatus, _Mapping]] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., committed_length: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    ring_slot: int
+    ring_rows: int
+    def __init__(self, session_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.ItemStatus, _Mapping]] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., committed_length: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., ring_slot: _Optional[int] = ..., ring_rows: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("results", "compute_s", "batch_items", "queue_s", "device_s", "columns")
+    __slots__ = ("results", "compute_s", "batch_items", "queue_s", "device_s", "columns", "ring")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     BATCH_ITEMS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     DEVICE_S_FIELD_NUMBER: _ClassVar[int]
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    RING_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[VerifyResult]
     compute_s: float
     batch_items: int
     queue_s: float
     device_s: float
     columns: VerifyResultColumns
-    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ..., compute_s: _Optional[float] = ..., batch_items: _Optional[int] = ..., queue_s: _Optional[float] = ..., device_s: _Optional[float] = ..., columns: _Optional[_Union[VerifyResultColumns, _Mapping]] = ...) -> None: ...
+    ring: _common_pb2.FeatureRing
+    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ..., compute_s: _Optional[float] = ..., batch_items: _Optional[int] = ..., queue_s: _Optional[float] = ..., device_s: _Optional[float] = ..., columns: _Optional[_Union[VerifyResultColumns, _Mapping]] = ..., ring: _Optional[_Union[_common_pb2.FeatureRing, _Mapping]] = ...) -> None: ...
 
 class VerifyResultColumns(_message.Message):
     __slots__ = ("refused", "accepted", "accepted_tokens", "accepted_nodes", "bonus_tokens", "committed_lengths", "features")

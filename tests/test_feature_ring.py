@@ -1,0 +1,151 @@
+"""The feature ring (runtime.feature_ring): the rows a target stores are the rows a drafter maps
+and gathers, at the positions the layout says; the GPU ring through CUDA IPC in another process."""
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from runtime.feature_ring import FeatureRing, RingUnavailable, slot_rows_for
+
+
+def _reference_rows(slots, ends, counts, slot_rows):
+    return [s * slot_rows + p % slot_rows for s, e, k in zip(slots, ends, counts) for p in range(e - k, e)]
+
+
+def test_rows_of_is_the_layout():
+    ring = FeatureRing.create(4, 8, 3, torch.bfloat16, "cpu")
+    try:
+        slots, ends, counts = [2, 0, 3, 1], [5, 17, 8, 1], [3, 8, 0, 1]
+        assert ring.rows_of(slots, ends, counts).tolist() == _reference_rows(slots, ends, counts, 8)
+        with pytest.raises(ValueError):
+            ring.rows_of([4], [3], [1])          # no slot 4
+        with pytest.raises(ValueError):
+            ring.rows_of([0], [20], [9])         # more rows than a slot holds
+        with pytest.raises(ValueError):
+            ring.rows_of([0], [2], [3])          # before position 0
+    finally:
+        ring.close()
+
+
+def test_store_then_open_and_gather_shm():
+    """A verify step's accepted rows (counts per batch row) land at their positions, padding rows
+    in the dump row; another mapping of the descriptor reads them."""
+    g = torch.Generator().manual_seed(0)
+    B, W, F, C = 3, 5, 4, 8
+    ring = FeatureRing.create(4, C, F, torch.bfloat16, "cpu")
+    try:
+        feats = torch.randn(B, W, F, generator=g).to(torch.bfloat16)
+        counts = torch.tensor([2, 5, 1])
+        # batch rows 0 and 2 store (slots 3 and 1, committed lengths 6 and 7 before the step); row 1 does not
+        ring.store(feats, [0, 2], [3, 1], [6, 7], counts)
+        other = FeatureRing.open(ring.descriptor, "cpu")
+        got = other.gather(other.rows_of([3, 1], [8, 8], [2, 1]))
+        assert torch.equal(got, torch.cat([feats[0, :2], feats[2, :1]]))
+        # the rows wrap around a slot: positions 6, 7, 8, 9 of slot 3 are rows 6, 7, 0, 1
+        ring.store(feats, [1], [3], [8], counts)
+        got = other.gather(other.rows_of([3], [13], [5]))
+        assert torch.equal(got, feats[1])
+        assert torch.equal(other.table[3 * C + 6], feats[0, 0])    # not overwritten: 8 positions on
+        untouched = torch.ones(4 * C + 1, dtype=torch.bool)
+        untouched[torch.tensor([3 * C + i for i in range(C)] + [1 * C + 7, ring.dump])] = False
+        assert not other.table[untouched].any()
+    finally:
+        ring.close()
+
+
+def test_open_refuses_what_it_cannot_map(tmp_path):
+    ring = FeatureRing.create(2, 4, 3, torch.float32, "cpu")
+    desc = type(ring.descriptor)()
+    desc.CopyFrom(ring.descriptor)
+    ring.close()
+    with pytest.raises(RingUnavailable):
+        FeatureRing.open(desc, "cpu")                       # its file is gone
+    desc.kind = "carrier-pigeon"
+    with pytest.raises(RingUnavailable):
+        FeatureRing.open(desc, "cpu")
+    desc.kind, desc.slots = "shm", 0
+    with pytest.raises(RingUnavailable):
+        FeatureRing.open(desc, "cpu")
+
+
+def test_slot_rows_for():
+    assert slot_rows_for(256, 2880, 2, 128, 256 << 20, 16) == 128
+    assert slot_rows_for(256, 2880, 2, 128, 64 << 20, 16) == (64 << 20) // (256 * 2880 * 2)
+    assert slot_rows_for(256, 2880, 2, 128, 1 << 20, 16) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_ipc_ring_in_another_process():
+    """The GPU ring mapped by another process (CUDA IPC) reads the rows this one stored."""
+    F, C = 64, 16
+    ring = FeatureRing.create(4, C, F, torch.bfloat16, "cuda")
+    feats = torch.randn(2, 4, F, device="cuda").to(torch.bfloat16)
+    ring.store(feats, [0, 1], [2, 0], [14, 0], torch.tensor([4, 3], device="cuda"))
+    torch.cuda.synchronize()
+    want = torch.cat([feats[0, :4], feats[1, :3]]).float().cpu().numpy()
+    code = textwrap.dedent("""
+        import sys, numpy as np, torch
+        from dflash_grpc.v1 import common_pb2
+        from runtime.feature_ring import FeatureRing
+        desc = common_pb2.FeatureRing.FromString(sys.stdin.buffer.read())
+        ring = FeatureRing.open(desc, "cuda")
+        got = ring.gather(ring.rows_of([2, 0], [18, 3], [4, 3])).float().cpu().numpy()
+        sys.stdout.buffer.write(got.tobytes())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], input=ring.descriptor.SerializeToString(),
+                         capture_output=True, timeout=120, check=True).stdout
+    got = np.frombuffer(out, dtype=np.float32).reshape(want.shape)
+    assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_target_rows_in_the_ring_equal_the_rows_it_sends(tiny_llama, pad):
+    """Two engines decode the same trees: one sends every verified row's features in its
+    outcomes, the other, its sessions on the ring, writes them into the ring and says where; the
+    rows read back at those positions are the sent rows, bit for bit."""
+    import random
+
+    from target_service.batched_engine import BatchedEngine
+    from target_service.engine import Sampling
+    from target_service.models.llama import LlamaModel
+
+    model = LlamaModel.from_gguf(str(tiny_llama.path))
+    layers = [0, 1]
+    make = lambda: BatchedEngine(model, max_sessions=3, max_context=128, max_tree_width=8, max_tree_depth=8,
+                                 feature_layers=layers, pad_to_buckets=pad, ring_rows=18)
+    plain, ringed = make(), make()
+    s = Sampling.checked(0.0, 0, 0.0, 0)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(model.cfg.vocab_size) for _ in range(n)] for n in (5, 9)]
+    roots = []
+    for i, p in enumerate(prompts):
+        a = plain.prefill(f"s{i}", p, s, layers)
+        b = ringed.prefill(f"s{i}", p, s, layers)
+        assert a.first_token == b.first_token
+        roots.append(a.first_token)
+    assert ringed.ring_features(["s0", "s1", "nobody"]) == 2
+    ring = ringed.ring
+    assert ring is not None and ring.slot_rows == 18   # (the least: 2 x (max_tree_width + 1))
+    reader = FeatureRing.open(ring.descriptor, "cpu")
+    for step in range(14):   # past 18 positions of a slot: the rows wrap around
+        items = []
+        for i in range(2):
+            tokens, parents = [roots[i]], [-1]
+            for d in range(rng.randrange(4)):   # a chain of random guesses (some accepted at T=0 rarely)
+                tokens.append(rng.randrange(model.cfg.vocab_size))
+                parents.append(len(tokens) - 2)
+            items.append((f"s{i}", tokens, parents))
+        want, got = plain.verify_batch(items), ringed.verify_batch(items)
+        for w, g in zip(want, got):
+            assert g.accepted_nodes == w.accepted_nodes and g.bonus_token == w.bonus_token
+            assert g.features is None and g.ring_slot >= 0 and w.ring_slot == -1
+            rows = reader.gather(reader.rows_of([g.ring_slot], [g.committed_length], [len(g.accepted_nodes)]))
+            assert torch.equal(rows, w.features)
+        roots = [w.bonus_token for w in want]
+    reader.close()
+    ring.close()
