@@ -124,6 +124,11 @@ class DraftItem(NamedTuple):
         finite: ``features`` are known to hold only finite values (the sender checked a step's
             rows as one tensor: ``draft_service.servicer.propose_columns``), so :func:`check_item`
             need not look at them again; False: it does.
+        ring: more rows after ``features``, in a target's feature ring
+            (:mod:`runtime.feature_ring`): ``(ring, slot, rows)``, the ``rows`` positions before
+            ``committed_length`` of ``slot``; ``ring`` None when the ring could not be mapped (the
+            item is refused, ``RING_UNAVAILABLE``). None: no ring rows. Rows a target wrote, so
+            not checked for finite values.
     """
 
     session_id: str
@@ -134,6 +139,24 @@ class DraftItem(NamedTuple):
     top_k: int = 0
     max_depth: int = 0
     finite: bool = False
+    ring: tuple | None = None
+
+
+def ring_rows(item: DraftItem) -> int:
+    """Rows of ``item`` in a feature ring (0: none)."""
+    return item.ring[2] if item.ring is not None else 0
+
+
+def item_features(item: DraftItem, features: torch.Tensor) -> torch.Tensor:
+    """Every row of ``item``: ``features`` (its rows sent as bytes, from :func:`check_item`) then
+    its ring rows gathered (on the ring's device; ``features`` moved there when it has rows)."""
+    if item.ring is None:
+        return features
+    ring, slot, n = item.ring
+    rows = ring.gather(ring.rows_of([slot], [int(item.committed_length)], [n]))
+    if not features.shape[0]:
+        return rows
+    return torch.cat([features.to(device=rows.device, dtype=rows.dtype), rows])
 
 
 @dataclasses.dataclass
@@ -208,6 +231,17 @@ def check_item(item: DraftItem, config) -> tuple[torch.Tensor, int]:
         raise InvalidArgument(f"tree top_k {item.top_k} is over the vocabulary size {config.vocab_size}")
     if item.max_depth > full:
         raise InvalidArgument(f"tree max_depth {item.max_depth} is over the drafter's block size - 1 = {full}")
+    if item.ring is not None:
+        ring, slot, n = item.ring
+        if ring is None:
+            raise FailedPrecondition("the item's rows are in a feature ring this drafter cannot read; send them as bytes",
+                                     reason=Reason.RING_UNAVAILABLE)
+        if ring.width != width:
+            raise InvalidArgument(f"the feature ring's rows are {ring.width} wide, not {width}", reason=Reason.INVALID_FEATURES)
+        if not 0 <= slot < ring.slots or not 0 < n <= ring.slot_rows or n > item.committed_length:
+            raise InvalidArgument(f"ring rows outside the ring (slot {slot}, {n} rows before position "
+                                  f"{item.committed_length}; {ring.slots} slots of {ring.slot_rows} rows)",
+                                  reason=Reason.INVALID_FEATURES)
     return f, (full if item.max_depth == 0 else int(item.max_depth))
 
 
@@ -273,6 +307,7 @@ class ReferenceDrafterEngine:
 
     def _propose(self, item: DraftItem) -> ProposeOutcome:
         features, depth = check_item(item, self.config)
+        features = item_features(item, features)
         sid, rows = item.session_id, features.shape[0]
         ctx = self.sessions.get(sid)
         held = 0 if ctx is None else ctx.length
@@ -453,8 +488,7 @@ class _Runner(StepGraph):
 
     def body(self) -> None:
         e = self.engine
-        self.copy(self.dev, self.host)
-        self.copy(self.feats_dev, self.feats_host)
+        self.copy(self.dev, self.host)   # (the features are in feats_dev already: run's head)
         slots, held, n_rows, roots, budget, top_k, depth = self.dev.unbind(0)
         if e.fused is not None:
             lp, tok = e.fused.step(e.pool, slots, held, n_rows, roots, self.feats_dev, e.k, self.splits, e.max_splits)
@@ -468,10 +502,34 @@ class _Runner(StepGraph):
         packed = torch.stack([lp.contiguous().view(torch.int32), tok.to(torch.int32)], dim=-1)
         self.out.copy_(packed, non_blocking=True)
 
-    def run(self) -> StepResult:
-        """Run the step (:meth:`StepGraph.run`: replay or eager, one host sync); returns its
-        :class:`StepResult` (views of the output buffer: read them before the next step)."""
-        super().run()
+    def _features_in(self, batch: int, host_rows: bool, on_device: Sequence[tuple[int, torch.Tensor]],
+                     ring, ring_at: Sequence[tuple[int, int, int, int]]) -> None:
+        """Queue the step's new context rows into ``feats_dev`` (before the step; device work
+        only): the first ``batch`` rows of the host buffer when some came from the host
+        (``host_rows``), the rows already on the device (``on_device``: ``(batch row, [n, N*H])``),
+        and the feature ring's rows (``ring_at``: ``(batch row, slot, rows, committed length)``,
+        one gather and one scatter for the step)."""
+        if host_rows:
+            self.copy(self.feats_dev[:batch], self.feats_host[:batch])
+        for r, t in on_device:
+            self.feats_dev[r, : t.shape[0]].copy_(t, non_blocking=True)
+        if ring_at:
+            at = np.asarray(ring_at, dtype=np.int64)
+            src = ring.rows_of(at[:, 1], at[:, 3], at[:, 2])
+            n = at[:, 2]
+            dst = np.repeat(at[:, 0] * self.rows, n) + (np.arange(len(src)) - np.repeat(np.cumsum(n) - n, n))
+            idx = torch.from_numpy(np.stack([src, dst]))
+            if self.cuda:
+                idx = idx.pin_memory().to(self.device, non_blocking=True)
+            flat = self.feats_dev.view(-1, self.feats_dev.shape[-1])
+            flat.index_copy_(0, idx[1], ring.gather(idx[0]).to(flat.dtype))
+
+    def run(self, batch: int = 0, host_rows: bool = False, on_device: Sequence[tuple[int, torch.Tensor]] = (),
+            ring=None, ring_at: Sequence[tuple[int, int, int, int]] = ()) -> StepResult:
+        """Run the step (:meth:`StepGraph.run`: replay or eager, one host sync) after queueing its
+        new context rows (:meth:`_features_in`); returns its :class:`StepResult` (views of the
+        output buffer: read them before the next step)."""
+        super().run(head=lambda: self._features_in(batch, host_rows, on_device, ring, ring_at))
         out = self.out.numpy()
         if self.layout is None:
             return StepResult(out[..., 0].view(np.float32), out[..., 1], None)
@@ -668,14 +726,15 @@ class BatchedDrafter:
                 s = self.sessions.get(sid)
                 exists = s is not None or sid in held_after
                 held = held_after.get(sid, s.length if s is not None else 0)
-                _check_session(sid, exists, held, feats.shape[0], int(item.committed_length), free,
+                n = feats.shape[0] + ring_rows(item)
+                _check_session(sid, exists, held, n, int(item.committed_length), free,
                                self.max_sessions, self.max_context)
             except Exception as e:  # noqa: BLE001 - EngineError, or a bug: this item only
                 results[idx] = e
                 continue
             if not exists:
                 free -= 1
-            held_after[sid] = held + feats.shape[0]
+            held_after[sid] = held + n
             r = seen_rounds.get(sid, 0)
             seen_rounds[sid] = r + 1
             if r == len(rounds):
@@ -725,16 +784,27 @@ class BatchedDrafter:
                     new.append(s)
                 sessions.append(s)
             b = len(part)
-            rows = A if self.fixed else max(1, min(A, max(f.shape[0] for _, _, f, _ in part)))
+            counts = [f.shape[0] + ring_rows(it) for _, it, f, _ in part]
+            rows = A if self.fixed else max(1, min(A, max(counts)))
             # the fewest attention splits whose chunks hold every row's keys (context + block)
-            keys = max(s.length + f.shape[0] for (_, _, f, _), s in zip(part, sessions)) + self.config.block_size
+            keys = max(s.length + n for n, s in zip(counts, sessions)) + self.config.block_size
             runner = self._runner(self._bucket(b), rows, splits_for(keys, self.split_buckets))
             t0 = time.perf_counter()
             held_l, n_l, excess = [], [], []
             feats_host = runner.feats_host
-            for r, ((_, _, feats, _), s) in enumerate(zip(part, sessions)):
-                n = feats.shape[0]
+            host_rows = False                 # some row comes from the host buffer
+            on_device: list[tuple[int, torch.Tensor]] = []    # (batch row, its rows on the device)
+            ring, ring_at = None, []          # the feature ring and (batch row, slot, rows, end) read from it
+            for r, ((_, item, feats, _), s, n) in enumerate(zip(part, sessions, counts)):
                 start = s.length
+                if item.ring is not None and not feats.shape[0] and n <= rows and (ring is None or item.ring[0] is ring):
+                    ring = item.ring[0]      # (the common case: every row in the ring, read on the device)
+                    ring_at.append((r, item.ring[1], n, int(item.committed_length)))
+                    held_l.append(start)
+                    n_l.append(n)
+                    continue
+                if item.ring is not None:    # rows sent and rows in the ring, or more than the step holds
+                    feats = item_features(item, feats)
                 if n > rows:  # the excess first (_append_eager), the step carries the last rows
                     excess.append((s.slot, start, feats[: n - rows]))
                     start += n - rows
@@ -743,7 +813,11 @@ class BatchedDrafter:
                 held_l.append(start)
                 n_l.append(n)
                 if n:
-                    feats_host[r, :n].copy_(feats)
+                    if feats.device.type == "cpu":
+                        feats_host[r, :n].copy_(feats)
+                        host_rows = True
+                    else:
+                        on_device.append((r, feats))
             for name, values in (("slots", [s.slot for s in sessions]), ("held", held_l), ("n_rows", n_l),
                                  ("roots", [int(it.root_token) for _, it, _, _ in part]),
                                  ("budget", [int(it.budget) for _, it, _, _ in part]),
@@ -753,7 +827,7 @@ class BatchedDrafter:
             if excess:
                 self._append_eager(excess)
             runner.fill_padding(b)
-            res = runner.run()
+            res = runner.run(b, host_rows, on_device, ring, ring_at)
             # the step's table, copied once (the outcomes keep views of it)
             lp, tok = res.logprobs[:b].copy(), res.tokens[:b].copy()
             self.steps += 1
@@ -767,8 +841,8 @@ class BatchedDrafter:
         t0 = time.perf_counter()
         if res.trees is not None:   # every row's tree as host lists, in three conversions
             tree_tokens, tree_parents, counts = (a[:b].tolist() for a in res.trees)
-        for r, ((_, item, feats, depth), s) in enumerate(zip(part, sessions)):
-            s.length += feats.shape[0]
+        for r, ((_, item, feats, depth), s, n) in enumerate(zip(part, sessions, counts)):
+            s.length += n
             self.sessions[s.session_id] = s
             table = TopK(lp[r, :depth], tok[r, :depth])
             if res.trees is not None and (item.budget <= limit or item.top_k <= 1):

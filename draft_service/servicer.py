@@ -55,6 +55,7 @@ import grpc
 import torch
 
 from dflash_grpc.columns import COLUMNAR, ColumnsError, fill_trees, length_delimited, unpack_i32, varint
+from dflash_grpc.localhop import LocalContext
 from dflash_grpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from dflash_grpc.wire import _FROM_WIRE, _ITEMSIZE, WireError, tensor_from_proto
 from draft_service.config import DraftConfig
@@ -62,6 +63,7 @@ from draft_service.batched import BatchedDrafter, DraftItem, ReferenceDrafterEng
 from draft_service.drafter import DFlashDrafter
 from draft_service.gguf_io import load_drafter
 from runtime.errors import InvalidArgument, Reason
+from runtime.feature_ring import FeatureRing, RingUnavailable
 from runtime.owners import Owner, caller
 from runtime.status import abort_with, batch_reply, item_status
 from runtime.step_loop import StepLoop, run_items
@@ -86,9 +88,10 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
-def decode_item(item: draft_pb2.ProposeItem) -> DraftItem:
+def decode_item(item: draft_pb2.ProposeItem, ring=None) -> DraftItem:
     """A wire ``ProposeItem`` as an engine :class:`DraftItem` (features decoded to a CPU tensor,
-    unset = ``None``).
+    unset = ``None``; ring rows as ``(ring, slot, rows)`` with ``ring`` the request's mapped
+    feature ring, None where there is none to read).
 
     Raises:
         InvalidArgument: empty session id (reason INVALID_ARGUMENT), or features that do not
@@ -107,7 +110,9 @@ def decode_item(item: draft_pb2.ProposeItem) -> DraftItem:
             except WireError as e:
                 raise InvalidArgument(f"features: {e}", reason=Reason.INVALID_FEATURES) from None
     t = item.tree   # (message fields read as Python ints already)
-    return DraftItem(session_id, features, item.root_token, item.committed_length, t.budget, t.top_k, t.max_depth)
+    n = item.ring_rows
+    return DraftItem(session_id, features, item.root_token, item.committed_length, t.budget, t.top_k, t.max_depth,
+                     False, (ring, item.ring_slot, n) if n else None)
 
 
 #: the least bytes of a Propose request whose feature rows :func:`parse_propose_request` leaves in
@@ -195,12 +200,13 @@ def _tensor_in_place(msg: common_pb2.Tensor, data: memoryview) -> torch.Tensor:
     return t if t.data_ptr() % itemsize == 0 else t.clone()
 
 
-def propose_columns(columns: draft_pb2.ProposeColumns, rows_data: memoryview | None = None) -> list[DraftItem]:
+def propose_columns(columns: draft_pb2.ProposeColumns, rows_data: memoryview | None = None, ring=None) -> list[DraftItem]:
     """The engine items of a columnar Propose message (each item's feature rows a view of one
     tensor decoded from the message; an item of 0 rows has None). An empty session id is left
     for :func:`check_session` to refuse, for that item only. ``rows_data``: the bytes of the
     features' tensor where the message was parsed without them (:class:`ProposeInPlace`): the
-    tensor is made over them.
+    tensor is made over them. Ring rows (``features.ring_slots`` / ``ring_rows``) as
+    :func:`decode_item`'s, from ``ring``.
 
     Raises:
         ColumnsError: columns that do not fit together (lengths, the features' rows, dtype, shape
@@ -233,6 +239,11 @@ def propose_columns(columns: draft_pb2.ProposeColumns, rows_data: memoryview | N
         # the step's rows checked at once (a per-item check costs ~12 us of fixed overhead each);
         # a non-finite value anywhere leaves every item to its own check, so only its item fails
         finite = t.is_floating_point() and all_finite(t)
+    if fc.ring_rows:
+        counts = unpack_i32(fc.ring_rows, n, "features.ring_rows")
+        slots = unpack_i32(fc.ring_slots, n, "features.ring_slots")
+        rings = [(ring, slot, k) if k else None for slot, k in zip(slots, counts)]
+        return [DraftItem(*x, finite, rr) for x, rr in zip(zip(sids, feats, roots, lengths, budgets, top_ks, depths), rings)]
     return [DraftItem(*x, finite) for x in zip(sids, feats, roots, lengths, budgets, top_ks, depths)]
 
 
@@ -304,6 +315,7 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
             engine = ReferenceDrafterEngine(engine, max_sessions=max_sessions, max_context=max_context)
         self.engine = engine
         self.drafter = engine.drafter
+        self._rings: dict[str, FeatureRing | None] = {}   # feature rings by id (feature_ring)
         self.config = engine.drafter.config
         self.max_sessions = int(engine.max_sessions)
         self.max_context = int(engine.max_context)
@@ -412,9 +424,10 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         scope = self.loop.enter(owner)   # the open stream holds the owner's lease
         context.add_callback(scope.close)
         with scope:
+            local = isinstance(context, LocalContext)   # (the only callers whose feature ring is read)
             try:
                 for request in request_iterator:
-                    yield self.propose(request, owner)
+                    yield self.propose(request, owner, local)
             except ColumnsError as e:
                 abort_with(context, InvalidArgument(f"malformed columns: {e}"))
 
@@ -453,24 +466,51 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         )
 
     def propose(self, request: draft_pb2.ProposeRequest | ProposeInPlace,
-                owner: Owner | None = None) -> draft_pb2.ProposeResponse:
+                owner: Owner | None = None, local: bool = True) -> draft_pb2.ProposeResponse:
         """One result per item, in order; the items that decode go to the engine as one batch
         (for ``owner``: an item naming another owner's session is refused, ``NOT_OWNER``; None:
-        unchecked). A columnar request is answered as columns.
+        unchecked). A columnar request is answered as columns. Items with rows in the request's
+        feature ring read them from it when ``local`` (the call came over the same-host hop or
+        from this process) and the ring maps here (:meth:`feature_ring`); elsewhere they are
+        refused, ``RING_UNAVAILABLE``.
 
         Raises:
             ColumnsError: a columnar request whose columns do not fit together.
         """
+        message = request.message if type(request) is ProposeInPlace else request
+        ring = self.feature_ring(message.ring) if local and message.HasField("ring") else None
         if type(request) is ProposeInPlace:   # (parse_propose_request: the rows left where they came)
-            outs, done = run_items(self.loop, propose_columns(request.message.columns, request.rows_data), check_session,
-                                   owner)
+            outs, done = run_items(self.loop, propose_columns(request.message.columns, request.rows_data, ring),
+                                   check_session, owner)
             return propose_columns_response(outs, done)
         if request.HasField("columns"):
-            outs, done = run_items(self.loop, propose_columns(request.columns), check_session, owner)
+            outs, done = run_items(self.loop, propose_columns(request.columns, None, ring), check_session, owner)
             return propose_columns_response(outs, done)
         items = request.items
-        outs, done = run_items(self.loop, items, decode_item, owner)
+        outs, done = run_items(self.loop, items, lambda item: decode_item(item, ring), owner)
         return batch_reply(draft_pb2.ProposeResponse, items, outs, done, _fill_propose)
+
+    #: feature rings kept mapped at once (a target that restarted made a new one; the oldest goes)
+    RINGS = 4
+
+    def feature_ring(self, desc: common_pb2.FeatureRing) -> FeatureRing | None:
+        """The feature ring ``desc`` names, mapped on the drafter's device the first time
+        (:meth:`runtime.feature_ring.FeatureRing.open`), or None when it cannot be here (logged
+        once per ring)."""
+        rings = self._rings
+        if desc.id in rings:
+            return rings[desc.id]
+        try:
+            ring = FeatureRing.open(desc, self.drafter.device)
+        except RingUnavailable as e:
+            logger.warning("cannot read the target's feature ring: its rows must come as bytes", extra={"error": str(e)})
+            ring = None
+        if len(rings) >= self.RINGS:
+            old = rings.pop(next(iter(rings)))
+            if old is not None:
+                old.close()
+        rings[desc.id] = ring
+        return ring
 
     def release(self, session_ids: Iterable[str], owner: Owner | None = None) -> int:
         """Drop the sessions (on the loop thread); returns how many existed (unknown ids, and with

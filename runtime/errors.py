@@ -91,6 +91,9 @@ class Reason(str, enum.Enum):
     """The drafter's ``committed_length`` differs from its rows held plus rows sent."""
     DRAFTER_MISMATCH = "DRAFTER_MISMATCH"
     """The configured drafter was built for another target (orchestrator)."""
+    RING_UNAVAILABLE = "RING_UNAVAILABLE"
+    """The item's rows are in a feature ring the drafter cannot read (no ring sent, another GPU
+    or host, a call not over the same-host hop: :mod:`runtime.feature_ring`); send them as bytes."""
 
     # -- access (UNAUTHENTICATED)
     UNAUTHENTICATED = "UNAUTHENTICATED"

@@ -150,14 +150,17 @@ class StepGraph:
             self.body()
         self.graph = g
 
-    def run(self, tail: Callable[[], None] | None = None) -> None:
+    def run(self, tail: Callable[[], None] | None = None, head: Callable[[], None] | None = None) -> None:
         """Run the step on the current host inputs (replay the graph, or :meth:`body`); on CUDA
         wait for it: the step's one host synchronisation. The host results are then readable.
         ``tail``: more work queued on the step's stream after it and before that wait (e.g. an
         asynchronous copy of results this step's caller wants and the graph does not copy), so
-        the step keeps its one synchronisation. On CUDA its device time (``tail`` included) is
-        added to :func:`runtime.device_time.device_seconds`."""
+        the step keeps its one synchronisation; ``head``: work queued before it (inputs the
+        graph reads from device buffers). On CUDA its device time (``head`` and ``tail``
+        included) is added to :func:`runtime.device_time.device_seconds`."""
         if not self.cuda:
+            if head is not None:
+                head()
             self.body()
             if tail is not None:
                 tail()
@@ -167,6 +170,8 @@ class StepGraph:
             ev = self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         stream = torch.cuda.current_stream(self.device)
         ev[0].record(stream)
+        if head is not None:
+            head()
         if self.graph is not None:
             self.graph.replay()
         else:

@@ -429,3 +429,39 @@ def test_gpu_bfloat16_table_within_tolerance(files):
         top2 = torch.topk(ref, 2, -1)
         clear = (top2.values[:, 0] - top2.values[:, 1]) > 2 * bound
         assert torch.equal(tok[:, 0][clear], top2.indices[:, 0][clear])
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["exact", "padded"])
+def test_ring_rows_equal_rows_sent(drafter, pad):
+    """Items whose rows are in a feature ring (runtime.feature_ring), all of them or after some
+    rows sent as bytes, get the trees of the same rows sent as bytes; a ring the drafter could not
+    map refuses its item (RING_UNAVAILABLE) and the others are served."""
+    from runtime.feature_ring import FeatureRing
+
+    sids = ["a", "b", "c", "d"]
+    items = streams(drafter, sids, steps=6, seed=5)
+    c = drafter.config
+    ring = FeatureRing.create(len(sids), 32, c.feature_size, torch.bfloat16, "cpu")
+    ringed = {}
+    for k, sid in enumerate(sids):
+        out = []
+        for s, it in enumerate(items[sid]):
+            n = it.features.shape[0]
+            sent = n if s == 0 else (n // 2 if (s + k) % 3 == 0 else 0)   # the first item's rows, and some halves, as bytes
+            if n - sent:
+                ring.table[torch.from_numpy(ring.rows_of([k], [it.committed_length], [n - sent]))] = it.features[sent:]
+            out.append(it._replace(features=it.features[:sent], ring=(ring, k, n - sent) if n - sent else None))
+        ringed[sid] = out
+    plain, viaring = batched(drafter, pad_batches=pad), batched(drafter, pad_batches=pad)
+    for want_batch, got_batch in zip(lockstep(items), lockstep(ringed)):
+        assert trees(viaring.propose_batch(got_batch)) == trees(plain.propose_batch(want_batch))
+    assert any(it.ring is not None and not it.features.shape[0] for its in ringed.values() for it in its)
+    assert any(it.ring is not None and it.features.shape[0] for its in ringed.values() for it in its)
+    # an unmapped ring: that item alone is refused
+    last = {sid: its[-1] for sid, its in ringed.items()}
+    nxt = [DraftItem("a", None, 1, last["a"].committed_length + 2, ring=(None, 0, 2)),
+           DraftItem("b", None, 1, last["b"].committed_length)]
+    outs = viaring.propose_batch(nxt)
+    assert isinstance(outs[0], EngineError) and outs[0].reason.value == "RING_UNAVAILABLE"
+    assert not isinstance(outs[1], BaseException)
+    ring.close()
