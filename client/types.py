@@ -275,6 +275,8 @@ class SchedulerStatus:
     tree_budget_now: int = 0
     drafting: bool = False
     draft_fallbacks: int = 0
+    #: feature rows the drafter read from the target's feature ring, not through the orchestrator
+    ring_rows: int = 0
 
     @classmethod
     def from_proto(cls, msg: generation_pb2.SchedulerStatus) -> SchedulerStatus:

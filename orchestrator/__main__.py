@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
                           draft_deadline_factor=cfg.draft_deadline_factor, draft_deadline_min_ms=cfg.draft_deadline_min_ms,
                           draft_deadline_ms=cfg.draft_deadline_ms, draft_deadline_row_us=cfg.draft_deadline_row_us,
                           draft_policy=cfg.draft_policy, stream_interval_ms=cfg.stream_interval_ms,
-                          stream_hold_max_ms=cfg.stream_hold_max_ms, stream_host_share=cfg.stream_host_share)
+                          stream_hold_max_ms=cfg.stream_hold_max_ms, stream_host_share=cfg.stream_host_share,
+                          feature_ring=cfg.feature_ring)
     servicer = GenerationServicer(target, draft, tokenizer, cfg.max_tokens, default_tree(cfg), scheduler,
                                   max_prompt_chars=cfg.max_prompt_chars, max_request_bytes=cfg.max_request_bytes)
     if draft.state() is not None and drafter_mismatch(draft.state(), info) is not None:

@@ -84,6 +84,9 @@ class OrchestratorConfig:
     draft: str | None = setting(None, "draft service address host:port (omit: autoregressive only)")
     local_hop: bool = setting(True, "reach the target and draft services over their Unix socket when they offer one on "
                                     "this host (docs/ARCHITECTURE.md, 'The same-host hop'); off: gRPC always")
+    feature_ring: bool = setting(True, "ask the target to hand the drafter its feature rows through its feature ring "
+                                       "(shared memory) when both are reached over the same-host hop, instead of "
+                                       "through this process (docs/ARCHITECTURE.md, 'The feature ring')")
     grpc_server: str = setting(
         "aio", "the public gRPC server: aio (gRPC's asyncio server, each Generate stream a coroutine: about half the "
         "host time per streamed message) or threads (a thread per stream; docs/ARCHITECTURE.md, 'Serving many "

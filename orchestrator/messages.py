@@ -38,12 +38,25 @@ class Proposed(NamedTuple):
     parents: list[int]
 
 
+class RingRows(NamedTuple):
+    """An item's committed rows in the target's feature ring (:mod:`runtime.feature_ring`):
+    ``rows`` rows of ring slot ``slot``, at the positions just before the item's committed
+    length."""
+
+    slot: int
+    rows: int
+
+
 def verify_request(columnar: bool, sids: Sequence[str], sizes: Sequence[int], tokens: Sequence[int],
-                   parents: Sequence[int], trees: common_pb2.TreeColumns | None = None) -> target_pb2.VerifyRequest:
+                   parents: Sequence[int], trees: common_pb2.TreeColumns | None = None,
+                   feature_ring: bool = False) -> target_pb2.VerifyRequest:
     """One Verify message: item ``i`` verifies the tree of ``sizes[i]`` nodes (``tokens`` and
     ``parents`` of all trees, in order) for session ``sids[i]``; with ``trees`` (columnar only),
-    the trees of those columns instead (packed already: a Propose reply's, :class:`CheckedTrees`)."""
+    the trees of those columns instead (packed already: a Propose reply's, :class:`CheckedTrees`).
+    ``feature_ring``: ask for the committed rows in the target's feature ring."""
     request = target_pb2.VerifyRequest()
+    if feature_ring:
+        request.feature_ring = True
     if columnar:
         cols = request.columns
         cols.session_ids.extend(sids)
@@ -151,7 +164,8 @@ def verify_columns(reply: target_pb2.VerifyResponse, count: int
     """A Verify reply to ``count`` items as columns (:func:`verify_results` without a tuple per
     item; a per-item reply may hold fewer): the refused items' statuses by index (their other
     entries mean nothing), then per item its accepted draft tokens, bonus token, committed length
-    and committed rows' features (:class:`~dflash_grpc.columns.Rows`, a wire ``Tensor``, or None).
+    and committed rows' features (:class:`~dflash_grpc.columns.Rows`, a wire ``Tensor``,
+    :class:`RingRows` where they are in the feature ring, or None).
 
     Raises:
         ColumnsError: columns that do not fit together.
@@ -173,7 +187,7 @@ def verify_columns(reply: target_pb2.VerifyResponse, count: int
                 accepted.append(res.accepted_tokens[:])
                 bonus.append(res.bonus_token)
                 lengths.append(res.committed_length)
-                feats.append(res.features)
+                feats.append(RingRows(res.ring_slot, res.ring_rows) if res.ring_rows else res.features)
         return refused, accepted, bonus, lengths, feats
     cols = reply.columns
     refused = index_statuses(cols.refused, count)
@@ -181,7 +195,16 @@ def verify_columns(reply: target_pb2.VerifyResponse, count: int
     tokens = unpack_i32(cols.accepted_tokens, what="accepted_tokens")
     bonus = unpack_i32(cols.bonus_tokens, count, "bonus_tokens")
     lengths = unpack_i32(cols.committed_lengths, count, "committed_lengths")
-    feats = read_features(cols.features, count, rows_data)
+    fc = cols.features
+    feats = read_features(fc, count, rows_data)
+    if fc.ring_rows:
+        ring_rows = unpack_i32(fc.ring_rows, count, "features.ring_rows")
+        ring_slots = unpack_i32(fc.ring_slots, count, "features.ring_slots")
+        for i, n in enumerate(ring_rows):
+            if n:
+                if feats[i] is not None:
+                    raise ColumnsError(f"item {i}: rows both in the reply and in the feature ring")
+                feats[i] = RingRows(ring_slots[i], n)
     if (counts and min(counts) < 0) or sum(counts) != len(tokens):
         raise ColumnsError(f"accepted: counts do not add up to the {len(tokens)} tokens")
     ends = list(accumulate(counts))
@@ -209,7 +232,7 @@ class ProposeItems:
     """A Propose message being gathered, one item at a time (:meth:`add`), then written
     (:meth:`request`)."""
 
-    __slots__ = ("sids", "roots", "lengths", "budgets", "top_ks", "depths", "features")
+    __slots__ = ("sids", "roots", "lengths", "budgets", "top_ks", "depths", "features", "rings", "ring")
 
     def __init__(self):
         self.sids: list[str] = []
@@ -219,11 +242,15 @@ class ProposeItems:
         self.top_ks: list[int] = []
         self.depths: list[int] = []
         self.features: list[Rows | None] = []
+        #: each item's rows in the feature ring (after its ``features``), or None; the ring
+        self.rings: list[RingRows | None] = []
+        self.ring: common_pb2.FeatureRing | None = None
 
     def add(self, sid: str, root: int, length: int, budget: int, top_k: int, max_depth: int,
-            features: Rows | None) -> None:
+            features: Rows | None, ring: RingRows | None = None) -> None:
         """An item: session ``sid``, its root and committed length, its ``TreeParams`` and the
-        rows committed since its last Propose."""
+        rows committed since its last Propose (``features``, then ``ring``'s in the feature ring:
+        set :attr:`ring` too)."""
         self.sids.append(sid)
         self.roots.append(root)
         self.lengths.append(length)
@@ -231,6 +258,7 @@ class ProposeItems:
         self.top_ks.append(top_k)
         self.depths.append(max_depth)
         self.features.append(features)
+        self.rings.append(ring)
 
     def __len__(self) -> int:
         return len(self.sids)
@@ -242,6 +270,9 @@ class ProposeItems:
         they are in (:func:`~dflash_grpc.columns.features_tail`: not copied into a message and
         out again)."""
         request = draft_pb2.ProposeRequest()
+        ringed = self.ring is not None and any(self.rings)
+        if ringed:
+            serialized = False   # (the ring's fields follow the rows: the rows cannot end the message)
         if columnar:
             cols = request.columns
             got = feature_parts(self.features)   # (read once for both)
@@ -253,19 +284,27 @@ class ProposeItems:
                 cols.top_ks = pack_i32(self.top_ks)
                 cols.max_depths = pack_i32(self.depths)
                 cols.SetInParent()
+                if ringed:
+                    cols.features.ring_slots = pack_i32([r.slot if r is not None else -1 for r in self.rings])
+                    cols.features.ring_rows = pack_i32([r.rows if r is not None else 0 for r in self.rings])
+                    request.ring.CopyFrom(self.ring)
                 if serialized:
                     return Serialized([request.SerializeToString(), *features_tail((2, 7), self.features, got)])
                 return request
             request = draft_pb2.ProposeRequest()
+        if ringed:
+            request.ring.CopyFrom(self.ring)
         add = request.items.add
-        for sid, root, length, budget, top_k, depth, rows in zip(self.sids, self.roots, self.lengths, self.budgets,
-                                                                 self.top_ks, self.depths, self.features):
+        for sid, root, length, budget, top_k, depth, rows, ring in zip(
+                self.sids, self.roots, self.lengths, self.budgets, self.top_ks, self.depths, self.features, self.rings):
             item = add(session_id=sid, root_token=root, committed_length=length)
             if rows is not None:
                 f = item.features
                 f.dtype = rows.dtype
                 f.shape.extend((rows.rows, rows.width))
                 f.data = bytes(rows.data)
+            if ring is not None and ringed:
+                item.ring_slot, item.ring_rows = ring.slot, ring.rows
             tree = item.tree
             tree.top_k = top_k
             tree.max_depth = depth
@@ -367,5 +406,5 @@ def join_rows(parts: Sequence[Rows]) -> Rows | None:
     return Rows(first.dtype, first.width, sum(p.rows for p in parts), b"".join(p.data for p in parts))
 
 
-__all__ = ["CheckedTrees", "ProposeItems", "Proposed", "Serialized", "TreeChecker", "Verified", "VerifyReply", "join_rows",
+__all__ = ["CheckedTrees", "ProposeItems", "Proposed", "RingRows", "Serialized", "TreeChecker", "Verified", "VerifyReply", "join_rows",
            "parse_verify_reply", "propose_results", "verify_columns", "verify_request", "verify_results"]

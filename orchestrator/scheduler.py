@@ -74,7 +74,7 @@ from dflash_grpc.v1 import common_pb2, draft_pb2, generation_pb2, target_pb2
 from orchestrator import metrics
 from orchestrator.config import OrchestratorConfig
 from orchestrator.events import Events
-from orchestrator.messages import (CheckedTrees, ProposeItems, TreeChecker, join_rows, propose_results, verify_columns,
+from orchestrator.messages import (CheckedTrees, ProposeItems, RingRows, TreeChecker, join_rows, propose_results, verify_columns,
                                    verify_request)
 from orchestrator.peers import (DirectStreamCall, DraftDeadline, DraftPeer, ExchangeTimeout, LocalHopCall, StreamCall,
                                 StreamError, TargetPeer, drafter_mismatch, status_code)
@@ -191,6 +191,10 @@ class Request:
     history: list = dataclasses.field(default_factory=list)
     history_bytes: int = 0
     rows_from: int = 0
+    # rows after ``history`` in the target's feature ring (RingRows, in one slot): ``ring_rows`` of
+    # them, positions [length - ring_rows, length) of slot ``ring_slot`` (Scheduler._keep)
+    ring_slot: int = -1
+    ring_rows: int = 0
     keeping: bool = True            # rows are kept (False: its drafter session is lost, rows [0, L) to be
                                     # recomputed by the target first: Scheduler._start_refeatures)
     loose: int = 0                  # history[loose:] may be views of a Verify reply's buffer (Scheduler._keep)
@@ -338,6 +342,10 @@ class Scheduler:
             several requests in a tick, their tokens are held (as with ``stream_interval_ms``)
             long enough that streaming takes at most ``stream_host_share`` of one core (its
             messages' measured cost), at most ``stream_hold_max_ms``; either 0: never.
+        feature_ring: ask the target to put the committed rows in its feature ring while the
+            drafter is reached over the same-host hop (docs/ARCHITECTURE.md, "The feature ring"):
+            a Propose then names them (slot and count) instead of carrying them. Off after the
+            drafter refuses an item as ``RING_UNAVAILABLE``.
     """
 
     def __init__(self, target: TargetPeer, draft: DraftPeer, *, max_sessions: int,
@@ -351,7 +359,8 @@ class Scheduler:
                  draft_policy: str = OrchestratorConfig.draft_policy,
                  stream_interval_ms: float = OrchestratorConfig.stream_interval_ms,
                  stream_hold_max_ms: float = OrchestratorConfig.stream_hold_max_ms,
-                 stream_host_share: float = OrchestratorConfig.stream_host_share):
+                 stream_host_share: float = OrchestratorConfig.stream_host_share,
+                 feature_ring: bool = OrchestratorConfig.feature_ring):
         self.target = target
         self.draft = draft
         self.info = target.info()
@@ -360,6 +369,13 @@ class Scheduler:
         self.step_nodes = max(1, int(step_nodes or OrchestratorConfig.auto_step_nodes(self.info.device)))
         self.step_timeout = step_timeout
         self.history_bytes = history_bytes
+        #: feature ring: asked for (config), refused by the drafter (it cannot read it: stop
+        #: asking), the target's descriptor (its latest reply's) and rows per slot
+        self.feature_ring = bool(feature_ring)
+        self.ring_refused = False
+        self._ring: common_pb2.FeatureRing | None = None
+        self._ring_slot_rows = 0
+        self.ring_rows_sent = 0     # rows Proposes named in the ring (SchedulerStatus.ring_rows)
         self.stream_interval = max(0.0, float(stream_interval_ms)) / 1e3
         self.hold_max = max(0.0, float(stream_hold_max_ms)) / 1e3
         self.stream_share = max(0.0, float(stream_host_share))
@@ -467,7 +483,8 @@ class Scheduler:
         return generation_pb2.SchedulerStatus(
             active_sessions=held, queued_requests=queued, max_sessions=self.max_sessions, max_queue=self.max_queue,
             ticks=self.ticks, mean_batch=self.batched_items / self.ticks if self.ticks else 0.0,
-            tree_budget_now=self.budget_now, drafting=self.drafting, draft_fallbacks=self.fallbacks)
+            tree_budget_now=self.budget_now, drafting=self.drafting, draft_fallbacks=self.fallbacks,
+            ring_rows=self.ring_rows_sent)
 
     def drain(self, timeout: float, release_timeout: float = 5.0) -> bool:
         """Graceful shutdown (``--shutdown-timeout``): admit nothing new (:meth:`submit` raises
@@ -707,9 +724,9 @@ class Scheduler:
         (a prompt's, not yet sent) still can, unless ``drop``. The orchestrator keeps no history
         of sent rows (docs/ARCHITECTURE.md, "Drafter faults")."""
         r.draft_synced = False
-        if drop or r.rows_from or not r.keeping:
+        if drop or r.rows_from or not r.keeping or r.ring_rows:
             r.history.clear()
-            r.history_bytes = r.loose = 0
+            r.history_bytes = r.loose = r.ring_rows = 0
             r.rows_from = r.length
             if r.keeping and r.speculative:
                 self._refeature_wanted = True
@@ -893,6 +910,12 @@ class Scheduler:
         if not req.keeping:
             req.rows_from = req.length
             return
+        if type(features) is RingRows:
+            self._keep_ring(req, features)
+            return
+        if req.ring_rows and features is not None:   # rows as bytes after rows in the ring (the ring was
+            self._give_up_rows(req)                 # turned off): one Propose cannot carry that order
+            return
         if type(features) is not Rows:
             if features is None:
                 return
@@ -912,10 +935,34 @@ class Scheduler:
         if len(history) > 1 and req.history_bytes > self.history_bytes:
             # rows piled up over ticks without a Propose for it (its first entry, a prompt's or
             # the recomputed rows, is always kept): given up; the target recomputes them later
-            if req.on_drafter:
-                self._new_draft_session(req, drop=True)
-            else:
-                self._lose_rows(req, drop=True)
+            self._give_up_rows(req)
+
+    def _give_up_rows(self, req: Request) -> None:
+        """``req``'s drafter session is given up: re-created later from rows the target
+        recomputes (:meth:`_lose_rows`)."""
+        if req.on_drafter:
+            self._new_draft_session(req, drop=True)
+        else:
+            self._lose_rows(req, drop=True)
+
+    def _keep_ring(self, req: Request, ring: RingRows) -> None:
+        """Count ``ring``'s rows (just committed, in the feature ring) among those ``req``'s
+        drafter session does not have yet, after its ``history``. Once its unread rows and the
+        largest tree the target verifies could pass a ring slot (a write ``slot_rows`` positions
+        on lands on an unread row), the session is given up as :meth:`_keep` gives up one past
+        ``history_bytes``; so is one whose rows moved slot (a target restart: its sessions are gone
+        anyway)."""
+        if not self._ring_slot_rows:   # (rows in a ring no reply described: never asked again)
+            self.ring_refused = True
+            self._give_up_rows(req)
+            return
+        if req.ring_rows and ring.slot != req.ring_slot:
+            self._give_up_rows(req)
+            return
+        req.ring_slot = ring.slot
+        req.ring_rows += ring.rows
+        if req.ring_rows + (self.info.max_tree_width or 64) > self._ring_slot_rows:
+            self._give_up_rows(req)
 
     @staticmethod
     def _compact(req: Request) -> None:
@@ -930,7 +977,7 @@ class Scheduler:
         """``req``'s drafter session now holds rows ``[0, L)``."""
         req.draft_synced = True
         req.history.clear()
-        req.history_bytes = req.loose = 0
+        req.history_bytes = req.loose = req.ring_rows = 0
         req.rows_from = req.length
 
     def _emit(self, req: Request, tokens: list[int], finish: str | None = None, now: float | None = None) -> None:
@@ -990,8 +1037,9 @@ class Scheduler:
             trees, draft_s, unmeasured = self._propose_trees(batch, drafter, columnar)
         t1 = time.perf_counter()
         sids = [r.session_id for r in batch]
+        ring = self.feature_ring and not self.ring_refused and type(self._propose) is LocalHopCall
         if isinstance(trees, CheckedTrees):   # every item's tree, as the drafter packed them
-            request = verify_request(True, sids, (), (), (), trees.columns)
+            request = verify_request(True, sids, (), (), (), trees.columns, ring)
             nodes_of, depth_of = [n - 1 for n in trees.sizes], trees.depths
         else:
             sizes, tokens, parents = [], [], []
@@ -1007,7 +1055,7 @@ class Scheduler:
                     tokens += drafted[0]
                     parents += drafted[1]
                     nodes_of[i], depth_of[i] = len(drafted[0]) - 1, drafted[2]
-            request = verify_request(columnar, sids, sizes, tokens, parents)
+            request = verify_request(columnar, sids, sizes, tokens, parents, feature_ring=ring)
         if self._stop_features:
             stop_features = stop_features + self._stop_features
             self._stop_features = []
@@ -1026,6 +1074,10 @@ class Scheduler:
             self._verify_failed(batch, e)
             return
         verify_s = time.perf_counter() - t1
+        if ring and reply.HasField("ring"):
+            desc = reply.ring
+            if self._ring is None or desc.id != self._ring.id:
+                self._ring, self._ring_slot_rows = desc, desc.slot_rows
         if self._verify.broken:  # its deadline passed just after the reply came: the reply stands
             self._verify.close()
             self._verify = None
@@ -1210,24 +1262,32 @@ class Scheduler:
             # the rows it lacks: [rows_from, L), from 0 for a new or re-created session (history
             # entries are never empty: _keep; one entry, the common case, is sent as is)
             history = r.history
-            features = history[0] if len(history) == 1 else join_rows(history)
-            if features is not None and features.rows > block:
-                nbytes = memoryview(features.data).nbytes
-                if extra_bytes and extra_bytes + nbytes > RESYNC_BYTES:
-                    room += not r.on_drafter
-                    continue  # this Propose carries enough such rows: this request drafts at a later tick
-                extra_bytes += nbytes
-                extra_rows += features.rows - block
+            features = (history[0] if len(history) == 1 else join_rows(history)) if history else None
+            rows = (features.rows if features is not None else 0) + r.ring_rows
+            if rows > block:
+                if features is not None:
+                    nbytes = memoryview(features.data).nbytes
+                    if extra_bytes and extra_bytes + nbytes > RESYNC_BYTES:
+                        room += not r.on_drafter
+                        continue  # this Propose carries enough such rows: this request drafts at a later tick
+                    extra_bytes += nbytes
+                extra_rows += rows - block
                 if r.draft_gen and not r.draft_synced:
-                    resync_rows += features.rows - block
+                    resync_rows += rows - block
             if not budget:
                 max_depth = nodes   # a chain of that length
-            items.add(r.draft_id, r.root, length, nodes if budget else 0, top_k, max_depth, features)
+            if r.ring_rows:
+                items.add(r.draft_id, r.root, length, nodes if budget else 0, top_k, max_depth, features,
+                          RingRows(r.ring_slot, r.ring_rows))
+                self.ring_rows_sent += r.ring_rows
+            else:
+                items.add(r.draft_id, r.root, length, nodes if budget else 0, top_k, max_depth, features)
             who.append((i, max_depth))
         unmeasured = bool(resync_rows) or extra_rows > block * len(who)
         if not who:
             return {}, 0.0, unmeasured
         as_columns = len(who) >= COLUMNS_FROM and COLUMNAR in drafter.model.features
+        items.ring = self._ring
         timeout = self.deadline.timeout(len(who), extra_rows)
         if timeout is not None:
             metrics.set_draft_deadline(timeout)
@@ -1277,6 +1337,10 @@ class Scheduler:
             r.stats.draft_device_s += device_s
             status = res.status
             if status is not None:
+                if status.reason == Reason.RING_UNAVAILABLE and not self.ring_refused:
+                    self.ring_refused = True   # (its rows come as bytes from the next Verify on)
+                    log.warning("the drafter cannot read the target's feature ring: feature rows go through this "
+                                "orchestrator", extra={"error": status.message[:200]})
                 log.warning("drafter refused an item; this step goes on without a tree",
                             extra={"session": r.session_id, "code": status_code(status.code).name,
                                    "reason": status.reason, "error": status.message[:200]})

@@ -80,7 +80,7 @@ class TargetConfig:
     prefill_chunk: int = setting(512, "batched engine: most prompt tokens per prefill forward")
     prefill_budget: int = setting(512, "prompt tokens prefilled per step-loop tick")
     feature_ring_rows: int = setting(
-        128, "batched engine: rows per session slot of the feature ring, the shared memory through which a drafter on "
+        256, "batched engine: rows per session slot of the feature ring, the shared memory through which a drafter on "
         "this host reads the verified rows' features instead of through the orchestrator (docs/ARCHITECTURE.md, "
         "'The feature ring'; 0: off)")
     feature_ring_bytes: int = setting(256 << 20, "batched engine: most bytes of the feature ring (fewer rows per slot "

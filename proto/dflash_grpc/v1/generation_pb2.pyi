@@ -162,7 +162,7 @@ class ServiceInfo(_message.Message):
     def __init__(self, target: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., drafter: _Optional[_Union[DrafterStatus, _Mapping]] = ..., version: _Optional[str] = ..., scheduler: _Optional[_Union[SchedulerStatus, _Mapping]] = ...) -> None: ...
 
 class SchedulerStatus(_message.Message):
-    __slots__ = ("active_sessions", "queued_requests", "max_sessions", "max_queue", "ticks", "mean_batch", "tree_budget_now", "drafting", "draft_fallbacks")
+    __slots__ = ("active_sessions", "queued_requests", "max_sessions", "max_queue", "ticks", "mean_batch", "tree_budget_now", "drafting", "draft_fallbacks", "ring_rows")
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,7 @@ class SchedulerStatus(_message.Message):
     TREE_BUDGET_NOW_FIELD_NUMBER: _ClassVar[int]
     DRAFTING_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    RING_ROWS_FIELD_NUMBER: _ClassVar[int]
     active_sessions: int
     queued_requests: int
     max_sessions: int
@@ -181,7 +182,8 @@ class SchedulerStatus(_message.Message):
     tree_budget_now: int
     drafting: bool
     draft_fallbacks: int
-    def __init__(self, active_sessions: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_queue: _Optional[int] = ..., ticks: _Optional[int] = ..., mean_batch: _Optional[float] = ..., tree_budget_now: _Optional[int] = ..., drafting: _Optional[bool] = ..., draft_fallbacks: _Optional[int] = ...) -> None: ...
+    ring_rows: int
+    def __init__(self, active_sessions: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_queue: _Optional[int] = ..., ticks: _Optional[int] = ..., mean_batch: _Optional[float] = ..., tree_budget_now: _Optional[int] = ..., drafting: _Optional[bool] = ..., draft_fallbacks: _Optional[int] = ..., ring_rows: _Optional[int] = ...) -> None: ...
 
 class DrafterStatus(_message.Message):
     __slots__ = ("available", "compatible", "address", "model", "detail")
