@@ -104,9 +104,11 @@ class _Timer:
         orig = runner_cls.run
         timer = self
 
-        def run(self, tail=None):
+        def run(self, tail=None, head=None):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
+            if head is not None:       # (runtime.graphs.StepGraph.run's head: queued before the step)
+                head()
             (self.graph.replay() if self.graph is not None else self.body())
             if tail is not None:       # (runtime.graphs.StepGraph.run's tail: queued before the one wait)
                 tail()
@@ -555,12 +557,12 @@ def drafter_timing(target_path: str, drafter_path: str | None = None, configs=DR
     times: list[float] = []
     orig = dbatched._Runner.run
 
-    def timed_run(r):
+    def timed_run(r, *args, **kw):
         if not cuda:
-            return orig(r)
+            return orig(r, *args, **kw)
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        res = orig(r)
+        res = orig(r, *args, **kw)
         e.record()
         e.synchronize()
         times.append(s.elapsed_time(e))

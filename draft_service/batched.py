@@ -784,10 +784,10 @@ class BatchedDrafter:
                     new.append(s)
                 sessions.append(s)
             b = len(part)
-            counts = [f.shape[0] + ring_rows(it) for _, it, f, _ in part]
-            rows = A if self.fixed else max(1, min(A, max(counts)))
+            new_rows = [f.shape[0] + ring_rows(it) for _, it, f, _ in part]
+            rows = A if self.fixed else max(1, min(A, max(new_rows)))
             # the fewest attention splits whose chunks hold every row's keys (context + block)
-            keys = max(s.length + n for n, s in zip(counts, sessions)) + self.config.block_size
+            keys = max(s.length + n for n, s in zip(new_rows, sessions)) + self.config.block_size
             runner = self._runner(self._bucket(b), rows, splits_for(keys, self.split_buckets))
             t0 = time.perf_counter()
             held_l, n_l, excess = [], [], []
@@ -795,7 +795,7 @@ class BatchedDrafter:
             host_rows = False                 # some row comes from the host buffer
             on_device: list[tuple[int, torch.Tensor]] = []    # (batch row, its rows on the device)
             ring, ring_at = None, []          # the feature ring and (batch row, slot, rows, end) read from it
-            for r, ((_, item, feats, _), s, n) in enumerate(zip(part, sessions, counts)):
+            for r, ((_, item, feats, _), s, n) in enumerate(zip(part, sessions, new_rows)):
                 start = s.length
                 if item.ring is not None and not feats.shape[0] and n <= rows and (ring is None or item.ring[0] is ring):
                     ring = item.ring[0]      # (the common case: every row in the ring, read on the device)
@@ -841,7 +841,7 @@ class BatchedDrafter:
         t0 = time.perf_counter()
         if res.trees is not None:   # every row's tree as host lists, in three conversions
             tree_tokens, tree_parents, counts = (a[:b].tolist() for a in res.trees)
-        for r, ((_, item, feats, depth), s, n) in enumerate(zip(part, sessions, counts)):
+        for r, ((_, item, feats, depth), s, n) in enumerate(zip(part, sessions, new_rows)):
             s.length += n
             self.sessions[s.session_id] = s
             table = TopK(lp[r, :depth], tok[r, :depth])

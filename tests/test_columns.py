@@ -439,13 +439,13 @@ def test_orchestrator_batches_as_columns_and_stays_lossless(tiny_llama, tiny_dra
     forms = {"verify": set(), "propose": set()}
     verify_request, request = messages.verify_request, messages.ProposeItems.request
 
-    def spy_verify(columnar, *a):
+    def spy_verify(columnar, *a, **kw):
         forms["verify"].add(columnar)
-        return verify_request(columnar, *a)
+        return verify_request(columnar, *a, **kw)
 
-    def spy_propose(self, columnar, *a):
+    def spy_propose(self, columnar, *a, **kw):
         forms["propose"].add(columnar)
-        return request(self, columnar, *a)
+        return request(self, columnar, *a, **kw)
 
     monkeypatch.setattr(scheduler, "verify_request", spy_verify)
     monkeypatch.setattr(messages.ProposeItems, "request", spy_propose)

@@ -431,17 +431,23 @@ def test_gpu_bfloat16_table_within_tolerance(files):
         assert torch.equal(tok[:, 0][clear], top2.indices[:, 0][clear])
 
 
-@pytest.mark.parametrize("pad", [False, True], ids=["exact", "padded"])
-def test_ring_rows_equal_rows_sent(drafter, pad):
+@pytest.mark.parametrize("pad,device", [(False, "cpu"), (True, "cpu"),
+                                        pytest.param(True, "cuda", marks=pytest.mark.gpu)], ids=["exact", "padded", "cuda"])
+def test_ring_rows_equal_rows_sent(files, drafter, pad, device):
     """Items whose rows are in a feature ring (runtime.feature_ring), all of them or after some
     rows sent as bytes, get the trees of the same rows sent as bytes; a ring the drafter could not
-    map refuses its item (RING_UNAVAILABLE) and the others are served."""
+    map refuses its item (RING_UNAVAILABLE) and the others are served. On CUDA: the captured steps
+    with the ring's rows gathered before the replay."""
     from runtime.feature_ring import FeatureRing
 
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA device")
+        drafter = _cuda_drafter(files, torch.float32)
     sids = ["a", "b", "c", "d"]
     items = streams(drafter, sids, steps=6, seed=5)
     c = drafter.config
-    ring = FeatureRing.create(len(sids), 32, c.feature_size, torch.bfloat16, "cpu")
+    ring = FeatureRing.create(len(sids), 32, c.feature_size, torch.bfloat16, device)
     ringed = {}
     for k, sid in enumerate(sids):
         out = []
@@ -449,10 +455,14 @@ def test_ring_rows_equal_rows_sent(drafter, pad):
             n = it.features.shape[0]
             sent = n if s == 0 else (n // 2 if (s + k) % 3 == 0 else 0)   # the first item's rows, and some halves, as bytes
             if n - sent:
-                ring.table[torch.from_numpy(ring.rows_of([k], [it.committed_length], [n - sent]))] = it.features[sent:]
+                where = torch.from_numpy(ring.rows_of([k], [it.committed_length], [n - sent])).to(device)
+                ring.table[where] = it.features[sent:].to(device)
             out.append(it._replace(features=it.features[:sent], ring=(ring, k, n - sent) if n - sent else None))
         ringed[sid] = out
     plain, viaring = batched(drafter, pad_batches=pad), batched(drafter, pad_batches=pad)
+    if device == "cuda":
+        plain.capture()
+        viaring.capture()
     for want_batch, got_batch in zip(lockstep(items), lockstep(ringed)):
         assert trees(viaring.propose_batch(got_batch)) == trees(plain.propose_batch(want_batch))
     assert any(it.ring is not None and not it.features.shape[0] for its in ringed.values() for it in its)

@@ -103,18 +103,23 @@ def test_cuda_ipc_ring_in_another_process():
     assert np.array_equal(got, want)
 
 
-@pytest.mark.parametrize("pad", [False, True])
-def test_target_rows_in_the_ring_equal_the_rows_it_sends(tiny_llama, pad):
+@pytest.mark.parametrize("pad,device", [(False, "cpu"), (True, "cpu"),
+                                        pytest.param(True, "cuda", marks=pytest.mark.gpu)], ids=["exact", "padded", "cuda"])
+def test_target_rows_in_the_ring_equal_the_rows_it_sends(tiny_llama, pad, device):
     """Two engines decode the same trees: one sends every verified row's features in its
     outcomes, the other, its sessions on the ring, writes them into the ring and says where; the
-    rows read back at those positions are the sent rows, bit for bit."""
+    rows read back at those positions are the sent rows, bit for bit (on CUDA: replayed graphs,
+    the ring written after the replay, before the step's sync)."""
     import random
 
     from target_service.batched_engine import BatchedEngine
     from target_service.engine import Sampling
     from target_service.models.llama import LlamaModel
 
-    model = LlamaModel.from_gguf(str(tiny_llama.path))
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = LlamaModel.from_gguf(str(tiny_llama.path), device=device) if device == "cuda" else \
+        LlamaModel.from_gguf(str(tiny_llama.path))
     layers = [0, 1]
     make = lambda: BatchedEngine(model, max_sessions=3, max_context=128, max_tree_width=8, max_tree_depth=8,
                                  feature_layers=layers, pad_to_buckets=pad, ring_rows=18)
@@ -131,7 +136,10 @@ def test_target_rows_in_the_ring_equal_the_rows_it_sends(tiny_llama, pad):
     assert ringed.ring_features(["s0", "s1", "nobody"]) == 2
     ring = ringed.ring
     assert ring is not None and ring.slot_rows == 18   # (the least: 2 x (max_tree_width + 1))
-    reader = FeatureRing.open(ring.descriptor, "cpu")
+    if device == "cuda":
+        plain.capture()
+        ringed.capture()
+    reader = FeatureRing.open(ring.descriptor, "cpu") if device == "cpu" else ring
     for step in range(14):   # past 18 positions of a slot: the rows wrap around
         items = []
         for i in range(2):
@@ -145,7 +153,8 @@ def test_target_rows_in_the_ring_equal_the_rows_it_sends(tiny_llama, pad):
             assert g.accepted_nodes == w.accepted_nodes and g.bonus_token == w.bonus_token
             assert g.features is None and g.ring_slot >= 0 and w.ring_slot == -1
             rows = reader.gather(reader.rows_of([g.ring_slot], [g.committed_length], [len(g.accepted_nodes)]))
-            assert torch.equal(rows, w.features)
+            assert torch.equal(rows.cpu(), w.features)
         roots = [w.bonus_token for w in want]
-    reader.close()
+    if reader is not ring:
+        reader.close()
     ring.close()

@@ -1,0 +1,25 @@
+# The feature ring under load (session 24): llama-batched-bench on the shipped SmolLM2 file, then
+# the three services with the ring off (--no-feature-ring) and on, alternating, AR and the default
+# tree at each level; every request checked against its single-stream AR tokens. ROUNDS (default
+# 1) pairs of sweeps; LEVELS (default 1,8,32,64); LLAMA=0 skips llama-batched-bench.
+# Carry: .stage/part-01c, .stage/sha256 after `gpu_run.sh stage` calls carried .whl, .peer and the
+# other parts.
+set -u
+source <(sed -n '/^OUT=/,/^mkdir -p "\$STAGE"/p' tools/gpu_run.sh)
+export PYTHONPATH=/tmp/site:$PWD:$PWD/proto PYTHONUNBUFFERED=1
+eval "$(sed -n '/^install_wheels()/,/^}/p;/^llamacpp_build_bg()/,/^}/p;/^smollm()/,/^}/p;/^timed_start()/,/^}/p' tools/gpu_run.sh)"
+smol=$(timed_start) || exit 1
+LEVELS=${LEVELS:-1,8,32,64}
+if [ "${LLAMA:-1}" = 1 ]; then
+  $LL/build/bin/llama-batched-bench -m "$smol" -ngl 99 -fa on -c $(( 64 * 256 + 1024 )) -npp 128 -ntg 128 \
+    -npl "$LEVELS" 2>&1 | grep -E "^\||llama_batched_bench" | tee "$OUT/llama-batched.txt"
+fi
+for r in $(seq 1 "${ROUNDS:-1}"); do
+  for mode in ${ORDER:-off on}; do
+    args=""; [ $mode = off ] && args="--no-feature-ring"
+    python3 -m client.cli bench --device cuda --model "$smol" --prompts 16 --max-tokens 128 --configs ar,tree:15:4 \
+      --concurrency "$LEVELS" --requests-per-stream 2 --orchestrator-args="$args" ${BENCH_ARGS:-} \
+      --json "$OUT/conc-$mode-$r${TAG:-}.json" --out "$OUT/conc-$mode-$r${TAG:-}.txt" > "$OUT/log-$mode-$r${TAG:-}.txt" 2>&1
+    echo "== $mode $r"; tail -12 "$OUT/conc-$mode-$r${TAG:-}.txt"
+  done
+done
