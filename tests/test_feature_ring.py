@@ -158,3 +158,62 @@ def test_target_rows_in_the_ring_equal_the_rows_it_sends(tiny_llama, pad, device
     if reader is not ring:
         reader.close()
     ring.close()
+
+
+def test_the_ring_is_only_for_calls_from_this_host(tiny_llama, tiny_drafter):
+    """The target honours ``feature_ring`` only for a call over the hop or in process (its reply
+    over gRPC carries the rows and no descriptor); the draft service reads a ring only for such a
+    call, and refuses an item whose ring it cannot map (RING_UNAVAILABLE) without failing the
+    others."""
+    from dflash_grpc.v1 import common_pb2, draft_pb2, target_pb2
+    from draft_service.servicer import DraftServiceServicer
+    from target_service.__main__ import build_servicer, stop_servicer
+    from target_service.config import TargetConfig
+
+    target = build_servicer(TargetConfig(model=str(tiny_llama.path), device="cpu", engine="batched", max_sessions=2,
+                                         max_context=128, lease_s=0.0))
+    drafter = DraftServiceServicer.from_paths(tiny_drafter, str(tiny_llama.path), max_sessions=4, max_context=64)
+    try:
+        layers = list(drafter.info().target_layer_ids)
+        from dflash_grpc.localhop import LocalContext
+
+        for sid in ("a", "b"):
+            target.Prefill(target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(
+                session_id=sid, prompt_tokens=[1, 2, 3], feature_layer_ids=layers)]), LocalContext())
+
+        def verify(sid, local):
+            root = target.loop.engine.sessions[sid].root
+            req = target_pb2.VerifyRequest(feature_ring=True, items=[target_pb2.VerifyItem(
+                session_id=sid, tree=common_pb2.TokenTree(tokens=[root], parents=[-1]))])
+            return next(target._verify(iter([req]), None, False, local))
+
+        far = verify("a", local=False)
+        assert not far.HasField("ring") and far.results[0].ring_rows == 0 and far.results[0].features.shape[0] == 1
+        near = verify("b", local=True)
+        res = near.results[0]
+        assert near.HasField("ring") and res.ring_rows == 1 and not res.features.data
+        desc = near.ring
+        # the drafter: the prompt's rows as bytes (3) and the verified row in the ring, local
+        feats = FeatureRing.open(desc, "cpu")
+        prompt = torch.zeros(3, desc.width)
+        item = draft_pb2.ProposeItem(session_id="b", root_token=res.bonus_token, committed_length=4,
+                                     ring_slot=res.ring_slot, ring_rows=1)
+        item.features.dtype, item.features.data = common_pb2.DTYPE_F32, prompt.numpy().tobytes()
+        item.features.shape.extend([3, desc.width])
+        ok = drafter.propose(draft_pb2.ProposeRequest(items=[item], ring=desc), None, local=True)
+        assert ok.results[0].status.code == 0 and drafter.session_length("b") == 4
+        # not local, or a ring that cannot be mapped: that item refused, the other served
+        other = draft_pb2.ProposeItem(session_id="c", root_token=1, committed_length=3)
+        other.features.CopyFrom(item.features)
+        item.session_id = "d"
+        for local, ring in ((False, desc), (True, common_pb2.FeatureRing(id="gone", kind="shm", path="/nonexistent",
+                                                                           slots=2, slot_rows=64, width=desc.width,
+                                                                           dtype=desc.dtype))):
+            out = drafter.propose(draft_pb2.ProposeRequest(items=[item, other], ring=ring), None, local=local)
+            assert out.results[0].status.reason == "RING_UNAVAILABLE"
+            assert out.results[1].status.code == 0
+            other.session_id += "c"
+        feats.close()
+    finally:
+        drafter.close()
+        stop_servicer(target)

@@ -294,6 +294,68 @@ def test_kept_rows_are_exactly_those_the_drafter_lacks():
         sched.stop(timeout=1.0, release_timeout=0.1)
 
 
+def test_ring_rows_are_counted_named_and_given_up_before_a_write_could_land_on_them():
+    """Rows in the target's feature ring (RingRows) are counted after the rows kept as bytes and
+    named in the next Propose (_sent clears them); once a request's unread ring rows and the
+    widest tree the target verifies could pass a ring slot, or its rows move slot, or bytes follow
+    ring rows, its drafter session is given up (recomputed later), never overwritten in place."""
+    from dflash_grpc.columns import Rows
+    from dflash_grpc.v1 import common_pb2, draft_pb2
+    from orchestrator.messages import ProposeItems, RingRows
+    from orchestrator.scheduler import Request, Scheduler
+
+    class Target:
+        def info(self):
+            return common_pb2.ModelInfo(device="cpu", max_sessions=4, max_tree_width=8)
+
+    class NoDraft:
+        address = None
+
+    sched = Scheduler(Target(), NoDraft(), max_sessions=2)
+    sched._ring_slot_rows = 32
+    try:
+        def fresh():
+            req = Request(session_id="r", prompt=[1, 2, 3], sampling=common_pb2.SamplingParams(), max_tokens=500,
+                          tree=draft_pb2.TreeParams())
+            req.length = 3
+            sched._keep(req, Rows(1, 2, 3, bytes(12)))   # the prompt's rows, as bytes
+            return req
+
+        req = fresh()
+        for n in (2, 4, 1):   # verified rows in slot 5
+            req.length += n
+            sched._keep(req, RingRows(5, n))
+        assert req.keeping and req.ring_slot == 5 and req.ring_rows == 7 and req.history[0].rows == 3
+        items = ProposeItems()
+        items.ring = common_pb2.FeatureRing(id="x", slots=8, slot_rows=32, width=2)
+        items.add("r", 9, req.length, 4, 2, 3, req.history[0], RingRows(req.ring_slot, req.ring_rows))
+        cols = items.request(True).columns
+        assert cols.features.ring_rows == (7).to_bytes(4, "little") and cols.features.ring_slots == (5).to_bytes(4, "little")
+        per_item = items.request(False)
+        assert per_item.ring.id == "x" and per_item.items[0].ring_rows == 7 and per_item.items[0].features.shape == [3, 2]
+        req.on_drafter = True
+        sched._sent(req)
+        assert req.ring_rows == 0 and req.history == [] and req.rows_from == req.length
+        # unread rows pile up: given up once they and an 8-node tree could pass the slot's 32 rows
+        for _ in range(24):
+            req.length += 1
+            sched._keep(req, RingRows(5, 1))
+        assert req.keeping and req.ring_rows == 24
+        req.length += 1
+        sched._keep(req, RingRows(5, 1))
+        assert not req.keeping and req.ring_rows == 0 and req.rows_from == req.length
+        # rows that move slot, and bytes after ring rows: given up too
+        for second in (RingRows(6, 1), Rows(1, 2, 1, bytes(4))):
+            req = fresh()
+            req.length += 1
+            sched._keep(req, RingRows(5, 1))
+            req.length += 1
+            sched._keep(req, second)
+            assert not req.keeping and req.ring_rows == 0 and req.history == []
+    finally:
+        sched.stop(timeout=1.0, release_timeout=0.1)
+
+
 def test_a_lost_drafter_session_is_recomputed_by_the_target_in_a_free_slot_before_admission():
     """A request whose drafter session is lost keeps no rows; the target recomputes rows [0, L)
     of its committed tokens (prompt and emitted, ``seq[:L]``) in a scratch session, which needs a
