@@ -40,8 +40,8 @@ from runtime.tree import TreeError, analyze_tree
 
 log = logging.getLogger(__name__)
 
-#: fewest rows per slot a feature ring is made with (below, none: a client would give up its
-#: drafter sessions' rows after a few ticks without a Propose)
+#: rows per slot a feature ring has at least beyond the widest tree's (below, none: a client
+#: would give up its drafter sessions' rows after a few ticks without a Propose)
 RING_LEAST_ROWS = 16
 
 #: Default width buckets (docs/ARCHITECTURE.md, "The GPU path"): a step of B trees of at most W nodes runs in
@@ -349,13 +349,13 @@ class BatchedEngine:
     def feature_ring(self) -> FeatureRing | None:
         """The feature ring (:mod:`runtime.feature_ring`): one slot per session slot of
         ``ring_rows`` rows (fewer where ``ring_bytes`` holds fewer; none below
-        :data:`RING_LEAST_ROWS`) of the tapped features, made on the first call (on the step
+        a tree's rows and :data:`RING_LEAST_ROWS` more) of the tapped features, made on the first call (on the step
         loop's thread). None: no taps, no ring configured, or no memory for it (then never
         again)."""
         if self.ring is not None or self._ring_failed or not self.taps:
             return self.ring
         item = torch.empty(0, dtype=self.dtype).element_size()
-        least = max(RING_LEAST_ROWS, 2 * (self.max_tree_width + 1))
+        least = self.max_tree_width + 1 + RING_LEAST_ROWS   # (a verify's rows and some unread ones)
         rows = slot_rows_for(self.pool.slots, self.feature_width, item, self.ring_rows, self.ring_bytes, least)
         if not rows:
             self._ring_failed = True

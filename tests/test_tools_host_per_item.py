@@ -37,3 +37,15 @@ def test_host_per_item_runs_with_device_time_and_profiles(tmp_path, server):
             text = (prof / f"{service}-{mode}-2-0.txt").read_text()
             if (service, mode) != ("draft", "ar"):   # (plain decoding sends no Propose)
                 assert what in text, (service, mode, text[:500])
+
+
+def test_host_per_item_with_the_feature_ring(tmp_path):
+    """--ring: the fake target writes its rows into a feature ring and the fake drafter reads them
+    there; the orchestrator's Proposes name them (ring_rows) and carry none."""
+    out = tmp_path / "rows.json"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "tools/host_per_item.py", "--streams", "4", "--modes", "spec", "--tokens", "24",
+                           "--ring", "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    assert row["ring_rows"] > 0 and row["fallbacks"] == 0, row

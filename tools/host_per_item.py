@@ -2,7 +2,7 @@
 
     python tools/host_per_item.py [--streams 1,16,64] [--modes ar,spec] [--tokens 128] [--repeats 1]
                                   [--stream-interval-ms MS] [--stream-hold-max-ms MS] [--no-local-hop] [--threads]
-                                  [--grpc-server aio|threads] [--device-ms VERIFY,PROPOSE] [--hidden H] [--cprofile DIR]
+                                  [--grpc-server aio|threads] [--device-ms VERIFY,PROPOSE] [--hidden H] [--ring] [--cprofile DIR]
                                   [--scheduler-set NAME=VALUE ...] [--py-spy DIR] [--json FILE]
     python tools/host_per_item.py --summary LABEL=GLOB [LABEL=GLOB ...]   # median [min, max] of --json runs
 
@@ -58,6 +58,10 @@ MAX_SESSIONS = 256
 #: --device-ms: seconds each fake engine's step sleeps after its work (a GPU's device time, which
 #: costs no CPU): [verify, propose]
 DEVICE_S = [0.0, 0.0]
+#: --ring: the fake target writes its feature rows into a feature ring (runtime.feature_ring, a
+#: shared file: both fakes run on the CPU) and the fake drafter reads them from there, as the
+#: batched engines do when the orchestrator asks; else the rows go in the messages
+RING = [False]
 #: --cprofile: whether profiling is on in this service process, and a cProfile.Profile per thread
 #: that ran a profiled call (one profile is not safe across threads: its call stack is one)
 _PROF: dict = {"on": False, "threads": {}}
@@ -166,10 +170,26 @@ class InstantTarget:
         self.cfg = SimpleNamespace(hidden_size=HIDDEN, vocab_size=VOCAB)
         self.max_sessions, self.max_context = MAX_SESSIONS, 8192
         self.max_tree_width, self.max_tree_depth = 64, 32
-        self.sessions: dict[str, list] = {}     # id -> [length, feature columns or 0]
+        self.sessions: dict[str, list] = {}     # id -> [length, feature columns or 0, ring slot or -1]
         self.clock = _Clock()
         self._feats = torch.randn(4096, len(LAYERS) * HIDDEN).to(torch.bfloat16)
         self._nodes = [list(range(k + 1)) for k in range(ACCEPT + 1)]
+        #: --ring: the feature ring (made here, as the batched engine makes it on first use) and its free slots
+        self.ring = None
+        self._free = list(range(self.max_sessions))
+        if RING[0]:
+            from runtime.feature_ring import FeatureRing
+
+            self.ring = FeatureRing.create(self.max_sessions, 128, len(LAYERS) * HIDDEN, torch.bfloat16, "cpu")
+
+    def ring_features(self, session_ids):
+        n = 0
+        for sid in session_ids:
+            s = self.sessions.get(sid)
+            if s is not None and self.ring is not None and s[1] and s[2] < 0:
+                s[2] = self._free.pop()
+                n += 1
+        return n
 
     def start_prefill(self, session_id, prompt, sampling, feature_layers):
         from runtime.errors import InvalidArgument, Reason, ResourceExhausted
@@ -181,7 +201,7 @@ class InstantTarget:
                 raise InvalidArgument(f"session {session_id!r} already exists", reason=Reason.SESSION_EXISTS)
             if len(self.sessions) >= self.max_sessions:
                 raise ResourceExhausted("no free slot", reason=Reason.NO_FREE_SLOT)
-            self.sessions[session_id] = [0, len(feature_layers) * HIDDEN]
+            self.sessions[session_id] = [0, len(feature_layers) * HIDDEN, -1]
             return PrefillJob(session_id, list(prompt), sampling, list(feature_layers))
         finally:
             self.clock.s += time.thread_time() - t0
@@ -201,6 +221,8 @@ class InstantTarget:
         return n
 
     def verify_batch(self, items):
+        import torch
+
         from runtime.errors import SessionNotFound
         from target_service.engine import VerifyOutcome
 
@@ -216,6 +238,11 @@ class InstantTarget:
             while k < ACCEPT and k + 1 < len(parents) and parents[k + 1] == k:
                 k += 1
             s[0] += k + 1
+            if s[2] >= 0:   # (the rows into the ring, as the batched engine's scatter does)
+                ring = self.ring
+                ring.table[torch.from_numpy(ring.rows_of([s[2]], [s[0]], [k + 1]))] = feats[:k + 1]
+                out.append(VerifyOutcome(nodes_of[k], tokens[1:k + 1], 100 + s[0] % 1000, s[0], None, s[2]))
+                continue
             out.append(VerifyOutcome(nodes_of[k], tokens[1:k + 1], 100 + s[0] % 1000, s[0],
                                      feats[:k + 1, :s[1]].clone() if s[1] else None))
         self.clock.s += time.thread_time() - t0
@@ -224,7 +251,14 @@ class InstantTarget:
         return out
 
     def release(self, session_ids):
-        return sum(self.sessions.pop(sid, None) is not None for sid in session_ids)
+        n = 0
+        for sid in session_ids:
+            s = self.sessions.pop(sid, None)
+            if s is not None:
+                n += 1
+                if s[2] >= 0:
+                    self._free.append(s[2])
+        return n
 
 
 class InstantDrafter:
@@ -239,7 +273,7 @@ class InstantDrafter:
             config=SimpleNamespace(vocab_size=VOCAB, block_size=BLOCK, hidden_size=HIDDEN, num_layers=3,
                                    target_fingerprint=target_fingerprint, target_layer_ids=list(LAYERS),
                                    mask_token_id=16),
-            device="cuda:0")
+            device="cpu" if RING[0] else "cuda:0")   # (a shared-file ring maps on the CPU only)
         self.max_sessions, self.max_context = MAX_SESSIONS, 8192
         self.sessions: dict[str, int] = {}
         self.clock = _Clock()
@@ -273,6 +307,13 @@ class InstantDrafter:
         sessions = self.sessions
         for it in items:
             rows = it.features.shape[0] if it.features is not None else 0
+            ring = getattr(it, "ring", None)
+            if ring is not None:   # (read as the batched engine's gather does)
+                if ring[0] is None:
+                    out.append(FailedPrecondition("no ring", reason=Reason.RING_UNAVAILABLE))
+                    continue
+                ring[0].gather(ring[0].rows_of([ring[1]], [it.committed_length], [ring[2]]))
+                rows += ring[2]
             held = sessions.get(it.session_id)
             if held is None and len(sessions) >= self.max_sessions:
                 out.append(ResourceExhausted("no free slot", reason=Reason.NO_FREE_SLOT))
@@ -448,7 +489,8 @@ def serve_orchestrator(target: str, draft: str, local_hop: bool, stream_interval
         server, _, port, _ = serve_generation(servicer, "127.0.0.1:0", grpc_server or cfg.grpc_server,
                                               max_streams=workers, max_receive_bytes=cfg.max_request_bytes)
     print(json.dumps({"port": port}), flush=True)
-    _control(None, lambda: {"ticks": sched.ticks, "items": sched.batched_items, "fallbacks": sched.fallbacks})
+    _control(None, lambda: {"ticks": sched.ticks, "items": sched.batched_items, "fallbacks": sched.fallbacks,
+                            "ring_rows": getattr(sched, "ring_rows_sent", 0)})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -580,7 +622,8 @@ def run_level(services: dict[str, Service], orch: Service, n: int, tokens: int, 
     ticks, items = counts(before, after)
     row = {"streams": n, "mode": "spec" if spec else "ar", "tok_s": state["tokens"] / wall, "wall_s": wall,
            "ticks": ticks, "items": items, "msgs_item_run": state["msgs"] / max(items, 1),
-           "fallbacks": after["orchestrator"][0]["fallbacks"] - before["orchestrator"][0]["fallbacks"]}
+           "fallbacks": after["orchestrator"][0]["fallbacks"] - before["orchestrator"][0]["fallbacks"],
+           "ring_rows": after["orchestrator"][0].get("ring_rows", 0) - before["orchestrator"][0].get("ring_rows", 0)}
     # the steady window (every stream decoding); the whole run (prefills, first and last messages too)
     start, end = (marks["start"], marks["end"]) if "end" in marks else (before, after)
     wticks, witems = counts(start, end)
@@ -680,6 +723,8 @@ def main() -> int:
     ap.add_argument("--device-ms", default="0,0", metavar="VERIFY,PROPOSE",
                     help="milliseconds each fake engine's step sleeps after its work, as a GPU's device time would "
                          "(no CPU; default 0,0: instant)")
+    ap.add_argument("--ring", action="store_true",
+                    help="feature rows through a feature ring (a shared file) instead of the messages")
     ap.add_argument("--hidden", type=int, default=HIDDEN,
                     help="hidden size of the fake pair: the width of each of the 5 feature layers' rows that the "
                          "target returns and the orchestrator passes on (default SmolLM2's 576; a small value "
@@ -700,6 +745,7 @@ def main() -> int:
     hop = not args.no_local_hop
     DEVICE_S[:] = [float(x) / 1e3 for x in args.device_ms.split(",")]
     globals()["HIDDEN"] = args.hidden   # (read by the fake engines and configs of every role)
+    RING[0] = args.ring
     if args.role:
         _name_threads()
         from dflash_grpc import serving
@@ -715,7 +761,8 @@ def main() -> int:
                                args.scheduler_set, args.grpc_server)
         return 0
 
-    flag = ([] if hop else ["--no-local-hop"]) + ["--device-ms", args.device_ms, "--hidden", str(args.hidden)]
+    flag = ([] if hop else ["--no-local-hop"]) + ["--device-ms", args.device_ms, "--hidden", str(args.hidden)] + \
+        (["--ring"] if args.ring else [])
     target = Service("target", flag)
     draft = Service("draft", flag)
     hold = [] if args.stream_hold_max_ms is None else ["--stream-hold-max-ms", str(args.stream_hold_max_ms)]
