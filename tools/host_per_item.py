@@ -62,6 +62,15 @@ DEVICE_S = [0.0, 0.0]
 #: shared file: both fakes run on the CPU) and the fake drafter reads them from there, as the
 #: batched engines do when the orchestrator asks; else the rows go in the messages
 RING = [False]
+
+
+def _one_thread() -> None:
+    """--ring: torch's ops on one thread in a fake engine's process (the real engines' ring reads
+    and writes run on the GPU; on the CPU, torch's worker threads' time would be counted as the
+    service's host time, which only the calling thread's clock subtracts)."""
+    import torch
+
+    torch.set_num_threads(1)
 #: --cprofile: whether profiling is on in this service process, and a cProfile.Profile per thread
 #: that ran a profiled call (one profile is not safe across threads: its call stack is one)
 _PROF: dict = {"on": False, "threads": {}}
@@ -181,6 +190,7 @@ class InstantTarget:
             from runtime.feature_ring import FeatureRing
 
             self.ring = FeatureRing.create(self.max_sessions, 128, len(LAYERS) * HIDDEN, torch.bfloat16, "cpu")
+            _one_thread()
 
     def ring_features(self, session_ids):
         n = 0
@@ -229,6 +239,7 @@ class InstantTarget:
         t0 = time.thread_time()
         out = []
         sessions, feats, nodes_of = self.sessions, self._feats, self._nodes
+        ringed = []   # (slot, committed length, rows) written to the ring after the loop, at once
         for sid, tokens, parents in items:
             s = sessions.get(sid)
             if s is None:
@@ -238,13 +249,17 @@ class InstantTarget:
             while k < ACCEPT and k + 1 < len(parents) and parents[k + 1] == k:
                 k += 1
             s[0] += k + 1
-            if s[2] >= 0:   # (the rows into the ring, as the batched engine's scatter does)
-                ring = self.ring
-                ring.table[torch.from_numpy(ring.rows_of([s[2]], [s[0]], [k + 1]))] = feats[:k + 1]
+            if s[2] >= 0:   # (its rows into the ring, below)
+                ringed.append((s[2], s[0], k + 1))
                 out.append(VerifyOutcome(nodes_of[k], tokens[1:k + 1], 100 + s[0] % 1000, s[0], None, s[2]))
                 continue
             out.append(VerifyOutcome(nodes_of[k], tokens[1:k + 1], 100 + s[0] % 1000, s[0],
                                      feats[:k + 1, :s[1]].clone() if s[1] else None))
+        if ringed:   # one scatter for the step, as the batched engine's
+            ring = self.ring
+            slots, ends, counts = zip(*ringed)
+            src = torch.cat([torch.arange(n) for n in counts])
+            ring.table[torch.from_numpy(ring.rows_of(slots, ends, counts))] = feats[src]
         self.clock.s += time.thread_time() - t0
         if DEVICE_S[0]:
             time.sleep(DEVICE_S[0])
@@ -278,6 +293,8 @@ class InstantDrafter:
         self.sessions: dict[str, int] = {}
         self.clock = _Clock()
         self._parents: dict[tuple[int, int], list[int]] = {}
+        if RING[0]:
+            _one_thread()
 
     @property
     def free_slots(self) -> int:
@@ -305,14 +322,15 @@ class InstantDrafter:
         t0 = time.thread_time()
         out = []
         sessions = self.sessions
+        reads = []   # (committed length, ring, slot, rows) of the ring items
         for it in items:
             rows = it.features.shape[0] if it.features is not None else 0
             ring = getattr(it, "ring", None)
-            if ring is not None:   # (read as the batched engine's gather does)
+            if ring is not None:   # (read below, all items' at once, as the batched engine's gather does)
                 if ring[0] is None:
                     out.append(FailedPrecondition("no ring", reason=Reason.RING_UNAVAILABLE))
                     continue
-                ring[0].gather(ring[0].rows_of([ring[1]], [it.committed_length], [ring[2]]))
+                reads.append((it.committed_length,) + tuple(ring))
                 rows += ring[2]
             held = sessions.get(it.session_id)
             if held is None and len(sessions) >= self.max_sessions:
@@ -327,6 +345,9 @@ class InstantDrafter:
             parents = self._shape(nodes, depth)
             root = it.root_token
             out.append(ProposeOutcome([root] + [(root + i) % VOCAB for i in range(1, nodes)], parents, it.committed_length))
+        if reads:
+            ring = reads[0][1]
+            ring.gather(ring.rows_of([r[2] for r in reads], [r[0] for r in reads], [r[3] for r in reads]))
         self.clock.s += time.thread_time() - t0
         if DEVICE_S[1]:
             time.sleep(DEVICE_S[1])

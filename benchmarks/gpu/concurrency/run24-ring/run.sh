@@ -1,7 +1,8 @@
 # The feature ring under load (session 24): llama-batched-bench on the shipped SmolLM2 file, then
 # the three services with the ring off (--no-feature-ring) and on, alternating, AR and the default
 # tree at each level; every request checked against its single-stream AR tokens. ROUNDS (default
-# 1) pairs of sweeps; LEVELS (default 1,8,32,64); LLAMA=0 skips llama-batched-bench.
+# 1) pairs of sweeps; LEVELS (default 1,8,32,64); LLAMA=0 skips llama-batched-bench; ORDER (default
+# "off on") the modes in order: off (--no-feature-ring), on, measured (the ring and --draft-policy measured).
 # Carry: .stage/part-01c, .stage/sha256 after `gpu_run.sh stage` calls carried .whl, .peer and the
 # other parts.
 set -u
@@ -16,7 +17,7 @@ if [ "${LLAMA:-1}" = 1 ]; then
 fi
 for r in $(seq 1 "${ROUNDS:-1}"); do
   for mode in ${ORDER:-off on}; do
-    args=""; [ $mode = off ] && args="--no-feature-ring"
+    case $mode in off) args="--no-feature-ring";; measured) args="--draft-policy measured";; *) args="";; esac
     python3 -m client.cli bench --device cuda --model "$smol" --prompts 16 --max-tokens 128 --configs ar,tree:15:4 \
       --concurrency "$LEVELS" --requests-per-stream 2 --orchestrator-args="$args" ${BENCH_ARGS:-} \
       --json "$OUT/conc-$mode-$r${TAG:-}.json" --out "$OUT/conc-$mode-$r${TAG:-}.txt" > "$OUT/log-$mode-$r${TAG:-}.txt" 2>&1
