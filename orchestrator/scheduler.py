@@ -851,7 +851,8 @@ class Scheduler:
                         layers, req.speculative = [], False   # a session's layers from its prefill), no drafting
                 item = target_pb2.PrefillItem(session_id=req.session_id, prompt_tokens=req.prompt, sampling=req.sampling,
                                               feature_layer_ids=layers)
-                fut = self.target.stub.Prefill.future(target_pb2.PrefillRequest(items=[item]), timeout=self.step_timeout + len(req.prompt) / 50)
+                prefill = target_pb2.PrefillRequest(items=[item], feature_ring=bool(layers) and self._ring_wanted())
+                fut = self.target.stub.Prefill.future(prefill, timeout=self.step_timeout + len(req.prompt) / 50)
                 fut.add_done_callback(lambda _f: self._wake.set())
                 self._prefilling.append((req, fut))
             finally:
@@ -867,7 +868,8 @@ class Scheduler:
                 still.append((req, fut))
                 continue
             try:
-                res = fut.result().results[0]
+                reply = fut.result()
+                res = reply.results[0]
             except grpc.RpcError as e:
                 code, reason = target_status(e.code(), reason_of(e))
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED and reason == Reason.NO_FREE_SLOT and not req.closed:
@@ -885,7 +887,11 @@ class Scheduler:
             req.t_first = time.monotonic()
             if req.speculative:
                 req.seq = req.prompt + [req.root]
-                self._keep(req, res.features)
+                if res.ring_rows:   # (the prompt's rows in the feature ring)
+                    self._note_ring(reply)
+                    self._keep(req, RingRows(res.ring_slot, res.ring_rows))
+                else:
+                    self._keep(req, res.features)
             self._active.append(req)
             self._emit(req, [req.root])
         self._prefilling = still
@@ -947,11 +953,10 @@ class Scheduler:
 
     def _keep_ring(self, req: Request, ring: RingRows) -> None:
         """Count ``ring``'s rows (just committed, in the feature ring) among those ``req``'s
-        drafter session does not have yet, after its ``history``. Once its unread rows and the
-        largest tree the target verifies could pass a ring slot (a write ``slot_rows`` positions
-        on lands on an unread row), the session is given up as :meth:`_keep` gives up one past
-        ``history_bytes``; so is one whose rows moved slot (a target restart: its sessions are gone
-        anyway)."""
+        drafter session does not have yet, after its ``history``. A session whose unread rows no
+        longer fit a ring slot, or whose rows moved slot (a target restart: its sessions are gone
+        anyway), is given up as :meth:`_keep` gives up one past ``history_bytes``; before a Verify
+        could write over unread rows, :meth:`_ring_guard` gives it up."""
         if not self._ring_slot_rows:   # (rows in a ring no reply described: never asked again)
             self.ring_refused = True
             self._give_up_rows(req)
@@ -961,8 +966,38 @@ class Scheduler:
             return
         req.ring_slot = ring.slot
         req.ring_rows += ring.rows
-        if req.ring_rows + (self.info.max_tree_width or 64) > self._ring_slot_rows:
+        if req.ring_rows > self._ring_slot_rows:
             self._give_up_rows(req)
+
+    def _ring_wanted(self) -> bool:
+        """Whether this tick's Verify (or an admission's Prefill) asks for the feature ring: on,
+        not refused by the drafter, and the drafter reached over the same-host hop."""
+        return self.feature_ring and not self.ring_refused and type(self._propose) is LocalHopCall
+
+    def _note_ring(self, reply) -> None:
+        """Keep the feature ring a Verify or Prefill reply describes (``reply.ring``)."""
+        if reply.HasField("ring"):
+            desc = reply.ring
+            if self._ring is None or desc.id != self._ring.id:
+                self._ring, self._ring_slot_rows = desc, desc.slot_rows
+
+    def _ring_guard(self, batch: list[Request], nodes_of: list[int] | None, trees) -> None:
+        """Before a Verify: a request whose unread ring rows and the rows this tick's tree may
+        commit (its nodes) would pass a ring slot is given up now, before the target writes over
+        the oldest of them (a request that drafted this tick has none unread: its Propose read
+        them). ``nodes_of``: each item's draft nodes, or None to read them from ``trees`` (batch
+        index -> tree)."""
+        limit = self._ring_slot_rows
+        for i, r in enumerate(batch):
+            n = r.ring_rows
+            if n:
+                if nodes_of is not None:
+                    nodes = nodes_of[i]
+                else:
+                    drafted = trees.get(i)
+                    nodes = len(drafted[0]) - 1 if drafted is not None else 0
+                if n + nodes + 1 > limit:
+                    self._give_up_rows(r)
 
     @staticmethod
     def _compact(req: Request) -> None:
@@ -1037,7 +1072,9 @@ class Scheduler:
             trees, draft_s, unmeasured = self._propose_trees(batch, drafter, columnar)
         t1 = time.perf_counter()
         sids = [r.session_id for r in batch]
-        ring = self.feature_ring and not self.ring_refused and type(self._propose) is LocalHopCall
+        ring = self._ring_wanted()
+        if ring and self._ring_slot_rows:
+            self._ring_guard(batch, [n - 1 for n in trees.sizes] if isinstance(trees, CheckedTrees) else None, trees)
         if isinstance(trees, CheckedTrees):   # every item's tree, as the drafter packed them
             request = verify_request(True, sids, (), (), (), trees.columns, ring)
             nodes_of, depth_of = [n - 1 for n in trees.sizes], trees.depths
@@ -1074,10 +1111,8 @@ class Scheduler:
             self._verify_failed(batch, e)
             return
         verify_s = time.perf_counter() - t1
-        if ring and reply.HasField("ring"):
-            desc = reply.ring
-            if self._ring is None or desc.id != self._ring.id:
-                self._ring, self._ring_slot_rows = desc, desc.slot_rows
+        if ring:
+            self._note_ring(reply)
         if self._verify.broken:  # its deadline passed just after the reply came: the reply stands
             self._verify.close()
             self._verify = None

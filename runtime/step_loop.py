@@ -230,11 +230,11 @@ class StepLoop:
 
         return self.call(stop)
 
-    def ring_features(self, session_ids: list[str], owner: Owner | None = None) -> int:
+    def ring_features(self, session_ids: list[str], owner: Owner | None = None, on: bool = True) -> int:
         """From the next step on, write these sessions' verified rows into the engine's feature
-        ring instead of their outcomes (on the loop thread: ``engine.ring_features``; with
-        ``owner``, another owner's sessions are skipped). Returns how many sessions use the ring;
-        0 for an engine without one.
+        ring instead of their outcomes, or with ``on`` False into the outcomes again (on the loop
+        thread: ``engine.ring_features``; with ``owner``, another owner's sessions are skipped).
+        Returns how many sessions changed; 0 for an engine without a ring.
 
         Raises:
             Unavailable: the loop is stopped.
@@ -243,7 +243,7 @@ class StepLoop:
         if fn is None:
             return 0
         ids = [sid for sid in session_ids if self.owners.may_touch(sid, owner)] if owner is not None else list(session_ids)
-        return self.call(lambda: fn(ids)) if ids else 0
+        return self.call(lambda: fn(ids, on)) if ids else 0
 
     def release_all(self) -> int:
         """Release every session the engine holds (on the loop thread); returns how many."""

@@ -370,17 +370,18 @@ class BatchedEngine:
                                              "kind": self.ring.descriptor.kind})
         return self.ring
 
-    def ring_features(self, session_ids: list[str]) -> int:
+    def ring_features(self, session_ids: list[str], on: bool = True) -> int:
         """From the next step on, write these sessions' verified rows into the feature ring
         instead of the outcomes (those whose feature layers are the ring's; unknown ids are
-        skipped). Returns how many sessions now use the ring (0: no ring)."""
-        if self.feature_ring() is None:
+        skipped), or with ``on`` False into the outcomes again. Returns how many sessions
+        changed (0: no ring)."""
+        if (self.feature_ring() if on else self.ring) is None:
             return 0
         n = 0
         for sid in session_ids:
             s = self.sessions.get(sid)
-            if s is not None and s.feature_layers == self.taps:
-                s.ring = True
+            if s is not None and (s.feature_layers == self.taps if on else s.ring):
+                s.ring = on
                 n += 1
         return n
 
@@ -411,9 +412,12 @@ class BatchedEngine:
         return self.pool.release_sessions(self.sessions, session_ids)
 
     # ------------------------------------------------------------------ prefill
-    def start_prefill(self, session_id: str, prompt: list[int], sampling: Sampling, feature_layers: list[int]) -> PrefillJob:
+    def start_prefill(self, session_id: str, prompt: list[int], sampling: Sampling, feature_layers: list[int],
+                      ring: bool = False) -> PrefillJob:
         """Validate a prompt and take a zeroed slot for it; :meth:`run_prefill` then commits it
-        chunk by chunk.
+        chunk by chunk. ``ring``: the prompt's rows go to the feature ring (and the session's
+        verified rows after them: :meth:`ring_features`) when its feature layers are the ring's and
+        the prompt fits a ring slot; else in the outcome.
 
         Raises:
             InvalidArgument: empty id or prompt, token outside the vocabulary, bad feature layer,
@@ -427,7 +431,10 @@ class BatchedEngine:
         if slot is None:
             raise ResourceExhausted(f"all {self.max_sessions} session slots are in use", reason=Reason.NO_FREE_SLOT)
         self._ensure_taps(feature_layers)
-        self.sessions[session_id] = PoolSession(session_id, slot, sampling, list(feature_layers))
+        s = self.sessions[session_id] = PoolSession(session_id, slot, sampling, list(feature_layers))
+        if ring and feature_layers and s.feature_layers == self.taps:
+            r = self.feature_ring()
+            s.ring = r is not None and len(prompt) <= r.slot_rows
         return PrefillJob(session_id, list(prompt), sampling, list(feature_layers), state=[])
 
     def next_prefill_tokens(self, job: PrefillJob) -> int:
@@ -487,7 +494,18 @@ class BatchedEngine:
         v["ancestors"][0] = 0                        # causal chunks read no ancestor masks
         v["n_nodes"][0], v["slots"][0], v["lengths"][0] = n, s.slot, start
         self._fill_sampling(v, 0, s)
-        if self.prefill_buckets:
+        ring = self.ring if s.ring else None   # (the prompt fits a ring slot: positions [0, len) are rows in order)
+        if ring is not None:
+            base = s.slot * ring.slot_rows + start
+            if self.prefill_buckets:
+                runner.run(lambda: ring.table[base : base + n].copy_(runner._dev_feats[0, :n], non_blocking=True))
+                first = runner.out_ints[0]
+            else:
+                st = StepTensors.from_buffer(layout, torch.from_numpy(buf).to(self.device), self.conv_kernel)
+                out = prefill_step(self.model, self.pool, st, self.rope, self.taps, fla=True)
+                ring.table[base : base + n].copy_(out.features[0, :n])
+                first = out.ints[0]
+        elif self.prefill_buckets:
             runner.run((lambda: runner.fetch_features(1)) if s.feature_layers else None)
             first, feats = runner.out_ints[0], runner.out_feats
         else:
@@ -495,14 +513,15 @@ class BatchedEngine:
             out = prefill_step(self.model, self.pool, st, self.rope, self.taps, fla=True)
             first, feats = out.ints[0], out.features
         self.forwards += 1
-        if self.taps:
+        if self.taps and ring is None:
             job.state.append(self._session_features(feats[0, :n], s).cpu().clone())
         job.done = start + n
         job.chunks.append(n)
         s.length = job.done
         if job.done == len(job.prompt):
             s.root, s.ready = int(first), True
-            job.outcome = PrefillOutcome(s.root, s.length, torch.cat(job.state) if job.state else None, tuple(job.chunks))
+            job.outcome = PrefillOutcome(s.root, s.length, torch.cat(job.state) if job.state else None, tuple(job.chunks),
+                                         s.slot if ring is not None else -1)
         return n
 
     def prefill(self, session_id: str, prompt: list[int], sampling: Sampling, feature_layers: list[int]) -> PrefillOutcome:

@@ -92,6 +92,9 @@ class PrefillOutcome:
     committed_length: int
     features: torch.Tensor | None
     chunks: tuple[int, ...] = ()
+    #: the feature ring slot holding the prompt's rows instead of ``features`` (positions
+    #: ``[0, committed_length)``), or -1
+    ring_slot: int = -1
 
 
 @dataclasses.dataclass

@@ -277,12 +277,15 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 f"{engine.cfg.hidden_size} x 2 bytes), over the {self.max_reply_bytes}-byte message limit: "
                 "ask fewer feature layers or send fewer/shorter prompts per call"))
         futures = []
+        # the feature ring: for callers on this host (as Verify's), and engines that have one
+        ring = (True,) if request.feature_ring and isinstance(context, LocalContext) and hasattr(engine, "feature_ring") \
+            else ()
         for item in request.items:
             s = item.sampling
             try:
                 sampling = Sampling.checked(s.temperature, s.top_k, s.top_p, s.seed if s.HasField("seed") else None)
                 futures.append((item.session_id, self.loop.submit_prefill(item.session_id, list(item.prompt_tokens), sampling,
-                                                                           list(item.feature_layer_ids), owner=owner)))
+                                                                           list(item.feature_layer_ids), *ring, owner=owner)))
             except EngineError as e:  # bad sampling, or the loop is stopped (UNAVAILABLE)
                 futures.append((item.session_id, e))
         results, opened, error = [], [], None
@@ -295,9 +298,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 error = error or e
                 continue
             opened.append(sid)
-            results.append(target_pb2.PrefillResult(session_id=sid, first_token=out.first_token,
-                                                    committed_length=out.committed_length, features=_features_proto(out.features)))
+            res = target_pb2.PrefillResult(session_id=sid, first_token=out.first_token,
+                                           committed_length=out.committed_length, features=_features_proto(out.features))
+            if getattr(out, "ring_slot", -1) >= 0:
+                res.ring_slot, res.ring_rows = out.ring_slot, out.committed_length
+            results.append(res)
         response = target_pb2.PrefillResponse(results=results)
+        if any(r.ring_rows for r in results) and engine.ring is not None:
+            response.ring.CopyFrom(engine.ring.descriptor)
         if error is None and response.ByteSize() > self.max_reply_bytes:
             error = ResourceExhausted(f"the reply of {response.ByteSize()} bytes is over the "
                                       f"{self.max_reply_bytes}-byte message limit")
@@ -337,6 +345,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             if local and request.feature_ring:
                 ring = self._ring_for(request.columns.session_ids if columnar else
                                       [it.session_id for it in request.items], ringed, owner)
+            elif getattr(self.loop.engine, "ring", None) is not None:   # (rows in the reply: off the ring)
+                self._ring_off(request.columns.session_ids if columnar else [it.session_id for it in request.items],
+                               ringed, owner)
             if columnar:
                 items = verify_columns(request.columns)
                 outs, done = run_items(self.loop, items, _same, owner)
@@ -349,6 +360,18 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     #: most session ids a Verify stream remembers as put on the feature ring (then it starts over:
     #: asking the engine again is harmless)
     RINGED_IDS = 1 << 16
+
+    def _ring_off(self, session_ids, ringed: set[str], owner) -> None:
+        """Take the sessions of a request without ``feature_ring`` (or not from this host) off
+        the engine's feature ring, those on it (its rows then come in the reply again)."""
+        sessions = self.loop.engine.sessions
+        on = [sid for sid in session_ids if getattr(sessions.get(sid), "ring", False)]
+        if on:
+            ringed.difference_update(on)
+            try:
+                self.loop.ring_features(on, owner, on=False)
+            except EngineError:
+                pass
 
     def _ring_for(self, session_ids, ringed: set[str], owner) -> common_pb2.FeatureRing | None:
         """Put the sessions of a ``feature_ring`` request on the engine's feature ring (those

@@ -128,14 +128,27 @@ def test_target_rows_in_the_ring_equal_the_rows_it_sends(tiny_llama, pad, device
     rng = random.Random(3)
     prompts = [[rng.randrange(model.cfg.vocab_size) for _ in range(n)] for n in (5, 9)]
     roots = []
+    prefilled = []
     for i, p in enumerate(prompts):
         a = plain.prefill(f"s{i}", p, s, layers)
-        b = ringed.prefill(f"s{i}", p, s, layers)
+        if i == 0:   # the prompt's rows into the ring too
+            job = ringed.start_prefill(f"s{i}", p, s, layers, ring=True)
+            while job.outcome is None:
+                ringed.run_prefill(job, 512)
+            b = job.outcome
+            assert b.features is None and b.ring_slot >= 0
+            prefilled.append((b, a.features))
+        else:
+            b = ringed.prefill(f"s{i}", p, s, layers)
+            assert b.ring_slot == -1 and torch.equal(b.features, a.features)
         assert a.first_token == b.first_token
         roots.append(a.first_token)
     assert ringed.ring_features(["s0", "s1", "nobody"]) == 2
     ring = ringed.ring
     assert ring is not None and ring.slot_rows == 25   # (the least: max_tree_width + 1 + 16)
+    for b, want in prefilled:
+        got = ring.gather(ring.rows_of([b.ring_slot], [b.committed_length], [b.committed_length]))
+        assert torch.equal(got.cpu(), want)
     if device == "cuda":
         plain.capture()
         ringed.capture()
@@ -170,7 +183,7 @@ def test_the_ring_is_only_for_calls_from_this_host(tiny_llama, tiny_drafter):
     from target_service.__main__ import build_servicer, stop_servicer
     from target_service.config import TargetConfig
 
-    target = build_servicer(TargetConfig(model=str(tiny_llama.path), device="cpu", engine="batched", max_sessions=2,
+    target = build_servicer(TargetConfig(model=str(tiny_llama.path), device="cpu", engine="batched", max_sessions=4,
                                          max_context=128, lease_s=0.0))
     drafter = DraftServiceServicer.from_paths(tiny_drafter, str(tiny_llama.path), max_sessions=4, max_context=64)
     try:
@@ -181,18 +194,36 @@ def test_the_ring_is_only_for_calls_from_this_host(tiny_llama, tiny_drafter):
             target.Prefill(target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(
                 session_id=sid, prompt_tokens=[1, 2, 3], feature_layer_ids=layers)]), LocalContext())
 
-        def verify(sid, local):
+        def verify(sid, local, ring=True):
             root = target.loop.engine.sessions[sid].root
-            req = target_pb2.VerifyRequest(feature_ring=True, items=[target_pb2.VerifyItem(
+            req = target_pb2.VerifyRequest(feature_ring=ring, items=[target_pb2.VerifyItem(
                 session_id=sid, tree=common_pb2.TokenTree(tokens=[root], parents=[-1]))])
             return next(target._verify(iter([req]), None, False, local))
 
+        class Remote:   # (a gRPC context: not this host)
+            def is_active(self):
+                return True
+
+            def set_trailing_metadata(self, md):
+                pass
+
+            def abort(self, code, details):
+                raise AssertionError(f"{code}: {details}")
+
+        for sid, context, rows in (("p", Remote(), 0), ("q", LocalContext(), 3)):
+            got = target._prefill(target_pb2.PrefillRequest(feature_ring=True, items=[target_pb2.PrefillItem(
+                session_id=sid, prompt_tokens=[1, 2, 3], feature_layer_ids=layers)]), context, None)
+            assert got.results[0].ring_rows == rows and got.HasField("ring") == bool(rows)
+            assert bool(got.results[0].features.data) != bool(rows)
         far = verify("a", local=False)
         assert not far.HasField("ring") and far.results[0].ring_rows == 0 and far.results[0].features.shape[0] == 1
         near = verify("b", local=True)
         res = near.results[0]
         assert near.HasField("ring") and res.ring_rows == 1 and not res.features.data
         desc = near.ring
+        # a request without feature_ring takes "q" (on the ring since its prefill) off it: rows in the reply
+        back = verify("q", local=True, ring=False).results[0]
+        assert back.ring_rows == 0 and back.features.shape[0] == 1 and not target.loop.engine.sessions["q"].ring
         # the drafter: the prompt's rows as bytes (3) and the verified row in the ring, local
         feats = FeatureRing.open(desc, "cpu")
         prompt = torch.zeros(3, desc.width)

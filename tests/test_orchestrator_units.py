@@ -296,9 +296,10 @@ def test_kept_rows_are_exactly_those_the_drafter_lacks():
 
 def test_ring_rows_are_counted_named_and_given_up_before_a_write_could_land_on_them():
     """Rows in the target's feature ring (RingRows) are counted after the rows kept as bytes and
-    named in the next Propose (_sent clears them); once a request's unread ring rows and the
-    widest tree the target verifies could pass a ring slot, or its rows move slot, or bytes follow
-    ring rows, its drafter session is given up (recomputed later), never overwritten in place."""
+    named in the next Propose (_sent clears them); once a request's unread ring rows and the rows
+    its tree may commit could pass a ring slot (before the Verify: _ring_guard), or its rows move
+    slot, or bytes follow ring rows, its drafter session is given up (recomputed later), never
+    overwritten in place."""
     from dflash_grpc.columns import Rows
     from dflash_grpc.v1 import common_pb2, draft_pb2
     from orchestrator.messages import ProposeItems, RingRows
@@ -336,14 +337,23 @@ def test_ring_rows_are_counted_named_and_given_up_before_a_write_could_land_on_t
         req.on_drafter = True
         sched._sent(req)
         assert req.ring_rows == 0 and req.history == [] and req.rows_from == req.length
-        # unread rows pile up: given up once they and an 8-node tree could pass the slot's 32 rows
-        for _ in range(24):
+        # unread rows pile up: given up before a Verify whose tree's rows could pass the slot's 32
+        for _ in range(23):
             req.length += 1
             sched._keep(req, RingRows(5, 1))
-        assert req.keeping and req.ring_rows == 24
+        sched._ring_guard([req], [8], None)
+        assert req.keeping and req.ring_rows == 23
         req.length += 1
         sched._keep(req, RingRows(5, 1))
+        sched._ring_guard([req], None, {})          # a root-only tree: 1 row more still fits
+        assert req.keeping and req.ring_rows == 24
+        sched._ring_guard([req], None, {0: ([9] * 9, [-1] + [0] * 8, 1)})   # 8 draft nodes: 24 + 9 > 32
         assert not req.keeping and req.ring_rows == 0 and req.rows_from == req.length
+        # more unread rows than a slot holds (the oldest overwritten): given up when counted
+        req = fresh()
+        req.length += 33
+        sched._keep(req, RingRows(5, 33))
+        assert not req.keeping and req.ring_rows == 0
         # rows that move slot, and bytes after ring rows: given up too
         for second in (RingRows(6, 1), Rows(1, 2, 1, bytes(4))):
             req = fresh()

@@ -192,13 +192,18 @@ class InstantTarget:
             self.ring = FeatureRing.create(self.max_sessions, 128, len(LAYERS) * HIDDEN, torch.bfloat16, "cpu")
             _one_thread()
 
-    def ring_features(self, session_ids):
+    def ring_features(self, session_ids, on=True):
         n = 0
         for sid in session_ids:
             s = self.sessions.get(sid)
-            if s is not None and self.ring is not None and s[1] and s[2] < 0:
+            if s is None or self.ring is None or not s[1] or (s[2] >= 0) == on:
+                continue
+            if on:
                 s[2] = self._free.pop()
-                n += 1
+            else:
+                self._free.append(s[2])
+                s[2] = -1
+            n += 1
         return n
 
     def start_prefill(self, session_id, prompt, sampling, feature_layers):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from dflash_grpc.v1 import common_pb2 as dflash__grpc_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64\x66lash_grpc/v1/target.proto\x12\x0e\x64\x66lash_grpc.v1\x1a\x1b\x64\x66lash_grpc/v1/common.proto\"\x13\n\x11TargetInfoRequest\"\x85\x01\n\x0bPrefillItem\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.dflash_grpc.v1.SamplingParams\x12\x19\n\x11\x66\x65\x61ture_layer_ids\x18\x04 \x03(\x05\"<\n\x0ePrefillRequest\x12*\n\x05items\x18\x01 \x03(\x0b\x32\x1b.dflash_grpc.v1.PrefillItem\"|\n\rPrefillResult\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12\x18\n\x10\x63ommitted_length\x18\x03 \x01(\x05\x12(\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x16.dflash_grpc.v1.Tensor\"A\n\x0fPrefillResponse\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.dflash_grpc.v1.PrefillResult\"I\n\nVerifyItem\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x04tree\x18\x02 \x01(\x0b\x32\x19.dflash_grpc.v1.TokenTree\"\x97\x01\n\rVerifyRequest\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.dflash_grpc.v1.VerifyItem\x12.\n\x07\x63olumns\x18\x02 \x01(\x0b\x32\x1d.dflash_grpc.v1.VerifyColumns\x12\x15\n\rstop_features\x18\x03 \x03(\t\x12\x14\n\x0c\x66\x65\x61ture_ring\x18\x04 \x01(\x08\"P\n\rVerifyColumns\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\x12*\n\x05trees\x18\x02 \x01(\x0b\x32\x1b.dflash_grpc.v1.TreeColumns\"\xfe\x01\n\x0cVerifyResult\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12*\n\x06status\x18\x02 \x01(\x0b\x32\x1a.dflash_grpc.v1.ItemStatus\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x03(\x05\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x04 \x03(\x05\x12\x13\n\x0b\x62onus_token\x18\x05 \x01(\x05\x12\x18\n\x10\x63ommitted_length\x18\x06 \x01(\x05\x12(\n\x08\x66\x65\x61tures\x18\x07 \x01(\x0b\x32\x16.dflash_grpc.v1.Tensor\x12\x11\n\tring_slot\x18\x08 \x01(\x05\x12\x11\n\tring_rows\x18\t \x01(\x05\"\xeb\x01\n\x0eVerifyResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.dflash_grpc.v1.VerifyResult\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x13\n\x0b\x62\x61tch_items\x18\x03 \x01(\x05\x12\x0f\n\x07queue_s\x18\x04 \x01(\x01\x12\x10\n\x08\x64\x65vice_s\x18\x05 \x01(\x01\x12\x34\n\x07\x63olumns\x18\x06 \x01(\x0b\x32#.dflash_grpc.v1.VerifyResultColumns\x12)\n\x04ring\x18\x07 \x01(\x0b\x32\x1b.dflash_grpc.v1.FeatureRing\"\xeb\x01\n\x13VerifyResultColumns\x12.\n\x07refused\x18\x01 \x03(\x0b\x32\x1d.dflash_grpc.v1.IndexedStatus\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x0c\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x0c\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x04 \x01(\x0c\x12\x14\n\x0c\x62onus_tokens\x18\x05 \x01(\x0c\x12\x19\n\x11\x63ommitted_lengths\x18\x06 \x01(\x0c\x12\x30\n\x08\x66\x65\x61tures\x18\x07 \x01(\x0b\x32\x1e.dflash_grpc.v1.FeatureColumns2\xba\x02\n\rTargetService\x12\x44\n\x04Info\x12!.dflash_grpc.v1.TargetInfoRequest\x1a\x19.dflash_grpc.v1.ModelInfo\x12J\n\x07Prefill\x12\x1e.dflash_grpc.v1.PrefillRequest\x1a\x1f.dflash_grpc.v1.PrefillResponse\x12K\n\x06Verify\x12\x1d.dflash_grpc.v1.VerifyRequest\x1a\x1e.dflash_grpc.v1.VerifyResponse(\x01\x30\x01\x12J\n\x07Release\x12\x1e.dflash_grpc.v1.ReleaseRequest\x1a\x1f.dflash_grpc.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64\x66lash_grpc/v1/target.proto\x12\x0e\x64\x66lash_grpc.v1\x1a\x1b\x64\x66lash_grpc/v1/common.proto\"\x13\n\x11TargetInfoRequest\"\x85\x01\n\x0bPrefillItem\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.dflash_grpc.v1.SamplingParams\x12\x19\n\x11\x66\x65\x61ture_layer_ids\x18\x04 \x03(\x05\"R\n\x0ePrefillRequest\x12*\n\x05items\x18\x01 \x03(\x0b\x32\x1b.dflash_grpc.v1.PrefillItem\x12\x14\n\x0c\x66\x65\x61ture_ring\x18\x02 \x01(\x08\"\xa2\x01\n\rPrefillResult\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12\x18\n\x10\x63ommitted_length\x18\x03 \x01(\x05\x12(\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x16.dflash_grpc.v1.Tensor\x12\x11\n\tring_slot\x18\x05 \x01(\x05\x12\x11\n\tring_rows\x18\x06 \x01(\x05\"l\n\x0fPrefillResponse\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.dflash_grpc.v1.PrefillResult\x12)\n\x04ring\x18\x02 \x01(\x0b\x32\x1b.dflash_grpc.v1.FeatureRing\"I\n\nVerifyItem\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x04tree\x18\x02 \x01(\x0b\x32\x19.dflash_grpc.v1.TokenTree\"\x97\x01\n\rVerifyRequest\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.dflash_grpc.v1.VerifyItem\x12.\n\x07\x63olumns\x18\x02 \x01(\x0b\x32\x1d.dflash_grpc.v1.VerifyColumns\x12\x15\n\rstop_features\x18\x03 \x03(\t\x12\x14\n\x0c\x66\x65\x61ture_ring\x18\x04 \x01(\x08\"P\n\rVerifyColumns\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\x12*\n\x05trees\x18\x02 \x01(\x0b\x32\x1b.dflash_grpc.v1.TreeColumns\"\xfe\x01\n\x0cVerifyResult\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12*\n\x06status\x18\x02 \x01(\x0b\x32\x1a.dflash_grpc.v1.ItemStatus\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x03(\x05\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x04 \x03(\x05\x12\x13\n\x0b\x62onus_token\x18\x05 \x01(\x05\x12\x18\n\x10\x63ommitted_length\x18\x06 \x01(\x05\x12(\n\x08\x66\x65\x61tures\x18\x07 \x01(\x0b\x32\x16.dflash_grpc.v1.Tensor\x12\x11\n\tring_slot\x18\x08 \x01(\x05\x12\x11\n\tring_rows\x18\t \x01(\x05\"\xeb\x01\n\x0eVerifyResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.dflash_grpc.v1.VerifyResult\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x13\n\x0b\x62\x61tch_items\x18\x03 \x01(\x05\x12\x0f\n\x07queue_s\x18\x04 \x01(\x01\x12\x10\n\x08\x64\x65vice_s\x18\x05 \x01(\x01\x12\x34\n\x07\x63olumns\x18\x06 \x01(\x0b\x32#.dflash_grpc.v1.VerifyResultColumns\x12)\n\x04ring\x18\x07 \x01(\x0b\x32\x1b.dflash_grpc.v1.FeatureRing\"\xeb\x01\n\x13VerifyResultColumns\x12.\n\x07refused\x18\x01 \x03(\x0b\x32\x1d.dflash_grpc.v1.IndexedStatus\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x0c\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x0c\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x04 \x01(\x0c\x12\x14\n\x0c\x62onus_tokens\x18\x05 \x01(\x0c\x12\x19\n\x11\x63ommitted_lengths\x18\x06 \x01(\x0c\x12\x30\n\x08\x66\x65\x61tures\x18\x07 \x01(\x0b\x32\x1e.dflash_grpc.v1.FeatureColumns2\xba\x02\n\rTargetService\x12\x44\n\x04Info\x12!.dflash_grpc.v1.TargetInfoRequest\x1a\x19.dflash_grpc.v1.ModelInfo\x12J\n\x07Prefill\x12\x1e.dflash_grpc.v1.PrefillRequest\x1a\x1f.dflash_grpc.v1.PrefillResponse\x12K\n\x06Verify\x12\x1d.dflash_grpc.v1.VerifyRequest\x1a\x1e.dflash_grpc.v1.VerifyResponse(\x01\x30\x01\x12J\n\x07Release\x12\x1e.dflash_grpc.v1.ReleaseRequest\x1a\x1f.dflash_grpc.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,23 +37,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLITEM']._serialized_start=98
   _globals['_PREFILLITEM']._serialized_end=231
   _globals['_PREFILLREQUEST']._serialized_start=233
-  _globals['_PREFILLREQUEST']._serialized_end=293
-  _globals['_PREFILLRESULT']._serialized_start=295
-  _globals['_PREFILLRESULT']._serialized_end=419
-  _globals['_PREFILLRESPONSE']._serialized_start=421
-  _globals['_PREFILLRESPONSE']._serialized_end=486
-  _globals['_VERIFYITEM']._serialized_start=488
-  _globals['_VERIFYITEM']._serialized_end=561
-  _globals['_VERIFYREQUEST']._serialized_start=564
-  _globals['_VERIFYREQUEST']._serialized_end=715
-  _globals['_VERIFYCOLUMNS']._serialized_start=717
-  _globals['_VERIFYCOLUMNS']._serialized_end=797
-  _globals['_VERIFYRESULT']._serialized_start=800
-  _globals['_VERIFYRESULT']._serialized_end=1054
-  _globals['_VERIFYRESPONSE']._serialized_start=1057
-  _globals['_VERIFYRESPONSE']._serialized_end=1292
-  _globals['_VERIFYRESULTCOLUMNS']._serialized_start=1295
-  _globals['_VERIFYRESULTCOLUMNS']._serialized_end=1530
-  _globals['_TARGETSERVICE']._serialized_start=1533
-  _globals['_TARGETSERVICE']._serialized_end=1847
+  _globals['_PREFILLREQUEST']._serialized_end=315
+  _globals['_PREFILLRESULT']._serialized_start=318
+  _globals['_PREFILLRESULT']._serialized_end=480
+  _globals['_PREFILLRESPONSE']._serialized_start=482
+  _globals['_PREFILLRESPONSE']._serialized_end=590
+  _globals['_VERIFYITEM']._serialized_start=592
+  _globals['_VERIFYITEM']._serialized_end=665
+  _globals['_VERIFYREQUEST']._serialized_start=668
+  _globals['_VERIFYREQUEST']._serialized_end=819
+  _globals['_VERIFYCOLUMNS']._serialized_start=821
+  _globals['_VERIFYCOLUMNS']._serialized_end=901
+  _globals['_VERIFYRESULT']._serialized_start=904
+  _globals['_VERIFYRESULT']._serialized_end=1158
+  _globals['_VERIFYRESPONSE']._serialized_start=1161
+  _globals['_VERIFYRESPONSE']._serialized_end=1396
+  _globals['_VERIFYRESULTCOLUMNS']._serialized_start=1399
+  _globals['_VERIFYRESULTCOLUMNS']._serialized_end=1634
+  _globals['_TARGETSERVICE']._serialized_start=1637
+  _globals['_TARGETSERVICE']._serialized_end=1951
 # @@protoc_insertion_point(module_scope)

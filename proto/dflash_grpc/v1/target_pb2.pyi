@@ -24,28 +24,36 @@ class PrefillItem(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("items",)
+    __slots__ = ("items", "feature_ring")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_RING_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[PrefillItem]
-    def __init__(self, items: _Optional[_Iterable[_Union[PrefillItem, _Mapping]]] = ...) -> None: ...
+    feature_ring: bool
+    def __init__(self, items: _Optional[_Iterable[_Union[PrefillItem, _Mapping]]] = ..., feature_ring: _Optional[bool] = ...) -> None: ...
 
 class PrefillResult(_message.Message):
-    __slots__ = ("session_id", "first_token", "committed_length", "features")
+    __slots__ = ("session_id", "first_token", "committed_length", "features", "ring_slot", "ring_rows")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    RING_SLOT_FIELD_NUMBER: _ClassVar[int]
+    RING_ROWS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     first_token: int
     committed_length: int
     features: _common_pb2.Tensor
-    def __init__(self, session_id: _Optional[str] = ..., first_token: _Optional[int] = ..., committed_length: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    ring_slot: int
+    ring_rows: int
+    def __init__(self, session_id: _Optional[str] = ..., first_token: _Optional[int] = ..., committed_length: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., ring_slot: _Optional[int] = ..., ring_rows: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "ring")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    RING_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[PrefillResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[PrefillResult, _Mapping]]] = ...) -> None: ...
+    ring: _common_pb2.FeatureRing
+    def __init__(self, results: _Optional[_Iterable[_Union[PrefillResult, _Mapping]]] = ..., ring: _Optional[_Union[_common_pb2.FeatureRing, _Mapping]] = ...) -> None: ...
 
 class VerifyItem(_message.Message):
     __slots__ = ("session_id", "tree")
