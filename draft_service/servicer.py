@@ -49,6 +49,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from typing import Iterable, Iterator, NamedTuple
 
 import grpc
@@ -315,7 +316,7 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
             engine = ReferenceDrafterEngine(engine, max_sessions=max_sessions, max_context=max_context)
         self.engine = engine
         self.drafter = engine.drafter
-        self._rings: dict[str, FeatureRing | None] = {}   # feature rings by id (feature_ring)
+        self._rings: dict[str, list] = {}   # feature rings by id: [the ring or None, last named] (feature_ring)
         self.config = engine.drafter.config
         self.max_sessions = int(engine.max_sessions)
         self.max_context = int(engine.max_context)
@@ -490,26 +491,32 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         outs, done = run_items(self.loop, items, lambda item: decode_item(item, ring), owner)
         return batch_reply(draft_pb2.ProposeResponse, items, outs, done, _fill_propose)
 
-    #: feature rings kept mapped at once (a target that restarted made a new one; the oldest goes)
-    RINGS = 4
+    #: feature rings kept mapped at once (a target that restarted made a new one; the least
+    #: recently used goes), and seconds after which a ring no request named is unmapped when
+    #: another is mapped (a mapped CUDA-IPC ring keeps its GPU memory alive after its target exited)
+    RINGS, RING_IDLE_S = 4, 60.0
 
     def feature_ring(self, desc: common_pb2.FeatureRing) -> FeatureRing | None:
         """The feature ring ``desc`` names, mapped on the drafter's device the first time
         (:meth:`runtime.feature_ring.FeatureRing.open`), or None when it cannot be here (logged
         once per ring)."""
-        rings = self._rings
-        if desc.id in rings:
-            return rings[desc.id]
+        rings, now = self._rings, time.monotonic()
+        got = rings.get(desc.id)
+        if got is not None:
+            got[1] = now
+            return got[0]
         try:
             ring = FeatureRing.open(desc, self.drafter.device)
         except RingUnavailable as e:
             logger.warning("cannot read the target's feature ring: its rows must come as bytes", extra={"error": str(e)})
             ring = None
-        if len(rings) >= self.RINGS:
-            old = rings.pop(next(iter(rings)))
-            if old is not None:
+        for rid, (old, used) in sorted(rings.items(), key=lambda kv: kv[1][1]):
+            if len(rings) < self.RINGS and now - used < self.RING_IDLE_S:
+                break
+            del rings[rid]   # (the least recently used first; no step is reading it: none named it for a while,
+            if old is not None:  # or four newer rings are in use)
                 old.close()
-        rings[desc.id] = ring
+        rings[desc.id] = [ring, now]
         return ring
 
     def release(self, session_ids: Iterable[str], owner: Owner | None = None) -> int:

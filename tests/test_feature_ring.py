@@ -248,3 +248,32 @@ def test_the_ring_is_only_for_calls_from_this_host(tiny_llama, tiny_drafter):
     finally:
         drafter.close()
         stop_servicer(target)
+
+
+def test_the_drafter_unmaps_rings_no_one_names(tiny_llama, tiny_drafter, monkeypatch):
+    """A drafter keeps at most RINGS rings mapped, the least recently named going first, and
+    unmaps a ring no request named for RING_IDLE_S once another is mapped (a restarted target's
+    old ring)."""
+    from draft_service.servicer import DraftServiceServicer
+
+    drafter = DraftServiceServicer.from_paths(tiny_drafter, str(tiny_llama.path), max_sessions=2, max_context=16)
+    now = [1000.0]
+    monkeypatch.setattr("draft_service.servicer.time.monotonic", lambda: now[0])
+    made = [FeatureRing.create(1, 8, 4, torch.float32, "cpu") for _ in range(6)]
+    try:
+        opened = {}
+        for i in range(4):
+            opened[i] = drafter.feature_ring(made[i].descriptor)
+            now[0] += 1
+        assert drafter.feature_ring(made[0].descriptor) is opened[0]     # named again: most recent
+        drafter.feature_ring(made[4].descriptor)                          # a fifth: the least recent (1) goes
+        assert set(drafter._rings) == {made[i].id for i in (0, 2, 3, 4)}
+        assert opened[1].table.numel() == 0 and opened[0].table.numel() > 0
+        now[0] += 61
+        drafter.feature_ring(made[4].descriptor)                          # (named: not idle)
+        drafter.feature_ring(made[5].descriptor)                          # the idle ones go
+        assert set(drafter._rings) == {made[4].id, made[5].id}
+    finally:
+        for r in made:
+            r.close()
+        drafter.close()
