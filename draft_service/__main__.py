@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                                      "max_sessions": servicer.max_sessions, "asked": cfg.max_sessions,
                                      "batch_buckets": list(getattr(servicer.engine, "batch_buckets", ())),
                                      "seconds": round(time.monotonic() - t0, 2)})
+    servicer.read_rings = cfg.feature_ring
     servicer.loop.idle_timeout = cfg.session_idle_timeout  # read by the loop thread at each look
     servicer.loop.owners.lease_s = cfg.lease_s
 

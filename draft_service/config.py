@@ -52,6 +52,9 @@ class DraftConfig:
         "dequantizes them to --dtype at load (auto: bf16, as the target's --weights)", choices=WEIGHTS)
     local_hop: bool = setting(True, "also serve Propose on a Unix socket for an orchestrator on this host (the same checks: "
                                     "docs/ARCHITECTURE.md, 'The same-host hop')")
+    feature_ring: bool = setting(True, "read the feature rows a target on this host names in its feature ring (off: such "
+                                       "items are refused RING_UNAVAILABLE and the orchestrator sends the rows; "
+                                       "docs/ARCHITECTURE.md, 'The feature ring')")
     cuda_graphs: bool = setting(True, "batched engine: capture the steps as CUDA graphs (off: run them eagerly)")
     fused_step: bool = setting(True, "batched engine on CUDA: run the step on the fused kernels "
                                      "(off: its plain-PyTorch reference, for bisecting a numerical difference)")

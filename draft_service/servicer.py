@@ -326,6 +326,8 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         self.loop = loop if loop is not None else StepLoop(engine, name="draft", batch_method="propose_batch")
         #: the same-host hop's endpoint for Info (``ModelInfo.local_endpoint``; set by the main)
         self.local_endpoint = ""
+        #: read the feature rings requests name (``--no-feature-ring``: False, set by the main)
+        self.read_rings = True
 
     @classmethod
     def from_paths(
@@ -472,14 +474,14 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         (for ``owner``: an item naming another owner's session is refused, ``NOT_OWNER``; None:
         unchecked). A columnar request is answered as columns. Items with rows in the request's
         feature ring read them from it when ``local`` (the call came over the same-host hop or
-        from this process) and the ring maps here (:meth:`feature_ring`); elsewhere they are
-        refused, ``RING_UNAVAILABLE``.
+        from this process), :attr:`read_rings` is on and the ring maps here (:meth:`feature_ring`);
+        elsewhere they are refused, ``RING_UNAVAILABLE``.
 
         Raises:
             ColumnsError: a columnar request whose columns do not fit together.
         """
         message = request.message if type(request) is ProposeInPlace else request
-        ring = self.feature_ring(message.ring) if local and message.HasField("ring") else None
+        ring = self.feature_ring(message.ring) if local and self.read_rings and message.HasField("ring") else None
         if type(request) is ProposeInPlace:   # (parse_propose_request: the rows left where they came)
             outs, done = run_items(self.loop, propose_columns(request.message.columns, request.rows_data, ring),
                                    check_session, owner)

@@ -33,17 +33,25 @@ def _decode(api):
     return out, api.info().scheduler.ring_rows
 
 
-@pytest.mark.parametrize("layout", ["three", "colocated", "ring-off"])
+@pytest.mark.parametrize("layout", ["three", "colocated", "ring-off", "drafter-refuses"])
 def test_services_read_rows_from_the_ring_losslessly(tiny_llama, tiny_drafter, layout):
+    """``drafter-refuses``: the draft service reads no ring (``--no-feature-ring``), as one on
+    another GPU: the first items naming ring rows are refused, the orchestrator stops asking and
+    sends the rows, the sessions are re-created from recomputed rows and speculation goes on."""
     ports = free_ports(3)
     services = dflash_services(str(tiny_llama.path), tiny_drafter, ports=ports, colocate=layout == "colocated",
                                target_args=["--max-sessions", "2", "--engine", "batched", "--max-context", "256"],
-                               orchestrator_args=["--no-feature-ring"] if layout == "ring-off" else ())
+                               orchestrator_args=["--no-feature-ring"] if layout == "ring-off" else (),
+                               draft_args=["--no-feature-ring"] if layout == "drafter-refuses" else ())
     with ServiceGroup(services, grace=5.0) as group:
         group.wait_healthy(timeout=300)
         with sdk.Client(services[-1].address, timeout=120) as api:
             _, ring_rows = _decode(api)
+            fallbacks = api.info().scheduler.draft_fallbacks
     if layout == "ring-off":
         assert ring_rows == 0
+    elif layout == "drafter-refuses":
+        assert 0 < ring_rows <= 2 * 24 and fallbacks >= 1, (ring_rows, fallbacks)   # named once, refused, then bytes
     else:
         assert ring_rows > 0, "the drafter read no row from the feature ring"
+        assert fallbacks == 0
