@@ -277,3 +277,42 @@ def test_the_drafter_unmaps_rings_no_one_names(tiny_llama, tiny_drafter, monkeyp
         for r in made:
             r.close()
         drafter.close()
+
+
+def test_columnar_messages_carry_ring_rows(tiny_llama, tiny_drafter):
+    """The columnar forms (four items and more): the target's columnar reply names each item's
+    ring rows (read back by the orchestrator's verify_columns as RingRows), and a columnar Propose
+    naming them (ProposeItems with the ring) is served by the draft service from the ring."""
+    from dflash_grpc.localhop import LocalContext
+    from dflash_grpc.v1 import common_pb2, draft_pb2, target_pb2
+    from draft_service.servicer import DraftServiceServicer
+    from orchestrator.messages import ProposeItems, RingRows, verify_columns, verify_request
+    from target_service.__main__ import build_servicer, stop_servicer
+    from target_service.config import TargetConfig
+
+    target = build_servicer(TargetConfig(model=str(tiny_llama.path), device="cpu", engine="batched", max_sessions=4,
+                                         max_context=128, lease_s=0.0))
+    drafter = DraftServiceServicer.from_paths(tiny_drafter, str(tiny_llama.path), max_sessions=4, max_context=64)
+    try:
+        layers = list(drafter.info().target_layer_ids)
+        sids = [f"s{i}" for i in range(4)]
+        pre = target._prefill(target_pb2.PrefillRequest(feature_ring=True, items=[target_pb2.PrefillItem(
+            session_id=sid, prompt_tokens=[1 + i, 2, 3], feature_layer_ids=layers) for i, sid in enumerate(sids)]),
+            LocalContext(), None)
+        assert all(r.ring_rows == 3 for r in pre.results) and pre.HasField("ring")
+        roots = [r.first_token for r in pre.results]
+        reply = next(target._verify(iter([verify_request(True, sids, [1] * 4, roots, [-1] * 4, feature_ring=True)]),
+                                    None, False, True))
+        refused, accepted, bonus, lengths, feats = verify_columns(reply, 4)
+        assert not refused and all(f == RingRows(f.slot, 1) for f in feats) and lengths == [4] * 4
+        items = ProposeItems()
+        items.ring = reply.ring
+        for sid, root, f in zip(sids, bonus, feats):   # the prompt's 3 rows and the verified one, all in the ring
+            items.add(sid, root, 4, 4, 2, 0, None, RingRows(f.slot, 4))
+        request = items.request(True)
+        assert request.HasField("columns") and request.HasField("ring")
+        out = drafter.propose(request, None, local=True)
+        assert not out.refused and drafter.session_length("s0") == 4
+    finally:
+        drafter.close()
+        stop_servicer(target)
