@@ -49,6 +49,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 import time
 from typing import Iterable, Iterator, NamedTuple
 
@@ -317,6 +318,7 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         self.engine = engine
         self.drafter = engine.drafter
         self._rings: dict[str, list] = {}   # feature rings by id: [the ring or None, last named] (feature_ring)
+        self._rings_lock = threading.Lock()
         self.config = engine.drafter.config
         self.max_sessions = int(engine.max_sessions)
         self.max_context = int(engine.max_context)
@@ -507,19 +509,23 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         if got is not None:
             got[1] = now
             return got[0]
-        try:
-            ring = FeatureRing.open(desc, self.drafter.device)
-        except RingUnavailable as e:
-            logger.warning("cannot read the target's feature ring: its rows must come as bytes", extra={"error": str(e)})
-            ring = None
-        for rid, (old, used) in sorted(rings.items(), key=lambda kv: kv[1][1]):
-            if len(rings) < self.RINGS and now - used < self.RING_IDLE_S:
-                break
-            del rings[rid]   # (the least recently used first; no step is reading it: none named it for a while,
-            if old is not None:  # or four newer rings are in use)
-                old.close()
-        rings[desc.id] = [ring, now]
-        return ring
+        with self._rings_lock:   # (Propose streams map and unmap on their own threads)
+            got = rings.get(desc.id)
+            if got is not None:
+                return got[0]
+            try:
+                ring = FeatureRing.open(desc, self.drafter.device)
+            except RingUnavailable as e:
+                logger.warning("cannot read the target's feature ring: its rows must come as bytes", extra={"error": str(e)})
+                ring = None
+            for rid, (old, used) in sorted(rings.items(), key=lambda kv: kv[1][1]):
+                if len(rings) < self.RINGS and now - used < self.RING_IDLE_S:
+                    break
+                rings.pop(rid, None)   # (the least recently used first: none named it for a while, or
+                if old is not None:    # four newer rings are in use)
+                    old.close()
+            rings[desc.id] = [ring, now]
+            return ring
 
     def release(self, session_ids: Iterable[str], owner: Owner | None = None) -> int:
         """Drop the sessions (on the loop thread); returns how many existed (unknown ids, and with

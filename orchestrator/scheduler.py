@@ -1073,10 +1073,16 @@ class Scheduler:
         t1 = time.perf_counter()
         sids = [r.session_id for r in batch]
         ring = self._ring_wanted()
-        if ring and self._ring_slot_rows:
-            self._ring_guard(batch, [n - 1 for n in trees.sizes] if isinstance(trees, CheckedTrees) else None, trees)
+        off = ()
+        if ring:
+            if self._ring_slot_rows:
+                self._ring_guard(batch, [n - 1 for n in trees.sizes] if isinstance(trees, CheckedTrees) else None, trees)
+            # a request whose drafter session lacks rows [0, rows_from) (lost, its rows recomputed
+            # or to be) keeps its rows as bytes meanwhile: a recompute may take more ticks than a
+            # ring slot holds unread rows (docs/ARCHITECTURE.md, "The feature ring")
+            off = [r.session_id for r in batch if r.rows_from and not r.draft_synced and r.speculative]
         if isinstance(trees, CheckedTrees):   # every item's tree, as the drafter packed them
-            request = verify_request(True, sids, (), (), (), trees.columns, ring)
+            request = verify_request(True, sids, (), (), (), trees.columns, ring, off)
             nodes_of, depth_of = [n - 1 for n in trees.sizes], trees.depths
         else:
             sizes, tokens, parents = [], [], []
@@ -1092,7 +1098,7 @@ class Scheduler:
                     tokens += drafted[0]
                     parents += drafted[1]
                     nodes_of[i], depth_of[i] = len(drafted[0]) - 1, drafted[2]
-            request = verify_request(columnar, sids, sizes, tokens, parents, feature_ring=ring)
+            request = verify_request(columnar, sids, sizes, tokens, parents, feature_ring=ring, ring_off=off)
         if self._stop_features:
             stop_features = stop_features + self._stop_features
             self._stop_features = []
@@ -1322,7 +1328,6 @@ class Scheduler:
         if not who:
             return {}, 0.0, unmeasured
         as_columns = len(who) >= COLUMNS_FROM and COLUMNAR in drafter.model.features
-        items.ring = self._ring
         timeout = self.deadline.timeout(len(who), extra_rows)
         if timeout is not None:
             metrics.set_draft_deadline(timeout)
@@ -1330,6 +1335,9 @@ class Scheduler:
         try:
             if self._propose is None:
                 self._propose = self.draft.propose_stream(None)
+            # the feature ring's descriptor only over the same-host hop (items naming ring rows
+            # over gRPC are then written without them: the drafter refuses them, LENGTH_MISMATCH)
+            items.ring = self._ring if type(self._propose) is LocalHopCall else None
             # as wire bytes where the stream sends a message's bytes itself (not grpc's own stub)
             request = items.request(as_columns, as_columns and isinstance(self._propose, (LocalHopCall, DirectStreamCall)))
             t0 = time.perf_counter()

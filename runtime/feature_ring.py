@@ -29,6 +29,7 @@ unread rows per session (a write ``slot_rows`` positions later is the only one t
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import secrets
@@ -116,6 +117,7 @@ class FeatureRing:
             desc.event_handle, desc.event_sync_required = event_handle or b"", bool(event_sync)
             return cls(table, slots, slot_rows, desc)
         directory = tempfile.mkdtemp(prefix="dflash-ring-")   # (mode 0700: this user only)
+        atexit.register(shutil.rmtree, directory, True)       # (also when the owner never closes it)
         path = os.path.join(directory, "table")
         table = torch.from_file(path, shared=True, size=n * width, dtype=dtype).view(n, width)
         table.zero_()

@@ -225,6 +225,8 @@ class StepLoop:
                         or not self.owners.may_touch(sid, owner)):
                     continue
                 s.feature_layers = []
+                if getattr(s, "ring", False):   # (no rows at all now: none into the feature ring either)
+                    s.ring = False
                 n += 1
             return n
 

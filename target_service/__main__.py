@@ -160,6 +160,9 @@ def stop_servicer(servicer: TargetServicer) -> None:
         n = -1
     log.info("stopped; released the sessions left", extra={"sessions": n})
     loop.stop()
+    ring = getattr(loop.engine, "ring", None)
+    if ring is not None:   # (a shared-file ring's directory goes with it)
+        ring.close()
 
 
 def main(argv: list[str] | None = None) -> None:

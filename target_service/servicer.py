@@ -154,7 +154,7 @@ def _columns_reply(items, outs, done, ring: common_pb2.FeatureRing | None = None
         if width is None:
             width = f.shape[1:]
         elif f.shape[1:] != width:
-            return verify_response([_Named(sid) for sid, _, _ in items], outs, done)
+            return verify_response([_Named(sid) for sid, _, _ in items], outs, done, ring)
         rows.append(f.shape[0])
         feats.append(f)
     cols.accepted = pack_i32(accepted)
@@ -343,8 +343,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             columnar = request.HasField("columns")
             ring = None
             if local and request.feature_ring:
-                ring = self._ring_for(request.columns.session_ids if columnar else
-                                      [it.session_id for it in request.items], ringed, owner)
+                sids = request.columns.session_ids if columnar else [it.session_id for it in request.items]
+                off = request.ring_off
+                if off:   # (these stay off the ring: their rows in the reply)
+                    self._ring_off(off, ringed, owner)
+                    off = set(off)
+                    sids = [sid for sid in sids if sid not in off]
+                ring = self._ring_for(sids, ringed, owner)
             elif getattr(self.loop.engine, "ring", None) is not None:   # (rows in the reply: off the ring)
                 self._ring_off(request.columns.session_ids if columnar else [it.session_id for it in request.items],
                                ringed, owner)

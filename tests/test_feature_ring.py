@@ -1,6 +1,7 @@
 """The feature ring (runtime.feature_ring): the rows a target stores are the rows a drafter maps
 and gathers, at the positions the layout says; the GPU ring through CUDA IPC in another process."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -194,10 +195,10 @@ def test_the_ring_is_only_for_calls_from_this_host(tiny_llama, tiny_drafter):
             target.Prefill(target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(
                 session_id=sid, prompt_tokens=[1, 2, 3], feature_layer_ids=layers)]), LocalContext())
 
-        def verify(sid, local, ring=True):
+        def verify(sid, local, ring=True, **kw):
             root = target.loop.engine.sessions[sid].root
             req = target_pb2.VerifyRequest(feature_ring=ring, items=[target_pb2.VerifyItem(
-                session_id=sid, tree=common_pb2.TokenTree(tokens=[root], parents=[-1]))])
+                session_id=sid, tree=common_pb2.TokenTree(tokens=[root], parents=[-1]))], **kw)
             return next(target._verify(iter([req]), None, False, local))
 
         class Remote:   # (a gRPC context: not this host)
@@ -224,6 +225,12 @@ def test_the_ring_is_only_for_calls_from_this_host(tiny_llama, tiny_drafter):
         # a request without feature_ring takes "q" (on the ring since its prefill) off it: rows in the reply
         back = verify("q", local=True, ring=False).results[0]
         assert back.ring_rows == 0 and back.features.shape[0] == 1 and not target.loop.engine.sessions["q"].ring
+        # ring_off keeps a session off for that request; the next that does not name it puts it back
+        assert verify("b", local=True, ring_off=["b"]).results[0].ring_rows == 0
+        assert verify("b", local=True).results[0].ring_rows == 1
+        # stop_features: no rows at all, none into the ring either
+        stopped = verify("b", local=True, stop_features=["b"]).results[0]
+        assert stopped.ring_rows == 0 and not stopped.features.data and not target.loop.engine.sessions["b"].ring
         # the drafter: the prompt's rows as bytes (3) and the verified row in the ring, local
         feats = FeatureRing.open(desc, "cpu")
         prompt = torch.zeros(3, desc.width)
@@ -248,6 +255,7 @@ def test_the_ring_is_only_for_calls_from_this_host(tiny_llama, tiny_drafter):
     finally:
         drafter.close()
         stop_servicer(target)
+    assert not os.path.exists(os.path.dirname(desc.path))   # the shared file went with the target
 
 
 def test_the_drafter_unmaps_rings_no_one_names(tiny_llama, tiny_drafter, monkeypatch):

@@ -64,16 +64,18 @@ class VerifyItem(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("items", "columns", "stop_features", "feature_ring")
+    __slots__ = ("items", "columns", "stop_features", "feature_ring", "ring_off")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
     STOP_FEATURES_FIELD_NUMBER: _ClassVar[int]
     FEATURE_RING_FIELD_NUMBER: _ClassVar[int]
+    RING_OFF_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[VerifyItem]
     columns: VerifyColumns
     stop_features: _containers.RepeatedScalarFieldContainer[str]
     feature_ring: bool
-    def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ..., columns: _Optional[_Union[VerifyColumns, _Mapping]] = ..., stop_features: _Optional[_Iterable[str]] = ..., feature_ring: _Optional[bool] = ...) -> None: ...
+    ring_off: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ..., columns: _Optional[_Union[VerifyColumns, _Mapping]] = ..., stop_features: _Optional[_Iterable[str]] = ..., feature_ring: _Optional[bool] = ..., ring_off: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class VerifyColumns(_message.Message):
     __slots__ = ("session_ids", "trees")
