@@ -829,3 +829,58 @@ def test_tick_hands_each_request_its_tokens_cut_at_eos_and_max_tokens():
                    "free": [([7, 8, 9], None)], "one-more": [([7, 8, 9], None)]}
     assert [r.emitted for r in batch] == [8, 7, 6, 8, 8] and [r.closed for r in batch] == [True, True, True, False, False]
     assert all(r.length == 30 and r.root == 9 for r in batch)
+
+
+def test_verify_asks_the_ring_but_for_requests_whose_drafter_session_lacks_rows():
+    """With the drafter on the same-host hop, a Verify asks for the feature ring, naming in
+    ``ring_off`` each request whose drafter session lacks rows [0, rows_from) (lost; its rows
+    recomputed or to be): its rows come as bytes meanwhile. Without the hop, or once the drafter
+    refused the ring, no Verify asks for it."""
+    from dflash_grpc.v1 import common_pb2, draft_pb2, target_pb2
+    from orchestrator.peers import LocalHopCall
+    from orchestrator.scheduler import Request, Scheduler
+
+    sent = []
+
+    class Stream:
+        spin_s, broken = 0.0, False
+
+        def exchange(self, request, timeout=None, on_sent=None):
+            sent.append(request)
+            return target_pb2.VerifyResponse(results=[target_pb2.VerifyResult(
+                session_id=it.session_id, accepted_nodes=[0], bonus_token=5, committed_length=7) for it in request.items])
+
+    class Target:
+        def info(self):
+            return common_pb2.ModelInfo(device="cpu", max_sessions=4)
+
+    class NoDraft:
+        address = None
+
+    sched = Scheduler(Target(), NoDraft(), max_sessions=4)
+    sched._stop.set()
+    sched._thread.join(5)     # (driven by hand here)
+    try:
+        sched._verify = Stream()
+        sched._drafter = lambda: None   # (plain ticks: no Propose)
+
+        def request(name, synced):
+            r = Request(session_id=name, prompt=[1, 2, 3], sampling=common_pb2.SamplingParams(), max_tokens=100,
+                        tree=draft_pb2.TreeParams())
+            r.on_target, r.root, r.length, r.seq = True, 9, 6, [1, 2, 3, 7, 8, 5, 9]
+            r.rows_from, r.draft_synced = 6, synced
+            return r
+
+        batch = [request("synced", True), request("lost", False)]
+        sched._propose = None                       # the drafter not on the hop: no ring
+        sched._tick(batch)
+        assert not sent[-1].feature_ring and not sent[-1].ring_off
+        sched._propose = LocalHopCall.__new__(LocalHopCall)
+        sched._tick(batch)
+        assert sent[-1].feature_ring and list(sent[-1].ring_off) == ["lost"]
+        sched.ring_refused = True
+        sched._tick(batch)
+        assert not sent[-1].feature_ring
+    finally:
+        sched._propose = None
+        sched.stop(timeout=1.0, release_timeout=0.1)
