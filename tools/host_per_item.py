@@ -362,8 +362,9 @@ class InstantDrafter:
 # ---------------------------------------------------------------------------------------------
 # the service processes
 
-def _control(engine_clock: _Clock | None, extra=None):
-    """Serve ``engine`` (the fake engine's CPU seconds so far) and ``profile`` on stdin/stdout lines."""
+def _control(engine_clock: _Clock | None, extra=None, on_quit=None):
+    """Serve ``engine`` (the fake engine's CPU seconds so far) and ``profile`` on stdin/stdout lines;
+    ``on_quit`` runs before the process exits (``os._exit``: no atexit handlers)."""
     for line in sys.stdin:
         cmd = line.strip()
         if cmd == "engine":
@@ -395,6 +396,8 @@ def _control(engine_clock: _Clock | None, extra=None):
             print("{}", flush=True)
         elif cmd == "quit":
             break
+    if on_quit is not None:
+        on_quit()
     os._exit(0)
 
 
@@ -427,7 +430,7 @@ def serve_target(local_hop: bool) -> None:
                                           local_hop=local_hop)
     servicer.info.local_endpoint = serving.local_endpoint(server)
     print(json.dumps({"port": port}), flush=True)
-    _control(engine.clock)
+    _control(engine.clock, on_quit=lambda: engine.ring.close() if engine.ring is not None else None)   # (a shared file)
 
 
 def serve_draft(local_hop: bool) -> None:
