@@ -321,6 +321,24 @@ def test_columnar_messages_carry_ring_rows(tiny_llama, tiny_drafter):
         assert request.HasField("columns") and request.HasField("ring")
         out = drafter.propose(request, None, local=True)
         assert not out.refused and drafter.session_length("s0") == 4
+        # the same rows sent as bytes (read back from the ring) to another drafter: the same trees
+        from dflash_grpc.columns import Rows
+
+        ring = FeatureRing.open(reply.ring, "cpu")
+        twin = DraftServiceServicer.from_paths(tiny_drafter, str(tiny_llama.path), max_sessions=4, max_context=64)
+        try:
+            as_bytes = ProposeItems()
+            for sid, root, f in zip(sids, bonus, feats):
+                rows = ring.gather(ring.rows_of([f.slot], [4], [4])).contiguous()
+                as_bytes.add(sid, root, 4, 4, 2, 0, Rows(common_pb2.DTYPE_BF16 if rows.dtype == torch.bfloat16 else
+                                                         common_pb2.DTYPE_F32, rows.shape[1], 4,
+                                                         rows.numpy().tobytes() if rows.dtype != torch.bfloat16 else
+                                                         rows.view(torch.int16).numpy().tobytes()))
+            want = twin.propose(as_bytes.request(True), None, local=True)
+            assert not want.refused and out.trees == want.trees and len(out.trees.tokens) > 4
+        finally:
+            twin.close()
+            ring.close()
     finally:
         drafter.close()
         stop_servicer(target)
