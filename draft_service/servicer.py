@@ -241,12 +241,12 @@ def propose_columns(columns: draft_pb2.ProposeColumns, rows_data: memoryview | N
         # the step's rows checked at once (a per-item check costs ~12 us of fixed overhead each);
         # a non-finite value anywhere leaves every item to its own check, so only its item fails
         finite = t.is_floating_point() and all_finite(t)
+    rings = [None] * n
     if fc.ring_rows:
         counts = unpack_i32(fc.ring_rows, n, "features.ring_rows")
         slots = unpack_i32(fc.ring_slots, n, "features.ring_slots")
         rings = [(ring, slot, k) if k else None for slot, k in zip(slots, counts)]
-        return [DraftItem(*x, finite, rr) for x, rr in zip(zip(sids, feats, roots, lengths, budgets, top_ks, depths), rings)]
-    return [DraftItem(*x, finite) for x in zip(sids, feats, roots, lengths, budgets, top_ks, depths)]
+    return [DraftItem(*x, finite, rr) for *x, rr in zip(sids, feats, roots, lengths, budgets, top_ks, depths, rings)]
 
 
 def check_session(item: DraftItem) -> DraftItem:

@@ -48,18 +48,11 @@ class RingRows(NamedTuple):
 
 
 def verify_request(columnar: bool, sids: Sequence[str], sizes: Sequence[int], tokens: Sequence[int],
-                   parents: Sequence[int], trees: common_pb2.TreeColumns | None = None,
-                   feature_ring: bool = False, ring_off: Sequence[str] = ()) -> target_pb2.VerifyRequest:
+                   parents: Sequence[int], trees: common_pb2.TreeColumns | None = None) -> target_pb2.VerifyRequest:
     """One Verify message: item ``i`` verifies the tree of ``sizes[i]`` nodes (``tokens`` and
     ``parents`` of all trees, in order) for session ``sids[i]``; with ``trees`` (columnar only),
-    the trees of those columns instead (packed already: a Propose reply's, :class:`CheckedTrees`).
-    ``feature_ring``: ask for the committed rows in the target's feature ring, but those of the
-    sessions ``ring_off`` (in the reply)."""
+    the trees of those columns instead (packed already: a Propose reply's, :class:`CheckedTrees`)."""
     request = target_pb2.VerifyRequest()
-    if feature_ring:
-        request.feature_ring = True
-        if ring_off:
-            request.ring_off.extend(ring_off)
     if columnar:
         cols = request.columns
         cols.session_ids.extend(sids)

@@ -981,23 +981,28 @@ class Scheduler:
             if self._ring is None or desc.id != self._ring.id:
                 self._ring, self._ring_slot_rows = desc, desc.slot_rows
 
-    def _ring_guard(self, batch: list[Request], nodes_of: list[int] | None, trees) -> None:
+    def _ring_guard(self, batch: list[Request], nodes_of: list[int]) -> None:
         """Before a Verify: a request whose unread ring rows and the rows this tick's tree may
-        commit (its nodes) would pass a ring slot is given up now, before the target writes over
-        the oldest of them (a request that drafted this tick has none unread: its Propose read
-        them). ``nodes_of``: each item's draft nodes, or None to read them from ``trees`` (batch
-        index -> tree)."""
+        commit (its draft nodes, ``nodes_of``, and the root) would pass a ring slot is given up
+        now, before the target writes over the oldest of them (a request that drafted this tick
+        has none unread: its Propose read them)."""
         limit = self._ring_slot_rows
-        for i, r in enumerate(batch):
-            n = r.ring_rows
-            if n:
-                if nodes_of is not None:
-                    nodes = nodes_of[i]
-                else:
-                    drafted = trees.get(i)
-                    nodes = len(drafted[0]) - 1 if drafted is not None else 0
-                if n + nodes + 1 > limit:
-                    self._give_up_rows(r)
+        for r, nodes in zip(batch, nodes_of):
+            if r.ring_rows and r.ring_rows + nodes + 1 > limit:
+                self._give_up_rows(r)
+
+    def _ask_ring(self, request: target_pb2.VerifyRequest, batch: list[Request], nodes_of: list[int]) -> None:
+        """Make ``request`` (the Verify of ``batch``, trees of ``nodes_of`` draft nodes) ask for the
+        feature ring, after :meth:`_ring_guard`. A request whose drafter session lacks rows [0,
+        rows_from) (lost, its rows recomputed or to be) is named in ``ring_off``: its rows wait as
+        bytes meanwhile, since a recompute may take more ticks than a ring slot holds unread rows
+        (docs/ARCHITECTURE.md, "The feature ring")."""
+        if self._ring_slot_rows:
+            self._ring_guard(batch, nodes_of)
+        request.feature_ring = True
+        off = [r.session_id for r in batch if r.rows_from and not r.draft_synced and r.speculative]
+        if off:
+            request.ring_off.extend(off)
 
     @staticmethod
     def _compact(req: Request) -> None:
@@ -1072,17 +1077,8 @@ class Scheduler:
             trees, draft_s, unmeasured = self._propose_trees(batch, drafter, columnar)
         t1 = time.perf_counter()
         sids = [r.session_id for r in batch]
-        ring = self._ring_wanted()
-        off = ()
-        if ring:
-            if self._ring_slot_rows:
-                self._ring_guard(batch, [n - 1 for n in trees.sizes] if isinstance(trees, CheckedTrees) else None, trees)
-            # a request whose drafter session lacks rows [0, rows_from) (lost, its rows recomputed
-            # or to be) keeps its rows as bytes meanwhile: a recompute may take more ticks than a
-            # ring slot holds unread rows (docs/ARCHITECTURE.md, "The feature ring")
-            off = [r.session_id for r in batch if r.rows_from and not r.draft_synced and r.speculative]
         if isinstance(trees, CheckedTrees):   # every item's tree, as the drafter packed them
-            request = verify_request(True, sids, (), (), (), trees.columns, ring, off)
+            request = verify_request(True, sids, (), (), (), trees.columns)
             nodes_of, depth_of = [n - 1 for n in trees.sizes], trees.depths
         else:
             sizes, tokens, parents = [], [], []
@@ -1098,7 +1094,10 @@ class Scheduler:
                     tokens += drafted[0]
                     parents += drafted[1]
                     nodes_of[i], depth_of[i] = len(drafted[0]) - 1, drafted[2]
-            request = verify_request(columnar, sids, sizes, tokens, parents, feature_ring=ring, ring_off=off)
+            request = verify_request(columnar, sids, sizes, tokens, parents)
+        ring = self._ring_wanted()
+        if ring:
+            self._ask_ring(request, batch, nodes_of)
         if self._stop_features:
             stop_features = stop_features + self._stop_features
             self._stop_features = []
@@ -1317,12 +1316,11 @@ class Scheduler:
                     resync_rows += rows - block
             if not budget:
                 max_depth = nodes   # a chain of that length
+            ring = None
             if r.ring_rows:
-                items.add(r.draft_id, r.root, length, nodes if budget else 0, top_k, max_depth, features,
-                          RingRows(r.ring_slot, r.ring_rows))
+                ring = RingRows(r.ring_slot, r.ring_rows)
                 self.ring_rows_sent += r.ring_rows
-            else:
-                items.add(r.draft_id, r.root, length, nodes if budget else 0, top_k, max_depth, features)
+            items.add(r.draft_id, r.root, length, nodes if budget else 0, top_k, max_depth, features, ring)
             who.append((i, max_depth))
         unmeasured = bool(resync_rows) or extra_rows > block * len(who)
         if not who:

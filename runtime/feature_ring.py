@@ -195,13 +195,12 @@ class FeatureRing:
         pos = (e - k)[item] + offs
         return s[item] * c + pos % c
 
-    def gather(self, rows: np.ndarray | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The table rows ``rows`` (int64 ``[m]``): ``[m, width]`` on the table's device (into
-        ``out`` when given)."""
+    def gather(self, rows: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """The table rows ``rows`` (int64 ``[m]``): ``[m, width]`` on the table's device."""
         idx = torch.as_tensor(rows, dtype=torch.long)
         if idx.device != self.table.device:
             idx = idx.to(self.table.device, non_blocking=True)
-        return torch.index_select(self.table, 0, idx, out=out) if out is not None else self.table.index_select(0, idx)
+        return self.table.index_select(0, idx)
 
     def store(self, feats: torch.Tensor, batch_rows: Sequence[int], slots: Sequence[int], starts: Sequence[int],
               counts: torch.Tensor) -> None:

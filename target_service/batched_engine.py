@@ -349,9 +349,9 @@ class BatchedEngine:
     def feature_ring(self) -> FeatureRing | None:
         """The feature ring (:mod:`runtime.feature_ring`): one slot per session slot of
         ``ring_rows`` rows (fewer where ``ring_bytes`` holds fewer; none below
-        a tree's rows and :data:`RING_LEAST_ROWS` more) of the tapped features, made on the first call (on the step
-        loop's thread). None: no taps, no ring configured, or no memory for it (then never
-        again)."""
+        a tree's rows and :data:`RING_LEAST_ROWS` more) of the tapped features, made on the first
+        call (on the step loop's thread). None: no taps, no ring configured, or no memory for it
+        (then never again)."""
         if self.ring is not None or self._ring_failed or not self.taps:
             return self.ring
         item = torch.empty(0, dtype=self.dtype).element_size()
@@ -495,23 +495,21 @@ class BatchedEngine:
         v["n_nodes"][0], v["slots"][0], v["lengths"][0] = n, s.slot, start
         self._fill_sampling(v, 0, s)
         ring = self.ring if s.ring else None   # (the prompt fits a ring slot: positions [0, len) are rows in order)
-        if ring is not None:
+        if ring is not None:   # the chunk's rows into the slot's rows [start, start + n), on the device
             base = s.slot * ring.slot_rows + start
-            if self.prefill_buckets:
-                runner.run(lambda: ring.table[base : base + n].copy_(runner._dev_feats[0, :n], non_blocking=True))
-                first = runner.out_ints[0]
+            to_ring = ring.table[base : base + n]
+        if self.prefill_buckets:
+            if ring is not None:
+                runner.run(lambda: to_ring.copy_(runner._dev_feats[0, :n], non_blocking=True))
             else:
-                st = StepTensors.from_buffer(layout, torch.from_numpy(buf).to(self.device), self.conv_kernel)
-                out = prefill_step(self.model, self.pool, st, self.rope, self.taps, fla=True)
-                ring.table[base : base + n].copy_(out.features[0, :n])
-                first = out.ints[0]
-        elif self.prefill_buckets:
-            runner.run((lambda: runner.fetch_features(1)) if s.feature_layers else None)
+                runner.run((lambda: runner.fetch_features(1)) if s.feature_layers else None)
             first, feats = runner.out_ints[0], runner.out_feats
         else:
             st = StepTensors.from_buffer(layout, torch.from_numpy(buf).to(self.device), self.conv_kernel)
             out = prefill_step(self.model, self.pool, st, self.rope, self.taps, fla=True)
             first, feats = out.ints[0], out.features
+            if ring is not None:
+                to_ring.copy_(feats[0, :n])
         self.forwards += 1
         if self.taps and ring is None:
             job.state.append(self._session_features(feats[0, :n], s).cpu().clone())

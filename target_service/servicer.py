@@ -214,7 +214,7 @@ def verify_columns_frames(items, outs, done, ring: common_pb2.FeatureRing | None
         return built
     response, feats = built
     views = [_host_bytes(f) for f in feats]
-    if not feats or None in views or response.HasField("ring") or response.columns.features.ring_slots:
+    if not feats or None in views or response.columns.features.ring_slots:
         if feats:
             fill_tensor(response.columns.features.rows_data, feats[0] if len(feats) == 1 else torch.cat(feats),
                         torch.bfloat16)
@@ -300,7 +300,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             opened.append(sid)
             res = target_pb2.PrefillResult(session_id=sid, first_token=out.first_token,
                                            committed_length=out.committed_length, features=_features_proto(out.features))
-            if getattr(out, "ring_slot", -1) >= 0:
+            if out.ring_slot >= 0:
                 res.ring_slot, res.ring_rows = out.ring_slot, out.committed_length
             results.append(res)
         response = target_pb2.PrefillResponse(results=results)

@@ -439,13 +439,13 @@ def test_orchestrator_batches_as_columns_and_stays_lossless(tiny_llama, tiny_dra
     forms = {"verify": set(), "propose": set()}
     verify_request, request = messages.verify_request, messages.ProposeItems.request
 
-    def spy_verify(columnar, *a, **kw):
+    def spy_verify(columnar, *a):
         forms["verify"].add(columnar)
-        return verify_request(columnar, *a, **kw)
+        return verify_request(columnar, *a)
 
-    def spy_propose(self, columnar, *a, **kw):
+    def spy_propose(self, columnar, *a):
         forms["propose"].add(columnar)
-        return request(self, columnar, *a, **kw)
+        return request(self, columnar, *a)
 
     monkeypatch.setattr(scheduler, "verify_request", spy_verify)
     monkeypatch.setattr(messages.ProposeItems, "request", spy_propose)

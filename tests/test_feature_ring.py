@@ -309,8 +309,9 @@ def test_columnar_messages_carry_ring_rows(tiny_llama, tiny_drafter):
             LocalContext(), None)
         assert all(r.ring_rows == 3 for r in pre.results) and pre.HasField("ring")
         roots = [r.first_token for r in pre.results]
-        reply = next(target._verify(iter([verify_request(True, sids, [1] * 4, roots, [-1] * 4, feature_ring=True)]),
-                                    None, False, True))
+        ask = verify_request(True, sids, [1] * 4, roots, [-1] * 4)
+        ask.feature_ring = True
+        reply = next(target._verify(iter([ask]), None, False, True))
         refused, accepted, bonus, lengths, feats = verify_columns(reply, 4)
         assert not refused and all(f == RingRows(f.slot, 1) for f in feats) and lengths == [4] * 4
         items = ProposeItems()

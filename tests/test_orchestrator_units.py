@@ -341,13 +341,13 @@ def test_ring_rows_are_counted_named_and_given_up_before_a_write_could_land_on_t
         for _ in range(23):
             req.length += 1
             sched._keep(req, RingRows(5, 1))
-        sched._ring_guard([req], [8], None)
+        sched._ring_guard([req], [8])
         assert req.keeping and req.ring_rows == 23
         req.length += 1
         sched._keep(req, RingRows(5, 1))
-        sched._ring_guard([req], None, {})          # a root-only tree: 1 row more still fits
+        sched._ring_guard([req], [0])               # a root-only tree: 1 row more still fits
         assert req.keeping and req.ring_rows == 24
-        sched._ring_guard([req], None, {0: ([9] * 9, [-1] + [0] * 8, 1)})   # 8 draft nodes: 24 + 9 > 32
+        sched._ring_guard([req], [8])               # 8 draft nodes: 24 + 9 > 32
         assert not req.keeping and req.ring_rows == 0 and req.rows_from == req.length
         # more unread rows than a slot holds (the oldest overwritten): given up when counted
         req = fresh()
