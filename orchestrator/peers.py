@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import queue
 import select
 import threading
@@ -542,6 +543,11 @@ class LocalHopCall:
 #: False: always gRPC. The orchestrator's ``--no-local-hop`` sets it.
 LOCAL_HOP = True
 
+#: Send Prefill over the target's hop too (:meth:`TargetPeer.prefill_future`) where the Verify
+#: stream may go; ``DFLASH_PREFILL_HOP=0`` in the environment: over gRPC (an A/B switch for
+#: benchmarks).
+PREFILL_HOP = os.environ.get("DFLASH_PREFILL_HOP", "1") not in ("0", "false", "no")
+
 
 def open_local(endpoint: str, method: str, deserialize, metadata: tuple = (), timeout: float = 5.0) -> "LocalHopCall | None":
     """A :class:`LocalHopCall` for ``method`` on the hop at ``endpoint`` (a peer's
@@ -600,6 +606,70 @@ def _stream(channel, endpoint: str, method: str, multicallable, deserialize, tim
         if call is not None:
             return call
     return open_stream(channel, method, multicallable, deserialize, timeout, direct)
+
+
+def hop_unary(endpoint: str, method: str, request, deserialize, timeout: float, metadata: tuple = ()):
+    """One unary call over a peer's same-host hop (:mod:`dflash_grpc.localhop`: a connection for
+    the call, its hello, the request, the answer), or None when the hop cannot take it: not on
+    this host, or its hello refused (e.g. every connection busy; logged): the caller then uses
+    gRPC.
+
+    Raises:
+        ExchangeTimeout: no answer within ``timeout`` seconds (the connection is closed, which the
+            service's call sees as its end: the target's Prefill then releases what it opened).
+        grpc.RpcError: the service's status (:class:`StreamError`: its code, details and reason)
+            or a lost connection (UNAVAILABLE).
+    """
+    try:
+        call = open_local(endpoint, method, deserialize, metadata, timeout=min(5.0, max(0.1, timeout)))
+    except StreamError as e:
+        log.info("same-host hop refused a unary call; using gRPC",
+                 extra={"method": method, "code": e.code().name, "error": e.details()[:200]})
+        return None
+    if call is None:
+        return None
+    call.spin_s = 0.0   # (a worker thread: block in the kernel at once, never spin beside the scheduler)
+    try:
+        return call.exchange(request, timeout)
+    finally:
+        call.close()
+
+
+class HopFuture:
+    """A unary call over the same-host hop run on a worker thread, with the part of
+    ``grpc.Future`` the scheduler uses (``done``, ``result``, ``add_done_callback``), so that a
+    Prefill goes over the hop exactly where it went over gRPC (:meth:`TargetPeer.prefill_future`).
+    ``fallback()`` makes the same call over gRPC (blocking) where the hop turns out not to be on
+    this host."""
+
+    _pool = None
+    _pool_lock = threading.Lock()
+
+    def __init__(self, call: Callable[[], Any], fallback: Callable[[], Any]):
+        import concurrent.futures
+
+        with HopFuture._pool_lock:
+            if HopFuture._pool is None:
+                HopFuture._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="hop-unary")
+            pool = HopFuture._pool
+
+        def run():
+            reply = call()
+            return fallback() if reply is None else reply
+
+        self._future = pool.submit(run)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None):
+        return self._future.result(timeout)
+
+    def cancel(self) -> bool:
+        return self._future.cancel()
+
+    def add_done_callback(self, fn: Callable[[Any], Any]) -> None:
+        self._future.add_done_callback(lambda _f: fn(self))
 
 
 class DraftDeadline:
@@ -745,6 +815,22 @@ class TargetPeer:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.25)
+
+    def prefill_future(self, request: target_pb2.PrefillRequest, timeout: float) -> "grpc.Future | HopFuture":
+        """A Prefill, answered later: over the target's same-host hop when it offers one here
+        (``local_hop``, None: :data:`LOCAL_HOP`, and :data:`PREFILL_HOP`), where the target
+        honours ``feature_ring`` (a prompt's rows then reach a drafter on this host through the
+        ring, not through this process: docs/ARCHITECTURE.md, "The feature ring"); else gRPC's
+        ``Prefill.future``. Either way ``done()``, ``result()`` (raising ``grpc.RpcError``) and
+        ``add_done_callback``."""
+        endpoint = self.info().local_endpoint
+        if PREFILL_HOP and (LOCAL_HOP if self.local_hop is None else self.local_hop) and endpoint_path(endpoint):
+            target = _direct_target(self.channel)
+            metadata = target[1] if target is not None else serving.client_metadata()
+            return HopFuture(lambda: hop_unary(endpoint, "/dflash_grpc.v1.TargetService/Prefill", request,
+                                               target_pb2.PrefillResponse.FromString, timeout, metadata),
+                             lambda: self.stub.Prefill(request, timeout=timeout))
+        return self.stub.Prefill.future(request, timeout=timeout)
 
     def verify_stream(self, timeout: float | None) -> "StreamCall | DirectStreamCall | LocalHopCall":
         """A Verify stream: the target's same-host hop when it offers one here (``local_hop``,

@@ -13,8 +13,9 @@ import pytest
 
 from dflash_grpc import serving
 from dflash_grpc.localhop import endpoint_path
-from dflash_grpc.v1 import draft_pb2, draft_pb2_grpc
-from orchestrator.peers import ExchangeTimeout, LocalHopCall, StreamError, open_local, open_stream
+from dflash_grpc.transport import REASON_KEY
+from dflash_grpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from orchestrator.peers import ExchangeTimeout, LocalHopCall, StreamError, hop_unary, open_local, open_stream
 
 METHOD = "/dflash_grpc.v1.DraftService/Propose"
 TOKEN = "a-test-token-of-enough-characters-0123456789"
@@ -26,6 +27,20 @@ class Echo(draft_pb2_grpc.DraftServiceServicer):
 
     def __init__(self):
         self.ended = threading.Event()
+        self.gone = threading.Event()   # a unary call (Release of "wait") saw its client go
+
+    def Release(self, request, context):
+        """Unary (served on the hop since Prefill is): "abort" ends FAILED_PRECONDITION with a
+        reason; "wait" waits until the client gives up (``is_active()`` False, at most 10 s)."""
+        if "abort" in request.session_ids:
+            serving.abort(context, grpc.StatusCode.FAILED_PRECONDITION, "no such thing", "SOME_REASON")
+        if "wait" in request.session_ids:
+            deadline = time.monotonic() + 10
+            while context.is_active() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if not context.is_active():
+                self.gone.set()
+        return common_pb2.ReleaseResponse(released=len(request.session_ids))
 
     def Propose(self, requests, context):
         context.add_callback(self.ended.set)
@@ -170,9 +185,38 @@ def test_stream_limit_and_unknown_method(hop):
             assert time.monotonic() < deadline
             time.sleep(0.05)
     with pytest.raises(StreamError) as e:
-        open_local(serving.local_endpoint(server), "/dflash_grpc.v1.DraftService/Info",
+        open_local(serving.local_endpoint(server), "/dflash_grpc.v1.DraftService/NoSuchMethod",
                    draft_pb2.DrafterInfo.FromString)
     assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+RELEASE = "/dflash_grpc.v1.DraftService/Release"
+
+
+def test_unary_call_answers_as_grpc_and_sees_its_client_go(hop):
+    """A unary method (the target's Prefill goes this way) over the hop: the reply gRPC gives,
+    the handler's status with its reason, and a client that times out ends the call for the
+    handler (``is_active()`` False), as a cancelled gRPC call does."""
+    echo, server, _, port = hop
+    endpoint = serving.local_endpoint(server)
+    req = common_pb2.ReleaseRequest(session_ids=["a", "b", "c"])
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        over_grpc = draft_pb2_grpc.DraftServiceStub(ch).Release(req, timeout=5)
+    over_hop = hop_unary(endpoint, RELEASE, req, common_pb2.ReleaseResponse.FromString, 5.0)
+    assert over_hop == over_grpc and over_hop.released == 3
+    with pytest.raises(StreamError) as e:
+        hop_unary(endpoint, RELEASE, common_pb2.ReleaseRequest(session_ids=["abort"]),
+                  common_pb2.ReleaseResponse.FromString, 5.0)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "no such thing" in e.value.details()
+    assert dict(e.value.trailing_metadata()).get(REASON_KEY) == "SOME_REASON"
+    t0 = time.monotonic()
+    with pytest.raises(ExchangeTimeout):
+        hop_unary(endpoint, RELEASE, common_pb2.ReleaseRequest(session_ids=["wait"]),
+                  common_pb2.ReleaseResponse.FromString, 0.3)
+    assert time.monotonic() - t0 < 3
+    assert echo.gone.wait(5), "the handler did not see its client go"
+    # a hop not on this host: None (the caller uses gRPC)
+    assert hop_unary("unix:/nonexistent/hop.sock#00", RELEASE, req, common_pb2.ReleaseResponse.FromString, 1.0) is None
 
 
 def test_draining_refuses_and_stop_ends_every_connection(hop):

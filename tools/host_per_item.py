@@ -169,6 +169,34 @@ class _Clock:
         self.s = 0.0
 
 
+class _FakeSession(list):
+    """A fake target session ``[length, feature columns or 0, ring slot or -1]`` with the two
+    attributes :meth:`runtime.step_loop.StepLoop.stop_features` sets on an engine session
+    (``feature_layers`` emptied, ``ring`` off: its slot back to ``free``)."""
+
+    def __init__(self, values, free: list):
+        super().__init__(values)
+        self._free = free
+
+    @property
+    def feature_layers(self):
+        return list(LAYERS) if self[1] else []
+
+    @feature_layers.setter
+    def feature_layers(self, layers):
+        self[1] = len(layers) * HIDDEN
+
+    @property
+    def ring(self) -> bool:
+        return self[2] >= 0
+
+    @ring.setter
+    def ring(self, on: bool) -> None:
+        if not on and self[2] >= 0:
+            self._free.append(self[2])
+            self[2] = -1
+
+
 class InstantTarget:
     """A target engine for :class:`runtime.step_loop.StepLoop` that answers at once."""
 
@@ -216,7 +244,7 @@ class InstantTarget:
                 raise InvalidArgument(f"session {session_id!r} already exists", reason=Reason.SESSION_EXISTS)
             if len(self.sessions) >= self.max_sessions:
                 raise ResourceExhausted("no free slot", reason=Reason.NO_FREE_SLOT)
-            self.sessions[session_id] = [0, len(feature_layers) * HIDDEN, -1]
+            self.sessions[session_id] = _FakeSession([0, len(feature_layers) * HIDDEN, -1], self._free)
             return PrefillJob(session_id, list(prompt), sampling, list(feature_layers))
         finally:
             self.clock.s += time.thread_time() - t0
@@ -518,8 +546,15 @@ def serve_orchestrator(target: str, draft: str, local_hop: bool, stream_interval
         server, _, port, _ = serve_generation(servicer, "127.0.0.1:0", grpc_server or cfg.grpc_server,
                                               max_streams=workers, max_receive_bytes=cfg.max_request_bytes)
     print(json.dumps({"port": port}), flush=True)
+    def policy() -> dict:   # the measured policy's ticks by mode and requests by start (--scheduler-set draft_policy=measured)
+        pol = getattr(sched, "policy", None)
+        if pol is None:
+            return {}
+        return {"policy_ticks": dict(pol.choices), "policy_admissions": dict(pol.admissions),
+                "policy_demoted": getattr(sched, "demoted", 0)}
+
     _control(None, lambda: {"ticks": sched.ticks, "items": sched.batched_items, "fallbacks": sched.fallbacks,
-                            "ring_rows": getattr(sched, "ring_rows_sent", 0)})
+                            "ring_rows": getattr(sched, "ring_rows_sent", 0), **policy()})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -653,6 +688,12 @@ def run_level(services: dict[str, Service], orch: Service, n: int, tokens: int, 
            "ticks": ticks, "items": items, "msgs_item_run": state["msgs"] / max(items, 1),
            "fallbacks": after["orchestrator"][0]["fallbacks"] - before["orchestrator"][0]["fallbacks"],
            "ring_rows": after["orchestrator"][0].get("ring_rows", 0) - before["orchestrator"][0].get("ring_rows", 0)}
+    o0, o1 = before["orchestrator"][0], after["orchestrator"][0]
+    for key in ("policy_ticks", "policy_admissions"):   # per mode, this level's
+        if key in o1:
+            row[key] = {m: v - o0.get(key, {}).get(m, 0) for m, v in o1[key].items()}
+    if "policy_demoted" in o1:
+        row["policy_demoted"] = o1["policy_demoted"] - o0.get("policy_demoted", 0)
     # the steady window (every stream decoding); the whole run (prefills, first and last messages too)
     start, end = (marks["start"], marks["end"]) if "end" in marks else (before, after)
     wticks, witems = counts(start, end)
@@ -822,6 +863,9 @@ def main() -> int:
                           f"{row['draft_us']:8.1f} | {row['orchestrator_us_run']:6.1f} {row['target_us_run']:6.1f} "
                           f"{row['draft_us_run']:6.1f} | {row.get('gap_p50_ms', 0):6.1f}/{row.get('gap_p99_ms', 0):<6.1f}",
                           flush=True)
+                    if "policy_ticks" in row:
+                        print(f"      draft policy: ticks {row['policy_ticks']}, requests started "
+                              f"{row.get('policy_admissions')}, demoted {row.get('policy_demoted', 0)}", flush=True)
                     if args.threads:
                         for k in services:
                             sys_us = f" (of which in the kernel {row[f'{k}_sys_us']:.1f})" if f"{k}_sys_us" in row else ""

@@ -18,7 +18,11 @@ is ever unpickled). The service advertises the socket in its Info (``ModelInfo.l
 ``unix:PATH#NONCE``); a client on another host does not find the path and keeps gRPC, and the
 nonce in the hello's answer proves that the socket belongs to the service that gave the Info.
 
-Only stream-stream methods are served (Verify, Propose); anything else is refused UNIMPLEMENTED.
+Stream-stream methods (Verify, Propose) are served as above. A unary-unary method (the target's
+Prefill) takes one connection per call: the hello, one request, one answer (the reply, or the
+call's status), then the connection closes; while the call runs, the server reads the client's
+closing of its side (a timeout, a cancel) as the call's end (:class:`UnaryContext`:
+``is_active()`` turns False), as gRPC cancels a call. Anything else is refused UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -141,6 +145,30 @@ class LocalContext:
                 fn()
             except Exception:  # noqa: BLE001 - one callback's failure must not skip the others
                 log.exception("call-end callback failed")
+
+
+class UnaryContext(LocalContext):
+    """The context of a unary call on the hop: active until the call ends or the client closes
+    its side of the connection (after its one request it sends nothing more, so a readable
+    socket means its end: a timeout or a cancel). A servicer that checks ``is_active()`` after
+    its work, as the target's Prefill does before it keeps the sessions it opened, sees a call
+    the client gave up as gRPC shows a cancelled one."""
+
+    def __init__(self, conn: Connection, metadata: Sequence[tuple[str, str]] = (), peer: str = "local"):
+        super().__init__(metadata, peer)
+        self._poller = select.poll()
+        self._poller.register(conn.fileno(), select.POLLIN | select.POLLHUP)
+
+    def is_active(self) -> bool:
+        if not self.active:
+            return False
+        try:
+            gone = bool(self._poller.poll(0))
+        except OSError:
+            gone = True
+        if gone:
+            self.end()
+        return not gone
 
 
 _Details = collections.namedtuple("_Details", ("method", "invocation_metadata"))
@@ -338,8 +366,8 @@ def parse_status(payload: bytes) -> tuple[grpc.StatusCode, str, tuple]:
 
 
 class HopServer:
-    """Serve the stream-stream methods of a gRPC server's handlers on a Unix socket (module
-    docstring). Made by :func:`dflash_grpc.serving.make_server` (``local_hop=True``).
+    """Serve the stream-stream and unary-unary methods of a gRPC server's handlers on a Unix
+    socket (module docstring). Made by :func:`dflash_grpc.serving.make_server` (``local_hop=True``).
 
     Args:
         interceptors: the gRPC server's interceptors, outermost first.
@@ -451,10 +479,14 @@ class HopServer:
             conn.send_bytes(_status_frame(grpc.StatusCode.INVALID_ARGUMENT, f"malformed hello: {e}"))
             return
         handler = resolve(self.interceptors, self.handlers, method, metadata)
-        if handler is None or not (handler.request_streaming and handler.response_streaming):
+        unary = handler is not None and not handler.request_streaming and not handler.response_streaming
+        if handler is None or not (unary or (handler.request_streaming and handler.response_streaming)):
             conn.send_bytes(_status_frame(grpc.StatusCode.UNIMPLEMENTED, f"{method}: not served on the local hop"))
             return
         conn.send_bytes(REPLY + json.dumps({"nonce": self._nonce}).encode())
+        if unary:
+            self._serve_unary(conn, handler, method, metadata)
+            return
         parse = handler.request_deserializer
         serialize = handler.response_serializer
         ctx = LocalContext(metadata, peer="unix:local-hop")
@@ -507,6 +539,40 @@ class HopServer:
                 pass
 
 
+    def _serve_unary(self, conn: Connection, handler: grpc.RpcMethodHandler, method: str, metadata: tuple) -> None:
+        """One unary call on ``conn`` (module docstring): its request, the handler's reply or
+        status as the answer; the connection then closes."""
+        try:
+            raw = recv_frame(conn, self.max_receive_bytes)
+        except EOFError:
+            return   # the client went away before its request
+        except OSError as e:
+            if "bad message length" in str(e):
+                conn.send_bytes(_status_frame(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                              f"request message larger than {self.max_receive_bytes} bytes"))
+            return
+        ctx = UnaryContext(conn, metadata, peer="unix:local-hop")
+        parse, serialize = handler.request_deserializer, handler.response_serializer
+        try:
+            try:
+                request = parse(raw) if parse is not None else raw
+            except Exception as e:  # noqa: BLE001 - as gRPC answers a request that does not decode
+                raise HopAborted(grpc.StatusCode.INTERNAL, f"Exception deserializing request: {e}") from None
+            reply = handler.unary_unary(request, ctx)
+            answer = REPLY + (serialize(reply) if serialize is not None else reply)
+        except HopAborted as e:
+            answer = _status_frame(e.code, e.details, e.trailing)
+        except Exception as e:  # noqa: BLE001 - the handler failed: UNKNOWN, as grpc answers
+            log.exception("local hop handler failed", extra={"method": method})
+            answer = _status_frame(grpc.StatusCode.UNKNOWN, f"Exception calling application: {e}")
+        finally:
+            ctx.end()
+        try:
+            conn.send_bytes(answer)
+        except OSError:
+            pass   # the client is gone
+
+
 def endpoint_path(endpoint: str) -> tuple[str, str] | None:
     """``(path, nonce)`` of an advertised endpoint (``unix:PATH#NONCE``), or None when it is
     empty, of another form, or its path does not exist here (another host)."""
@@ -518,5 +584,6 @@ def endpoint_path(endpoint: str) -> tuple[str, str] | None:
     return path, nonce
 
 
-__all__ = ["CUDA_SPIN_S", "Frames", "HopAborted", "HopServer", "LocalContext", "REPLY", "SPIN_S", "STATUS", "endpoint_path",
+__all__ = ["CUDA_SPIN_S", "Frames", "HopAborted", "HopServer", "LocalContext", "REPLY", "SPIN_S", "STATUS", "UnaryContext",
+           "endpoint_path",
            "parse_status", "recv_frame", "resolve", "send_buffers", "send_frame", "spin_for_device", "spin_wait", "widen"]
