@@ -84,7 +84,6 @@ from kernels.topk.reference import topk_log_softmax as topk_reference
 from runtime.errors import EngineError, FailedPrecondition, InvalidArgument, Reason, ResourceExhausted
 from runtime.graphs import GraphSet, StepGraph, batch_buckets_for, bucket_for, capped_buckets, slots_for_budget
 from runtime.pool import PoolShape, StatePool
-from runtime.staging import IndexStaging
 
 log = logging.getLogger(__name__)
 
@@ -519,8 +518,9 @@ class _Runner(StepGraph):
             src = ring.rows_of(at[:, 1], at[:, 3], at[:, 2])
             n = at[:, 2]
             dst = np.repeat(at[:, 0] * self.rows, n) + (np.arange(len(src)) - np.repeat(np.cumsum(n) - n, n))
-            # (one persistent pinned buffer, not a page-locked allocation per step: runtime.staging)
-            idx = self.engine.ring_idx.put(np.stack([src, dst]))
+            idx = torch.from_numpy(np.stack([src, dst]))
+            if self.cuda:
+                idx = idx.pin_memory().to(self.device, non_blocking=True)
             flat = self.feats_dev.view(-1, self.feats_dev.shape[-1])
             flat.index_copy_(0, idx[1], ring.gather(idx[0]).to(flat.dtype))
 
@@ -618,10 +618,6 @@ class BatchedDrafter:
         self.split_buckets = split_buckets(self.max_splits) if self.fixed else (self.max_splits,)
         #: the step runners of the fixed shapes, keyed ``(batch, rows, splits)``
         self.graphs = GraphSet(self._build_runner, self.cuda_graphs)
-        #: the feature ring's row indices of a step, and the slots and positions of its eager
-        #: appends, to the device (``_Runner._features_in``, :meth:`_append_eager`)
-        self.ring_idx = IndexStaging(self.device)
-        self.append_idx = IndexStaging(self.device)
         #: steps run and their seconds (inputs staged, step run, output read back), rows appended
         #: eagerly (excess rows), trees output and their host seconds (built from the table, or
         #: read from the step's rows; graphs captured: :attr:`captures`)
@@ -877,14 +873,8 @@ class BatchedDrafter:
         drafter's step went to appending prompts one session at a time, mostly cuBLAS:
         ``benchmarks/gpu/step/run14-pyspy``)."""
         chunk = self.prefill_chunk
-        # every row's slot and position, to the device at once through a persistent pinned buffer
-        # (runtime.staging: no blocking copy per chunk); a chunk's rows are a contiguous range of them
-        counts = [f.shape[0] for _, _, f in parts]
-        where = self.append_idx.put(np.stack([
-            np.repeat(np.asarray([slot for slot, _, _ in parts], dtype=np.int64), counts),
-            np.concatenate([np.arange(start, start + m, dtype=np.int64) for (_, start, _), m in zip(parts, counts)])]))
         with batch_invariant():
-            pieces, n, first = [], 0, 0   # (slot, start, features) of the chunk being gathered, its rows, its first
+            pieces, n = [], 0           # (slot, start, features) of the chunk being gathered, its rows
             for slot, start, f in parts:
                 at = 0
                 while at < f.shape[0]:
@@ -893,21 +883,17 @@ class BatchedDrafter:
                     n += take
                     at += take
                     if n == chunk:
-                        self._append_rows(pieces, where[:, first : first + n])
-                        pieces, first, n = [], first + n, 0
+                        self._append_rows(pieces)
+                        pieces, n = [], 0
             if pieces:
-                self._append_rows(pieces, where[:, first : first + n])
+                self._append_rows(pieces)
 
-    def _append_rows(self, pieces: list[tuple[int, int, torch.Tensor]], where: torch.Tensor | None = None) -> None:
+    def _append_rows(self, pieces: list[tuple[int, int, torch.Tensor]]) -> None:
         """One eager forward of :meth:`_append_eager`: the rows of ``pieces`` (``(slot, start,
-        features [m, N*H])`` each) together, row ``i`` of a piece at row ``start + i`` of its slot;
-        ``where``: ``[2, rows]`` int64 on the device, every row's slot and position (None: made here)."""
+        features [m, N*H])`` each) together, row ``i`` of a piece at row ``start + i`` of its slot."""
         dev = self.device
-        if where is None:
-            where = torch.stack([
-                torch.cat([torch.full((f.shape[0],), slot, dtype=torch.long) for slot, _, f in pieces]),
-                torch.cat([torch.arange(start, start + f.shape[0], dtype=torch.long) for _, start, f in pieces])]).to(dev)
-        slots, rows = where[0], where[1]
+        slots = torch.cat([torch.full((f.shape[0],), slot, dtype=torch.long) for slot, _, f in pieces]).to(dev)
+        rows = torch.cat([torch.arange(start, start + f.shape[0], dtype=torch.long) for _, start, f in pieces]).to(dev)
         f = pieces[0][2] if len(pieces) == 1 else torch.cat([p[2] for p in pieces])
         f = f.to(device=dev, dtype=self.dtype)
         if self.fused is not None:

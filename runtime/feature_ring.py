@@ -41,7 +41,6 @@ import numpy as np
 import torch
 
 from dflash_grpc.v1 import common_pb2
-from runtime.staging import IndexStaging
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +85,6 @@ class FeatureRing:
         self.descriptor = descriptor
         self.id = descriptor.id
         self._dir = directory        # (the creator's shm directory: removed by close)
-        self._staging: IndexStaging | None = None   # store's indices to the device (made on first use)
         #: the row padding writes go to
         self.dump = self.slots * self.slot_rows
 
@@ -220,10 +218,10 @@ class FeatureRing:
         if not len(batch_rows):
             return
         dev, c, w = self.table.device, self.slot_rows, feats.shape[1]
-        if self._staging is None:
-            self._staging = IndexStaging(dev)
-        # (one persistent pinned buffer, not a page-locked allocation per step: runtime.staging)
-        br, sl, st = self._staging.put(np.array([batch_rows, slots, starts], dtype=np.int64)).unbind(0)
+        host = torch.tensor([list(batch_rows), list(slots), list(starts)], dtype=torch.long)
+        if dev.type == "cuda":
+            host = host.pin_memory().to(dev, non_blocking=True)
+        br, sl, st = host.unbind(0)
         j = torch.arange(w, device=dev)
         dst = sl[:, None] * c + (st[:, None] + j) % c                          # [n, W]
         dst = torch.where(j < counts.index_select(0, br)[:, None], dst, self.dump)
