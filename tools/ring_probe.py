@@ -15,7 +15,8 @@ prefills and verifies keep it busy under load).
 Operations (``--rows`` ring rows each, SmolLM2's 5 x 576 bf16 feature width):
 
 * ``pin+copy``: ``torch.from_numpy(idx).pin_memory().to(dev, non_blocking=True)`` (the old path);
-* ``staging``: ``IndexStaging.put(idx)`` (the new one);
+* ``staging``: ``runtime.staging.IndexStaging.put(idx)`` (a persistent pinned buffer; only in the
+  trees that had that module, before 220ce51 reverted it);
 * ``gather ipc``: ``index_select`` from the mapped ring and ``index_copy_`` into a local buffer
   (the drafter's ``_features_in``); ``gather local``: the same from a table of this process.
 """
@@ -40,13 +41,17 @@ def _consumer(desc_bytes: bytes, rows: int, iters: int, busy, done, out) -> None
 
     from dflash_grpc.v1 import common_pb2
     from runtime.feature_ring import FeatureRing
-    from runtime.staging import IndexStaging
+
+    try:   # (session 25's trees until 220ce51 had it; reverted after this probe)
+        from runtime.staging import IndexStaging
+    except ImportError:
+        IndexStaging = None
 
     dev = torch.device("cuda", 0)
     ring = FeatureRing.open(common_pb2.FeatureRing.FromString(desc_bytes), dev)
     local = torch.randn(ring.table.shape, device=dev).to(ring.table.dtype)
     dst = torch.empty(64 * 16, WIDTH, dtype=ring.table.dtype, device=dev)
-    staging = IndexStaging(dev)
+    staging = IndexStaging(dev) if IndexStaging is not None else None
     rng = np.random.default_rng(0)
 
     def idx():
@@ -58,12 +63,10 @@ def _consumer(desc_bytes: bytes, rows: int, iters: int, busy, done, out) -> None
     def gather(table, i):
         dst.index_copy_(0, i[1], table.index_select(0, i[0]))
 
-    ops = {
-        "pin+copy": lambda a: pin_copy(a),
-        "staging": lambda a: staging.put(a),
-        "gather ipc": None,
-        "gather local": None,
-    }
+    ops = {"pin+copy": lambda a: pin_copy(a)}
+    if staging is not None:
+        ops["staging"] = lambda a: staging.put(a)
+    ops.update({"gather ipc": None, "gather local": None})
     result = {}
     for phase in ("idle", "busy"):
         if phase == "busy":
@@ -73,7 +76,7 @@ def _consumer(desc_bytes: bytes, rows: int, iters: int, busy, done, out) -> None
             launch, full = [], []
             for k in range(iters + 20):
                 a = idx()
-                i = staging.put(a) if name.startswith("gather") else None
+                i = pin_copy(a) if name.startswith("gather") else None
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 if name == "gather ipc":
