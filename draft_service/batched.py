@@ -521,8 +521,7 @@ class _Runner(StepGraph):
             idx = torch.from_numpy(np.stack([src, dst]))
             if self.cuda:
                 idx = idx.pin_memory().to(self.device, non_blocking=True)
-            flat = self.feats_dev.view(-1, self.feats_dev.shape[-1])
-            flat.index_copy_(0, idx[1], ring.gather(idx[0]).to(flat.dtype))
+            ring.gather_into(idx[0], self.feats_dev.view(-1, self.feats_dev.shape[-1]), idx[1])   # (one launch on CUDA)
 
     def run(self, batch: int = 0, host_rows: bool = False, on_device: Sequence[tuple[int, torch.Tensor]] = (),
             ring=None, ring_at: Sequence[tuple[int, int, int, int]] = ()) -> StepResult:

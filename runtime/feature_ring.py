@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from dflash_grpc.v1 import common_pb2
+from kernels import ring as ring_kernels
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +196,12 @@ class FeatureRing:
         pos = (e - k)[item] + offs
         return s[item] * c + pos % c
 
+    def gather_into(self, rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+        """``dst[dst_rows[i]] = table[rows[i]]`` (int64 indices on the table's device; ``dst`` on
+        it too, ``[D, width]`` with contiguous rows, any float dtype): one launch on CUDA
+        (:func:`kernels.ring.copy_rows`)."""
+        ring_kernels.copy_rows(self.table, rows, dst, dst_rows)
+
     def gather(self, rows: np.ndarray | torch.Tensor) -> torch.Tensor:
         """The table rows ``rows`` (int64 ``[m]``): ``[m, width]`` on the table's device."""
         idx = torch.as_tensor(rows, dtype=torch.long)
@@ -217,15 +224,11 @@ class FeatureRing:
         """
         if not len(batch_rows):
             return
-        dev, c, w = self.table.device, self.slot_rows, feats.shape[1]
-        host = torch.tensor([list(batch_rows), list(slots), list(starts)], dtype=torch.long)
+        dev = self.table.device
+        items = torch.tensor([list(batch_rows), list(slots), list(starts)], dtype=torch.long)
         if dev.type == "cuda":
-            host = host.pin_memory().to(dev, non_blocking=True)
-        br, sl, st = host.unbind(0)
-        j = torch.arange(w, device=dev)
-        dst = sl[:, None] * c + (st[:, None] + j) % c                          # [n, W]
-        dst = torch.where(j < counts.index_select(0, br)[:, None], dst, self.dump)
-        self.table.index_copy_(0, dst.reshape(-1), feats.index_select(0, br).reshape(-1, feats.shape[-1]))
+            items = items.pin_memory().to(dev, non_blocking=True)
+        ring_kernels.store_rows(self.table, feats, items, counts, self.slot_rows, self.dump)   # (one launch on CUDA)
 
 
 __all__ = ["CUDA_IPC", "SHM", "FeatureRing", "RingUnavailable", "device_uuid", "slot_rows_for"]

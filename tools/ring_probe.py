@@ -18,7 +18,10 @@ Operations (``--rows`` ring rows each, SmolLM2's 5 x 576 bf16 feature width):
 * ``staging``: ``runtime.staging.IndexStaging.put(idx)`` (a persistent pinned buffer; only in the
   trees that had that module, before 220ce51 reverted it);
 * ``gather ipc``: ``index_select`` from the mapped ring and ``index_copy_`` into a local buffer
-  (the drafter's ``_features_in``); ``gather local``: the same from a table of this process.
+  (the drafter's ``_features_in`` until session 25); ``gather local``: the same from a table of
+  this process; ``gather kernel ipc``: :func:`kernels.ring.copy_rows`, one launch (the drafter's now);
+* ``store reference`` / ``store kernel``: the target's store of a 64 x 16 verify step's rows (64
+  items) into a local table, :mod:`kernels.ring.reference`'s ops against the one launch.
 """
 
 from __future__ import annotations
@@ -60,13 +63,28 @@ def _consumer(desc_bytes: bytes, rows: int, iters: int, busy, done, out) -> None
     def pin_copy(a):
         return torch.from_numpy(a).pin_memory().to(dev, non_blocking=True)
 
-    def gather(table, i):
+    def gather(table, i):   # (the PyTorch reference's two ops)
         dst.index_copy_(0, i[1], table.index_select(0, i[0]))
+
+    try:   # the one-launch copy (kernels.ring, session 25)
+        from kernels.ring import copy_rows
+    except ImportError:
+        copy_rows = None
 
     ops = {"pin+copy": lambda a: pin_copy(a)}
     if staging is not None:
         ops["staging"] = lambda a: staging.put(a)
     ops.update({"gather ipc": None, "gather local": None})
+    if copy_rows is not None:
+        ops["gather kernel ipc"] = None
+        from kernels.ring import reference as ring_ref
+        from kernels.ring import triton as ring_tri
+
+        feats = torch.randn(64, 16, WIDTH, device=dev).to(local.dtype)
+        counts = torch.randint(1, 17, (64,), device=dev)
+        store_items = torch.stack([torch.arange(64), torch.arange(64), torch.randint(0, 256, (64,))]).to(dev)
+        ops["store reference"] = lambda a: ring_ref.store_rows(local, feats, store_items, counts, 256, local.shape[0] - 1)
+        ops["store kernel"] = lambda a: ring_tri.store_rows(local, feats, store_items, counts, 256, local.shape[0] - 1)
     result = {}
     for phase in ("idle", "busy"):
         if phase == "busy":
@@ -79,7 +97,9 @@ def _consumer(desc_bytes: bytes, rows: int, iters: int, busy, done, out) -> None
                 i = pin_copy(a) if name.startswith("gather") else None
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                if name == "gather ipc":
+                if name == "gather kernel ipc":
+                    copy_rows(ring.table, i[0], dst, i[1])
+                elif name == "gather ipc":
                     gather(ring.table, i)
                 elif name == "gather local":
                     gather(local, i)
