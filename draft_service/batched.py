@@ -521,7 +521,10 @@ class _Runner(StepGraph):
             idx = torch.from_numpy(np.stack([src, dst]))
             if self.cuda:
                 idx = idx.pin_memory().to(self.device, non_blocking=True)
-            ring.gather_into(idx[0], self.feats_dev.view(-1, self.feats_dev.shape[-1]), idx[1])   # (one launch on CUDA)
+            # (two PyTorch ops: on an H200 their launches took less host time than one Triton launch
+            # of kernels.ring.copy_rows, 43 against 95 us: benchmarks/gpu/step/run25-ring-probe)
+            flat = self.feats_dev.view(-1, self.feats_dev.shape[-1])
+            flat.index_copy_(0, idx[1], ring.gather(idx[0]).to(flat.dtype))
 
     def run(self, batch: int = 0, host_rows: bool = False, on_device: Sequence[tuple[int, torch.Tensor]] = (),
             ring=None, ring_at: Sequence[tuple[int, int, int, int]] = ()) -> StepResult:

@@ -196,12 +196,6 @@ class FeatureRing:
         pos = (e - k)[item] + offs
         return s[item] * c + pos % c
 
-    def gather_into(self, rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
-        """``dst[dst_rows[i]] = table[rows[i]]`` (int64 indices on the table's device; ``dst`` on
-        it too, ``[D, width]`` with contiguous rows, any float dtype): one launch on CUDA
-        (:func:`kernels.ring.copy_rows`)."""
-        ring_kernels.copy_rows(self.table, rows, dst, dst_rows)
-
     def gather(self, rows: np.ndarray | torch.Tensor) -> torch.Tensor:
         """The table rows ``rows`` (int64 ``[m]``): ``[m, width]`` on the table's device."""
         idx = torch.as_tensor(rows, dtype=torch.long)

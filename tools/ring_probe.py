@@ -19,7 +19,8 @@ Operations (``--rows`` ring rows each, SmolLM2's 5 x 576 bf16 feature width):
   trees that had that module, before 220ce51 reverted it);
 * ``gather ipc``: ``index_select`` from the mapped ring and ``index_copy_`` into a local buffer
   (the drafter's ``_features_in`` until session 25); ``gather local``: the same from a table of
-  this process; ``gather kernel ipc``: :func:`kernels.ring.copy_rows`, one launch (the drafter's now);
+  this process; ``gather kernel ipc``: a one-launch Triton row copy (in the tree that had it:
+  slower on the host than the two ops, not kept);
 * ``store reference`` / ``store kernel``: the target's store of a 64 x 16 verify step's rows (64
   items) into a local table, :mod:`kernels.ring.reference`'s ops against the one launch.
 """
@@ -66,10 +67,15 @@ def _consumer(desc_bytes: bytes, rows: int, iters: int, busy, done, out) -> None
     def gather(table, i):   # (the PyTorch reference's two ops)
         dst.index_copy_(0, i[1], table.index_select(0, i[0]))
 
-    try:   # the one-launch copy (kernels.ring, session 25)
-        from kernels.ring import copy_rows
+    try:   # a one-launch row copy (kernels.ring.triton at 11a49e0, session 25; not kept)
+        from kernels.ring.triton import copy_rows
     except ImportError:
         copy_rows = None
+    try:   # the target's store as one launch (kernels.ring, session 25)
+        from kernels.ring import reference as ring_ref
+        from kernels.ring import triton as ring_tri
+    except ImportError:
+        ring_ref = None
 
     ops = {"pin+copy": lambda a: pin_copy(a)}
     if staging is not None:
@@ -77,9 +83,7 @@ def _consumer(desc_bytes: bytes, rows: int, iters: int, busy, done, out) -> None
     ops.update({"gather ipc": None, "gather local": None})
     if copy_rows is not None:
         ops["gather kernel ipc"] = None
-        from kernels.ring import reference as ring_ref
-        from kernels.ring import triton as ring_tri
-
+    if ring_ref is not None:
         feats = torch.randn(64, 16, WIDTH, device=dev).to(local.dtype)
         counts = torch.randint(1, 17, (64,), device=dev)
         store_items = torch.stack([torch.arange(64), torch.arange(64), torch.randint(0, 256, (64,))]).to(dev)

@@ -1,19 +1,8 @@
-"""The feature ring's row copies in plain PyTorch: the oracle of ``triton.py``."""
+"""The feature ring's store in plain PyTorch: the oracle of ``triton.py``."""
 
 from __future__ import annotations
 
 import torch
-
-
-def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
-    """``dst[dst_rows[i]] = src[src_rows[i]]`` for every ``i``, cast to ``dst``'s dtype (in place).
-
-    Args:
-        src: ``[R, width]`` (the ring's table).
-        src_rows, dst_rows: int64 ``[m]`` on ``src``'s / ``dst``'s device; ``dst_rows`` distinct.
-        dst: ``[D, width]`` with contiguous rows (the step's features, flattened).
-    """
-    dst.index_copy_(0, dst_rows, src.index_select(0, src_rows).to(dst.dtype))
 
 
 def store_rows(table: torch.Tensor, feats: torch.Tensor, items: torch.Tensor, counts: torch.Tensor,

@@ -1,24 +1,12 @@
-"""The feature ring's row copies in Triton: one launch each, a program per copied row (its
-columns in blocks). Same contracts and bits as ``reference.py`` (copies and one cast); indices are
-read on the device, so nothing waits for the host."""
+"""The feature ring's store in Triton: one launch, a program per (item, node) row (its columns in
+blocks). Same contract and bits as ``reference.py`` (a copy); indices are read on the device, so
+nothing waits for the host."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def _copy_rows_kernel(src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, width, s_src, s_dst, BLOCK: tl.constexpr):
-    i = tl.program_id(0)
-    sr = tl.load(src_rows_ptr + i).to(tl.int64)
-    dr = tl.load(dst_rows_ptr + i).to(tl.int64)
-    for c0 in range(0, width, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        m = cols < width
-        x = tl.load(src_ptr + sr * s_src + cols, mask=m)
-        tl.store(dst_ptr + dr * s_dst + cols, x.to(dst_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -41,20 +29,6 @@ def _store_rows_kernel(table_ptr, feats_ptr, items_ptr, counts_ptr, n_items, nod
 
 def _block(width: int) -> int:
     return min(1024, triton.next_power_of_2(max(1, width)))
-
-
-def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
-    """Triton version of ``kernels.ring.reference.copy_rows``.
-
-    Raises:
-        ValueError: rows that are not contiguous, or widths that differ.
-    """
-    if src.stride(-1) != 1 or dst.stride(-1) != 1 or src.shape[-1] != dst.shape[-1]:
-        raise ValueError("copy_rows needs [*, width] tensors of one width with contiguous rows")
-    m = src_rows.numel()
-    if m:
-        _copy_rows_kernel[(m,)](src, src_rows.contiguous(), dst, dst_rows.contiguous(), src.shape[-1], src.stride(0),
-                                dst.stride(0), BLOCK=_block(src.shape[-1]), num_warps=4)
 
 
 def store_rows(table: torch.Tensor, feats: torch.Tensor, items: torch.Tensor, counts: torch.Tensor,
