@@ -20,6 +20,8 @@ import math
 import os
 import queue
 import select
+import socket
+import struct
 import threading
 import time
 from multiprocessing.connection import Client
@@ -538,6 +540,26 @@ class LocalHopCall:
             self._closed = True
             self._shut()
 
+    def interrupt(self) -> None:
+        """End the call from another thread: the socket is shut down both ways, so a thread
+        waiting for the reply wakes (its exchange fails) and the service sees the call end; the
+        waiting thread closes the connection (closing alone would not wake its ``poll``)."""
+        try:
+            fd = os.dup(self._conn.fileno())
+        except OSError:
+            return
+        try:
+            s = socket.socket(fileno=fd)
+        except OSError:
+            os.close(fd)
+            return
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            s.close()
+
 
 #: Use a peer's same-host hop (:class:`LocalHopCall`) when it offers one (:func:`open_local`);
 #: False: always gRPC. The orchestrator's ``--no-local-hop`` sets it.
@@ -608,65 +630,144 @@ def _stream(channel, endpoint: str, method: str, multicallable, deserialize, tim
     return open_stream(channel, method, multicallable, deserialize, timeout, direct)
 
 
-def hop_unary(endpoint: str, method: str, request, deserialize, timeout: float, metadata: tuple = ()):
+class HopRefused(Exception):
+    """:func:`hop_unary`: the hop did not take the call (its hello refused: ``code``), so the
+    caller uses gRPC; UNIMPLEMENTED means a service whose hop serves no unary method (an older
+    one), worth not asking again."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code = code
+
+
+def _receive_timeout(call: "LocalHopCall", seconds: float) -> None:
+    """Bound every blocking read of ``call``'s socket by ``seconds`` (``SO_RCVTIMEO``): a reply
+    that stops halfway then fails the read (UNAVAILABLE) instead of blocking its thread forever."""
+    fd = os.dup(call._conn.fileno())
+    try:
+        s = socket.socket(fileno=fd)
+    except OSError:
+        os.close(fd)
+        return
+    try:
+        sec = max(0.001, float(seconds))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(sec), int((sec % 1) * 1e6)))
+    except OSError:
+        pass
+    finally:
+        s.close()
+
+
+def hop_unary(endpoint: str, method: str, request, deserialize, timeout: float, metadata: tuple = (),
+              on_open: Callable[["LocalHopCall"], None] | None = None):
     """One unary call over a peer's same-host hop (:mod:`dflash_grpc.localhop`: a connection for
-    the call, its hello, the request, the answer), or None when the hop cannot take it: not on
-    this host, or its hello refused (e.g. every connection busy; logged): the caller then uses
-    gRPC.
+    the call, its hello, the request, the answer), all within ``timeout`` seconds; None when the
+    hop is not on this host. ``on_open`` gets the open call first (to close it from another
+    thread: :meth:`HopFuture.cancel`).
 
     Raises:
-        ExchangeTimeout: no answer within ``timeout`` seconds (the connection is closed, which the
+        HopRefused: the hop refused the hello (e.g. every connection busy, or no unary methods):
+            the caller uses gRPC.
+        ExchangeTimeout: no answer within the time left (the connection is closed, which the
             service's call sees as its end: the target's Prefill then releases what it opened).
-        grpc.RpcError: the service's status (:class:`StreamError`: its code, details and reason)
-            or a lost connection (UNAVAILABLE).
+        grpc.RpcError: the service's status (:class:`StreamError`: its code, details and reason),
+            a lost connection or an answer that stopped halfway (UNAVAILABLE).
     """
+    deadline = time.monotonic() + timeout
     try:
-        call = open_local(endpoint, method, deserialize, metadata, timeout=min(5.0, max(0.1, timeout)))
+        call = open_local(endpoint, method, deserialize, metadata, timeout=min(5.0, max(0.05, timeout)))
     except StreamError as e:
-        log.info("same-host hop refused a unary call; using gRPC",
-                 extra={"method": method, "code": e.code().name, "error": e.details()[:200]})
-        return None
+        raise HopRefused(e.code(), e.details()) from None
     if call is None:
         return None
     call.spin_s = 0.0   # (a worker thread: block in the kernel at once, never spin beside the scheduler)
     try:
-        return call.exchange(request, timeout)
+        if on_open is not None:
+            on_open(call)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ExchangeTimeout(timeout)
+        _receive_timeout(call, left)
+        return call.exchange(request, left)
     finally:
         call.close()
 
 
 class HopFuture:
-    """A unary call over the same-host hop run on a worker thread, with the part of
-    ``grpc.Future`` the scheduler uses (``done``, ``result``, ``add_done_callback``), so that a
-    Prefill goes over the hop exactly where it went over gRPC (:meth:`TargetPeer.prefill_future`).
-    ``fallback()`` makes the same call over gRPC (blocking) where the hop turns out not to be on
-    this host."""
+    """A unary call over the same-host hop on a thread of its own, with the part of
+    ``grpc.Future`` the scheduler uses (``done``, ``result``, ``add_done_callback``, ``cancel``),
+    so that a Prefill goes over the hop exactly where it went over gRPC
+    (:meth:`TargetPeer.prefill_future`). ``call(deadline, on_open)`` makes the call (returning
+    None where the hop turns out not to be on this host, raising :class:`HopRefused` where it
+    refuses), ``fallback(deadline)`` the same over gRPC, blocking; ``deadline`` is
+    ``time.monotonic()`` seconds fixed when the future is made, as gRPC's is.
 
-    _pool = None
-    _pool_lock = threading.Lock()
+    As gRPC's: calls run at once, each on its own thread (they wait in ``poll``), not in waves of a
+    pool; the threads are daemons, so a process that exits does not wait for them; :meth:`cancel`
+    shuts the call's connection down (:meth:`LocalHopCall.interrupt`) (the service sees its call end, as a cancelled gRPC call: the
+    target's Prefill then releases the sessions it opened) and the result is CANCELLED. Whatever
+    the call raises reaches :meth:`result` as a ``grpc.RpcError``.
+    """
 
-    def __init__(self, call: Callable[[], Any], fallback: Callable[[], Any]):
+    def __init__(self, call: Callable[[float, Callable], Any], fallback: Callable[[float], Any], timeout: float):
         import concurrent.futures
 
-        with HopFuture._pool_lock:
-            if HopFuture._pool is None:
-                HopFuture._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="hop-unary")
-            pool = HopFuture._pool
+        self._future: concurrent.futures.Future = concurrent.futures.Future()
+        self._lock = threading.Lock()
+        self._call: LocalHopCall | None = None
+        self._cancelled = False
+        deadline = time.monotonic() + timeout
 
-        def run():
-            reply = call()
-            return fallback() if reply is None else reply
+        def opened(c: "LocalHopCall") -> None:
+            with self._lock:
+                self._call = c
+                cancelled = self._cancelled
+            if cancelled:
+                c.interrupt()
 
-        self._future = pool.submit(run)
+        def run() -> None:
+            try:
+                try:
+                    reply = call(deadline, opened)
+                except HopRefused:
+                    reply = None
+                if reply is None:
+                    if self._cancelled:
+                        raise StreamError(grpc.StatusCode.CANCELLED, "the call was cancelled")
+                    reply = fallback(deadline)
+            except BaseException as e:  # noqa: BLE001 - every failure as an RpcError, as gRPC's futures
+                if self._cancelled:
+                    e = StreamError(grpc.StatusCode.CANCELLED, "the call was cancelled")
+                elif not isinstance(e, grpc.RpcError):
+                    e = StreamError(grpc.StatusCode.UNAVAILABLE, f"the call failed: {type(e).__name__}: {e}")
+                self._future.set_exception(e)
+                return
+            self._future.set_result(reply)
+
+        try:
+            threading.Thread(target=run, name="hop-unary", daemon=True).start()
+        except RuntimeError as e:   # (the interpreter is shutting down)
+            self._future.set_exception(StreamError(grpc.StatusCode.UNAVAILABLE, f"cannot start the call: {e}"))
 
     def done(self) -> bool:
         return self._future.done()
 
     def result(self, timeout: float | None = None):
+        """The reply; raises ``grpc.RpcError`` (the call's status), or
+        ``concurrent.futures.TimeoutError`` when ``timeout`` passes first."""
         return self._future.result(timeout)
 
     def cancel(self) -> bool:
-        return self._future.cancel()
+        """End the call if it has not ended: its connection is closed and the result becomes
+        CANCELLED. Returns whether it was still running."""
+        with self._lock:
+            if self._future.done():
+                return False
+            self._cancelled = True
+            call = self._call
+        if call is not None:
+            call.interrupt()
+        return True
 
     def add_done_callback(self, fn: Callable[[Any], Any]) -> None:
         self._future.add_done_callback(lambda _f: fn(self))
@@ -799,6 +900,7 @@ class TargetPeer:
         self._info: common_pb2.ModelInfo | None = None
         self.direct_streams: bool | None = None   # Verify streams: DirectStreamCall (None: DIRECT_STREAMS)
         self.local_hop: bool | None = None        # the target's same-host hop when offered (None: LOCAL_HOP)
+        self._unary_hop_refused = False           # its hop serves no unary method (prefill_future)
 
     def info(self, timeout: float = 5.0) -> common_pb2.ModelInfo:
         if self._info is None:
@@ -817,19 +919,32 @@ class TargetPeer:
                 time.sleep(0.25)
 
     def prefill_future(self, request: target_pb2.PrefillRequest, timeout: float) -> "grpc.Future | HopFuture":
-        """A Prefill, answered later: over the target's same-host hop when it offers one here
-        (``local_hop``, None: :data:`LOCAL_HOP`, and :data:`PREFILL_HOP`), where the target
+        """A Prefill, answered later: over the target's same-host hop when it offers one on this
+        host (``local_hop``, None: :data:`LOCAL_HOP`, and :data:`PREFILL_HOP`), where the target
         honours ``feature_ring`` (a prompt's rows then reach a drafter on this host through the
         ring, not through this process: docs/ARCHITECTURE.md, "The feature ring"); else gRPC's
-        ``Prefill.future``. Either way ``done()``, ``result()`` (raising ``grpc.RpcError``) and
-        ``add_done_callback``."""
+        ``Prefill.future``. Either way ``done()``, ``result()`` (raising ``grpc.RpcError``),
+        ``add_done_callback`` and ``cancel``; ``timeout`` runs from now. A hop that answers
+        UNIMPLEMENTED (an older target's, serving no unary method) is not asked again."""
         endpoint = self.info().local_endpoint
-        if PREFILL_HOP and (LOCAL_HOP if self.local_hop is None else self.local_hop) and endpoint_path(endpoint):
+        if (PREFILL_HOP and not self._unary_hop_refused and (LOCAL_HOP if self.local_hop is None else self.local_hop)
+                and endpoint_path(endpoint)):
             target = _direct_target(self.channel)
             metadata = target[1] if target is not None else serving.client_metadata()
-            return HopFuture(lambda: hop_unary(endpoint, "/dflash_grpc.v1.TargetService/Prefill", request,
-                                               target_pb2.PrefillResponse.FromString, timeout, metadata),
-                             lambda: self.stub.Prefill(request, timeout=timeout))
+
+            def call(deadline: float, on_open):
+                try:
+                    return hop_unary(endpoint, "/dflash_grpc.v1.TargetService/Prefill", request,
+                                     target_pb2.PrefillResponse.FromString, deadline - time.monotonic(), metadata, on_open)
+                except HopRefused as e:
+                    if e.code == grpc.StatusCode.UNIMPLEMENTED:
+                        self._unary_hop_refused = True
+                    log.info("the target's same-host hop refused a Prefill; using gRPC",
+                             extra={"code": e.code.name, "error": str(e)[:200]})
+                    raise
+
+            return HopFuture(call, lambda deadline: self.stub.Prefill(request, timeout=max(0.0, deadline - time.monotonic())),
+                             timeout)
         return self.stub.Prefill.future(request, timeout=timeout)
 
     def verify_stream(self, timeout: float | None) -> "StreamCall | DirectStreamCall | LocalHopCall":

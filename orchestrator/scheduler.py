@@ -527,6 +527,7 @@ class Scheduler:
                 fut.result(timeout=max(0.0, deadline - time.monotonic() - 1.0))   # keep 1 s for the Releases
                 on_target.add(sid)
             except (grpc.FutureTimeoutError, concurrent.futures.TimeoutError):
+                fut.cancel()         # (over the hop: its connection closed, the target's call ends)
                 on_target.add(sid)   # still running: release it on the target anyway
             except Exception:  # noqa: BLE001 - refused or cancelled: nothing opened
                 pass

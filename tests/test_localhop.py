@@ -15,7 +15,8 @@ from dflash_grpc import serving
 from dflash_grpc.localhop import endpoint_path
 from dflash_grpc.transport import REASON_KEY
 from dflash_grpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from orchestrator.peers import ExchangeTimeout, LocalHopCall, StreamError, hop_unary, open_local, open_stream
+from orchestrator.peers import (ExchangeTimeout, HopFuture, HopRefused, LocalHopCall, StreamError, hop_unary, open_local,
+                                open_stream)
 
 METHOD = "/dflash_grpc.v1.DraftService/Propose"
 TOKEN = "a-test-token-of-enough-characters-0123456789"
@@ -34,6 +35,8 @@ class Echo(draft_pb2_grpc.DraftServiceServicer):
         reason; "wait" waits until the client gives up (``is_active()`` False, at most 10 s)."""
         if "abort" in request.session_ids:
             serving.abort(context, grpc.StatusCode.FAILED_PRECONDITION, "no such thing", "SOME_REASON")
+        if "sleep" in request.session_ids:
+            time.sleep(0.5)
         if "wait" in request.session_ids:
             deadline = time.monotonic() + 10
             while context.is_active() and time.monotonic() < deadline:
@@ -504,3 +507,104 @@ def test_the_scheduler_polls_the_hop_only_for_small_ticks(monkeypatch):
     finally:
         a.close()
         b.close()
+
+
+def _hop_future(endpoint, ids, timeout, fallback=None):
+    return HopFuture(lambda deadline, on_open: hop_unary(endpoint, RELEASE, common_pb2.ReleaseRequest(session_ids=ids),
+                                                         common_pb2.ReleaseResponse.FromString,
+                                                         deadline - time.monotonic(), (), on_open),
+                     fallback or (lambda deadline: "fallback"), timeout)
+
+
+def test_hop_futures_run_at_once_and_cancel_ends_the_call(hop):
+    """As gRPC's futures: twelve calls of 0.5 s each all answer within about 0.5 s (each on its
+    own thread, not in waves), every failure is a grpc.RpcError, and ``cancel`` closes the call's
+    connection (the handler sees its client go) and makes the result CANCELLED."""
+    echo, server, _, _ = hop
+    endpoint = serving.local_endpoint(server)
+    t0 = time.monotonic()
+    futs = [_hop_future(endpoint, ["sleep", f"s{i}"], 5.0) for i in range(12)]
+    assert [f.result(10).released for f in futs] == [2] * 12
+    assert time.monotonic() - t0 < 2.5, "the calls ran in waves"
+    done = threading.Event()
+    fut = _hop_future(endpoint, ["wait"], 30.0)
+    fut.add_done_callback(lambda f: done.set())
+    time.sleep(0.3)
+    assert not fut.done() and fut.cancel()
+    assert done.wait(5) and echo.gone.wait(5), "the handler did not see the cancelled call go"
+    with pytest.raises(grpc.RpcError) as e:
+        fut.result(1)
+    assert e.value.code() == grpc.StatusCode.CANCELLED
+    assert not fut.cancel()   # (over already)
+    late = _hop_future(endpoint, ["abort"], 5.0)
+    with pytest.raises(grpc.RpcError) as e:
+        late.result(5)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_hop_future_falls_back_to_grpc_where_the_hop_cannot_take_the_call():
+    """A hop not on this host (the call answers None) or one that refuses the hello
+    (:class:`HopRefused`): the fallback (gRPC) answers, with the deadline set when the future was
+    made; a fallback that raises something other than an RpcError still gives an RpcError."""
+    assert HopFuture(lambda d, o: None, lambda d: ("grpc", round(d - time.monotonic())), 30.0).result(5) == ("grpc", 30)
+
+    def refused(deadline, on_open):
+        raise HopRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, "all connections busy")
+
+    assert HopFuture(refused, lambda d: "grpc", 5.0).result(5) == "grpc"
+
+    def broken(deadline):
+        raise ValueError("Cannot invoke RPC on closed channel!")
+
+    with pytest.raises(grpc.RpcError) as e:
+        HopFuture(lambda d, o: None, broken, 5.0).result(5)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "closed channel" in e.value.details()
+
+
+def test_hop_unary_timeout_covers_an_answer_that_stops_halfway(tmp_path):
+    """A service that answers the hello, then sends the start of its reply and stalls: the call
+    fails within its timeout (UNAVAILABLE) instead of blocking its thread."""
+    import json
+    import socket
+    import struct
+    from multiprocessing.connection import Connection
+
+    from dflash_grpc.localhop import REPLY
+
+    path = str(tmp_path / "hop.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    held = []
+
+    def serve():
+        s, _ = listener.accept()
+        conn = Connection(s.detach())
+        held.append(conn)
+        conn.recv_bytes()                                    # the hello
+        conn.send_bytes(REPLY + json.dumps({"nonce": "n0"}).encode())
+        conn.recv_bytes()                                    # the request
+        os.write(conn.fileno(), struct.pack("!i", 100) + REPLY + b"123456789")   # 10 of 100 bytes, then nothing
+
+    threading.Thread(target=serve, daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        hop_unary(f"unix:{path}#n0", RELEASE, common_pb2.ReleaseRequest(session_ids=["a"]),
+                  common_pb2.ReleaseResponse.FromString, 1.0)
+    assert time.monotonic() - t0 < 3.0
+    assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    listener.close()
+
+
+def test_a_hello_then_silence_does_not_hold_a_unary_connection(hop, monkeypatch):
+    """A client that names a unary method and then sends nothing is closed after the hello's
+    timeout, so silent clients cannot fill the hop's connections."""
+    from dflash_grpc import localhop
+
+    monkeypatch.setattr(localhop, "HELLO_TIMEOUT_S", 0.3)
+    _, server, _, _ = hop
+    call = open_local(serving.local_endpoint(server), RELEASE, common_pb2.ReleaseResponse.FromString)
+    assert call._conn.poll(5.0), "the hop kept a silent unary connection open"
+    with pytest.raises((EOFError, OSError)):
+        call._conn.recv_bytes()
+    call.close()

@@ -105,6 +105,8 @@ class LocalContext:
         self._metadata = tuple(metadata)
         self._peer = peer
         self.trailing: tuple = ()
+        self.code: grpc.StatusCode | None = None   # set_code / set_details (a unary handler's status)
+        self.details: str | None = None
         self._callbacks: list[Callable[[], Any]] = []
         self._lock = threading.Lock()
         self.active = True
@@ -117,6 +119,14 @@ class LocalContext:
 
     def set_trailing_metadata(self, md) -> None:
         self.trailing = tuple(md)
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        """The status a handler that then raises ends with (as the generated servicers' defaults
+        set UNIMPLEMENTED); read by the hop's unary calls."""
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
 
     def abort(self, code: grpc.StatusCode, details: str):
         raise HopAborted(code, details, self.trailing)
@@ -540,8 +550,11 @@ class HopServer:
 
 
     def _serve_unary(self, conn: Connection, handler: grpc.RpcMethodHandler, method: str, metadata: tuple) -> None:
-        """One unary call on ``conn`` (module docstring): its request, the handler's reply or
+        """One unary call on ``conn`` (module docstring): its request (within
+        :data:`HELLO_TIMEOUT_S` of the hello, else the connection closes), the handler's reply or
         status as the answer; the connection then closes."""
+        if not conn.poll(HELLO_TIMEOUT_S):
+            return   # a hello and then nothing: its thread and connection slot are not held
         try:
             raw = recv_frame(conn, self.max_receive_bytes)
         except EOFError:
@@ -559,16 +572,19 @@ class HopServer:
             except Exception as e:  # noqa: BLE001 - as gRPC answers a request that does not decode
                 raise HopAborted(grpc.StatusCode.INTERNAL, f"Exception deserializing request: {e}") from None
             reply = handler.unary_unary(request, ctx)
-            answer = REPLY + (serialize(reply) if serialize is not None else reply)
+            answer = (REPLY, serialize(reply) if serialize is not None else reply)
         except HopAborted as e:
-            answer = _status_frame(e.code, e.details, e.trailing)
-        except Exception as e:  # noqa: BLE001 - the handler failed: UNKNOWN, as grpc answers
-            log.exception("local hop handler failed", extra={"method": method})
-            answer = _status_frame(grpc.StatusCode.UNKNOWN, f"Exception calling application: {e}")
+            answer = (_status_frame(e.code, e.details, e.trailing),)
+        except Exception as e:  # noqa: BLE001 - the handler failed: as grpc answers
+            if ctx.code is not None:   # (a status the handler set before it raised: e.g. UNIMPLEMENTED)
+                answer = (_status_frame(ctx.code, ctx.details or "", ctx.trailing),)
+            else:
+                log.exception("local hop handler failed", extra={"method": method})
+                answer = (_status_frame(grpc.StatusCode.UNKNOWN, f"Exception calling application: {e}"),)
         finally:
             ctx.end()
         try:
-            conn.send_bytes(answer)
+            send_buffers(conn, answer)   # (the reply's bytes are not copied behind its tag)
         except OSError:
             pass   # the client is gone
 
