@@ -17,8 +17,9 @@ That splits into two measured parts that vary for different reasons:
   the weight it is pulled towards while its own count is small). A plain tick emits one per
   request.
 
-A tick drafts when the expected tokens of its requests over the drafting tick's cost beat its
-requests over the plain tick's cost (:meth:`DraftPolicy.choose`). Deciding from one request's
+A tick drafts when the expected tokens of its requests over the drafting tick's cost (scaled to the
+number of its requests that would draft: :meth:`DraftPolicy.draft_seconds`) beat its requests over
+the plain tick's cost (:meth:`DraftPolicy.choose`). Deciding from one request's
 first few drafting ticks, as per-bucket token rates did, judged by the start of one text, and the
 tokens of one text's drafting ticks vary from 1 to 6 tick to tick (one stream on an H200:
 ``benchmarks/gpu/policy/session13``), and applied that verdict to every later request. The cost of the mode not chosen is
@@ -119,6 +120,7 @@ class DraftPolicy:
         self.max_refresh = max(self.refresh, int(max_refresh))
         self.warmup = max(1, int(warmup))
         self._secs: dict[tuple[int, str], float] = {}   # (bucket, mode) -> decayed mean seconds per tick
+        self._drafted: dict[int, float] = {}            # bucket -> decayed mean drafting items per drafting tick
         self._count: dict[tuple[int, str], int] = {}    # (bucket, mode) -> ticks observed
         self._since: dict[tuple[int, str], int] = {}    # (bucket, mode) -> ticks of the bucket since it ran
         self._best: dict[int, str] = {}                 # bucket -> the mode last preferred (for the log)
@@ -178,12 +180,31 @@ class DraftPolicy:
         that may draft (None: all of them, at the prior); ``plain``: the plain ticks to compare
         with (:data:`PLAIN`, or :data:`BARE` for admission)."""
         if requests is None:
-            drafted = batch * self.prior()
+            d, drafted = batch, batch * self.prior()
         else:
-            drafted = sum(self.tokens(r) for r in requests) + (batch - len(requests))
-        draft = drafted / self._secs[(b, DRAFT)]
+            d = len(requests)
+            drafted = sum(self.tokens(r) for r in requests) + (batch - d)
+        draft = drafted / self.draft_seconds(b, d)
         rate = batch / self._secs[(b, plain)]
         return DRAFT if draft >= rate else PLAIN
+
+    def draft_seconds(self, bucket: int, drafting: int) -> float:
+        """Expected seconds of a drafting tick of ``bucket`` in which ``drafting`` requests draft:
+        the measured drafting ticks' mean, scaled where they carried another number of drafting
+        requests, linearly from the plain tick's cost (no request drafting) through the measured
+        point (their mean drafting requests). A bucket where plain was found faster drafts only
+        with its probes, so its drafting ticks are cheap; judging a request that starts there (and
+        every one after it would draft too) by those ticks' cost admitted requests to draft that
+        later ticks demoted (126 demotions in one H200 sweep at 32-64 streams,
+        ``benchmarks/gpu/concurrency/run25-prefill-hop/c``). The fixed part of a drafting tick (the
+        verify as wide as the trees) makes the true cost grow more slowly than this line past the
+        measured point, so the estimate errs towards plain there, never towards drafting."""
+        secs = self._secs[(bucket, DRAFT)]
+        mean = self._drafted.get(bucket)
+        plain = self._secs.get((bucket, PLAIN))
+        if mean is None or plain is None or mean <= 0 or drafting == mean:
+            return secs
+        return plain + max(0.0, secs - plain) * drafting / mean
 
     def _admit_faster(self, batch: int, requests=None) -> str | None:
         """:meth:`faster` for admission: against bare ticks where the bucket has them measured
@@ -275,11 +296,12 @@ class DraftPolicy:
         self.admissions[mode] += 1
         return mode
 
-    def observe(self, batch: int, mode: str, tokens: int, seconds: float) -> None:
+    def observe(self, batch: int, mode: str, tokens: int, seconds: float, drafted: int | None = None) -> None:
         """A tick of ``batch`` requests ran in ``mode`` (:data:`DRAFT`, :data:`PLAIN`, or
         :data:`BARE` for a tick of requests that may not draft) and emitted ``tokens`` in
-        ``seconds`` (the whole tick: Propose, verify and the orchestrator's own work). A drafting
-        tick whose items were not :meth:`note`-d adds its tokens per request to the prior."""
+        ``seconds`` (the whole tick: Propose, verify and the orchestrator's own work); ``drafted``:
+        how many of a drafting tick's requests drafted (None: all, :meth:`draft_seconds`). A
+        drafting tick whose items were not :meth:`note`-d adds its tokens per request to the prior."""
         if seconds <= 0 or batch <= 0:
             return
         b = batch_bucket(batch)
@@ -291,6 +313,10 @@ class DraftPolicy:
         if mode == DRAFT and not self._noted:
             self._add_prior(tokens, batch)
         self._noted = 0
+        if mode == DRAFT and self._count.get(key, 0) >= 1:   # (as _add_cost: a mode's first tick not counted)
+            d = float(batch if drafted is None else max(1, min(int(drafted), batch)))
+            old = self._drafted.get(b)
+            self._drafted[b] = d if old is None else old + self.alpha * (d - old)
         self._add_cost(key, seconds)
         self.choices[mode] = self.choices.get(mode, 0) + 1
         self._since[key] = 0

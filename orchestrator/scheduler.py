@@ -1183,7 +1183,8 @@ class Scheduler:
         if stop_features:
             pass   # (a tick that demoted: its Verify also changed the target's sessions; not a plain tick's cost)
         elif mode is not None and (mode == PLAIN or (trees and not unmeasured)):
-            self.policy.observe(len(batch), mode, emitted, tick_s)
+            drafted = len(batch) if isinstance(trees, CheckedTrees) else len(trees)
+            self.policy.observe(len(batch), mode, emitted, tick_s, drafted if mode == DRAFT else None)
         elif self.policy is not None and not any(r.speculative for r in batch):
             self.policy.observe(len(batch), BARE, emitted, tick_s)   # what a request started plainly pays
         metrics.observe_tick(len(batch), draft_s, verify_s, tick_s - draft_s - verify_s)

@@ -396,3 +396,33 @@ def test_a_request_its_client_cancels_is_forgotten_by_the_policy(server_kind, ti
                 time.sleep(0.05)
             assert sched.status().active_sessions == 0
             assert not sched.policy._req, f"{len(sched.policy._req)} cancelled requests never forgotten"
+
+
+def test_drafting_ticks_of_a_few_probes_do_not_make_drafting_look_cheap_for_all():
+    """Where only a few requests draft (the probes of a bucket where plain is faster), a drafting
+    tick costs little more than a plain one. Admission asks what a tick costs when every request
+    drafts: the drafting cost is scaled by the number of requests that draft
+    (``DraftPolicy.draft_seconds``), so 2 drafters of 32 in 3.0 ms against plain ticks of 2.4 ms
+    predict 12 ms for 32 drafters, and a request starting there is decoded plainly (the unscaled
+    3.0 ms would have admitted it to draft, and a later tick demoted it)."""
+    policy, rng = DraftPolicy(refresh=16), random.Random(5)
+    probes = ["p0", "p1"]
+    for _ in range(12):
+        for mode in (DRAFT, PLAIN):
+            if mode == DRAFT:
+                for r in probes:
+                    policy.note(r, 3.5)
+                policy.observe(32, DRAFT, 30 + 7, 3.0e-3 * rng.uniform(0.98, 1.02), drafted=2)
+            else:
+                policy.observe(32, PLAIN, 32, 2.4e-3 * rng.uniform(0.98, 1.02))
+    assert policy.draft_seconds(32, 2) == pytest.approx(3.0e-3, rel=0.05)
+    assert policy.draft_seconds(32, 32) == pytest.approx(2.4e-3 + 0.6e-3 * 16, rel=0.1)
+    assert policy.faster(32) == PLAIN and policy.expected(32) == PLAIN and policy.admit(32) == PLAIN
+    # (unscaled, 32 x 3.5 tokens in 3.0 ms would have beaten 32 in 2.4 ms)
+    assert 32 * policy.prior() / 3.0e-3 > 32 / 2.4e-3
+    # ticks where every request drafts are judged by their own cost, as before
+    full = DraftPolicy()
+    for _ in range(12):
+        full.observe(8, DRAFT, 28, 4.0e-3)
+        full.observe(8, PLAIN, 8, 1.6e-3)
+    assert full.draft_seconds(8, 8) == pytest.approx(4.0e-3) and full.faster(8) == DRAFT
