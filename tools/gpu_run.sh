@@ -52,7 +52,12 @@
 # .peer (llama.cpp.tar.gz and llamacpp-bench.sh from ../shared/tools/llamacpp-source.sh) and the
 # SmolLM2 GGUF: 98 MB, more than one call carries, so it travels in parts as .stage/part-* over
 # back-to-back `stage` calls (split -b 36M; the machine keeps /tmp while warm) and is joined here,
-# checked against .stage/sha256 (carried with the last part).
+# checked against .stage/sha256 (carried with the last part). The tracked tree is ~39 MB of the
+# 64 MiB a call carries, so (session 25) one carry per call: [.whl, .peer/llama.cpp.tar.gz,
+# .peer/llamacpp-bench.sh (, .peer/old.tar.gz)], then [.stage/part-02], [.stage/part-01a],
+# [.stage/part-01b], then [.stage/part-01c, .stage/sha256] with the work. The first stage call
+# starts the llama.cpp build: give it LLAMA_TARGETS="llama-bench llama-batched-bench" there when
+# the work needs llama-batched-bench (the build only makes llama-bench otherwise).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
