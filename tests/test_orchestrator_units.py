@@ -884,3 +884,70 @@ def test_verify_asks_the_ring_but_for_requests_whose_drafter_session_lacks_rows(
     finally:
         sched._propose = None
         sched.stop(timeout=1.0, release_timeout=0.1)
+
+
+def test_a_hop_prefill_the_scheduler_stops_waiting_for_is_cancelled_and_released():
+    """A Prefill over the same-host hop (``TargetPeer.prefill_future`` -> ``HopFuture``) that has
+    not answered when the scheduler stops: ``stop`` cancels it (its connection is shut down, so
+    the target's call ends and releases what it opened) and releases the session anyway; the
+    future's result is CANCELLED, a ``grpc.RpcError`` as gRPC's futures give."""
+    import threading
+
+    from dflash_grpc.v1 import common_pb2, draft_pb2
+    from orchestrator.peers import HopFuture, StreamError
+    from orchestrator.scheduler import Request, Scheduler
+
+    interrupted = threading.Event()
+    futures = []
+
+    class FakeCall:   # what hop_unary hands on_open: the open connection
+        def interrupt(self):
+            interrupted.set()
+
+    def call(deadline, on_open):
+        on_open(FakeCall())
+        interrupted.wait(30)
+        raise StreamError(grpc.StatusCode.UNAVAILABLE, "the local hop connection was lost")
+
+    class ReleaseCall:
+        released = []
+
+        def __call__(self, request, timeout=None):
+            self.released += list(request.session_ids)
+            return common_pb2.ReleaseResponse(released=len(request.session_ids))
+
+    class Target:
+        stub = type("Stub", (), {"Release": ReleaseCall()})()
+
+        def info(self):
+            return common_pb2.ModelInfo(device="cpu", max_sessions=2)
+
+        def prefill_future(self, request, timeout):
+            fut = HopFuture(call, lambda deadline: None, timeout)
+            futures.append(fut)
+            return fut
+
+    class Draft:
+        address = None
+        stub = None
+
+        def layers(self):
+            return None
+
+        def state(self):
+            return None
+
+    sched = Scheduler(Target(), Draft(), max_sessions=2)
+    req = Request(session_id="s1", prompt=[1, 2, 3], sampling=common_pb2.SamplingParams(), max_tokens=4,
+                  tree=draft_pb2.TreeParams(), speculative=False)
+    sched.submit(req)
+    deadline = time.monotonic() + 10
+    while not futures and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert futures, "the scheduler sent no Prefill"
+    sched.stop(timeout=5.0, release_timeout=1.5)
+    assert interrupted.is_set(), "the hop Prefill was not cancelled"
+    with pytest.raises(grpc.RpcError) as e:
+        futures[0].result(5)
+    assert e.value.code() == grpc.StatusCode.CANCELLED
+    assert "s1" in Target.stub.Release.released
