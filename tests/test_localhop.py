@@ -608,3 +608,61 @@ def test_a_hello_then_silence_does_not_hold_a_unary_connection(hop, monkeypatch)
     with pytest.raises((EOFError, OSError)):
         call._conn.recv_bytes()
     call.close()
+
+
+def test_target_prefill_goes_over_the_hop_and_to_grpc_where_the_hop_serves_no_unary(monkeypatch):
+    """``TargetPeer.prefill_future``: over the target's hop where it offers one (the reply is the
+    gRPC one, the call seen as from this host); a hop that answers UNIMPLEMENTED for unary methods
+    (an older target) sends the call to gRPC and is not asked again; ``DFLASH_PREFILL_HOP=0``
+    (``peers.PREFILL_HOP``) sends every call to gRPC."""
+    from dflash_grpc import localhop
+    from dflash_grpc.v1 import target_pb2, target_pb2_grpc
+    from orchestrator import peers
+    from orchestrator.peers import HopFuture, TargetPeer
+
+    class FakeTarget(target_pb2_grpc.TargetServiceServicer):
+        def __init__(self):
+            self.local: list[bool] = []
+            self.endpoint = ""
+
+        def Info(self, request, context):
+            return common_pb2.ModelInfo(local_endpoint=self.endpoint, max_sessions=4)
+
+        def Prefill(self, request, context):
+            self.local.append(isinstance(context, localhop.LocalContext))
+            item = request.items[0]
+            return target_pb2.PrefillResponse(results=[target_pb2.PrefillResult(
+                session_id=item.session_id, first_token=len(item.prompt_tokens), committed_length=len(item.prompt_tokens))])
+
+    fake = FakeTarget()
+
+    def add(server):
+        target_pb2_grpc.add_TargetServiceServicer_to_server(fake, server)
+        return ["dflash_grpc.v1.TargetService"]
+
+    server, _, port = serving.make_server(add, "127.0.0.1:0", local_hop=True)
+    fake.endpoint = serving.local_endpoint(server)
+    peer = TargetPeer(f"127.0.0.1:{port}")
+    try:
+        req = target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(session_id="a", prompt_tokens=[1, 2, 3])])
+        fut = peer.prefill_future(req, 5.0)
+        assert isinstance(fut, HopFuture) and fut.result(5).results[0].first_token == 3
+        assert fake.local == [True]
+        monkeypatch.setattr(peers, "PREFILL_HOP", False)
+        assert not isinstance(peer.prefill_future(req, 5.0), HopFuture)
+        monkeypatch.setattr(peers, "PREFILL_HOP", True)
+        # an older hop: unary methods refused at the hello (UNIMPLEMENTED)
+        old_resolve = localhop.resolve
+
+        def streams_only(interceptors, handlers, method, metadata):
+            h = old_resolve(interceptors, handlers, method, metadata)
+            return h if h is not None and h.request_streaming else None
+
+        monkeypatch.setattr(localhop, "resolve", streams_only)
+        fut = peer.prefill_future(req, 5.0)
+        assert fut.result(5).results[0].first_token == 3 and fake.local[-1] is False   # answered over gRPC
+        assert not isinstance(peer.prefill_future(req, 5.0), HopFuture)              # not asked again
+    finally:
+        peer.close()
+        server.stop(None)
+        serving.stop_local_hop(server)
