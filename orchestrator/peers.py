@@ -544,21 +544,7 @@ class LocalHopCall:
         """End the call from another thread: the socket is shut down both ways, so a thread
         waiting for the reply wakes (its exchange fails) and the service sees the call end; the
         waiting thread closes the connection (closing alone would not wake its ``poll``)."""
-        try:
-            fd = os.dup(self._conn.fileno())
-        except OSError:
-            return
-        try:
-            s = socket.socket(fileno=fd)
-        except OSError:
-            os.close(fd)
-            return
-        try:
-            s.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        finally:
-            s.close()
+        _on_socket(self._conn, lambda s: s.shutdown(socket.SHUT_RDWR))
 
 
 #: Use a peer's same-host hop (:class:`LocalHopCall`) when it offers one (:func:`open_local`);
@@ -640,22 +626,27 @@ class HopRefused(Exception):
         self.code = code
 
 
-def _receive_timeout(call: "LocalHopCall", seconds: float) -> None:
-    """Bound every blocking read of ``call``'s socket by ``seconds`` (``SO_RCVTIMEO``): a reply
-    that stops halfway then fails the read (UNAVAILABLE) instead of blocking its thread forever."""
-    fd = os.dup(call._conn.fileno())
+def _on_socket(conn, fn: Callable[[socket.socket], Any]) -> None:
+    """``fn`` on a socket object for ``conn``'s socket (a duplicate descriptor of it, closed
+    after; an ``OSError``, e.g. a connection already closed, is ignored)."""
     try:
-        s = socket.socket(fileno=fd)
+        s = socket.socket(fileno=os.dup(conn.fileno()))
     except OSError:
-        os.close(fd)
         return
     try:
-        sec = max(0.001, float(seconds))
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(sec), int((sec % 1) * 1e6)))
+        fn(s)
     except OSError:
         pass
     finally:
         s.close()
+
+
+def _receive_timeout(call: "LocalHopCall", seconds: float) -> None:
+    """Bound every blocking read of ``call``'s socket by ``seconds`` (``SO_RCVTIMEO``): a reply
+    that stops halfway then fails the read (UNAVAILABLE) instead of blocking its thread forever."""
+    sec = max(0.001, float(seconds))
+    _on_socket(call._conn, lambda s: s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                                                  struct.pack("ll", int(sec), int((sec % 1) * 1e6))))
 
 
 def hop_unary(endpoint: str, method: str, request, deserialize, timeout: float, metadata: tuple = (),
