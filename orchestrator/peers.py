@@ -14,6 +14,7 @@ breaker"): each Propose gets a deadline of a few of its measured round trips
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import math
@@ -277,6 +278,13 @@ def _direct_target(channel) -> tuple[object, tuple] | None:
     if core is None or not hasattr(core, "segregated_call"):
         return None
     return core, tuple((str(k), v) for k, v in pairs)
+
+
+def _call_metadata(channel) -> tuple:
+    """The metadata a call on ``channel`` carries (its interceptors' pairs, :func:`_direct_target`;
+    else :func:`dflash_grpc.serving.client_metadata`): what a same-host hop call sends in its hello."""
+    target = _direct_target(channel)
+    return target[1] if target is not None else serving.client_metadata()
 
 
 class DirectStreamCall(_Watched):
@@ -604,8 +612,7 @@ def _stream(channel, endpoint: str, method: str, multicallable, deserialize, tim
     """The fastest stream a peer offers: its same-host hop (``local``, None: :data:`LOCAL_HOP`),
     else :func:`open_stream`. A hop that refuses the hello is logged and gRPC used instead."""
     if (LOCAL_HOP if local is None else local) and endpoint:
-        target = _direct_target(channel)
-        metadata = target[1] if target is not None else serving.client_metadata()
+        metadata = _call_metadata(channel)
         try:
             call = open_local(endpoint, method, deserialize, metadata)
         except StreamError as e:
@@ -695,14 +702,13 @@ class HopFuture:
 
     As gRPC's: calls run at once, each on its own thread (they wait in ``poll``), not in waves of a
     pool; the threads are daemons, so a process that exits does not wait for them; :meth:`cancel`
-    shuts the call's connection down (:meth:`LocalHopCall.interrupt`) (the service sees its call end, as a cancelled gRPC call: the
-    target's Prefill then releases the sessions it opened) and the result is CANCELLED. Whatever
-    the call raises reaches :meth:`result` as a ``grpc.RpcError``.
+    shuts the call's connection down (:meth:`LocalHopCall.interrupt`: the service sees its call
+    end, as a cancelled gRPC call, and the target's Prefill releases the sessions it opened) and
+    the result is CANCELLED. Whatever the call raises reaches :meth:`result` as a
+    ``grpc.RpcError``.
     """
 
     def __init__(self, call: Callable[[float, Callable], Any], fallback: Callable[[float], Any], timeout: float):
-        import concurrent.futures
-
         self._future: concurrent.futures.Future = concurrent.futures.Future()
         self._lock = threading.Lock()
         self._call: LocalHopCall | None = None
@@ -749,7 +755,7 @@ class HopFuture:
         return self._future.result(timeout)
 
     def cancel(self) -> bool:
-        """End the call if it has not ended: its connection is closed and the result becomes
+        """End the call if it has not ended: its connection is shut down and the result becomes
         CANCELLED. Returns whether it was still running."""
         with self._lock:
             if self._future.done():
@@ -920,8 +926,7 @@ class TargetPeer:
         endpoint = self.info().local_endpoint
         if (PREFILL_HOP and not self._unary_hop_refused and (LOCAL_HOP if self.local_hop is None else self.local_hop)
                 and endpoint_path(endpoint)):
-            target = _direct_target(self.channel)
-            metadata = target[1] if target is not None else serving.client_metadata()
+            metadata = _call_metadata(self.channel)
 
             def call(deadline: float, on_open):
                 try:
