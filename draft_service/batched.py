@@ -82,6 +82,7 @@ from kernels.ddtree import PackedLayout, step_output
 from kernels.linear import batch_invariant
 from kernels.topk.reference import topk_log_softmax as topk_reference
 from runtime.errors import EngineError, FailedPrecondition, InvalidArgument, Reason, ResourceExhausted
+from runtime.feature_ring import item_offsets
 from runtime.graphs import GraphSet, StepGraph, batch_buckets_for, bucket_for, capped_buckets, slots_for_budget
 from runtime.pool import PoolShape, StatePool
 
@@ -517,7 +518,7 @@ class _Runner(StepGraph):
             at = np.asarray(ring_at, dtype=np.int64)
             src = ring.rows_of(at[:, 1], at[:, 3], at[:, 2])
             n = at[:, 2]
-            dst = np.repeat(at[:, 0] * self.rows, n) + (np.arange(len(src)) - np.repeat(np.cumsum(n) - n, n))
+            dst = np.repeat(at[:, 0] * self.rows, n) + item_offsets(n)
             idx = torch.from_numpy(np.stack([src, dst]))
             if self.cuda:
                 idx = idx.pin_memory().to(self.device, non_blocking=True)

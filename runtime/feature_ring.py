@@ -71,6 +71,12 @@ def slot_rows_for(slots: int, width: int, itemsize: int, want: int, max_bytes: i
     return rows if rows >= least else 0
 
 
+def item_offsets(counts: np.ndarray) -> np.ndarray:
+    """``0 .. counts[i] - 1`` for each item in turn (int64 ``[sum(counts)]``): a row's place in
+    its item's run of rows (``counts`` int64)."""
+    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
 class FeatureRing:
     """A mapped feature ring (module docstring): ``table`` ``[slots * slot_rows + 1, width]``.
 
@@ -138,6 +144,7 @@ class FeatureRing:
         n = desc.slots * desc.slot_rows + 1
         if dtype is None or desc.slots < 1 or desc.slot_rows < 1 or desc.width < 1:
             raise RingUnavailable("a malformed feature ring descriptor")
+        nbytes = n * desc.width * torch.empty(0, dtype=dtype).element_size()
         if desc.kind == CUDA_IPC:
             if device.type != "cuda":
                 raise RingUnavailable("a GPU feature ring for a drafter off the GPU")
@@ -150,8 +157,7 @@ class FeatureRing:
                     desc.ref_counter_offset, desc.event_handle or None, desc.event_sync_required)
             except RuntimeError as e:   # (another host's handle, a process gone, ...)
                 raise RingUnavailable(f"cannot map the feature ring: {e}") from None
-            itemsize = torch.empty(0, dtype=dtype).element_size()
-            if storage.nbytes() < n * desc.width * itemsize:
+            if storage.nbytes() < nbytes:
                 raise RingUnavailable("the feature ring's memory is shorter than its shape")
             table = torch.empty(0, dtype=dtype, device=torch.device("cuda", index))
             table.set_(storage, 0, (n, desc.width))
@@ -159,9 +165,8 @@ class FeatureRing:
         if desc.kind == SHM:
             if device.type != "cpu":
                 raise RingUnavailable("a shared-file feature ring for a drafter on a GPU")
-            itemsize = torch.empty(0, dtype=dtype).element_size()
             try:
-                if os.path.getsize(desc.path) < n * desc.width * itemsize:
+                if os.path.getsize(desc.path) < nbytes:
                     raise RingUnavailable("the feature ring's file is shorter than its shape")
             except OSError as e:
                 raise RingUnavailable(f"cannot open the feature ring's file: {e}") from None
@@ -190,10 +195,8 @@ class FeatureRing:
         k = np.asarray(counts, dtype=np.int64)
         if s.size and (s.min() < 0 or s.max() >= self.slots or k.min() < 0 or k.max() > c or (e - k).min() < 0):
             raise ValueError("ring rows outside the ring (a slot, count or position out of range)")
-        total = int(k.sum())
         item = np.repeat(np.arange(len(k)), k)
-        offs = np.arange(total) - np.repeat(np.cumsum(k) - k, k)    # 0.. within each item
-        pos = (e - k)[item] + offs
+        pos = (e - k)[item] + item_offsets(k)
         return s[item] * c + pos % c
 
     def gather(self, rows: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -225,4 +228,4 @@ class FeatureRing:
         ring_kernels.store_rows(self.table, feats, items, counts, self.slot_rows, self.dump)   # (one launch on CUDA)
 
 
-__all__ = ["CUDA_IPC", "SHM", "FeatureRing", "RingUnavailable", "device_uuid", "slot_rows_for"]
+__all__ = ["CUDA_IPC", "SHM", "FeatureRing", "RingUnavailable", "device_uuid", "item_offsets", "slot_rows_for"]
