@@ -77,8 +77,10 @@ from draft_service.drafter import DFlashDrafter, DrafterContext
 from draft_service.fused_step import FusedDrafter
 from draft_service.tree import TopK, build_tree
 from kernels import attention as attn_ops
+from kernels import ring as ring_kernels
 from kernels.attention import default_splits, split_buckets, splits_for
 from kernels.ddtree import PackedLayout, step_output
+from kernels.dispatch import use_triton
 from kernels.linear import batch_invariant
 from kernels.topk.reference import topk_log_softmax as topk_reference
 from runtime.errors import EngineError, FailedPrecondition, InvalidArgument, Reason, ResourceExhausted
@@ -448,9 +450,13 @@ class _Runner(StepGraph):
     a pinned int64 buffer ``[7, batch]`` (:data:`_FIELDS`), a pinned features buffer ``[batch,
     rows, N*H]`` in the model dtype, and a pinned int32 output: with device trees the packed rows
     ``[batch, layout.size]`` (:class:`kernels.ddtree.PackedLayout`: table, tree tokens, parents,
-    node count), else ``[batch, B-1, K, 2]`` (log-prob bits, token). ``splits``: the attention
-    kernel's key-range splits of this step (``kernels.attention.splits_for``); ``share``: the
-    runner of the same shape whose buffers a fewer-split variant uses."""
+    node count), else ``[batch, B-1, K, 2]`` (log-prob bits, token). Where the kernels run in
+    Triton (CUDA) also a pinned int64
+    ring meta buffer ``[3 + 2 * batch * rows]`` (:func:`kernels.ring.gather_meta`): the feature
+    ring rows the step reads, gathered inside the step (:meth:`body`) from the ring whose address
+    it holds. ``splits``: the attention kernel's key-range splits of this step
+    (``kernels.attention.splits_for``); ``share``: the runner of the same shape whose buffers a
+    fewer-split variant uses."""
 
     def __init__(self, engine: "BatchedDrafter", batch: int, rows: int, splits: int = 1,
                  share: "_Runner | None" = None):
@@ -462,6 +468,7 @@ class _Runner(StepGraph):
             self.host, self.host_np, self.dev = share.host, share.host_np, share.dev
             self.feats_host, self.feats_dev, self.out = share.feats_host, share.feats_dev, share.out
             self.out_dev = share.out_dev
+            self.ring_meta, self.ring_meta_np, self.ring_meta_dev = share.ring_meta, share.ring_meta_np, share.ring_meta_dev
             return
         self.host = self.host_buffer(len(_FIELDS), batch, dtype=torch.long)
         self.host_np = self.host.numpy()
@@ -474,6 +481,11 @@ class _Runner(StepGraph):
         else:
             self.out = self.host_buffer(batch, c.block_size - 1, engine.k, 2, dtype=torch.int32)
             self.out_dev = None
+        self.ring_meta = self.ring_meta_np = self.ring_meta_dev = None
+        if use_triton(self.feats_dev):   # (else the step's ring rows are gathered before it: _features_in)
+            self.ring_meta = self.host_buffer(ring_kernels.META_HEAD + 2 * batch * rows, dtype=torch.long)
+            self.ring_meta_np = self.ring_meta.numpy()
+            self.ring_meta_dev = self.device_twin(self.ring_meta)
 
     def view(self, name: str) -> np.ndarray:
         return self.host_np[_FIELDS.index(name)]
@@ -484,12 +496,17 @@ class _Runner(StepGraph):
         self.view("slots")[first_row:] = self.engine.pool.spare
 
     def fill_idle(self) -> None:
-        """Every row padding (:meth:`fill_padding` from row 0)."""
+        """Every row padding (:meth:`fill_padding` from row 0), no ring rows."""
         self.fill_padding(0)
+        if self.ring_meta_np is not None:
+            self.ring_meta_np[1] = 0
 
     def body(self) -> None:
         e = self.engine
-        self.copy(self.dev, self.host)   # (the features are in feats_dev already: run's head)
+        self.copy(self.dev, self.host)   # (rows from the host or the device are in feats_dev already: run's head)
+        if self.ring_meta_dev is not None:   # the ring's rows, from the ring the meta names (none: count 0)
+            self.copy(self.ring_meta_dev, self.ring_meta)
+            ring_kernels.gather_rows(self.feats_dev.view(-1, self.feats_dev.shape[-1]), self.ring_meta_dev)
         slots, held, n_rows, roots, budget, top_k, depth = self.dev.unbind(0)
         if e.fused is not None:
             lp, tok = e.fused.step(e.pool, slots, held, n_rows, roots, self.feats_dev, e.k, self.splits, e.max_splits)
@@ -503,22 +520,37 @@ class _Runner(StepGraph):
         packed = torch.stack([lp.contiguous().view(torch.int32), tok.to(torch.int32)], dim=-1)
         self.out.copy_(packed, non_blocking=True)
 
+    def _ring_rows(self, ring, ring_at: Sequence[tuple[int, int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """The ring's rows of ``ring_at`` (``(batch row, slot, rows, committed length)`` each) and
+        the rows of ``feats_dev`` (flattened) they go to: int64 ``[m]`` each."""
+        at = np.asarray(ring_at, dtype=np.int64)
+        n = at[:, 2]
+        return ring.rows_of(at[:, 1], at[:, 3], n), np.repeat(at[:, 0] * self.rows, n) + item_offsets(n)
+
     def _features_in(self, batch: int, host_rows: bool, on_device: Sequence[tuple[int, torch.Tensor]],
                      ring, ring_at: Sequence[tuple[int, int, int, int]]) -> None:
         """Queue the step's new context rows into ``feats_dev`` (before the step; device work
         only): the first ``batch`` rows of the host buffer when some came from the host
         (``host_rows``), the rows already on the device (``on_device``: ``(batch row, [n, N*H])``),
-        and the feature ring's rows (``ring_at``: ``(batch row, slot, rows, committed length)``,
-        one gather and one scatter for the step)."""
+        and the feature ring's rows (``ring_at``: ``(batch row, slot, rows, committed length)``).
+        With the ring meta buffer (CUDA) and a ring of the step's dtype, the ring's rows are only named in the ring meta
+        buffer and the step gathers them (:meth:`body`: no launch here, the host's part is
+        computing the indices); else one gather and one scatter here."""
         if host_rows:
             self.copy(self.feats_dev[:batch], self.feats_host[:batch])
         for r, t in on_device:
             self.feats_dev[r, : t.shape[0]].copy_(t, non_blocking=True)
+        meta = self.ring_meta_np
+        if meta is not None:
+            if ring_at and ring.table.dtype == self.feats_dev.dtype and ring.table.device == self.feats_dev.device:
+                src, dst = self._ring_rows(ring, ring_at)
+                ring_kernels.gather_meta(meta, ring.table, src, dst)
+                self.engine.ring_rows_in_step += len(src)
+                return
+            meta[1] = 0
         if ring_at:
-            at = np.asarray(ring_at, dtype=np.int64)
-            src = ring.rows_of(at[:, 1], at[:, 3], at[:, 2])
-            n = at[:, 2]
-            dst = np.repeat(at[:, 0] * self.rows, n) + item_offsets(n)
+            src, dst = self._ring_rows(ring, ring_at)
+            self.engine.ring_rows_before += len(src)
             idx = torch.from_numpy(np.stack([src, dst]))
             if self.cuda:
                 idx = idx.pin_memory().to(self.device, non_blocking=True)
@@ -623,10 +655,12 @@ class BatchedDrafter:
         self.graphs = GraphSet(self._build_runner, self.cuda_graphs)
         #: steps run and their seconds (inputs staged, step run, output read back), rows appended
         #: eagerly (excess rows), trees output and their host seconds (built from the table, or
-        #: read from the step's rows; graphs captured: :attr:`captures`)
+        #: read from the step's rows; graphs captured: :attr:`captures`); feature ring rows gathered
+        #: inside the steps (``ring_rows_in_step``) and before them (``ring_rows_before``)
         self.steps = 0
         self.step_s = 0.0
         self.eager_rows = 0
+        self.ring_rows_in_step = self.ring_rows_before = 0
         self.trees = 0
         self.tree_s = 0.0
 

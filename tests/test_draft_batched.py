@@ -6,6 +6,7 @@ checks (graphs on and off, float32 and bfloat16) are marked ``gpu``."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -431,23 +432,31 @@ def test_gpu_bfloat16_table_within_tolerance(files):
         assert torch.equal(tok[:, 0][clear], top2.indices[:, 0][clear])
 
 
-@pytest.mark.parametrize("pad,device", [(False, "cpu"), (True, "cpu"),
-                                        pytest.param(True, "cuda", marks=pytest.mark.gpu)], ids=["exact", "padded", "cuda"])
-def test_ring_rows_equal_rows_sent(files, drafter, pad, device):
+@pytest.mark.parametrize("pad,device,ring_dtype", [
+    (False, "cpu", torch.bfloat16), (True, "cpu", torch.bfloat16), (True, "cpu-triton", torch.float32),
+    pytest.param(True, "cuda", torch.bfloat16, marks=pytest.mark.gpu),
+    pytest.param(True, "cuda", torch.float32, marks=pytest.mark.gpu)],
+    ids=["exact", "padded", "padded-triton", "cuda-other-dtype", "cuda"])
+def test_ring_rows_equal_rows_sent(files, drafter, pad, device, ring_dtype, monkeypatch):
     """Items whose rows are in a feature ring (runtime.feature_ring), all of them or after some
     rows sent as bytes, get the trees of the same rows sent as bytes; a ring the drafter could not
-    map refuses its item (RING_UNAVAILABLE) and the others are served. On CUDA: the captured steps
-    with the ring's rows gathered before the replay."""
+    map refuses its item (RING_UNAVAILABLE) and the others are served. On CUDA: the captured steps,
+    the ring's rows gathered inside them from the address the step's ring meta names
+    (kernels.ring.gather_rows; a ring of the step's dtype) or before the replay (another dtype);
+    ``cpu-triton``: the in-step gather on the CPU, through Triton's interpreter."""
     from runtime.feature_ring import FeatureRing
 
     if device == "cuda":
         if not torch.cuda.is_available():
             pytest.skip("needs a CUDA device")
         drafter = _cuda_drafter(files, torch.float32)
+    elif device == "cpu-triton":
+        monkeypatch.setenv("DFLASH_KERNELS", "triton")
+        device = "cpu"
     sids = ["a", "b", "c", "d"]
     items = streams(drafter, sids, steps=6, seed=5)
     c = drafter.config
-    ring = FeatureRing.create(len(sids), 32, c.feature_size, torch.bfloat16, device)
+    ring = FeatureRing.create(len(sids), 32, c.feature_size, ring_dtype, device)
     ringed = {}
     for k, sid in enumerate(sids):
         out = []
@@ -456,7 +465,7 @@ def test_ring_rows_equal_rows_sent(files, drafter, pad, device):
             sent = n if s == 0 else (n // 2 if (s + k) % 3 == 0 else 0)   # the first item's rows, and some halves, as bytes
             if n - sent:
                 where = torch.from_numpy(ring.rows_of([k], [it.committed_length], [n - sent])).to(device)
-                ring.table[where] = it.features[sent:].to(device)
+                ring.table[where] = it.features[sent:].to(device, ring_dtype)
             out.append(it._replace(features=it.features[:sent], ring=(ring, k, n - sent) if n - sent else None))
         ringed[sid] = out
     plain, viaring = batched(drafter, pad_batches=pad), batched(drafter, pad_batches=pad)
@@ -465,6 +474,8 @@ def test_ring_rows_equal_rows_sent(files, drafter, pad, device):
         viaring.capture()
     for want_batch, got_batch in zip(lockstep(items), lockstep(ringed)):
         assert trees(viaring.propose_batch(got_batch)) == trees(plain.propose_batch(want_batch))
+    in_step = ring_dtype == viaring.dtype and (device == "cuda" or os.environ.get("DFLASH_KERNELS") == "triton")
+    assert (viaring.ring_rows_in_step > 0) == in_step and (viaring.ring_rows_before > 0) != in_step
     assert any(it.ring is not None and not it.features.shape[0] for its in ringed.values() for it in its)
     assert any(it.ring is not None and it.features.shape[0] for its in ringed.values() for it in its)
     # an unmapped ring: that item alone is refused

@@ -1,12 +1,24 @@
-"""The feature ring's store of a verify step's committed rows (runtime.feature_ring; reference in
-``reference.py``, Triton in ``triton.py``, picked per call). One launch on CUDA where the
-reference takes six PyTorch ops, whose own host work was most of the store's cost: on an H200,
-62 against 334 us of host time per 64-item step, GPU idle (``benchmarks/gpu/step/run25-ring-probe``).
-The drafter's gather stays two PyTorch ops (``index_select``, ``index_copy_``): their launches took
-less host time there than one Triton launch of a row copy (43 against 95 us). A copy only: the
-Triton path writes the reference's bits."""
+"""The feature ring's device copies (runtime.feature_ring; reference in ``reference.py``, Triton in
+``triton.py``, picked per call).
+
+* :func:`store_rows`: the target's store of a verify step's committed rows. One launch on CUDA
+  where the reference takes six PyTorch ops, whose own host work was most of the store's cost: on
+  an H200, 62 against 334 us of host time per 64-item step, GPU idle
+  (``benchmarks/gpu/step/run25-ring-probe``). :func:`store_rows_meta`: the same inside the
+  target's captured step, its items and the ring's address in a meta buffer (:func:`store_meta`)
+  the step copies in with its inputs: no launch and no index copy on the host.
+* :func:`gather_rows`: the drafter's read of a step's ring rows into its features buffer, inside
+  the drafter's captured step. The rows to copy and the ring's address come from a small int64
+  buffer (:func:`gather_meta`) that the step copies in with its other inputs, so a graph captured
+  before any ring was mapped reads whichever ring the step names, and the host launches nothing
+  for it. Outside a graph, as two PyTorch ops (``index_select``, ``index_copy_``), the read took
+  85-160 us of host time per step on an H200, the GPU idle meanwhile; one Triton launch of it,
+  95 us (``run25-ring-probe``).
+
+Copies only: the Triton paths write the references' bits."""
 
 from kernels._select import impl
+from kernels.ring.reference import META_HEAD, STORE_HEAD, gather_meta, store_meta
 
 
 def store_rows(table, feats, items, counts, slot_rows, dump):
@@ -14,4 +26,22 @@ def store_rows(table, feats, items, counts, slot_rows, dump):
     return impl("ring", table, feats).store_rows(table, feats, items, counts, slot_rows, dump)
 
 
-__all__ = ["store_rows"]
+def store_rows_meta(feats, meta, counts, table=None):
+    """:func:`kernels.ring.reference.store_rows_meta` (Triton on CUDA: it writes the table at the
+    address ``meta`` holds, of ``feats``' dtype, and ``table`` is not needed)."""
+    mod = impl("ring", feats)
+    if mod.__name__.endswith("triton"):
+        return mod.store_rows_meta(feats, meta, counts)
+    return mod.store_rows_meta(feats, meta, counts, table)
+
+
+def gather_rows(dst, meta, table=None):
+    """:func:`kernels.ring.reference.gather_rows` (Triton on CUDA: it reads the table at the
+    address ``meta`` holds, which must be of ``dst``'s dtype, and ``table`` is not needed)."""
+    mod = impl("ring", dst)
+    if mod.__name__.endswith("triton"):
+        return mod.gather_rows(dst, meta)
+    return mod.gather_rows(dst, meta, table)
+
+
+__all__ = ["META_HEAD", "STORE_HEAD", "gather_meta", "gather_rows", "store_meta", "store_rows", "store_rows_meta"]

@@ -1,7 +1,9 @@
-"""The feature ring's store in plain PyTorch: the oracle of ``triton.py``."""
+"""The feature ring's copies in plain PyTorch (the target's store, the drafter's gather): the
+oracles of ``triton.py``."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -23,3 +25,103 @@ def store_rows(table: torch.Tensor, feats: torch.Tensor, items: torch.Tensor, co
     dst = sl[:, None] * slot_rows + (st[:, None] + j) % slot_rows                        # [n, W]
     dst = torch.where(j < counts.index_select(0, br)[:, None], dst, dump)
     table.index_copy_(0, dst.reshape(-1), feats.index_select(0, br).reshape(-1, feats.shape[-1]))
+
+
+#: int64 words of a gather's meta buffer before its row indices: the table's address, the rows to
+#: copy, the table's row stride (elements)
+META_HEAD = 3
+
+
+def gather_meta(meta: np.ndarray, table: torch.Tensor | None, src: np.ndarray, dst: np.ndarray) -> None:
+    """Fill a gather's meta buffer (in place) for :func:`gather_rows`: ``meta`` int64 ``[3 + 2 *
+    M]`` = the table's address, the count ``m``, the table's row stride, then ``M`` source rows
+    (``src``, rows of ``table``) and ``M`` destination rows (``dst``, rows of the flattened
+    destination), the first ``m`` of each used. ``table`` None (or ``m = 0``): nothing to copy.
+
+    Raises:
+        ValueError: more rows than the buffer holds, ``src`` and ``dst`` of different lengths, or
+            a table whose rows are not contiguous.
+    """
+    m = 0 if table is None else len(src)
+    cap = (meta.shape[0] - META_HEAD) // 2
+    if m > cap or len(src) != len(dst):
+        raise ValueError(f"{len(src)} source and {len(dst)} destination rows for a buffer of {cap}")
+    meta[1] = m
+    if not m:
+        return
+    if table.stride(-1) != 1:
+        raise ValueError("the ring table's rows must be contiguous")
+    meta[0] = table.data_ptr()
+    meta[2] = table.stride(0)
+    meta[META_HEAD : META_HEAD + m] = src
+    meta[META_HEAD + cap : META_HEAD + cap + m] = dst
+
+
+def gather_rows(dst: torch.Tensor, meta: torch.Tensor, table: torch.Tensor | None) -> None:
+    """Copy rows of the ring's ``table`` into ``dst`` (in place) as ``meta`` says
+    (:func:`gather_meta`): ``dst[meta.dst[i]] = table[meta.src[i]]`` for ``i < meta.count``,
+    converted to ``dst``'s dtype; the other rows of ``dst`` untouched.
+
+    Args:
+        dst: ``[R, width]`` destination rows (contiguous rows).
+        meta: int64 ``[3 + 2 * M]`` (any device; read on the host here).
+        table: ``[n, width]`` the ring's table (the rows ``meta`` names); None when the count is 0.
+    """
+    m = meta.detach().cpu()
+    count = int(m[1])
+    if not count:
+        return
+    cap = (m.shape[0] - META_HEAD) // 2
+    src = m[META_HEAD : META_HEAD + count].to(table.device)
+    to = m[META_HEAD + cap : META_HEAD + cap + count].to(dst.device)
+    dst.index_copy_(0, to, table.index_select(0, src).to(device=dst.device, dtype=dst.dtype))
+
+
+#: int64 words of a store's meta buffer before its items: the table's address, the items to store,
+#: the table's row stride (elements), the ring's rows per slot, its dump row
+STORE_HEAD = 5
+
+
+def store_meta(meta: np.ndarray, table: torch.Tensor | None, slot_rows: int, dump: int, batch_rows, slots,
+               starts) -> None:
+    """Fill a store's meta buffer (in place) for :func:`store_rows_meta`: ``meta`` int64 ``[5 + 3
+    * M]`` = the table's address, the count ``n``, the table's row stride, ``slot_rows``, ``dump``,
+    then ``M`` batch rows, ``M`` slots and ``M`` first positions (the first ``n`` of each used,
+    as :func:`store_rows`' ``items``). ``table`` None (or no items): nothing to store.
+
+    Raises:
+        ValueError: more items than the buffer holds, or a table whose rows are not contiguous.
+    """
+    n = 0 if table is None else len(batch_rows)
+    cap = (meta.shape[0] - STORE_HEAD) // 3
+    if n > cap:
+        raise ValueError(f"{n} items for a buffer of {cap}")
+    meta[1] = n
+    if not n:
+        return
+    if table.stride(-1) != 1:
+        raise ValueError("the ring table's rows must be contiguous")
+    meta[0], meta[2], meta[3], meta[4] = table.data_ptr(), table.stride(0), slot_rows, dump
+    head = STORE_HEAD
+    meta[head : head + n] = batch_rows
+    meta[head + cap : head + cap + n] = slots
+    meta[head + 2 * cap : head + 2 * cap + n] = starts
+
+
+def store_rows_meta(feats: torch.Tensor, meta: torch.Tensor, counts: torch.Tensor, table: torch.Tensor | None) -> None:
+    """:func:`store_rows` with its items, sizes and table named by a meta buffer
+    (:func:`store_meta`), as the captured step runs it (``table``: the ring's table, which the
+    Triton version reads at the address in ``meta``; None when the count is 0).
+
+    Args:
+        feats: ``[B, W, width]`` the step's tapped features (``table``'s dtype).
+        meta: int64 ``[5 + 3 * M]`` (any device; read on the host here).
+        counts: int64 ``[B]`` accepted rows per batch row, on ``feats``' device.
+    """
+    m = meta.detach().cpu()
+    n = int(m[1])
+    if not n:
+        return
+    cap = (m.shape[0] - STORE_HEAD) // 3
+    items = torch.stack([m[STORE_HEAD + k * cap : STORE_HEAD + k * cap + n] for k in range(3)]).to(table.device)
+    store_rows(table, feats, items, counts, int(m[3]), int(m[4]))

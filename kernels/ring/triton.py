@@ -47,3 +47,87 @@ def store_rows(table: torch.Tensor, feats: torch.Tensor, items: torch.Tensor, co
         _store_rows_kernel[(n * nodes,)](table, feats, items, counts.contiguous(), n, nodes, table.shape[-1],
                                          table.stride(0), feats.stride(0), feats.stride(1), int(slot_rows), int(dump),
                                          BLOCK=_block(table.shape[-1]), num_warps=4)
+
+
+_POINTER = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _gather_rows_kernel(meta_ptr, dst_ptr, width, s_d, cap, DTYPE: tl.constexpr, HEAD: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    p = tl.program_id(0)
+    if p < tl.load(meta_ptr + 1):
+        table = tl.load(meta_ptr).to(tl.pointer_type(DTYPE))   # (the ring's address, set per step)
+        s_t = tl.load(meta_ptr + 2)
+        src = tl.load(meta_ptr + HEAD + p)
+        dst = tl.load(meta_ptr + HEAD + cap + p)
+        for c0 in range(0, width, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            m = cols < width
+            x = tl.load(table + src * s_t + cols, mask=m)
+            tl.store(dst_ptr + dst * s_d + cols, x, mask=m)
+
+
+def gather_rows(dst: torch.Tensor, meta: torch.Tensor) -> None:
+    """Triton version of ``kernels.ring.reference.gather_rows``: one launch of ``M`` programs
+    (those past the count return at once); the table is read at the address in ``meta``, so a
+    captured graph reads whichever table the step's meta names. The table must be of ``dst``'s
+    dtype (a copy, no conversion). Device work only.
+
+    Raises:
+        ValueError: ``dst`` rows not contiguous, ``meta`` not int64 on ``dst``'s device, or
+            ``dst`` not bf16, f16 or f32.
+    """
+    from kernels.ring.reference import META_HEAD
+    dtype = dst.dtype
+    if dst.stride(-1) != 1 or meta.dtype != torch.int64 or meta.device != dst.device or dtype not in _POINTER:
+        raise ValueError("gather_rows needs contiguous bf16 / f16 / f32 destination rows and an int64 meta "
+                         "on their device")
+    cap = (meta.shape[0] - META_HEAD) // 2
+    if cap:
+        _gather_rows_kernel[(cap,)](meta, dst, dst.shape[-1], dst.stride(0), cap, DTYPE=_POINTER[dtype],
+                                    HEAD=META_HEAD, BLOCK=_block(dst.shape[-1]), num_warps=4)
+
+
+@triton.jit
+def _store_meta_kernel(meta_ptr, feats_ptr, counts_ptr, nodes, width, s_fb, s_fw, cap, DTYPE: tl.constexpr,
+                       HEAD: tl.constexpr, BLOCK: tl.constexpr):
+    p = tl.program_id(0)
+    i = p // nodes
+    j = p % nodes
+    if i < tl.load(meta_ptr + 1):
+        table = tl.load(meta_ptr).to(tl.pointer_type(DTYPE))   # (the ring's address, set per step)
+        s_t = tl.load(meta_ptr + 2)
+        slot_rows = tl.load(meta_ptr + 3)
+        dump = tl.load(meta_ptr + 4)
+        b = tl.load(meta_ptr + HEAD + i)
+        s = tl.load(meta_ptr + HEAD + cap + i)
+        start = tl.load(meta_ptr + HEAD + 2 * cap + i)
+        keep = j < tl.load(counts_ptr + b)
+        dst = tl.where(keep, s * slot_rows + (start + j) % slot_rows, dump)
+        for c0 in range(0, width, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            m = cols < width
+            x = tl.load(feats_ptr + b * s_fb + j * s_fw + cols, mask=m)
+            tl.store(table + dst * s_t + cols, x, mask=m)
+
+
+def store_rows_meta(feats: torch.Tensor, meta: torch.Tensor, counts: torch.Tensor) -> None:
+    """Triton version of ``kernels.ring.reference.store_rows_meta``: one launch of ``M * W``
+    programs (those of items past the count return at once); the table is read at the address in
+    ``meta``, so a captured graph writes whichever ring the step's meta names. Device work only.
+
+    Raises:
+        ValueError: ``feats`` rows not contiguous, ``meta`` not int64 on ``feats``' device, or
+            ``feats`` not bf16, f16 or f32.
+    """
+    from kernels.ring.reference import STORE_HEAD
+    if feats.stride(-1) != 1 or meta.dtype != torch.int64 or meta.device != feats.device or feats.dtype not in _POINTER:
+        raise ValueError("store_rows_meta needs contiguous bf16 / f16 / f32 feature rows and an int64 meta on "
+                         "their device")
+    cap = (meta.shape[0] - STORE_HEAD) // 3
+    nodes = feats.shape[1]
+    if cap and nodes:
+        _store_meta_kernel[(cap * nodes,)](meta, feats, counts, nodes, feats.shape[-1], feats.stride(0), feats.stride(1),
+                                           cap, DTYPE=_POINTER[feats.dtype], HEAD=STORE_HEAD,
+                                           BLOCK=_block(feats.shape[-1]), num_warps=4)
