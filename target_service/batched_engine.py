@@ -150,7 +150,7 @@ class _Runner(StepGraph):
         #: ``out_feats``' bytes as a numpy array ``[B, W, F * itemsize]`` (cheap row slices: BatchedEngine._step_features)
         self.out_feats_u8 = self.out_feats.view(torch.uint8).numpy() if self.out_feats is not None else None
         self.ring_meta = self.ring_meta_np = self.ring_meta_dev = None
-        if not prefill and self._dev_feats is not None and use_triton(self._dev_feats):
+        if not prefill and self._dev_feats is not None and use_triton(self._dev_feats) and ring_kernels.in_step("target"):
             self.ring_meta = self.host_buffer(ring_kernels.STORE_HEAD + 3 * batch, dtype=torch.long)
             self.ring_meta_np = self.ring_meta.numpy()
             self.ring_meta_dev = self.device_twin(self.ring_meta)

@@ -17,8 +17,19 @@
 
 Copies only: the Triton paths write the references' bits."""
 
+import os
+
 from kernels._select import impl
 from kernels.ring.reference import META_HEAD, STORE_HEAD, gather_meta, store_meta
+
+
+def in_step(kind: str) -> bool:
+    """Whether an engine of ``kind`` (``"draft"``: the drafter's gather, ``"target"``: the target's
+    store) copies ring rows inside its captured steps (:func:`gather_rows`, :func:`store_rows_meta`;
+    the default where the kernels run in Triton). ``DFLASH_RING_IN_STEP``: ``0`` gives both the
+    launches from the host around the step instead, ``draft`` or ``target`` keeps only that one
+    inside (A/B switches for benchmarks)."""
+    return os.environ.get("DFLASH_RING_IN_STEP", "1") in ("1", kind)
 
 
 def store_rows(table, feats, items, counts, slot_rows, dump):
@@ -44,4 +55,5 @@ def gather_rows(dst, meta, table=None):
     return mod.gather_rows(dst, meta, table)
 
 
-__all__ = ["META_HEAD", "STORE_HEAD", "gather_meta", "gather_rows", "store_meta", "store_rows", "store_rows_meta"]
+__all__ = ["META_HEAD", "STORE_HEAD", "gather_meta", "gather_rows", "in_step", "store_meta", "store_rows",
+           "store_rows_meta"]
