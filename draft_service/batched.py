@@ -482,7 +482,7 @@ class _Runner(StepGraph):
             self.out = self.host_buffer(batch, c.block_size - 1, engine.k, 2, dtype=torch.int32)
             self.out_dev = None
         self.ring_meta = self.ring_meta_np = self.ring_meta_dev = None
-        if use_triton(self.feats_dev) and ring_kernels.in_step("draft"):   # (else gathered before the step: _features_in)
+        if use_triton(self.feats_dev) and ring_kernels.in_step():   # (else gathered before the step: _features_in)
             self.ring_meta = self.host_buffer(ring_kernels.META_HEAD + 2 * batch * rows, dtype=torch.long)
             self.ring_meta_np = self.ring_meta.numpy()
             self.ring_meta_dev = self.device_twin(self.ring_meta)

@@ -26,9 +26,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kernels import ring as ring_kernels
 from kernels.attention import default_splits, split_buckets, splits_for
-from kernels.dispatch import use_triton
 from kernels.linear import batch_invariant
 from target_service.config import TargetConfig
 from target_service.engine import PrefillJob, PrefillOutcome, Sampling, VerifyOutcome, check_prompt
@@ -115,10 +113,7 @@ class _Runner(StepGraph):
     step none of whose sessions wants feature rows copies none, where every row's features of a
     64 x 16 verify are 5.9 MB on SmolLM2 and 42 MB on a 9B shape). ``out``: a ``(host, device)`` pair of byte buffers
     whose first bytes hold ``out_host`` / ``out_dev`` (the prefill runners, which never run at
-    once, share the largest one's: ``BatchedEngine._prefill_out``). A verify runner with taps whose
-    kernels run in Triton (CUDA) also has ``ring_meta`` / ``ring_meta_dev``, a pinned int64 buffer
-    ``[5 + 3 * B]`` naming the feature ring's address and the rows the step stores there
-    (:func:`kernels.ring.store_meta`; none: count 0), stored inside the step (:meth:`body`)."""
+    once, share the largest one's: ``BatchedEngine._prefill_out``)."""
 
     def __init__(self, engine: "BatchedEngine", batch: int, width: int, prefill: bool = False, splits: int = 1,
                  share: "_Runner | None" = None, out: "tuple[torch.Tensor, torch.Tensor] | None" = None):
@@ -128,8 +123,7 @@ class _Runner(StepGraph):
         self.splits = splits
         if share is not None:   # a fewer-split variant of the same shape: the same buffers
             for name in ("host", "host_np", "views", "dev", "out_host", "out_dev", "out_ints", "out_feats",
-                         "out_feats_u8", "_dev_ints", "_dev_feats", "_ints_bytes", "ring_meta", "ring_meta_np",
-                         "ring_meta_dev"):
+                         "out_feats_u8", "_dev_ints", "_dev_feats", "_ints_bytes"):
                 setattr(self, name, getattr(share, name))
             return
         self.host = self.host_buffer(self.layout.size, dtype=torch.long)
@@ -149,17 +143,10 @@ class _Runner(StepGraph):
         self._ints_bytes = n_ints * 8
         #: ``out_feats``' bytes as a numpy array ``[B, W, F * itemsize]`` (cheap row slices: BatchedEngine._step_features)
         self.out_feats_u8 = self.out_feats.view(torch.uint8).numpy() if self.out_feats is not None else None
-        self.ring_meta = self.ring_meta_np = self.ring_meta_dev = None
-        if not prefill and self._dev_feats is not None and use_triton(self._dev_feats) and ring_kernels.in_step("target"):
-            self.ring_meta = self.host_buffer(ring_kernels.STORE_HEAD + 3 * batch, dtype=torch.long)
-            self.ring_meta_np = self.ring_meta.numpy()
-            self.ring_meta_dev = self.device_twin(self.ring_meta)
 
     def body(self) -> None:
         e = self.engine
         self.copy(self.dev, self.host)
-        if self.ring_meta_dev is not None:
-            self.copy(self.ring_meta_dev, self.ring_meta)
         st = StepTensors.from_buffer(self.layout, self.dev, e.conv_kernel)
         if self.prefill:
             out = prefill_step(e.model, e.pool, st, e.rope, e.taps)
@@ -170,10 +157,6 @@ class _Runner(StepGraph):
             with batch_invariant():   # written into the output buffers (ints: path, counts, bonus): no copies after
                 run_step(e.model, e.pool, st, e.rope, e.taps, self.splits, e.max_splits,
                          out_ints=self._dev_ints, out_feats=self._dev_feats)
-            if self.ring_meta_dev is not None:   # the accepted rows into the ring the meta names (none: count 0)
-                bw = self.layout.batch * self.layout.width
-                ring_kernels.store_rows_meta(self._dev_feats, self.ring_meta_dev,
-                                             self._dev_ints[bw : bw + self.layout.batch])
         if self.cuda:   # (off CUDA the host buffer is its own device twin)
             self.copy(self.out_host[: self._ints_bytes], self.out_dev[: self._ints_bytes])
 
@@ -185,10 +168,8 @@ class _Runner(StepGraph):
             self.copy(self.out_feats[:rows], self._dev_feats[:rows])
 
     def fill_idle(self) -> None:
-        """Every row padding in the spare slot (root-only greedy trees), nothing to the ring."""
+        """Every row padding in the spare slot (root-only greedy trees)."""
         self.layout.fill_padding(self.host_np, self.engine.pool.spare, first_row=0, views=self.views)
-        if self.ring_meta_np is not None:
-            self.ring_meta_np[1] = 0
 
     def _views(self, buf: torch.Tensor, n_ints: int, batch: int, width: int, feat: int):
         ints = buf[: n_ints * 8].view(torch.long)
@@ -274,11 +255,9 @@ class BatchedEngine:
         self.prefill_buckets = prefill_sizes(min(prefill_chunk, self.max_context), self.pad_prefill) if self.cuda_graphs else ()
         #: the prefill runners' shared output buffers (:meth:`_prefill_out`)
         self._prefill_bufs: tuple[torch.Tensor, torch.Tensor] | None = None
-        #: steps run, forwards (graphs captured: :attr:`captures`), items whose rows a verify step
-        #: stored in the feature ring itself (kernels.ring.store_rows_meta)
+        #: steps run, forwards (graphs captured: :attr:`captures`)
         self.steps = 0
         self.forwards = 0
-        self.ring_items_in_step = 0
         #: the feature ring (:meth:`feature_ring`), made on first use; ``ring_rows``: rows per
         #: slot it is made with at most (0: no ring), ``ring_bytes`` its most bytes
         self.ring: FeatureRing | None = None
@@ -658,19 +637,7 @@ class BatchedEngine:
                 wants_features = wants_features or bool(s.feature_layers)
         wants_features = wants_features and runner.out_feats is not None
         lay.fill_padding(runner.host_np, self.pool.spare, first_row=b, views=v)
-        meta = runner.ring_meta_np
-        in_step = (meta is not None and bool(ringed) and ring.table.dtype == self.dtype
-                   and ring.table.device == runner._dev_feats.device)
-        if meta is not None:   # the ring's rows stored inside the step (none: count 0)
-            at = [group[r][1] for r in ringed] if in_step else []
-            ring_kernels.store_meta(meta, ring.table if in_step else None, ring.slot_rows if in_step else 0,
-                                    ring.dump if in_step else 0, ringed if in_step else [], [x.slot for x in at],
-                                    [x.length for x in at])
-        fetch = (lambda: runner.fetch_features(b)) if wants_features else None
-        if in_step:
-            self.ring_items_in_step += len(ringed)
-            runner.run(fetch)
-        elif ringed and runner.out_feats is not None:
+        if ringed and runner.out_feats is not None:
             def tail():
                 sessions = [group[r][1] for r in ringed]
                 ring.store(runner._dev_feats, ringed, [x.slot for x in sessions], [x.length for x in sessions],
@@ -680,7 +647,7 @@ class BatchedEngine:
             runner.run(tail)
         else:
             ringed = []
-            runner.run(fetch)
+            runner.run((lambda: runner.fetch_features(b)) if wants_features else None)
         self.steps += 1
         self.forwards += 1
         ints = runner.out_ints.numpy()

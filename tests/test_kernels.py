@@ -492,43 +492,6 @@ def test_ring_store_equals_the_reference(width):
     assert torch.equal(got_t[2], table[2])   # untouched
 
 
-@pytest.mark.parametrize("width", [40, 1100])
-def test_ring_store_from_meta_equals_the_store(width):
-    """The target's in-step ring store (kernels.ring.store_rows_meta: items, sizes and the table's
-    address from a meta buffer) writes what the store of the same items writes (the dump row not
-    compared); items past the count and a count of 0 write nothing."""
-    import numpy as np
-
-    from kernels.ring import STORE_HEAD, store_meta
-    from kernels.ring import reference as RR
-    from kernels.ring import triton as RT
-
-    gen = torch.Generator().manual_seed(6)
-    slots, slot_rows, nodes, batch = 3, 8, 4, 5
-    rows = slots * slot_rows + 1
-    table = torch.randn(rows, width, generator=gen).to(DEV, torch.bfloat16)
-    feats = torch.randn(batch, nodes, width, generator=gen).to(DEV, torch.bfloat16)
-    counts = torch.tensor([1, 4, 2, 3, 4], device=DEV)
-    items = torch.tensor([[1, 3, 4], [0, 2, 1], [6, 3, 0]], device=DEV)
-    cap = batch
-    meta = np.zeros(STORE_HEAD + 3 * cap, dtype=np.int64)
-    store_meta(meta, table, slot_rows, rows - 1, [1, 3, 4], [0, 2, 1], [6, 3, 0])
-    meta[STORE_HEAD + 3], meta[STORE_HEAD + cap + 3] = 0, 2    # past the count: must not be stored
-    got_t, want_t, ref_t = table.clone(), table.clone(), table.clone()
-    meta[0] = got_t.data_ptr()
-    RT.store_rows_meta(feats, torch.from_numpy(meta).to(DEV), counts)
-    RR.store_rows(want_t, feats, items, counts, slot_rows, rows - 1)
-    RR.store_rows_meta(feats, torch.from_numpy(meta), counts, ref_t)
-    assert torch.equal(got_t[:-1], want_t[:-1]) and torch.equal(ref_t[:-1], want_t[:-1])
-    assert torch.equal(got_t[[6, 7, 0, 1]], feats[1]) and torch.equal(got_t[16:18], table[16:18])
-    store_meta(meta, None, slot_rows, rows - 1, [], [], [])   # nothing to store
-    before = got_t.clone()
-    RT.store_rows_meta(feats, torch.from_numpy(meta).to(DEV), counts)
-    assert torch.equal(got_t, before)
-    with pytest.raises(ValueError):
-        store_meta(meta, table, slot_rows, rows - 1, range(cap + 1), range(cap + 1), range(cap + 1))
-
-
 @pytest.mark.parametrize("width,dtype", [(40, torch.bfloat16), (1100, torch.float32)])
 def test_ring_gather_equals_the_reference(width, dtype):
     """The drafter's ring read (kernels.ring.gather_rows) copies what the reference copies: the

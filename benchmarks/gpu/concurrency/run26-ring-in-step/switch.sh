@@ -1,5 +1,7 @@
 # The same tree with the ring copies inside the captured steps (DFLASH_RING_IN_STEP=1, the default)
-# and launched from the host around them (=0, the old path), alternating in one machine session:
+# and launched from the host around them (=0, the old path), alternating in one machine session
+# (at 6c621cf also "draft" / "target": only that engine's copy inside; from the next commit on the
+# switch is the drafter's gather alone, the target's store is always launched after its step):
 # the shipped SmolLM2 pair, three processes, AR and the default tree at LEVELS (default 1,8), 16
 # HumanEval prompts, 2 requests per stream, every request checked against its single-stream AR run.
 # ORDER (default "1 0 1 0"). Run after the `gpu_run.sh stage` calls (run.sh's header).
