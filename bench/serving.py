@@ -95,8 +95,15 @@ def _merge(stats: list[AcceptanceStats]) -> dict[str, Any]:
 
 
 def run_bench(address: str, prompts: Sequence[str], configs: Sequence[BenchConfig], max_tokens: int,
-              timeout: float | None = None, progress=None) -> dict[str, Any]:
+              timeout: float | None = None, progress=None, warmup: int = 1) -> dict[str, Any]:
     """Run every prompt under every configuration against a running orchestrator.
+
+    ``warmup``: requests of the first prompt run under each configuration before its timed ones,
+    their results dropped. A configuration's first requests pay one-time work that steady decoding
+    does not (kernels compiled on first use, memory the services' allocators grow into), which
+    would otherwise land on whichever configuration runs first: in session 26's one-stream step
+    tables the default tree, run first after AR, trailed ``tree:16:4`` by 5-9% in every repeat
+    (``benchmarks/gpu/step/run26-ring-in-step``).
 
     Returns:
         ``{"configs": {name: merged stats + "lossless": bool}, "prompts": n, "max_tokens": m,
@@ -110,6 +117,8 @@ def run_bench(address: str, prompts: Sequence[str], configs: Sequence[BenchConfi
     with Client(address, timeout=timeout) as c:
         for cfg in configs:
             request = GenerateRequest(max_tokens=max_tokens, **cfg.kwargs())
+            for _ in range(max(0, warmup) if prompts else 0):
+                c.generate(prompts[0], request=request)
             stats, same = [], True
             t0 = time.monotonic()
             for i, prompt in enumerate(prompts):

@@ -196,6 +196,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "whether outputs equal target-only decoding. Unknown flags go to every service.",
     )
     p.add_argument("--prompts", type=int, default=8, help="first N HumanEval problems (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed requests of the first prompt before each configuration's timed ones (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--configs", default="ar,chain,tree:16:4,tree:32:4", help="comma-separated (default %(default)s)")
     p.add_argument("--out", default=None, help="write the table to this file")
@@ -583,7 +585,8 @@ def _cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
 
     def measure(address: str) -> dict[str, Any]:
         result = run_bench(address, prompts, configs, args.max_tokens, args.timeout,
-                           progress=lambda name, i, n: print(f"\r{name}: {i}/{n}", end="", file=err, flush=True))
+                           progress=lambda name, i, n: print(f"\r{name}: {i}/{n}", end="", file=err, flush=True),
+                           warmup=args.warmup)
         print(file=err)
         if levels:
             result["concurrency"] = run_concurrency(

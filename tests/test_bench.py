@@ -33,6 +33,47 @@ def test_merge_pools_histograms():
     assert "chain" in table and "1.750" in table
 
 
+def test_run_bench_warms_each_config_untimed(monkeypatch):
+    """run_bench runs ``warmup`` requests of the first prompt under each configuration before its
+    timed ones; they are neither counted nor the lossless reference (a warm-up whose tokens differ
+    does not make the run lossy), and ``warmup=0`` runs none."""
+    import types
+
+    import bench.serving as serving
+
+    calls = []
+
+    class FakeClient:
+        def __init__(self, address, timeout=None):
+            self.n = 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def generate(self, prompt, request):
+            self.n += 1
+            warm = self.n % 4 == 1     # (1 warm-up + 3 prompts per config)
+            calls.append((prompt, request.speculative, warm))
+            return types.SimpleNamespace(stats=_stats([0, 1], [], [], gen=2, secs=0.5 if not warm else 9.0),
+                                         token_ids=[7] if warm else [len(prompt)])
+
+    monkeypatch.setattr(serving, "Client", FakeClient)
+    prompts = ["a", "bb", "ccc"]
+    out = serving.run_bench("x", prompts, [BenchConfig.parse("ar"), BenchConfig.parse("chain")], 8)
+    assert [c[0] for c in calls] == ["a", "a", "bb", "ccc"] * 2
+    assert out["reference_tokens"] == [[1], [2], [3]]
+    for name in ("ar", "chain"):
+        r = out["configs"][name]
+        assert r["generated_tokens"] == 6 and r["decode_time_s"] == pytest.approx(1.5)   # the warm-up not counted
+    assert out["configs"]["chain"]["lossless"]
+    calls.clear()
+    serving.run_bench("x", prompts, [BenchConfig.parse("ar")], 8, warmup=0)
+    assert [c[0] for c in calls] == ["a", "bb", "ccc"]
+
+
 # ------------------------------------------------------------------ tree vs chain (bench_gpu)
 def _ms(x):
     return {"median": x, "min": x, "max": x, "n": 1}

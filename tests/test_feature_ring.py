@@ -58,6 +58,22 @@ def test_store_then_open_and_gather_shm():
         ring.close()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_warm_writes_only_the_dump_row(device):
+    """FeatureRing.warm (run when the target makes its ring, so the store's kernel compiles then)
+    changes no row a reader could be named, only the dump row."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    ring = FeatureRing.create(3, 4, 8, torch.bfloat16, device)
+    try:
+        ring.table.fill_(1.0)
+        ring.warm()
+        assert torch.equal(ring.table[: ring.dump], torch.ones(ring.dump, 8, dtype=torch.bfloat16, device=device))
+        assert not ring.table[ring.dump].any()
+    finally:
+        ring.close()
+
+
 def test_open_refuses_what_it_cannot_map(tmp_path):
     ring = FeatureRing.create(2, 4, 3, torch.float32, "cpu")
     desc = type(ring.descriptor)()
