@@ -101,9 +101,9 @@ def run_bench(address: str, prompts: Sequence[str], configs: Sequence[BenchConfi
     ``warmup``: requests of the first prompt run under each configuration before its timed ones,
     their results dropped. A configuration's first requests pay one-time work that steady decoding
     does not (kernels compiled on first use, memory the services' allocators grow into), which
-    would otherwise land on whichever configuration runs first: in session 26's one-stream step
-    tables the default tree, run first after AR, trailed ``tree:16:4`` by 5-9% in every repeat
-    (``benchmarks/gpu/step/run26-ring-in-step``).
+    would otherwise land on whichever configuration runs first: without it, the speculative
+    configuration run second was 8-119% faster than the one run first in four runs of four,
+    whichever tree each was; with it the two were within 3% (``benchmarks/gpu/step/run26-order``).
 
     Returns:
         ``{"configs": {name: merged stats + "lossless": bool}, "prompts": n, "max_tokens": m,

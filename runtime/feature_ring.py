@@ -209,10 +209,9 @@ class FeatureRing:
     def warm(self) -> None:
         """Run the store once into the dump row (one item, no accepted rows): on CUDA its kernel,
         which runs outside the captured steps, compiles now rather than in the first verify step
-        that stores rows. On an H200 the first speculative configuration of a fresh machine paid
-        3.99 ms of target step time a step against 1.25 for the next one, and 8-10% of its tok/s on
-        a warm one (``benchmarks/gpu/step/run26-order``). Device work only; nothing a reader sees
-        changes."""
+        that stores rows: on a fresh H200 the first speculative requests' target steps took 3.99
+        ms a step against 1.25 for later ones, 1.51 with this (``benchmarks/gpu/step/run26-order``).
+        Device work only; nothing a reader sees changes."""
         feats = torch.zeros(1, 1, self.width, dtype=self.table.dtype, device=self.table.device)
         self.store(feats, [0], [0], [0], torch.zeros(1, dtype=torch.long, device=self.table.device))
 
