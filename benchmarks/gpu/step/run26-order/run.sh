@@ -3,11 +3,9 @@
 # both orders, without (--warmup 0, as every step table before session 26) and with one untimed
 # request per configuration (--warmup 1, bench's default from then on). VARIANTS (default below):
 # "ORDER:WARMUP" pairs, ORDER a = ar,tree:15:4,tree:16:4, b = ar,tree:16:4,tree:15:4. Run after the
-# `gpu_run.sh stage` calls (benchmarks/gpu/concurrency/run26-ring-in-step/run.sh's header).
+# `gpu_run.sh stage` calls (benchmarks/gpu/concurrency/run25-staging/run.sh's header).
 set -u
-source <(sed -n '/^OUT=/,/^mkdir -p "\$STAGE"/p' tools/gpu_run.sh)
-export PYTHONPATH=/tmp/site:$PWD:$PWD/proto PYTHONUNBUFFERED=1
-eval "$(sed -n '/^install_wheels()/,/^}/p;/^llamacpp_build_bg()/,/^}/p;/^smollm()/,/^}/p;/^timed_start()/,/^}/p' tools/gpu_run.sh)"
+source tools/gpu_env.sh
 smol=$(timed_start) || exit 1
 k=0
 for v in ${VARIANTS:-a:0 b:0 a:1 b:1 b:0 a:0}; do
