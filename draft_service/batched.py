@@ -80,7 +80,6 @@ from kernels import attention as attn_ops
 from kernels import ring as ring_kernels
 from kernels.attention import default_splits, split_buckets, splits_for
 from kernels.ddtree import PackedLayout, step_output
-from kernels.dispatch import use_triton
 from kernels.linear import batch_invariant
 from kernels.topk.reference import topk_log_softmax as topk_reference
 from runtime.errors import EngineError, FailedPrecondition, InvalidArgument, Reason, ResourceExhausted
@@ -236,7 +235,7 @@ def check_item(item: DraftItem, config) -> tuple[torch.Tensor, int]:
         raise InvalidArgument(f"tree max_depth {item.max_depth} is over the drafter's block size - 1 = {full}")
     if item.ring is not None:
         ring, slot, n = item.ring
-        if ring is None:
+        if ring is None or ring.closed:   # (closed: unmapped while the item waited, DraftServiceServicer.feature_ring)
             raise FailedPrecondition("the item's rows are in a feature ring this drafter cannot read; send them as bytes",
                                      reason=Reason.RING_UNAVAILABLE)
         if ring.width != width:
@@ -450,11 +449,11 @@ class _Runner(StepGraph):
     a pinned int64 buffer ``[7, batch]`` (:data:`_FIELDS`), a pinned features buffer ``[batch,
     rows, N*H]`` in the model dtype, and a pinned int32 output: with device trees the packed rows
     ``[batch, layout.size]`` (:class:`kernels.ddtree.PackedLayout`: table, tree tokens, parents,
-    node count), else ``[batch, B-1, K, 2]`` (log-prob bits, token). Where the kernels run in
-    Triton (CUDA) also a pinned int64
-    ring meta buffer ``[3 + 2 * batch * rows]`` (:func:`kernels.ring.gather_meta`): the feature
-    ring rows the step reads, gathered inside the step (:meth:`body`) from the ring whose address
-    it holds. ``splits``: the attention kernel's key-range splits of this step
+    node count), else ``[batch, B-1, K, 2]`` (log-prob bits, token). Where the ring's gather runs
+    in Triton (CUDA) and ``DFLASH_RING_IN_STEP`` is not ``0`` (:func:`kernels.ring.gathers_in_step`)
+    also a pinned int64 ring meta buffer ``[3 + 2 * batch * rows]`` (:func:`kernels.ring.gather_meta`):
+    the feature ring rows the step reads, gathered inside the step (:meth:`body`) from the ring whose
+    address it holds (a count of 0 on every step without them). ``splits``: the attention kernel's key-range splits of this step
     (``kernels.attention.splits_for``); ``share``: the runner of the same shape whose buffers a
     fewer-split variant uses."""
 
@@ -482,7 +481,7 @@ class _Runner(StepGraph):
             self.out = self.host_buffer(batch, c.block_size - 1, engine.k, 2, dtype=torch.int32)
             self.out_dev = None
         self.ring_meta = self.ring_meta_np = self.ring_meta_dev = None
-        if use_triton(self.feats_dev) and ring_kernels.in_step():   # (else gathered before the step: _features_in)
+        if ring_kernels.gathers_in_step(self.feats_dev):   # (else gathered before the step: _features_in)
             self.ring_meta = self.host_buffer(ring_kernels.META_HEAD + 2 * batch * rows, dtype=torch.long)
             self.ring_meta_np = self.ring_meta.numpy()
             self.ring_meta_dev = self.device_twin(self.ring_meta)
@@ -555,7 +554,7 @@ class _Runner(StepGraph):
             if self.cuda:
                 idx = idx.pin_memory().to(self.device, non_blocking=True)
             # (two PyTorch ops: on an H200 their launches took less host time than one Triton launch
-            # of kernels.ring.copy_rows, 43 against 95 us: benchmarks/gpu/step/run25-ring-probe)
+            # of a row copy, 43 against 95 us: benchmarks/gpu/step/run25-ring-probe)
             flat = self.feats_dev.view(-1, self.feats_dev.shape[-1])
             flat.index_copy_(0, idx[1], ring.gather(idx[0]).to(flat.dtype))
 

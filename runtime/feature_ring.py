@@ -174,6 +174,11 @@ class FeatureRing:
             return cls(table, desc.slots, desc.slot_rows, desc)
         raise RingUnavailable(f"unknown feature ring kind {desc.kind!r}")
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` dropped the table."""
+        return self.table.dim() != 2
+
     def close(self) -> None:
         """Drop the table (the creator also removes its shm directory)."""
         self.table = torch.empty(0)

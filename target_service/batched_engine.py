@@ -366,7 +366,10 @@ class BatchedEngine:
             log.warning("no feature ring: feature rows go in the replies", extra={"error": str(e)[:200]})
             self._ring_failed = True
             return None
-        self.ring.warm()   # (its store's kernel compiled now, not in the first step that stores rows)
+        try:   # (its store's kernel compiled now, not in the first step that stores rows)
+            self.ring.warm()
+        except Exception as e:  # noqa: BLE001 - the ring works without it; the compile comes later
+            log.warning("feature ring: warming its store failed", extra={"error": str(e)[:200]})
         log.info("feature ring made", extra={"slots": self.pool.slots, "slot_rows": rows,
                                              "kind": self.ring.descriptor.kind})
         return self.ring

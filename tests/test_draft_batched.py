@@ -378,6 +378,59 @@ def _cuda_drafter(files, dtype):
     return load_drafter(path, tiny.path, device="cuda", dtype=dtype)
 
 
+@pytest.mark.parametrize("pattern", ["ring-then-bytes", "alternating"])
+def test_ring_meta_count_is_reset(drafter, monkeypatch, pattern):
+    """The in-step gather's meta buffer outlives a step (kernels.ring.gather_rows through Triton's
+    interpreter): a step whose rows all come as bytes after one that read the ring must copy no
+    ring row over them (its count is 0), so its trees equal those of the same rows sent as bytes."""
+    from runtime.feature_ring import FeatureRing
+
+    monkeypatch.delenv("DFLASH_RING_IN_STEP", raising=False)
+    monkeypatch.setenv("DFLASH_KERNELS", "triton")
+    sids = ["a", "b", "c"]
+    items = streams(drafter, sids, steps=5, seed=11, dtype=torch.float32)
+    c = drafter.config
+    ring = FeatureRing.create(len(sids), 32, c.feature_size, torch.float32, "cpu")
+    ringed = {}
+    for k, sid in enumerate(sids):
+        out = []
+        for s, it in enumerate(items[sid]):
+            n = it.features.shape[0]
+            use = s == 1 if pattern == "ring-then-bytes" else s % 2 == 1   # (step 0 carries more rows than a step)
+            if use and n:
+                ring.table[torch.from_numpy(ring.rows_of([k], [it.committed_length], [n]))] = it.features
+                out.append(it._replace(features=it.features[:0], ring=(ring, k, n)))
+            else:
+                out.append(it)
+        ringed[sid] = out
+    plain, viaring = batched(drafter, pad_batches=True), batched(drafter, pad_batches=True)
+    for want_batch, got_batch in zip(lockstep(items), lockstep(ringed)):
+        assert trees(viaring.propose_batch(got_batch)) == trees(plain.propose_batch(want_batch))
+    assert viaring.ring_rows_in_step > 0
+    ring.close()
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_a_closed_ring_refuses_only_its_items(drafter, monkeypatch, kernels):
+    """An item naming a ring the drafter has since unmapped (DraftServiceServicer.feature_ring
+    drops the least recently used) is refused with RING_UNAVAILABLE; the others are served. Its
+    table's address is not read (under Triton the in-step gather would read address 0)."""
+    from runtime.feature_ring import FeatureRing
+
+    monkeypatch.delenv("DFLASH_RING_IN_STEP", raising=False)
+    monkeypatch.setenv("DFLASH_KERNELS", kernels)
+    c = drafter.config
+    ring = FeatureRing.create(2, 32, c.feature_size, torch.float32, "cpu")
+    eng = batched(drafter, pad_batches=True)
+    first = [DraftItem("a", torch.randn(3, c.feature_size), 1, 3), DraftItem("b", torch.randn(3, c.feature_size), 1, 3)]
+    assert not any(isinstance(o, BaseException) for o in eng.propose_batch(first))
+    ring.close()
+    assert ring.closed
+    outs = eng.propose_batch([DraftItem("a", None, 1, 5, ring=(ring, 0, 2)), DraftItem("b", torch.randn(2, c.feature_size), 1, 5)])
+    assert isinstance(outs[0], EngineError) and outs[0].reason.value == "RING_UNAVAILABLE"
+    assert not isinstance(outs[1], BaseException)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_gpu_float32_identical_trees(files, graphs):
@@ -446,6 +499,8 @@ def test_ring_rows_equal_rows_sent(files, drafter, pad, device, ring_dtype, monk
     ``cpu-triton``: the in-step gather on the CPU, through Triton's interpreter."""
     from runtime.feature_ring import FeatureRing
 
+    monkeypatch.delenv("DFLASH_RING_IN_STEP", raising=False)
+    monkeypatch.delenv("DFLASH_KERNELS", raising=False)
     if device == "cuda":
         if not torch.cuda.is_available():
             pytest.skip("needs a CUDA device")
@@ -474,7 +529,7 @@ def test_ring_rows_equal_rows_sent(files, drafter, pad, device, ring_dtype, monk
         viaring.capture()
     for want_batch, got_batch in zip(lockstep(items), lockstep(ringed)):
         assert trees(viaring.propose_batch(got_batch)) == trees(plain.propose_batch(want_batch))
-    in_step = ring_dtype == viaring.dtype and (device == "cuda" or os.environ.get("DFLASH_KERNELS") == "triton")
+    in_step = ring_dtype == viaring.dtype and (device == "cuda" or os.environ.get("DFLASH_KERNELS") == "triton")   # (env set above)
     assert (viaring.ring_rows_in_step > 0) == in_step and (viaring.ring_rows_before > 0) != in_step
     assert any(it.ring is not None and not it.features.shape[0] for its in ringed.values() for it in its)
     assert any(it.ring is not None and it.features.shape[0] for its in ringed.values() for it in its)

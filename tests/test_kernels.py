@@ -523,3 +523,8 @@ def test_ring_gather_equals_the_reference(width, dtype):
     assert torch.equal(got, want)
     with pytest.raises(ValueError):
         gather_meta(meta, table, np.arange(cap + 1), np.arange(cap + 1))
+    for bad_src, bad_table in ((np.array([3, 25]), table), (np.array([0]), torch.empty(0))):   # (25: past the table; a closed ring's)
+        meta[1] = 5
+        with pytest.raises(ValueError):
+            gather_meta(meta, bad_table, bad_src, np.array([0, 1])[: len(bad_src)])
+        assert meta[1] == 0   # (nothing to copy after a refusal)

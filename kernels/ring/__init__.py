@@ -32,6 +32,15 @@ def in_step() -> bool:
     return os.environ.get("DFLASH_RING_IN_STEP", "1") != "0"
 
 
+def gathers_in_step(dst) -> bool:
+    """Whether :func:`gather_rows` into ``dst`` runs as the Triton kernel that reads the table's
+    address from the meta buffer (so a captured step can hold it) and :func:`in_step` allows it:
+    the drafter's runner asks this, so it holds a ring meta buffer exactly where its step's
+    :func:`gather_rows` call takes the in-step path (the reference reads the meta on the host,
+    which a captured step cannot do)."""
+    return in_step() and impl("ring", dst).__name__.endswith("triton")
+
+
 def store_rows(table, feats, items, counts, slot_rows, dump):
     """:func:`kernels.ring.reference.store_rows` (Triton on CUDA)."""
     return impl("ring", table, feats).store_rows(table, feats, items, counts, slot_rows, dump)
@@ -46,4 +55,4 @@ def gather_rows(dst, meta, table=None):
     return mod.gather_rows(dst, meta, table)
 
 
-__all__ = ["META_HEAD", "gather_meta", "gather_rows", "in_step", "store_rows"]
+__all__ = ["META_HEAD", "gather_meta", "gather_rows", "gathers_in_step", "in_step", "store_rows"]

@@ -39,18 +39,22 @@ def gather_meta(meta: np.ndarray, table: torch.Tensor | None, src: np.ndarray, d
     destination), the first ``m`` of each used. ``table`` None (or ``m = 0``): nothing to copy.
 
     Raises:
-        ValueError: more rows than the buffer holds, ``src`` and ``dst`` of different lengths, or
-            a table whose rows are not contiguous.
+        ValueError: more rows than the buffer holds, ``src`` and ``dst`` of different lengths, a
+            table that is not 2-D with contiguous rows (a closed ring's), or a source row outside
+            it (the count is then 0: nothing is copied).
     """
     m = 0 if table is None else len(src)
     cap = (meta.shape[0] - META_HEAD) // 2
+    meta[1] = 0
     if m > cap or len(src) != len(dst):
         raise ValueError(f"{len(src)} source and {len(dst)} destination rows for a buffer of {cap}")
-    meta[1] = m
     if not m:
         return
-    if table.stride(-1) != 1:
-        raise ValueError("the ring table's rows must be contiguous")
+    if table.dim() != 2 or table.stride(-1) != 1:
+        raise ValueError("the ring table must be 2-D with contiguous rows (a closed ring's is not)")
+    if int(np.min(src)) < 0 or int(np.max(src)) >= table.shape[0]:
+        raise ValueError(f"ring rows outside the table's {table.shape[0]}")
+    meta[1] = m
     meta[0] = table.data_ptr()
     meta[2] = table.stride(0)
     meta[META_HEAD : META_HEAD + m] = src

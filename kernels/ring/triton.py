@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["n_items", "nodes"])   # (one compile for every batch and width: see store_rows)
+@triton.jit(do_not_specialize=["n_items", "nodes"], do_not_specialize_on_alignment=["feats_ptr", "counts_ptr"])
 def _store_rows_kernel(table_ptr, feats_ptr, items_ptr, counts_ptr, n_items, nodes, width, s_t, s_fb, s_fw,
                        slot_rows, dump, BLOCK: tl.constexpr):
     p = tl.program_id(0)
@@ -33,11 +33,12 @@ def _block(width: int) -> int:
 
 def store_rows(table: torch.Tensor, feats: torch.Tensor, items: torch.Tensor, counts: torch.Tensor,
                slot_rows: int, dump: int) -> None:
-    """Triton version of ``kernels.ring.reference.store_rows``. The item and node counts are not
-    specialised on (Triton would compile a variant for a count of 1 and for multiples of 16): the
-    kernel runs outside the captured step, so each variant compiled the first time a step had
-    such a count, inside a request (:meth:`runtime.feature_ring.FeatureRing.warm` compiles the one
-    variant when the ring is made).
+    """Triton version of ``kernels.ring.reference.store_rows``. Neither the item and node counts
+    (Triton would compile a variant for a count of 1 and for multiples of 16) nor the alignment of
+    the features and counts (views at offsets into the step's output buffer: a one-row step's are
+    not 16-byte aligned) are specialised on: the kernel runs outside the captured step, so each
+    variant compiled the first time a step had it, inside a request
+    (:meth:`runtime.feature_ring.FeatureRing.warm` compiles the one variant when the ring is made).
 
     Raises:
         ValueError: rows that are not contiguous, widths or dtypes that differ.
