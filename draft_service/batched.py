@@ -449,11 +449,12 @@ class _Runner(StepGraph):
     a pinned int64 buffer ``[7, batch]`` (:data:`_FIELDS`), a pinned features buffer ``[batch,
     rows, N*H]`` in the model dtype, and a pinned int32 output: with device trees the packed rows
     ``[batch, layout.size]`` (:class:`kernels.ddtree.PackedLayout`: table, tree tokens, parents,
-    node count), else ``[batch, B-1, K, 2]`` (log-prob bits, token). Where the ring's gather runs
-    in Triton (CUDA) and ``DFLASH_RING_IN_STEP`` is not ``0`` (:func:`kernels.ring.gathers_in_step`)
-    also a pinned int64 ring meta buffer ``[3 + 2 * batch * rows]`` (:func:`kernels.ring.gather_meta`):
-    the feature ring rows the step reads, gathered inside the step (:meth:`body`) from the ring whose
-    address it holds (a count of 0 on every step without them). ``splits``: the attention kernel's key-range splits of this step
+    node count), else ``[batch, B-1, K, 2]`` (log-prob bits, token). Where the ring's gather
+    runs in Triton (CUDA) and ``DFLASH_RING_IN_STEP`` is not ``0``
+    (:func:`kernels.ring.gathers_in_step`) also a pinned int64 ring meta buffer ``[3 + 2 * batch
+    * rows]`` (:func:`kernels.ring.gather_meta`): the feature ring rows the step reads, gathered
+    inside the step (:meth:`body`) from the ring whose address it holds (a count of 0 on every
+    step without them). ``splits``: the attention kernel's key-range splits of this step
     (``kernels.attention.splits_for``); ``share``: the runner of the same shape whose buffers a
     fewer-split variant uses."""
 
@@ -467,7 +468,8 @@ class _Runner(StepGraph):
             self.host, self.host_np, self.dev = share.host, share.host_np, share.dev
             self.feats_host, self.feats_dev, self.out = share.feats_host, share.feats_dev, share.out
             self.out_dev = share.out_dev
-            self.ring_meta, self.ring_meta_np, self.ring_meta_dev = share.ring_meta, share.ring_meta_np, share.ring_meta_dev
+            self.ring_meta, self.ring_meta_np = share.ring_meta, share.ring_meta_np
+            self.ring_meta_dev = share.ring_meta_dev
             return
         self.host = self.host_buffer(len(_FIELDS), batch, dtype=torch.long)
         self.host_np = self.host.numpy()
@@ -532,9 +534,9 @@ class _Runner(StepGraph):
         only): the first ``batch`` rows of the host buffer when some came from the host
         (``host_rows``), the rows already on the device (``on_device``: ``(batch row, [n, N*H])``),
         and the feature ring's rows (``ring_at``: ``(batch row, slot, rows, committed length)``).
-        With the ring meta buffer (CUDA) and a ring of the step's dtype, the ring's rows are only named in the ring meta
-        buffer and the step gathers them (:meth:`body`: no launch here, the host's part is
-        computing the indices); else one gather and one scatter here."""
+        With the ring meta buffer (CUDA) and a ring of the step's dtype on its device, the ring's
+        rows are only named in that buffer and the step gathers them (:meth:`body`: no launch
+        here, the host's part is computing the indices); else one gather and one scatter here."""
         if host_rows:
             self.copy(self.feats_dev[:batch], self.feats_host[:batch])
         for r, t in on_device:
