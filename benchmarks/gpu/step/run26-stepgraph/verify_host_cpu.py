@@ -9,7 +9,6 @@ Output on the 2-core CPU box (verify_host_cpu.txt): width, ring, microseconds.
 """
 import random, time, sys, statistics
 sys.path[:0]=['.','proto']
-import torch
 from fixtures.tiny_models import write_tiny_llama
 from target_service.batched_engine import BatchedEngine
 from target_service.engine import Sampling
