@@ -329,11 +329,16 @@ class BatchedEngine:
         """Build the runner of every bucket and prefill chunk size (largest first, so the shared
         graph memory pool is sized once) and, with CUDA graphs, capture it; eagerly, run each
         once. Returns the number of runners. ``progress`` shows a tqdm bar (graph capture also
-        pays Triton JIT compilation)."""
+        pays Triton JIT compilation). With taps, also make the feature ring (:meth:`feature_ring`),
+        so the first request that uses it does not pay for making it and compiling its store: on
+        a fresh H200 the first speculative requests waited behind that in their Prefill
+        (``benchmarks/gpu/step/run26-order``)."""
         shapes = [(b, w, False, sp) for b, w in self.buckets() for sp in reversed(self.split_buckets)] + \
             [(1, w, True, 1) for w in self.prefill_buckets]
         n = self.graphs.capture(shapes, size=lambda s: s[0] * s[1], progress=progress)
         self._warm_prefill()
+        if self.taps:   # (the launcher starts the target with its drafter's layers: the ring is wanted)
+            self.feature_ring()
         return n
 
     def _warm_prefill(self) -> None:
@@ -350,8 +355,8 @@ class BatchedEngine:
         """The feature ring (:mod:`runtime.feature_ring`): one slot per session slot of
         ``ring_rows`` rows (fewer where ``ring_bytes`` holds fewer; none below
         a tree's rows and :data:`RING_LEAST_ROWS` more) of the tapped features, made on the first
-        call (on the step loop's thread). None: no taps, no ring configured, or no memory for it
-        (then never again)."""
+        call (by :meth:`capture` where the taps are known then, else on the step loop's thread).
+        None: no taps, no ring configured, or no memory for it (then never again)."""
         if self.ring is not None or self._ring_failed or not self.taps:
             return self.ring
         item = torch.empty(0, dtype=self.dtype).element_size()

@@ -74,6 +74,26 @@ def test_warm_writes_only_the_dump_row(device):
         ring.close()
 
 
+def test_capture_makes_the_ring_where_the_taps_are_known(tiny_llama):
+    """BatchedEngine.capture makes the feature ring (and warms its store) when the engine was
+    built with feature layers, as the launcher starts the target, so no request pays for it; an
+    engine without taps makes none; the ring is the one later calls get."""
+    from target_service.batched_engine import BatchedEngine
+    from target_service.models.llama import LlamaModel
+
+    model = LlamaModel.from_gguf(str(tiny_llama.path))
+    kw = dict(max_sessions=2, max_context=64, max_tree_width=8, max_tree_depth=8, pad_to_buckets=True, ring_rows=25)
+    eng = BatchedEngine(model, feature_layers=[0, 1], **kw)
+    assert eng.ring is None
+    eng.capture()
+    ring = eng.ring
+    assert ring is not None and ring.width == eng.feature_width and eng.feature_ring() is ring
+    ring.close()
+    bare = BatchedEngine(model, **kw)
+    bare.capture()
+    assert bare.ring is None
+
+
 def test_open_refuses_what_it_cannot_map(tmp_path):
     ring = FeatureRing.create(2, 4, 3, torch.float32, "cpu")
     desc = type(ring.descriptor)()
