@@ -49,10 +49,7 @@ def store_rows(table, feats, items, counts, slot_rows, dump):
 def gather_rows(dst, meta, table=None):
     """:func:`kernels.ring.reference.gather_rows` (Triton on CUDA: it reads the table at the
     address ``meta`` holds, which must be of ``dst``'s dtype, and ``table`` is not needed)."""
-    mod = impl("ring", dst)
-    if mod.__name__.endswith("triton"):
-        return mod.gather_rows(dst, meta)
-    return mod.gather_rows(dst, meta, table)
+    return impl("ring", dst).gather_rows(dst, meta, table)
 
 
 __all__ = ["META_HEAD", "gather_meta", "gather_rows", "gathers_in_step", "in_step", "store_rows"]

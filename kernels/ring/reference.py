@@ -79,4 +79,3 @@ def gather_rows(dst: torch.Tensor, meta: torch.Tensor, table: torch.Tensor | Non
     src = m[META_HEAD : META_HEAD + count].to(table.device)
     to = m[META_HEAD + cap : META_HEAD + cap + count].to(dst.device)
     dst.index_copy_(0, to, table.index_select(0, src).to(device=dst.device, dtype=dst.dtype))
-

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.ring.reference import META_HEAD
+
 
 @triton.jit(do_not_specialize=["n_items", "nodes"], do_not_specialize_on_alignment=["feats_ptr", "counts_ptr"])
 def _store_rows_kernel(table_ptr, feats_ptr, items_ptr, counts_ptr, n_items, nodes, width, s_t, s_fb, s_fw,
@@ -73,17 +75,16 @@ def _gather_rows_kernel(meta_ptr, dst_ptr, width, s_d, cap, DTYPE: tl.constexpr,
             tl.store(dst_ptr + dst * s_d + cols, x, mask=m)
 
 
-def gather_rows(dst: torch.Tensor, meta: torch.Tensor) -> None:
+def gather_rows(dst: torch.Tensor, meta: torch.Tensor, table: torch.Tensor | None = None) -> None:
     """Triton version of ``kernels.ring.reference.gather_rows``: one launch of ``M`` programs
-    (those past the count return at once); the table is read at the address in ``meta``, so a
-    captured graph reads whichever table the step's meta names. The table must be of ``dst``'s
-    dtype (a copy, no conversion). Device work only.
+    (those past the count return at once); the table is read at the address in ``meta`` (``table``
+    is not read), so a captured graph reads whichever table the step's meta names. The table must
+    be of ``dst``'s dtype (a copy, no conversion). Device work only.
 
     Raises:
         ValueError: ``dst`` rows not contiguous, ``meta`` not int64 on ``dst``'s device, or
             ``dst`` not bf16, f16 or f32.
     """
-    from kernels.ring.reference import META_HEAD
     dtype = dst.dtype
     if dst.stride(-1) != 1 or meta.dtype != torch.int64 or meta.device != dst.device or dtype not in _POINTER:
         raise ValueError("gather_rows needs contiguous bf16 / f16 / f32 destination rows and an int64 meta "
@@ -92,4 +93,3 @@ def gather_rows(dst: torch.Tensor, meta: torch.Tensor) -> None:
     if cap:
         _gather_rows_kernel[(cap,)](meta, dst, dst.shape[-1], dst.stride(0), cap, DTYPE=_POINTER[dtype],
                                     HEAD=META_HEAD, BLOCK=_block(dst.shape[-1]), num_warps=4)
-
