@@ -31,7 +31,7 @@ from typing import Any, Callable
 import grpc
 
 from dflash_grpc import localhop, serving
-from dflash_grpc.localhop import REPLY, endpoint_path, parse_status, recv_frame, send_buffers, widen
+from dflash_grpc.localhop import REPLY, endpoint_path, on_socket, parse_status, recv_frame, send_buffers, widen
 from dflash_grpc.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from orchestrator import metrics
 from orchestrator.messages import parse_verify_reply
@@ -552,7 +552,7 @@ class LocalHopCall:
         """End the call from another thread: the socket is shut down both ways, so a thread
         waiting for the reply wakes (its exchange fails) and the service sees the call end; the
         waiting thread closes the connection (closing alone would not wake its ``poll``)."""
-        _on_socket(self._conn, lambda s: s.shutdown(socket.SHUT_RDWR))
+        on_socket(self._conn, lambda s: s.shutdown(socket.SHUT_RDWR))
 
 
 #: Use a peer's same-host hop (:class:`LocalHopCall`) when it offers one (:func:`open_local`);
@@ -633,26 +633,11 @@ class HopRefused(Exception):
         self.code = code
 
 
-def _on_socket(conn, fn: Callable[[socket.socket], Any]) -> None:
-    """``fn`` on a socket object for ``conn``'s socket (a duplicate descriptor of it, closed
-    after; an ``OSError``, e.g. a connection already closed, is ignored)."""
-    try:
-        s = socket.socket(fileno=os.dup(conn.fileno()))
-    except OSError:
-        return
-    try:
-        fn(s)
-    except OSError:
-        pass
-    finally:
-        s.close()
-
-
 def _receive_timeout(call: "LocalHopCall", seconds: float) -> None:
     """Bound every blocking read of ``call``'s socket by ``seconds`` (``SO_RCVTIMEO``): a reply
     that stops halfway then fails the read (UNAVAILABLE) instead of blocking its thread forever."""
     sec = max(0.001, float(seconds))
-    _on_socket(call._conn, lambda s: s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+    on_socket(call._conn, lambda s: s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
                                                   struct.pack("ll", int(sec), int((sec % 1) * 1e6))))
 
 

@@ -288,9 +288,9 @@ def spin_wait(poller, seconds: float) -> bool:
             return False
 
 
-def widen(conn: Connection, nbytes: int = SOCKET_BUFFER_BYTES) -> None:
-    """Ask for ``nbytes`` of socket buffer each way on ``conn``'s socket (best effort: the kernel
-    caps it; an error, e.g. not a socket, leaves it as it was)."""
+def on_socket(conn: Connection, fn: Callable[[socket.socket], Any]) -> None:
+    """``fn`` on a socket object for ``conn``'s socket (a duplicate descriptor of it, closed after);
+    best effort: an ``OSError`` (a connection already closed, not a socket, ...) is ignored."""
     try:
         fd = os.dup(conn.fileno())
     except OSError:
@@ -301,13 +301,22 @@ def widen(conn: Connection, nbytes: int = SOCKET_BUFFER_BYTES) -> None:
         os.close(fd)
         return
     try:
-        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            if s.getsockopt(socket.SOL_SOCKET, opt) < nbytes:
-                s.setsockopt(socket.SOL_SOCKET, opt, nbytes)
+        fn(s)
     except OSError:
         pass
     finally:
         s.close()
+
+
+def widen(conn: Connection, nbytes: int = SOCKET_BUFFER_BYTES) -> None:
+    """Ask for ``nbytes`` of socket buffer each way on ``conn``'s socket (best effort: the kernel
+    caps it; an error, e.g. not a socket, leaves it as it was)."""
+    def grow(s: socket.socket) -> None:
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            if s.getsockopt(socket.SOL_SOCKET, opt) < nbytes:
+                s.setsockopt(socket.SOL_SOCKET, opt, nbytes)
+
+    on_socket(conn, grow)
 
 
 def recv_frame(conn: Connection, maxsize: int | None = None) -> memoryview:
@@ -602,4 +611,5 @@ def endpoint_path(endpoint: str) -> tuple[str, str] | None:
 
 __all__ = ["CUDA_SPIN_S", "Frames", "HopAborted", "HopServer", "LocalContext", "REPLY", "SPIN_S", "STATUS", "UnaryContext",
            "endpoint_path",
-           "parse_status", "recv_frame", "resolve", "send_buffers", "send_frame", "spin_for_device", "spin_wait", "widen"]
+           "on_socket", "parse_status", "recv_frame", "resolve", "send_buffers", "send_frame", "spin_for_device",
+           "spin_wait", "widen"]
