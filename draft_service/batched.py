@@ -573,6 +573,63 @@ class _Runner(StepGraph):
         return StepResult(table[..., 0].view(np.float32), table[..., 1], (tokens, parents, count))
 
 
+class _AppendRunner(StepGraph):
+    """The captured form of :meth:`BatchedDrafter._append_rows` for up to ``rows`` context rows
+    (a CUDA graph per size of :attr:`BatchedDrafter.append_buckets`): a pinned int64 buffer ``[2,
+    rows]`` (each row's pool slot and position) and a device features buffer ``[rows, N*H]`` in
+    the model dtype; the step is :meth:`FusedDrafter._context` over all ``rows`` inside
+    :func:`kernels.linear.batch_invariant`, so a row's K/V have the bits the eager append gives it
+    at any chunk size; rows past the append's are padding in the spare slot. Why: eagerly each
+    chunk cost about 0.8 ms of host time (some 25 PyTorch and Triton launches and two blocking
+    copies of its slots and positions) and at 64 streams that was 1.45 of the drafter's 3.0 ms a
+    tick (``benchmarks/gpu/step/run27-engine-host``); replayed it is one launch and the copies."""
+
+    def __init__(self, engine: "BatchedDrafter", rows: int):
+        super().__init__(engine.device)
+        self.engine, self.rows = engine, int(rows)
+        self.host = self.host_buffer(2, self.rows, dtype=torch.long)
+        self.host_np = self.host.numpy()
+        self.dev = self.device_twin(self.host)
+        self.feats = torch.zeros(self.rows, engine.config.feature_size, dtype=engine.dtype, device=engine.device)
+
+    def fill_padding(self, first_row: int) -> None:
+        """Rows ``first_row..``: the spare slot, at distinct positions inside the pool's rows."""
+        pad = self.rows - first_row
+        self.host_np[0, first_row:] = self.engine.pool.spare
+        self.host_np[1, first_row:] = np.arange(pad) % self.engine.pool.shape.rows
+
+    def fill_idle(self) -> None:
+        self.fill_padding(0)
+
+    def body(self) -> None:
+        e = self.engine
+        self.copy(self.dev, self.host)
+        slots, positions = self.dev.unbind(0)
+        with batch_invariant():
+            e.fused._context(e.pool, slots, positions, self.feats[:, None])
+
+    def append(self, pieces: Sequence[tuple[int, int, torch.Tensor]]) -> int:
+        """Write the rows of ``pieces`` (``(slot, start, features [m, N*H])`` each, at most
+        :attr:`rows` in all) as :meth:`BatchedDrafter._append_rows` does, in one replay; returns
+        the rows written."""
+        h, at = self.host_np, 0
+        for slot, start, f in pieces:
+            m = f.shape[0]
+            h[0, at : at + m] = slot
+            h[1, at : at + m] = np.arange(start, start + m)
+            at += m
+        self.fill_padding(at)
+
+        def head() -> None:
+            i = 0
+            for _, _, f in pieces:
+                self.feats[i : i + f.shape[0]].copy_(f, non_blocking=True)
+                i += f.shape[0]
+
+        self.run(head=head)
+        return at
+
+
 class BatchedDrafter:
     """The GPU drafter engine (module docstring): sessions in a context pool, proposals of a batch
     of sessions in one fixed-shape step (a CUDA graph per batch bucket on CUDA).
@@ -654,6 +711,13 @@ class BatchedDrafter:
         self.split_buckets = split_buckets(self.max_splits) if self.fixed else (self.max_splits,)
         #: the step runners of the fixed shapes, keyed ``(batch, rows, splits)``
         self.graphs = GraphSet(self._build_runner, self.cuda_graphs)
+        #: row counts of the captured eager appends (:class:`_AppendRunner`; with the fused step and
+        #: CUDA graphs): powers of two from 16 below ``prefill_chunk``, and ``prefill_chunk``, each
+        #: at most the pool's rows
+        top = min(self.prefill_chunk, shape.rows)
+        self.append_buckets = tuple(sorted({1 << k for k in range(4, top.bit_length()) if 1 << k < top} | {top}))
+        self.appends = GraphSet(lambda rows: _AppendRunner(self, rows), True) \
+            if self.cuda_graphs and self.fused is not None else None
         #: steps run and their seconds (inputs staged, step run, output read back), rows appended
         #: eagerly (excess rows), trees output and their host seconds (built from the table, or
         #: read from the step's rows; graphs captured: :attr:`captures`); feature ring rows gathered
@@ -720,7 +784,10 @@ class BatchedDrafter:
             return 0
         shapes = [(b, self.append_rows, sp) for b in self.buckets() for sp in reversed(self.split_buckets)]
         n = self.graphs.capture(shapes, size=lambda s: s[0], progress=progress, desc="drafter: ")
-        self._warm_appends()
+        if self.appends is not None:
+            self.appends.capture(self.append_buckets, size=lambda r: r)
+        else:
+            self._warm_appends()
         return n
 
     #: row counts of the eager appends run at start (:meth:`_warm_appends`): one of each class
@@ -927,8 +994,14 @@ class BatchedDrafter:
                 self._append_rows(pieces)
 
     def _append_rows(self, pieces: list[tuple[int, int, torch.Tensor]]) -> None:
-        """One eager forward of :meth:`_append_eager`: the rows of ``pieces`` (``(slot, start,
-        features [m, N*H])`` each) together, row ``i`` of a piece at row ``start + i`` of its slot."""
+        """One forward of :meth:`_append_eager`: the rows of ``pieces`` (``(slot, start,
+        features [m, N*H])`` each) together, row ``i`` of a piece at row ``start + i`` of its slot;
+        a replay of the smallest :class:`_AppendRunner` that holds them when the step is fused and
+        captured, else eagerly (the code below: the replay's reference, with the same bits)."""
+        if self.appends is not None:   # (replayed: :class:`_AppendRunner`; the eager code below is its reference)
+            n = sum(f.shape[0] for _, _, f in pieces)
+            self.eager_rows += self.appends.get(bucket_for(n, self.append_buckets)).append(pieces)
+            return
         dev = self.device
         slots = torch.cat([torch.full((f.shape[0],), slot, dtype=torch.long) for slot, _, f in pieces]).to(dev)
         rows = torch.cat([torch.arange(start, start + f.shape[0], dtype=torch.long) for _, start, f in pieces]).to(dev)

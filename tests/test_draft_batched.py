@@ -541,3 +541,63 @@ def test_ring_rows_equal_rows_sent(files, drafter, pad, device, ring_dtype, monk
     assert isinstance(outs[0], EngineError) and outs[0].reason.value == "RING_UNAVAILABLE"
     assert not isinstance(outs[1], BaseException)
     ring.close()
+
+
+def _pool_rows(eng: BatchedDrafter) -> dict[str, list[torch.Tensor]]:
+    """Each session's context K/V rows in the pool (every layer's ``k`` then ``v``, rows held)."""
+    return {sid: [t[i][s.slot, : s.length].cpu() for t in (eng.pool.k, eng.pool.v) for i in range(t.shape[0])]
+            for sid, s in eng.sessions.items()}
+
+
+def test_append_runner_writes_the_eager_rows(drafter):
+    """The captured append's body (``_AppendRunner``, run eagerly here: CPU, float32) writes the
+    rows the eager append writes, in each piece's slot and positions, for pieces spanning part of a
+    bucket; its padding rows touch only the spare slot. (Bit equality is the GPU test's: on the CPU
+    the host BLAS may round a 16-row product unlike a 9-row one.)"""
+    from draft_service.batched import _AppendRunner
+
+    c = drafter.config
+    eager, runner_eng = (batched(drafter, pad_batches=True, fused=True) for _ in range(2))
+    g = torch.Generator().manual_seed(3)
+    for eng in (eager, runner_eng):
+        eng.pool.k.zero_()
+        eng.pool.v.zero_()
+    pieces = [(0, 2, torch.randn(4, c.feature_size, generator=g)), (3, 0, torch.randn(5, c.feature_size, generator=g))]
+    with torch.no_grad():
+        eager._append_rows(pieces)
+    runner = _AppendRunner(runner_eng, 16)
+    runner.feats.normal_(generator=g)   # (stale rows of an earlier append: the padding rows read them)
+    with torch.no_grad():
+        assert runner.append(pieces) == 9
+    for t_eager, t_run in ((eager.pool.k, runner_eng.pool.k), (eager.pool.v, runner_eng.pool.v)):
+        for slot, start, f in pieces:
+            assert t_run[:, slot, start : start + f.shape[0]].abs().sum() > 0
+        spare = runner_eng.pool.spare
+        others = [s for s in range(t_run.shape[1]) if s != spare]
+        torch.testing.assert_close(t_run[:, others], t_eager[:, others], rtol=1e-5, atol=1e-6)
+        assert t_run[:, spare].abs().sum() > 0   # the padding rows went to the spare slot
+    assert eager.eager_rows == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_gpu_captured_appends_equal_eager(files, dtype):
+    """On CUDA, prompts longer than a step holds go through the captured appends (a graph per
+    bucket of ``append_buckets``; chunks of several sessions' rows) with the bits of the eager
+    appends: every session's context K/V rows in the pool are bit-equal after each step, and the
+    trees are equal. The eager engine runs the same fused step, uncaptured."""
+    d = _cuda_drafter(files, dtype)
+    items = streams(d, ["a", "b", "c", "d", "e"], steps=4, seed=21, first_rows=37)   # 37-41 rows: 29-33 eager each
+    graphs, eager = batched(d, prefill_chunk=48), batched(d, prefill_chunk=48, cuda_graphs=False)
+    graphs.capture()
+    eager.capture()
+    assert graphs.appends is not None and eager.appends is None
+    assert graphs.append_buckets == (16, 32, 48)
+    for batch in lockstep(items):
+        assert trees(graphs.propose_batch(batch)) == trees(eager.propose_batch(batch))
+        got, want = _pool_rows(graphs), _pool_rows(eager)
+        assert got.keys() == want.keys()
+        for sid in want:
+            assert all(torch.equal(a, b) for a, b in zip(got[sid], want[sid])), sid
+    assert graphs.eager_rows == eager.eager_rows > 0
+    assert graphs.appends.captures == 3
