@@ -48,9 +48,8 @@ from dataclasses import dataclass, field
 
 from dflash_grpc.defaults import DEFAULT_HOST, DRAFT_PORT, ORCHESTRATOR_PORT, TARGET_PORT
 
-__all__ = ["DEFAULT_GRACE", "RestartBudgetExhausted", "RestartPolicy", "Service", "ServiceExited", "ServiceGroup",
-           "dflash_services", "free_ports",
-           "private_token_file"]
+__all__ = ["DEFAULT_GRACE", "MPS_CONTROL", "MpsUnavailable", "RestartBudgetExhausted", "RestartPolicy", "Service",
+           "ServiceExited", "ServiceGroup", "dflash_services", "free_ports", "private_mps", "private_token_file"]
 
 #: Seconds :meth:`ServiceGroup.stop` gives each service between SIGTERM and SIGKILL by default: the
 #: services' default ``--shutdown-timeout`` (30 s: requests in flight may finish) plus a margin for
@@ -141,6 +140,59 @@ def private_token_file(token: str | None = None) -> Iterator[str]:
         shutil.rmtree(d, ignore_errors=True)
 
 
+#: NVIDIA's MPS control program (part of the driver's utilities), run by :func:`private_mps`
+MPS_CONTROL = "nvidia-cuda-mps-control"
+
+
+class MpsUnavailable(RuntimeError):
+    """:func:`private_mps` could not start an MPS control daemon (no program, or it failed)."""
+
+
+@contextlib.contextmanager
+def private_mps(control: str = MPS_CONTROL, timeout: float = 30.0) -> Iterator[dict[str, str]]:
+    """An NVIDIA MPS (Multi-Process Service) control daemon of this group's own, for the block.
+
+    Yields the environment the services must start with (``CUDA_MPS_PIPE_DIRECTORY`` and
+    ``CUDA_MPS_LOG_DIRECTORY``, both in a fresh private temporary directory): CUDA processes with
+    it become clients of this daemon's one MPS server, so the target's and the drafter's kernels
+    share the GPU in one context instead of time slices of two. Processes without it (the rest of
+    the machine) are not its clients. On exit the daemon is told to ``quit`` (after the services
+    have stopped: stop them inside the block) and the directory is removed.
+
+    Why: on an H200 the three services at one stream made 1,416-1,521 tok/s with the default tree
+    and 1,641-1,872 under MPS, the drafter's step 0.43 -> 0.28-0.31 ms of device time
+    (``benchmarks/gpu/step/run27-mps``, ``benchmarks/gpu/concurrency/run27-mps``: no change at 8-64
+    streams). See docs/ARCHITECTURE.md, "The same-host hop" and "Measuring".
+
+    Raises:
+        MpsUnavailable: ``control`` is not on ``PATH``, or ``control -d`` failed or timed out.
+    """
+    exe = shutil.which(control)
+    if exe is None:
+        raise MpsUnavailable(f"{control} is not on PATH: MPS needs the NVIDIA driver's utilities")
+    root = tempfile.mkdtemp(prefix="dflash-mps-")
+    env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(root, "pipe"), "CUDA_MPS_LOG_DIRECTORY": os.path.join(root, "log")}
+    for d in env.values():
+        os.makedirs(d, mode=0o700)
+    full = {**os.environ, **env}
+    try:
+        done = subprocess.run([exe, "-d"], env=full, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        shutil.rmtree(root, ignore_errors=True)
+        raise MpsUnavailable(f"{control} -d did not start: {e}") from None
+    if done.returncode != 0:
+        shutil.rmtree(root, ignore_errors=True)
+        raise MpsUnavailable(f"{control} -d exited with {done.returncode}: {(done.stderr or done.stdout).strip()[-300:]}")
+    try:
+        yield env
+    finally:
+        try:
+            subprocess.run([exe], input="quit\n", env=full, capture_output=True, text=True, timeout=timeout)
+        except (OSError, subprocess.TimeoutExpired):
+            pass   # (a daemon that does not answer is left to the machine; nothing of ours waits on it)
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def drafter_feature_layers(path: str) -> list[int] | None:
     """The target layers a drafter GGUF reads (``{arch}.dflash.target_layer_ids``, or a checkpoint
     directory's ``dflash_config.target_layer_ids`` in config.json; the key
@@ -184,6 +236,7 @@ def dflash_services(
     auth_token_file: str | None = None,
     colocate: bool = False,
     http_port: int = 0,
+    env: dict[str, str] | None = None,
 ) -> list[Service]:
     """The three dflash-grpc services (target, draft, orchestrator), in start order; with
     ``colocate`` two processes (draft, then the orchestrator running the target in its own
@@ -207,6 +260,7 @@ def dflash_services(
         colocate: run the target inside the orchestrator's process (``target_args``, ``device``
             and ``extra`` go to it through ``--target-args``; the target port is unused).
         http_port: the orchestrator's ``--http-port`` (its OpenAI-compatible HTTP front door; 0: off).
+        env: more environment of every child (e.g. :func:`private_mps`'s).
     """
     target_port, draft_port, orch_port = ports
     if drafter is not None and not any(a == "--feature-layers" or a.startswith("--feature-layers=") for a in target_args):
@@ -217,7 +271,7 @@ def dflash_services(
     token = ["--auth-token-file", auth_token_file] if auth_token_file is not None else []
     common = ["--host", host, *token, *extra]
     dev = ["--device", device] if device else []
-    env = {"DFLASH_LOG_LEVEL": log_level.upper()} if log_level else {}
+    env = {**(env or {}), **({"DFLASH_LOG_LEVEL": log_level.upper()} if log_level else {})}
     target_addr, draft_addr = f"{host}:{target_port}", f"{host}:{draft_port}"
     services = [] if colocate else [
         Service(

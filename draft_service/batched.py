@@ -197,6 +197,19 @@ def all_finite(t: torch.Tensor) -> bool:
     return not bool(((bits & mask) == mask).any())
 
 
+_NO_ROWS: dict[int, torch.Tensor] = {}
+
+
+def _no_rows(width: int) -> torch.Tensor:
+    """An empty float32 ``[0, width]`` tensor, made once per width (an item without rows sent:
+    one ``torch.empty`` per item was about 2 us of the drafter's host time each, 0.13 ms a tick at
+    64 streams; it holds nothing, so sharing it is safe)."""
+    t = _NO_ROWS.get(width)
+    if t is None:
+        t = _NO_ROWS[width] = torch.empty(0, width)
+    return t
+
+
 def check_item(item: DraftItem, config) -> tuple[torch.Tensor, int]:
     """The session-independent checks of an item (module docstring, ``INVALID_ARGUMENT``).
 
@@ -212,7 +225,7 @@ def check_item(item: DraftItem, config) -> tuple[torch.Tensor, int]:
         raise InvalidArgument("empty session_id")
     f = item.features
     if f is None:
-        f = torch.empty(0, width)
+        f = _no_rows(width)
     if not isinstance(f, torch.Tensor) or f.dim() != 2 or f.shape[1] != width:
         shape = list(f.shape) if isinstance(f, torch.Tensor) else type(f).__name__
         raise InvalidArgument(f"features must be [rows, {width}] (N={config.num_target_layers} x hidden "

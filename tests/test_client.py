@@ -681,6 +681,63 @@ def test_dflash_services_taps_the_drafters_layers_and_colocates(tiny_drafter):
     assert f"--target-args=--model m.gguf --device cpu --feature-layers {ids} --max-sessions 2" in o
 
 
+def _fake_mps_control(tmp_path, rc: int = 0):
+    """A stand-in ``nvidia-cuda-mps-control`` on ``PATH``: appends its argv, its MPS pipe
+    directory and its stdin to a log and exits ``rc``."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    log = tmp_path / "mps.log"
+    exe = bindir / "nvidia-cuda-mps-control"
+    exe.write_text(f"#!/bin/sh\nprintf '%s|%s|' \"$*\" \"$CUDA_MPS_PIPE_DIRECTORY\" >> {log}\n"
+                   f"if [ -z \"$1\" ]; then cat >> {log}; else echo >> {log}; fi\nexit {rc}\n")
+    exe.chmod(0o755)
+    return bindir, log
+
+
+def test_private_mps_starts_and_quits_a_daemon_of_its_own(tmp_path, monkeypatch):
+    """private_mps runs ``nvidia-cuda-mps-control -d`` with a fresh private pipe directory, yields
+    that environment for the services (and dflash_services gives it to every child), and sends
+    ``quit`` to the same daemon at the end, removing the directory."""
+    from client.launcher import private_mps
+
+    bindir, log = _fake_mps_control(tmp_path)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    with private_mps() as env:
+        pipe = env["CUDA_MPS_PIPE_DIRECTORY"]
+        assert os.path.isdir(pipe) and os.path.isdir(env["CUDA_MPS_LOG_DIRECTORY"])
+        assert (os.stat(pipe).st_mode & 0o077) == 0
+        assert log.read_text().splitlines() == [f"-d|{pipe}|"]
+        svcs = dflash_services("m.gguf", "d.gguf", ports=(1, 2, 3), log_level="info", env=env)
+        assert all(s.env == {**env, "DFLASH_LOG_LEVEL": "INFO"} for s in svcs)
+    assert log.read_text().splitlines() == [f"-d|{pipe}|", f"|{pipe}|quit"]
+    assert not os.path.exists(os.path.dirname(pipe))
+
+
+def test_mps_flag_fails_clearly_where_mps_cannot_start(tmp_path, monkeypatch):
+    """--mps without the control program, or with one that fails, is a clear error before any
+    service starts; the library call raises MpsUnavailable."""
+    from client.launcher import MpsUnavailable, private_mps
+
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(MpsUnavailable, match="not on PATH"):
+        with private_mps():
+            pass
+    import argparse
+
+    from client.cli import CommandError, _services_env
+
+    with pytest.raises(CommandError, match="--mps: nvidia-cuda-mps-control is not on PATH"):
+        with _services_env(argparse.Namespace(mps=True)):
+            pass
+    with _services_env(argparse.Namespace(mps=False)) as env:
+        assert env == {}
+    bindir, _ = _fake_mps_control(tmp_path, rc=3)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    with pytest.raises(MpsUnavailable, match="exited with 3"):
+        with private_mps():
+            pass
+
+
 # --------------------------------------------------------------------------------------------
 # serve / demo with stand-in services
 
