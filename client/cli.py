@@ -125,8 +125,8 @@ def _build_parser() -> argparse.ArgumentParser:
                         "--shutdown-timeout plus a margin (default %(default)s)")
     m.add_argument("--mps", action="store_true",
                    help="run the services as clients of an NVIDIA MPS daemon of their own (one GPU context for "
-                   "the target and the drafter instead of time slices; needs nvidia-cuda-mps-control): on an H200 "
-                   "1.1-1.2x the tok/s at one stream, no change at 8-64 (docs/ARCHITECTURE.md, \"Measuring\")")
+                   "the target and the drafter instead of time slices; needs nvidia-cuda-mps-control): on H200s "
+                   "about 1.17x the tok/s at one stream, no claim at 8-64 (docs/ARCHITECTURE.md, \"Measuring\")")
     m.add_argument("--auth-token-file", default=None, metavar="PATH",
                    help="the token the target and draft services require of their callers (a chmod 600 file); "
                    "default: a fresh random one in a private temporary file, removed at exit")

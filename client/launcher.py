@@ -159,10 +159,10 @@ def private_mps(control: str = MPS_CONTROL, timeout: float = 30.0) -> Iterator[d
     the machine) are not its clients. On exit the daemon is told to ``quit`` (after the services
     have stopped: stop them inside the block) and the directory is removed.
 
-    Why: on an H200 the three services at one stream made 1,416-1,521 tok/s with the default tree
-    and 1,641-1,872 under MPS, the drafter's step 0.43 -> 0.28-0.31 ms of device time
-    (``benchmarks/gpu/step/run27-mps``, ``benchmarks/gpu/concurrency/run27-mps``: no change at 8-64
-    streams). See docs/ARCHITECTURE.md, "The same-host hop" and "Measuring".
+    Why: on H200s the three services at one stream made 1,416-1,773 tok/s with the default tree
+    and 1,641-2,025 under MPS (four calls, alternating: 1.16-1.18x per call), the drafter's step
+    0.37-0.45 -> 0.25-0.31 ms of device time; no claim at 8-64 streams
+    (``benchmarks/gpu/step/run27-mps``). See docs/ARCHITECTURE.md, "Measuring".
 
     Raises:
         MpsUnavailable: ``control`` is not on ``PATH``, or ``control -d`` failed or timed out.

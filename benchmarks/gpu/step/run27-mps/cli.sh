@@ -2,6 +2,8 @@
 # `dflash-grpc bench --mps` (client.launcher.private_mps: a private MPS control daemon for the three
 # services) against the same bench without it, alternating ORDER (default "off on on off"): the
 # single-stream step table (8 prompts, ar and the two 15/16-node trees) and LEVELS streams.
+# LLAMA=1: llama-bench on the same file afterwards (needs the build a `stage` call started from a
+# carried .peer/llama.cpp.tar.gz and .peer/llamacpp-bench.sh).
 # Carry: .stage/part-01e, .stage/sha256 after `stage` calls carried .whl and the other parts.
 set -u
 source tools/gpu_env.sh
@@ -15,3 +17,6 @@ for mode in ${ORDER:-off on on off}; do
     > "$OUT/log-$mode-$i.txt" 2>&1
   echo "== $mode $i (rc $?)"; grep -E "^(ar|tree|spec)|error" "$OUT/cli-$mode-$i.txt" "$OUT/log-$mode-$i.txt" | head -20
 done
+if [ "${LLAMA:-0}" = 1 ] && [ -x $LL/build/bin/llama-bench ]; then
+  bash /tmp/peer/llamacpp-bench.sh /tmp/peer/llama.cpp.tar.gz "$smol" > "$OUT/llamacpp.jsonl"; grep -o '"avg_ts": [0-9.]*' "$OUT/llamacpp.jsonl"
+fi
