@@ -143,24 +143,32 @@ def tick_table(sweep: dict[str, Any]) -> str:
     """Where a request's tick went at each level (markdown; ``bench.serving``'s ``tick_ms``:
     milliseconds per verify forward, means over the level's requests): the tick, the Propose
     exchange as the orchestrator saw it (the draft service's step time / its device time), the
-    Verify exchange likewise, and the orchestrator's part (the tick less both exchanges). Empty
-    when the sweep recorded none (older JSON)."""
+    Verify exchange likewise, and the orchestrator's part (the tick less both exchanges); then
+    each service's host time on the tick's path per item (issue 23's "host time per item per
+    tick", microseconds): a service's step less its device time, and the orchestrator's part,
+    divided by the level's streams (a full tick's items: the level's tails, with fewer, make this
+    a lower bound). Empty when the sweep recorded none (older JSON)."""
     lines = []
     for mode, levels in sweep.get("modes", {}).items():
         for r in levels:
             t = r.get("tick_ms")
             if not t:
                 continue
+            n = max(1, int(r["concurrency"]))
+            draft = f"{(t['draft_compute'] - t['draft_device']) * 1e3 / n:.1f}" if t["draft_exchange"] else "-"
             lines.append(f"| {mode} | {r['concurrency']} | {_f(r.get('tau'), '{:.2f}')} | {t['tick']:.2f} | "
                          f"{t['draft_exchange']:.2f} ({t['draft_compute']:.2f} / {t['draft_device']:.2f}) | "
                          f"{t['verify_exchange']:.2f} ({t['verify_compute']:.2f} / {t['verify_device']:.2f}) | "
-                         f"{t['orchestrator']:.2f} |")
+                         f"{t['orchestrator']:.2f} | {draft} / "
+                         f"{(t['verify_compute'] - t['verify_device']) * 1e3 / n:.1f} / {t['orchestrator'] * 1e3 / n:.1f} |")
     if not lines:
         return ""
     return "\n".join(["Where a tick went, ms per verify forward of a request (means over the level's requests; "
-                      "exchange (service step / device)):", "",
+                      "exchange (service step / device)); host us per item = a service's step less its device "
+                      "time, or the orchestrator's part, / streams:", "",
                       "| mode | streams | tau | tick | Propose (draft step / device) | Verify (target step / device) | "
-                      "orchestrator |", "|---|---|---|---|---|---|---|"] + lines)
+                      "orchestrator | host us per item: draft / target / orchestrator |",
+                      "|---|---|---|---|---|---|---|---|"] + lines)
 
 
 def write_png(sweep: dict[str, Any], llama: dict[int, float], path: str, title: str = "") -> None:

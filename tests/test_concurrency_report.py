@@ -43,7 +43,8 @@ def test_parse_and_table(tmp_path):
     ticked["modes"]["ar"][0].update(ttft_p50_ms=3.0, ttft_p99_ms=9.5)
     ticked["modes"]["spec"][0].update(ttft_p50_ms=4.25, ttft_p99_ms=12.0)
     text = markdown(ticked, {})
-    assert "| spec | 4 | 3.20 | 10.00 | 3.00 (2.00 / 1.00) | 5.00 (4.00 / 2.50) | 2.00 |" in text.splitlines()
+    assert "| spec | 4 | 3.20 | 10.00 | 3.00 (2.00 / 1.00) | 5.00 (4.00 / 2.50) | 2.00 | 250.0 / 375.0 / 500.0 |" \
+        in text.splitlines()   # host per item: (2.00 - 1.00) / 4, (4.00 - 2.50) / 4, 2.00 / 4 ms
     assert "| 1 | 3.00 / 4.25 | 9.50 / 12.00 |" in text.splitlines()
     assert "| 4 |" not in text.split("Time to first token")[1].split("Where a tick went")[0]   # no TTFT there
 
