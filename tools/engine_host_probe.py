@@ -52,14 +52,14 @@ TREE, TOPK = 15, 4
 
 
 def _paths(tmp: str) -> tuple[str, str]:
-    from draft_service.init_random import write_random_drafter
-    from fixtures.tiny_models import write_tiny_llama
+    """The SmolLM2-shaped llama and the random drafter of ``tools/gpu_contention.py`` (the same
+    files), written into ``tmp``."""
+    import importlib.util
 
-    target = os.path.join(tmp, "llama-smollm2-shape.gguf")
-    write_tiny_llama(target, vocab=626, hidden=576, layers=30, heads=9, kv_heads=3, ffn=1536, tied=True, std=0.02)
-    drafter = os.path.join(tmp, "drafter.gguf")
-    write_random_drafter(target, drafter, layers=3, block_size=16, num_target_layers=5)
-    return target, drafter
+    spec = importlib.util.spec_from_file_location("gpu_contention", os.path.join(os.path.dirname(__file__), "gpu_contention.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod._paths(tmp)
 
 
 def _stats(xs: list[float]) -> dict:
