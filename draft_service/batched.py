@@ -724,13 +724,14 @@ class BatchedDrafter:
         self.split_buckets = split_buckets(self.max_splits) if self.fixed else (self.max_splits,)
         #: the step runners of the fixed shapes, keyed ``(batch, rows, splits)``
         self.graphs = GraphSet(self._build_runner, self.cuda_graphs)
-        #: row counts of the captured eager appends (:class:`_AppendRunner`; with the fused step and
-        #: CUDA graphs): powers of two from 16 below ``prefill_chunk``, and ``prefill_chunk``, each
-        #: at most the pool's rows
-        top = min(self.prefill_chunk, shape.rows)
+        #: row counts of the captured eager appends (:class:`_AppendRunner`; with the fused step,
+        #: CUDA graphs and fixed shapes): powers of two from 16 below ``prefill_chunk``, and
+        #: ``prefill_chunk`` (a chunk gathers several sessions' rows, so it may hold more rows than
+        #: one slot: padding positions wrap inside the spare slot)
+        top = self.prefill_chunk
         self.append_buckets = tuple(sorted({1 << k for k in range(4, top.bit_length()) if 1 << k < top} | {top}))
         self.appends = GraphSet(lambda rows: _AppendRunner(self, rows), True) \
-            if self.cuda_graphs and self.fused is not None else None
+            if self.cuda_graphs and self.fixed and self.fused is not None else None
         #: steps run and their seconds (inputs staged, step run, output read back), rows appended
         #: eagerly (excess rows), trees output and their host seconds (built from the table, or
         #: read from the step's rows; graphs captured: :attr:`captures`); feature ring rows gathered
@@ -1018,8 +1019,8 @@ class BatchedDrafter:
         dev = self.device
         slots = torch.cat([torch.full((f.shape[0],), slot, dtype=torch.long) for slot, _, f in pieces]).to(dev)
         rows = torch.cat([torch.arange(start, start + f.shape[0], dtype=torch.long) for _, start, f in pieces]).to(dev)
-        f = pieces[0][2] if len(pieces) == 1 else torch.cat([p[2] for p in pieces])
-        f = f.to(device=dev, dtype=self.dtype)
+        f = pieces[0][2] if len(pieces) == 1 else torch.cat([p[2].to(device=dev, dtype=self.dtype) for p in pieces])
+        f = f.to(device=dev, dtype=self.dtype)   # (pieces sent as bytes are on the CPU, ring rows on the device)
         if self.fused is not None:
             self.fused._context(self.pool, slots, rows, f[:, None])
         else:

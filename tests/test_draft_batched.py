@@ -549,26 +549,30 @@ def _pool_rows(eng: BatchedDrafter) -> dict[str, list[torch.Tensor]]:
             for sid, s in eng.sessions.items()}
 
 
-def test_append_runner_writes_the_eager_rows(drafter):
+@pytest.mark.parametrize("chunk,context,sizes", [(16, 96, (4, 5)), (40, 20, (15, 15))], ids=["part-of-a-bucket", "over-a-slot"])
+def test_append_runner_writes_the_eager_rows(drafter, chunk, context, sizes):
     """The captured append's body (``_AppendRunner``, run eagerly here: CPU, float32) writes the
     rows the eager append writes, in each piece's slot and positions, for pieces spanning part of a
-    bucket; its padding rows touch only the spare slot. (Bit equality is the GPU test's: on the CPU
+    bucket, and for a chunk of two sessions' rows longer than one slot (its padding positions wrap
+    inside the spare slot); its padding rows touch only the spare slot. (Bit equality is the GPU test's: on the CPU
     the host BLAS may round a 16-row product unlike a 9-row one.)"""
     from draft_service.batched import _AppendRunner
 
     c = drafter.config
-    eager, runner_eng = (batched(drafter, pad_batches=True, fused=True) for _ in range(2))
+    eager, runner_eng = (batched(drafter, pad_batches=True, fused=True, prefill_chunk=chunk, max_context=context)
+                         for _ in range(2))
+    assert runner_eng.append_buckets[-1] == chunk   # (the largest bucket holds a whole chunk, whatever a slot holds)
     g = torch.Generator().manual_seed(3)
     for eng in (eager, runner_eng):
         eng.pool.k.zero_()
         eng.pool.v.zero_()
-    pieces = [(0, 2, torch.randn(4, c.feature_size, generator=g)), (3, 0, torch.randn(5, c.feature_size, generator=g))]
+    pieces = [(0, 2, torch.randn(sizes[0], c.feature_size, generator=g)), (3, 0, torch.randn(sizes[1], c.feature_size, generator=g))]
     with torch.no_grad():
         eager._append_rows(pieces)
-    runner = _AppendRunner(runner_eng, 16)
+    runner = _AppendRunner(runner_eng, chunk)
     runner.feats.normal_(generator=g)   # (stale rows of an earlier append: the padding rows read them)
     with torch.no_grad():
-        assert runner.append(pieces) == 9
+        assert runner.append(pieces) == sum(sizes)
     for t_eager, t_run in ((eager.pool.k, runner_eng.pool.k), (eager.pool.v, runner_eng.pool.v)):
         for slot, start, f in pieces:
             assert t_run[:, slot, start : start + f.shape[0]].abs().sum() > 0
@@ -576,23 +580,27 @@ def test_append_runner_writes_the_eager_rows(drafter):
         others = [s for s in range(t_run.shape[1]) if s != spare]
         torch.testing.assert_close(t_run[:, others], t_eager[:, others], rtol=1e-5, atol=1e-6)
         assert t_run[:, spare].abs().sum() > 0   # the padding rows went to the spare slot
-    assert eager.eager_rows == 9
+    assert eager.eager_rows == sum(sizes)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
-def test_gpu_captured_appends_equal_eager(files, dtype):
+@pytest.mark.parametrize("chunk,context,buckets", [(48, 96, (16, 32, 48)), (160, 60, (16, 32, 64, 128, 160))],
+                         ids=["skinny", "wide-over-a-slot"])
+def test_gpu_captured_appends_equal_eager(files, dtype, chunk, context, buckets):
     """On CUDA, prompts longer than a step holds go through the captured appends (a graph per
-    bucket of ``append_buckets``; chunks of several sessions' rows) with the bits of the eager
-    appends: every session's context K/V rows in the pool are bit-equal after each step, and the
-    trees are equal. The eager engine runs the same fused step, uncaptured."""
+    bucket of ``append_buckets``; chunks of several sessions' rows, past 64 rows on the wide
+    tiles, and longer than one slot) with the bits of the eager appends: every session's context
+    K/V rows in the pool are bit-equal after each step, and the trees are equal. The eager engine
+    runs the same fused step, uncaptured."""
     d = _cuda_drafter(files, dtype)
-    items = streams(d, ["a", "b", "c", "d", "e"], steps=4, seed=21, first_rows=37)   # 37-41 rows: 29-33 eager each
-    graphs, eager = batched(d, prefill_chunk=48), batched(d, prefill_chunk=48, cuda_graphs=False)
+    items = streams(d, ["a", "b", "c", "d", "e"], steps=3, seed=21, first_rows=37)   # 37-41 rows: 29-33 eager each
+    graphs = batched(d, prefill_chunk=chunk, max_context=context)
+    eager = batched(d, prefill_chunk=chunk, max_context=context, cuda_graphs=False)
     graphs.capture()
     eager.capture()
     assert graphs.appends is not None and eager.appends is None
-    assert graphs.append_buckets == (16, 32, 48)
+    assert graphs.append_buckets == buckets
     for batch in lockstep(items):
         assert trees(graphs.propose_batch(batch)) == trees(eager.propose_batch(batch))
         got, want = _pool_rows(graphs), _pool_rows(eager)
@@ -600,4 +608,4 @@ def test_gpu_captured_appends_equal_eager(files, dtype):
         for sid in want:
             assert all(torch.equal(a, b) for a, b in zip(got[sid], want[sid])), sid
     assert graphs.eager_rows == eager.eager_rows > 0
-    assert graphs.appends.captures == 3
+    assert graphs.appends.captures == len(buckets)

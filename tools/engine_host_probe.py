@@ -173,11 +173,11 @@ def run_config(p: Probe, turnover: int, ticks: int, warm: int, profile: bool) ->
     sync = p.torch.cuda.synchronize if p.torch.cuda.is_available() else (lambda: None)
     for t in range(warm + ticks):
         pre, new = 0.0, 0
-        if turnover:
-            for sid in [s for s, st in p.live.items() if st["age"] >= st["life"]]:
-                p.close(sid)
-                pre += p.open(turnover)
-                new += 1
+        # a session's turn is over, or its context nearly full: a new one takes its place
+        for sid in [s for s, st in p.live.items() if (turnover and st["age"] >= st["life"]) or st["length"] > 1800]:
+            p.close(sid)
+            pre += p.open(turnover)
+            new += 1
         rows0 = p.drafter.eager_rows
         sync()
         d0, t0 = device_seconds(), time.perf_counter()
@@ -193,9 +193,6 @@ def run_config(p: Probe, turnover: int, ticks: int, warm: int, profile: bool) ->
         if profs:
             profs["verify"].disable()
         t2, d2 = time.perf_counter(), device_seconds()
-        for sid, st in p.live.items():     # start over before the context fills
-            if st["length"] > 1800:
-                st["age"] = st["life"] = 0
         if t >= warm:
             rec["propose_wall"].append((t1 - t0) * 1e3)
             rec["propose_device"].append((d1 - d0) * 1e3)
