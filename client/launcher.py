@@ -157,7 +157,9 @@ def private_mps(control: str = MPS_CONTROL, timeout: float = 30.0) -> Iterator[d
     it become clients of this daemon's one MPS server, so the target's and the drafter's kernels
     share the GPU in one context instead of time slices of two. Processes without it (the rest of
     the machine) are not its clients. On exit the daemon is told to ``quit`` (after the services
-    have stopped: stop them inside the block) and the directory is removed.
+    have stopped: stop them inside the block) and the directory is removed. A parent killed
+    outright (SIGKILL) leaves the daemon and its directory behind: ``CUDA_MPS_PIPE_DIRECTORY=<its
+    pipe directory> nvidia-cuda-mps-control`` with ``quit`` on stdin stops it.
 
     Why: on H200s the three services at one stream made 1,416-1,773 tok/s with the default tree
     and 1,641-2,025 under MPS (four calls, alternating: 1.16-1.18x per call), the drafter's step
@@ -172,10 +174,10 @@ def private_mps(control: str = MPS_CONTROL, timeout: float = 30.0) -> Iterator[d
         raise MpsUnavailable(f"{control} is not on PATH: MPS needs the NVIDIA driver's utilities")
     root = tempfile.mkdtemp(prefix="dflash-mps-")
     env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(root, "pipe"), "CUDA_MPS_LOG_DIRECTORY": os.path.join(root, "log")}
-    for d in env.values():
-        os.makedirs(d, mode=0o700)
     full = {**os.environ, **env}
     try:
+        for d in env.values():
+            os.makedirs(d, mode=0o700)
         done = subprocess.run([exe, "-d"], env=full, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as e:
         shutil.rmtree(root, ignore_errors=True)
