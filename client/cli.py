@@ -398,16 +398,14 @@ def _services_env(args: argparse.Namespace) -> Iterator[dict[str, str]]:
     if not getattr(args, "mps", False):
         yield {}
         return
-    try:
-        mps = private_mps()
-        env = mps.__enter__()
-    except MpsUnavailable as e:
-        raise CommandError(f"--mps: {e}") from None
-    print("MPS: the services share one GPU context (a private nvidia-cuda-mps-control daemon)", file=sys.stderr, flush=True)
-    try:
+    with contextlib.ExitStack() as stack:
+        try:
+            env = stack.enter_context(private_mps())
+        except MpsUnavailable as e:
+            raise CommandError(f"--mps: {e}") from None
+        print("MPS: the services share one GPU context (a private nvidia-cuda-mps-control daemon)", file=sys.stderr,
+              flush=True)
         yield env
-    finally:
-        mps.__exit__(None, None, None)
 
 
 @contextlib.contextmanager

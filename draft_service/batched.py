@@ -733,7 +733,7 @@ class BatchedDrafter:
         self.appends = GraphSet(lambda rows: _AppendRunner(self, rows), True) \
             if self.cuda_graphs and self.fixed and self.fused is not None else None
         #: steps run and their seconds (inputs staged, step run, output read back), rows appended
-        #: eagerly (excess rows), trees output and their host seconds (built from the table, or
+        #: before a step (excess rows: :meth:`_append_eager`, replayed or eager), trees output and their host seconds (built from the table, or
         #: read from the step's rows; graphs captured: :attr:`captures`); feature ring rows gathered
         #: inside the steps (``ring_rows_in_step``) and before them (``ring_rows_before``)
         self.steps = 0
