@@ -62,6 +62,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import os
 import threading
 import time
 
@@ -115,8 +116,8 @@ STALE_IDS = 4096
 RESYNC_BYTES = 32 << 20
 
 #: Most requests in a tick for which the scheduler's exchanges poll the same-host hop before
-#: blocking (:meth:`Scheduler.hop_spin`).
-SPIN_BATCH = 2
+#: blocking (:meth:`Scheduler.hop_spin`); ``DFLASH_HOP_SPIN_BATCH`` sets another, for measuring.
+SPIN_BATCH = int(os.environ.get("DFLASH_HOP_SPIN_BATCH") or 2)
 
 #: a recompute that failed with one of these is tried again later (:meth:`Scheduler._collect_refeatures`)
 _RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,

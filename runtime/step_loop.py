@@ -109,6 +109,8 @@ class StepLoop:
         #: ticks that ran a batch, batched items, seconds in batches, prefill tokens
         self.ticks = 0
         self.items = 0
+        #: items of the last batched step (0 before any)
+        self.last_items = 0
         self.busy_s = 0.0
         self.prefill_tokens = 0
         self.idle_timeout = float(idle_timeout)
@@ -137,6 +139,13 @@ class StepLoop:
         fut: Future = Future()
         self._q.put(_Work(kind, payload, fut, owner=owner))
         return fut
+
+    def quiet(self, most_items: int) -> bool:
+        """Whether nothing waits for the loop (no prefill in progress, nothing queued) and its
+        last batched step had at most ``most_items`` items: a light load, where a hop thread may
+        poll for the next request without keeping prefill chunks from the GIL
+        (:func:`dflash_grpc.localhop.quiet_spin`). Read without the lock: a hint."""
+        return not self._prefills and self._q.empty() and self.last_items <= most_items
 
     def submit_batch(self, items: list, owner: Owner | None = None) -> Future:
         """Queue items for the next batched step; the future gives a :class:`BatchResult`.
@@ -383,6 +392,7 @@ class StepLoop:
         if items:
             self.ticks += 1
             self.items += len(items)
+            self.last_items = len(items)
             self.busy_s += dt
         done: list[BatchResult | BaseException] = []
         pos = 0

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from dflash_grpc import serving
+from dflash_grpc import localhop, serving
 from dflash_grpc.v1 import common_pb2, target_pb2_grpc
 from runtime.config import add_flags, from_args, worker_threads
 from runtime.defaults import default_model_path
@@ -36,6 +36,11 @@ from target_service.models.weights import weight_bytes
 from target_service.servicer import FEATURES, TargetServicer
 
 log = logging.getLogger("target_service")
+
+#: Most items of the last Verify step for the hop's streams to poll for the next request (with no
+#: prefill in progress): one to eight streams, where a step's few milliseconds leave the GPU idle
+#: during the hop (issue 18's one stream, goal 5's eight). Beyond it the hop blocks at once.
+HOP_SPIN_ITEMS = 8
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -189,8 +194,10 @@ def main(argv: list[str] | None = None) -> None:
     server, health, port = serving.make_server(add, f"{cfg.host}:{cfg.port}", max_workers=max_workers, tls=tls,
                                                  auth_token=token, reflection=args.reflection, local_hop=cfg.local_hop)
     servicer.info.local_endpoint = serving.local_endpoint(server)
-    # (the target's hop blocks at once unless DFLASH_HOP_SPIN_US says otherwise: its step loop runs
-    # prefill chunks on another thread, which a polling hop thread would keep from the GIL)
+    # the hop's streams poll for their next request only under a light load on CUDA (no prefill in
+    # progress, at most HOP_SPIN_ITEMS items a step): the step loop runs prefill chunks on another
+    # thread, which a polling hop thread would keep from the GIL; DFLASH_HOP_SPIN_US wins
+    serving.set_local_hop_spin(server, localhop.quiet_spin(servicer.info.device, lambda: loop.quiet(HOP_SPIN_ITEMS)))
     # SIGTERM: refuse new work; wait (--shutdown-timeout) until the clients released their sessions
     # or closed their streams; release what is left
     serving.serve_forever(server, health, "target", port, shutdown_timeout=cfg.shutdown_timeout,

@@ -479,6 +479,51 @@ def test_spin_for_device_polls_on_cuda_only_unless_the_environment_says(monkeypa
     assert localhop.spin_for_device("cuda") == 0.0
 
 
+def test_a_hop_servers_spin_is_asked_before_each_wait(hop, monkeypatch):
+    """A HopServer with ``spin`` set (serving.set_local_hop_spin) asks it before each wait for a
+    stream's next request and polls for the window it gives (0: blocks at once), in place of
+    SPIN_S; the answers are those of a hop without it."""
+    from dflash_grpc import localhop
+
+    monkeypatch.setattr(localhop, "SPIN_S", 0.0)
+    windows = []
+    monkeypatch.setattr(localhop, "spin_wait", lambda poller, seconds: windows.append(seconds) or False)
+    _, server, _, _ = hop
+    asked = []
+
+    def spin():
+        asked.append(1)
+        return 0.004 if len(asked) % 2 else 0.0
+    serving.set_local_hop_spin(server, spin)
+    call = _open(server)
+    for i in range(4):
+        r = call.exchange(_request(f"s{i}", root=i, length=10 + i), timeout=5.0)
+        assert isinstance(r, draft_pb2.ProposeResponse) and r.results[0].session_id == f"s{i}"
+    time.sleep(0.05)                            # (the wait after the fourth reply has begun)
+    assert len(asked) == 5                      # before each of the four requests and the wait after
+    assert windows == [0.004] * 3               # only the non-zero windows (1st, 3rd, 5th) polled
+    serving.set_local_hop_spin(server, None)    # back to SPIN_S (0: never polls)
+    n = len(windows)
+    call.exchange(_request("t"), timeout=5.0)
+    assert len(windows) == n
+
+
+def test_quiet_spin_polls_on_cuda_while_quiet_unless_the_environment_says(monkeypatch):
+    """The target's hop spin: CUDA_SPIN_S while its quiet() holds, 0 when not; none (SPIN_S as
+    set) on a CPU engine or where DFLASH_HOP_SPIN_US is set."""
+    from dflash_grpc import localhop
+
+    monkeypatch.delenv("DFLASH_HOP_SPIN_US", raising=False)
+    state = {"quiet": True}
+    spin = localhop.quiet_spin("cuda:0", lambda: state["quiet"])
+    assert spin() == localhop.CUDA_SPIN_S > 0
+    state["quiet"] = False
+    assert spin() == 0.0
+    assert localhop.quiet_spin("cpu", lambda: True) is None
+    monkeypatch.setenv("DFLASH_HOP_SPIN_US", "100")
+    assert localhop.quiet_spin("cuda:0", lambda: True) is None
+
+
 def test_the_scheduler_polls_the_hop_only_for_small_ticks(monkeypatch):
     """The orchestrator's exchanges poll the hop (SPIN_S) for ticks of at most SPIN_BATCH requests,
     and block at once for larger ones (its handler threads then need the GIL the poller takes);

@@ -138,6 +138,29 @@ def test_a_prefill_in_progress_sends_batches_through_the_loop():
         loop.stop()
 
 
+def test_quiet_is_a_light_load_without_prefills():
+    """StepLoop.quiet (the target's hop polls for the next request while it holds): nothing
+    queued, no prefill in progress, and the last step had at most the given items."""
+    engine = GuardedEngine()
+    loop = StepLoop(engine, name="quiet", prefill_budget=1)
+    try:
+        assert loop.quiet(2) and loop.last_items == 0                  # nothing ran yet
+        for sid in "abc":
+            engine.sessions[sid] = 0
+        loop.batch([(sid, [1], [-1]) for sid in "abc"])
+        assert loop.last_items == 3 and loop.quiet(3) and not loop.quiet(2)
+        fut = loop.submit_prefill("long", 300)                        # ~0.3 s of one-token chunks
+        deadline = time.monotonic() + 5
+        while not loop._prefills and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert not loop.quiet(64)
+        assert fut.result(timeout=10) == "long"
+        loop.batch([("a", [1], [-1])])
+        assert loop.quiet(1)
+    finally:
+        loop.stop()
+
+
 def test_the_engine_never_runs_on_two_threads_at_once():
     engine = GuardedEngine(step_s=0.0005)
     loop = StepLoop(engine, name="inline-storm", prefill_budget=8)

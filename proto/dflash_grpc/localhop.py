@@ -276,6 +276,20 @@ def spin_for_device(device: str) -> float:
     return SPIN_S
 
 
+def quiet_spin(device: str, quiet: Callable[[], bool]) -> Callable[[], float] | None:
+    """A :attr:`HopServer.spin` for a service whose other threads need the GIL at times (the
+    target: its step loop runs prefill chunks beside the hop's streams): :data:`CUDA_SPIN_S`
+    while ``quiet()`` holds (asked before each wait), else 0 (block at once). None, which leaves
+    :data:`SPIN_S`, where ``DFLASH_HOP_SPIN_US`` is set (it wins in every process) or ``device``
+    is not CUDA (a CPU engine needs every core). Why a spin pays: :data:`SPIN_S`'s comment."""
+    if _env_spin() is not None or not str(device).startswith("cuda"):
+        return None
+
+    def spin() -> float:
+        return CUDA_SPIN_S if quiet() else 0.0
+    return spin
+
+
 def spin_wait(poller, seconds: float) -> bool:
     """Poll ``poller`` (a ``select.poll`` with the socket registered) without blocking until it
     reports an event or ``seconds`` pass; returns whether it did (the caller then reads, or
@@ -397,6 +411,8 @@ class HopServer:
 
     Attributes:
         endpoint: ``unix:PATH#NONCE`` (empty until :meth:`start`).
+        spin: None (a stream waits :data:`SPIN_S` for its next request before blocking) or a
+            callable giving that window in seconds, asked before each wait (:func:`quiet_spin`).
     """
 
     def __init__(self, interceptors: Sequence[grpc.ServerInterceptor], handlers: Sequence[grpc.GenericRpcHandler],
@@ -412,6 +428,7 @@ class HopServer:
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._stopped = threading.Event()
+        self.spin: Callable[[], float] | None = None
 
     def start(self) -> str:
         """Create the socket (in a new directory of mode 0700) and start accepting; returns
@@ -517,8 +534,8 @@ class HopServer:
         def requests() -> Iterator:
             nonlocal poller
             while True:
-                spin = SPIN_S
-                if spin > 0:   # the next request, polled for before blocking (SPIN_S)
+                spin = SPIN_S if self.spin is None else self.spin()
+                if spin > 0:   # the next request, polled for before blocking (SPIN_S, or self.spin)
                     if poller is None:
                         poller = select.poll()
                         poller.register(conn.fileno(), select.POLLIN)
@@ -611,5 +628,5 @@ def endpoint_path(endpoint: str) -> tuple[str, str] | None:
 
 __all__ = ["CUDA_SPIN_S", "Frames", "HopAborted", "HopServer", "LocalContext", "REPLY", "SPIN_S", "STATUS", "UnaryContext",
            "endpoint_path",
-           "on_socket", "parse_status", "recv_frame", "resolve", "send_buffers", "send_frame", "spin_for_device",
+           "on_socket", "parse_status", "quiet_spin", "recv_frame", "resolve", "send_buffers", "send_frame", "spin_for_device",
            "spin_wait", "widen"]

@@ -59,7 +59,7 @@ __all__ = [
     "AUTH_METADATA_KEY", "AUTH_TOKEN_ENV", "GRPC_OPTIONS", "MIN_TOKEN_CHARS", "TlsConfig", "TlsError",
     "add_client_metadata", "add_security_flags", "add_tls_flags", "auth_token_from_args", "bearer", "channel",
     "check_token", "client_metadata", "client_tls", "graceful_stop", "set_client_metadata", "is_loopback", "local_endpoint",
-    "make_server", "server_options", "stop_local_hop",
+    "make_server", "server_options", "set_local_hop_spin", "stop_local_hop",
     "peer_tls_from_args", "read_token_file", "serve_forever", "server_tls_from_args", "set_client_tls", "setup_logging",
     "start_draining", "streams_in_flight", "wait_healthy",
 ]
@@ -532,6 +532,15 @@ def local_endpoint(server: grpc.Server) -> str:
     for ``ModelInfo.local_endpoint``; ``""`` when it has none."""
     hop = getattr(server, "_dflash_hop", None)
     return hop.endpoint if hop is not None else ""
+
+
+def set_local_hop_spin(server: grpc.Server, spin) -> None:
+    """Set the polling window of the same-host hop's streams of a server of :func:`make_server`
+    (:attr:`dflash_grpc.localhop.HopServer.spin`: None or a callable giving seconds); nothing
+    where the server has no hop."""
+    hop = getattr(server, "_dflash_hop", None)
+    if hop is not None:
+        hop.spin = spin
 
 
 def stop_local_hop(server: grpc.Server) -> None:
