@@ -426,6 +426,9 @@ class Scheduler:
         #: when to draft (orchestrator.policy): measured per batch bucket, or None: whenever a drafter is up
         self.policy: DraftPolicy | None = DraftPolicy() if draft_policy == "measured" else None
         self.demoted = 0   # requests that started drafting and decode plainly for the rest of their lives (_demote)
+        #: requests that asked for speculation and start plainly for life because no tree fits their
+        #: share of ``step_nodes`` at the batch they join (:meth:`_fits_a_draft`; the ``always`` policy)
+        self.admitted_plain = 0
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
         self._thread.start()
 
@@ -836,6 +839,14 @@ class Scheduler:
                 metrics.set_queue_depth(waiting)
             try:
                 layers = []
+                if req.speculative and self.policy is None and not self._fits_a_draft(
+                        req, len(self._active) + len(self._prefilling) + waiting + 1):
+                    req.speculative = False   # no tree fits its share of a tick's nodes: plain for life
+                    self.admitted_plain += 1
+                    if self.admitted_plain == 1:
+                        log.info("requests start plainly: at this batch no tree fits a request's share of the "
+                                 "verify nodes per tick (--step-nodes)",
+                                 extra={"step_nodes": self.step_nodes, "active": len(self._active), "queued": waiting})
                 if req.speculative and self.policy is not None:
                     # plain for life where plain ticks are expected faster at the batch it joins
                     # (policy.admit): the requests decoding, starting, and those queued behind it,
@@ -862,6 +873,23 @@ class Scheduler:
                 with self._lock:
                     self._admitting -= 1
             metrics.set_active_sessions(self._held())
+
+    def _fits_a_draft(self, req: Request, batch: int) -> bool:
+        """Whether ``req`` would draft at all in a tick of ``batch`` requests: its tree (or chain)
+        gets at least one node from the tick's share of :attr:`step_nodes`
+        (:func:`adaptive_budget`, as :meth:`_propose_trees` sizes it: two draft nodes for a
+        tree, one for a chain). Where it would not, a request that may draft still costs every
+        tick what drafting keeps (the target's feature rows, the orchestrator's bookkeeping, a
+        drafter session) for no tree: on an H200 at the sweep's largest level, where no tree fit
+        the CUDA default ``step_nodes``, speculation made 0.91x our plain decoding
+        (``benchmarks/gpu/concurrency/run28-sweep``). So
+        :meth:`_admit` starts it plainly for its life (docs/ARCHITECTURE.md, "When to draft"), a
+        rule of the tick's node budget, not a measured threshold; ``batch`` counts the requests
+        decoding, starting and queued behind it, which join the same ticks."""
+        t = req.tree
+        if t.budget:
+            return adaptive_budget(batch, self.step_nodes, want=t.budget, min_nodes=2) > 0
+        return adaptive_budget(batch, self.step_nodes, want=t.max_depth or 10**9, min_nodes=1) > 0
 
     def _prefill_future(self, request: target_pb2.PrefillRequest, timeout: float):
         """The target's Prefill of ``request``, answered later (``done``, ``result``,

@@ -426,3 +426,38 @@ def test_drafting_ticks_of_a_few_probes_do_not_make_drafting_look_cheap_for_all(
         full.observe(8, DRAFT, 28, 4.0e-3)
         full.observe(8, PLAIN, 8, 1.6e-3)
     assert full.draft_seconds(8, 8) == pytest.approx(4.0e-3) and full.faster(8) == DRAFT
+
+
+def test_a_request_joining_where_no_tree_fits_starts_plain_for_life(tiny_llama, tiny_drafter):
+    """With the default ``always`` policy, a request that joins a batch at which its tree gets no
+    node of the tick's share of ``step_nodes`` (here 4 nodes: a burst of 3 leaves each one node,
+    a tree needs two draft nodes and its root) starts plainly for its life: no feature rows, no
+    drafter session, never a tree. A request alone fits one (4 nodes) and drafts. Every text is
+    the target's own (a plain request's tokens)."""
+    from dflash_grpc.v1 import common_pb2, draft_pb2
+    from orchestrator.scheduler import Request
+    from tests.conftest import draft_in_process, orchestrator_in_process, target_in_process
+
+    def request(name, speculative=True):
+        return Request(session_id=name, prompt=[5, 6, 7, 8], max_tokens=12, sampling=common_pb2.SamplingParams(),
+                       tree=draft_pb2.TreeParams(budget=6, top_k=2), speculative=speculative)
+
+    with target_in_process(tiny_llama.path, max_sessions=4, max_context=512) as tport, \
+            draft_in_process(tiny_drafter, tiny_llama.path, max_sessions=4, max_context=512) as (_, dport), \
+            orchestrator_in_process(tiny_llama.path, tport, dport, max_sessions=4, step_nodes=4) as (servicer, _):
+        sched = servicer.scheduler
+        assert sched.policy is None and sched.step_nodes == 4
+        plain = request("plain", speculative=False)
+        sched.submit(plain)
+        reference = _tokens(plain)
+        alone = request("alone")
+        sched.submit(alone)
+        assert _tokens(alone) == reference
+        assert alone.speculative and alone.stats.drafts > 0 and sched.admitted_plain == 0
+        sched._slot_wait_until = time.monotonic() + 0.5   # hold admissions: the burst queues whole
+        burst = [request(f"burst-{i}") for i in range(3)]
+        for r in burst:
+            sched.submit(r)
+        assert [_tokens(r) for r in burst] == [reference] * 3
+        assert sched.admitted_plain == 3
+        assert all(not r.speculative and r.stats.drafts == 0 and not r.on_drafter for r in burst)

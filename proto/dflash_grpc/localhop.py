@@ -251,8 +251,9 @@ SOCKET_BUFFER_BYTES = 4 << 20
 #: microseconds, at the price of a busy core for that long (one stream's step gap is ~1-3 ms). On
 #: an H200 host it took the one-stream hop from 0.43-0.50 to 0.28-0.30 ms per step and the default
 #: tree from 1,292-1,362 to 1,511-1,547 tok/s (benchmarks/gpu/step/run9). 0 here (block at once);
-#: the draft service and the orchestrator turn it on for a CUDA engine (:func:`spin_for_device`);
-#: ``DFLASH_HOP_SPIN_US`` (microseconds) overrides both. Read at call time.
+#: the draft service and the orchestrator turn it on for a CUDA engine (:func:`spin_for_device`),
+#: the target service only while its step loop is quiet (:func:`quiet_spin`, :attr:`HopServer.spin`);
+#: ``DFLASH_HOP_SPIN_US`` (microseconds) overrides them all. Read at call time.
 def _env_spin() -> float | None:
     """``DFLASH_HOP_SPIN_US`` in seconds, or None where it is unset or empty."""
     env = os.environ.get("DFLASH_HOP_SPIN_US")
