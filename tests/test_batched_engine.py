@@ -282,3 +282,56 @@ def test_step_loop_batches_concurrent_requests_and_interleaves_prefill(smollm_mo
         assert loop.release(["long", "t0", "t1", "t2", "nobody"]) == 4
     finally:
         loop.stop()
+
+
+def _random_tree(rng: random.Random, n: int, vocab: int) -> tuple[list[int], list[int]]:
+    parents = [-1] + [rng.randrange(i) for i in range(1, n)]
+    return [rng.randrange(vocab) for _ in range(n)], parents
+
+
+def test_tree_shapes_kept_give_analyze_trees_answer_and_errors():
+    """BatchedEngine._analyze (a shape's depths and ancestor bits kept per parent list) answers as
+    runtime.tree.analyze_tree, its reference, for every tree: the first tree of a shape and each
+    later one, well-formed or not (a bad token in a kept shape, a shape too wide or too deep, a
+    broken parent list, tokens and parents of different lengths), and the memory starts again past
+    TREE_SHAPES."""
+    from target_service import batched_engine as be
+    from runtime.tree import TreeError, analyze_tree
+
+    eng = BatchedEngine.__new__(BatchedEngine)
+    eng.cfg = type("Cfg", (), {"vocab_size": 50})()
+    eng.max_tree_width, eng.max_tree_depth, eng._shapes = 16, 6, {}
+    rng = random.Random(5)
+
+    def outcome(fn, tokens, parents):
+        try:
+            depth, bits = fn(tokens, parents)[:2]
+            return list(depth), list(bits)
+        except TreeError as e:
+            return str(e)
+
+    reference = lambda t, p: analyze_tree(t, p, 50, 16, 6)   # noqa: E731
+    shapes = [_random_tree(rng, n, 50)[1] for n in (1, 2, 5, 8, 8, 16, 17)]
+    for _ in range(400):
+        parents = list(rng.choice(shapes))
+        tokens = [rng.randrange(50) for _ in parents]
+        case = rng.randrange(6)
+        if case == 0 and len(tokens) > 1:
+            tokens[rng.randrange(len(tokens))] = rng.choice([-1, 50, 10**6])    # a token outside the vocabulary
+        elif case == 1:
+            tokens = tokens[:-1]                                                 # lengths differ
+        elif case == 2 and len(parents) > 2:
+            parents[2] = 5                                                       # not an earlier node
+        assert outcome(eng._analyze, tokens, parents) == outcome(reference, tokens, parents), (tokens, parents)
+    assert 0 < len(eng._shapes) <= len(shapes)
+    deep = [-1, 0, 1, 2, 3, 4, 5, 6]                                             # depth 7 > 6: never kept
+    assert "exceeds" in outcome(eng._analyze, [1] * 8, deep) and tuple(deep) not in eng._shapes
+    old = be.TREE_SHAPES
+    be.TREE_SHAPES = 2
+    try:
+        eng._shapes.clear()
+        for n in (1, 2, 3):
+            eng._analyze([1] * n, list(range(-1, n - 1)))
+        assert list(eng._shapes) == [tuple(range(-1, 2))]   # two kept, then the memory started again
+    finally:
+        be.TREE_SHAPES = old
