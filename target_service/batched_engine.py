@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import logging
 from typing import Sequence
 
@@ -79,6 +80,14 @@ class PoolSession:
         """The seed's 64 bits as a signed int64 value."""
         s = self.sampling.seed & ((1 << 64) - 1)
         return s - (1 << 64) if s >= 1 << 63 else s
+
+    @functools.cached_property
+    def sampling_row(self) -> tuple[int, int, float, float]:
+        """``(seeds, top_k, inv_temperature, top_p)`` as a step's row fields hold them (top_p 0
+        when greedy), made once: a session's sampling never changes, and the float32 division
+        and the seed's bits cost the host about 2 us a step per item."""
+        sp = self.sampling
+        return self.seed_bits, sp.top_k, self.inv_temperature, sp.top_p if sp.temperature > 0 else 0.0
 
 
 def prefill_sizes(prefill_chunk: int, padded: bool) -> tuple[int, ...]:
@@ -629,10 +638,7 @@ class BatchedEngine:
         return groups
 
     def _fill_sampling(self, v: dict[str, np.ndarray], r: int, s: PoolSession) -> None:
-        v["seeds"][r] = s.seed_bits
-        v["top_k"][r] = s.sampling.top_k
-        v["inv_temperature"][r] = s.inv_temperature
-        v["top_p"][r] = s.sampling.top_p if s.sampling.temperature > 0 else 0.0
+        v["seeds"][r], v["top_k"][r], v["inv_temperature"][r], v["top_p"][r] = s.sampling_row
 
     def _session_features(self, f: torch.Tensor, s: PoolSession) -> torch.Tensor:
         """The columns of the session's feature layers, in its order, from tapped features
@@ -662,7 +668,7 @@ class BatchedEngine:
             v["depth"][r, :n] = depth
             v["ancestors"][r, :n] = bits
             v["n_nodes"][r], v["slots"][r], v["lengths"][r] = n, s.slot, s.length
-            self._fill_sampling(v, r, s)
+            v["seeds"][r], v["top_k"][r], v["inv_temperature"][r], v["top_p"][r] = s.sampling_row
             if s.ring and ring is not None:
                 ringed.append(r)
             else:
