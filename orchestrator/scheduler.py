@@ -117,7 +117,15 @@ RESYNC_BYTES = 32 << 20
 
 #: Most requests in a tick for which the scheduler's exchanges poll the same-host hop before
 #: blocking (:meth:`Scheduler.hop_spin`); ``DFLASH_HOP_SPIN_BATCH`` sets another, for measuring.
-SPIN_BATCH = int(os.environ.get("DFLASH_HOP_SPIN_BATCH") or 2)
+def _spin_batch() -> int:
+    env = os.environ.get("DFLASH_HOP_SPIN_BATCH") or "2"
+    try:
+        return int(env)
+    except ValueError:
+        raise ValueError(f"DFLASH_HOP_SPIN_BATCH must be an integer (requests), got {env!r}") from None
+
+
+SPIN_BATCH = _spin_batch()
 
 #: a recompute that failed with one of these is tried again later (:meth:`Scheduler._collect_refeatures`)
 _RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
@@ -839,8 +847,11 @@ class Scheduler:
                 metrics.set_queue_depth(waiting)
             try:
                 layers = []
-                if req.speculative and self.policy is None and not self._fits_a_draft(
-                        req, len(self._active) + len(self._prefilling) + waiting + 1):
+                # the batch it joins: the requests decoding, starting, and those queued behind it,
+                # which join the same ticks (a burst of N requests is a batch of N from the first),
+                # at most the sessions that decode at once
+                joining = min(self.max_sessions, len(self._active) + len(self._prefilling) + waiting + 1)
+                if req.speculative and self.policy is None and not self._fits_a_draft(req, joining):
                     req.speculative = False   # no tree fits its share of a tick's nodes: plain for life
                     self.admitted_plain += 1
                     if self.admitted_plain == 1:
@@ -849,9 +860,7 @@ class Scheduler:
                                  extra={"step_nodes": self.step_nodes, "active": len(self._active), "queued": waiting})
                 if req.speculative and self.policy is not None:
                     # plain for life where plain ticks are expected faster at the batch it joins
-                    # (policy.admit): the requests decoding, starting, and those queued behind it,
-                    # which join the same ticks (a burst of N requests is a batch of N from the first)
-                    joining = len(self._active) + len(self._prefilling) + waiting + 1
+                    # (policy.admit)
                     probe = self.policy.expected(joining) == PLAIN
                     if self.policy.admit(joining) == PLAIN:
                         req.speculative = False
@@ -877,8 +886,9 @@ class Scheduler:
     def _fits_a_draft(self, req: Request, batch: int) -> bool:
         """Whether ``req`` would draft at all in a tick of ``batch`` requests: its tree (or chain)
         gets at least one node from the tick's share of :attr:`step_nodes`
-        (:func:`adaptive_budget`, as :meth:`_propose_trees` sizes it: two draft nodes for a
-        tree, one for a chain). Where it would not, a request that may draft still costs every
+        (:func:`adaptive_budget`, as :meth:`_tick` gates a tick's drafting, two draft nodes a
+        request, and :meth:`_propose_trees` sizes each tree: two draft nodes for a tree, one for
+        a chain). Where it would not, a request that may draft still costs every
         tick what drafting keeps (the target's feature rows, the orchestrator's bookkeeping, a
         drafter session) for no tree: on an H200 at the sweep's largest level, where no tree fit
         the CUDA default ``step_nodes``, speculation made 0.91x our plain decoding
@@ -886,6 +896,8 @@ class Scheduler:
         :meth:`_admit` starts it plainly for its life (docs/ARCHITECTURE.md, "When to draft"), a
         rule of the tick's node budget, not a measured threshold; ``batch`` counts the requests
         decoding, starting and queued behind it, which join the same ticks."""
+        if adaptive_budget(batch, self.step_nodes, want=1 << 30) <= 0:
+            return False   # (no tick of that batch drafts at all: _tick's gate)
         t = req.tree
         if t.budget:
             return adaptive_budget(batch, self.step_nodes, want=t.budget, min_nodes=2) > 0

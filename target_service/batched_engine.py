@@ -84,8 +84,10 @@ class PoolSession:
     @functools.cached_property
     def sampling_row(self) -> tuple[int, int, float, float]:
         """``(seeds, top_k, inv_temperature, top_p)`` as a step's row fields hold them (top_p 0
-        when greedy), made once: a session's sampling never changes, and the float32 division
-        and the seed's bits cost the host about 2 us a step per item."""
+        when greedy), made once: a session's sampling is set when it opens and never changes (a
+        caller that replaced :attr:`sampling` would have to drop this cached value), and the
+        float32 division and the seed's bits cost the host about 1.3 us a step per item
+        (``benchmarks/cpu-host-per-item/run28-tree-shapes``)."""
         sp = self.sampling
         return self.seed_bits, sp.top_k, self.inv_temperature, sp.top_p if sp.temperature > 0 else 0.0
 
@@ -569,8 +571,9 @@ class BatchedEngine:
         width and depth) are a function of ``parents`` alone, and the drafter's trees come in few
         shapes (as the orchestrator's ``TreeChecker`` finds), so a shape that passed keeps its
         depths and ancestor bits (tuples, shared by the trees of that shape) and a later tree of it
-        checks only its tokens; at most :data:`TREE_SHAPES` shapes are kept, then the memory
-        starts again. On the CPU box analyze_tree took 2.5 us an 8-node tree (a 64-stream tick's) and
+        checks only its tokens (the vocabulary, width and depth bounds are the engine's, fixed
+        when it is made); at most :data:`TREE_SHAPES` shapes are kept, then the memory starts
+        again. On the CPU box analyze_tree took 2.5 us an 8-node tree (a 64-stream tick's) and
         4.1 a 16-node one, a kept shape 0.9 and 1.25 (``benchmarks/cpu-host-per-item/run28-tree-shapes``)."""
         key = parents if type(parents) is tuple else tuple(parents)
         hit = self._shapes.get(key)

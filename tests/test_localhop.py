@@ -499,13 +499,15 @@ def test_a_hop_servers_spin_is_asked_before_each_wait(hop, monkeypatch):
     for i in range(4):
         r = call.exchange(_request(f"s{i}", root=i, length=10 + i), timeout=5.0)
         assert isinstance(r, draft_pb2.ProposeResponse) and r.results[0].session_id == f"s{i}"
-    time.sleep(0.05)                            # (the wait after the fourth reply has begun)
+    deadline = time.monotonic() + 5.0
+    while len(asked) < 5 and time.monotonic() < deadline:   # (the wait after the fourth reply)
+        time.sleep(0.002)
     assert len(asked) == 5                      # before each of the four requests and the wait after
     assert windows == [0.004] * 3               # only the non-zero windows (1st, 3rd, 5th) polled
     serving.set_local_hop_spin(server, None)    # back to SPIN_S (0: never polls)
-    n = len(windows)
-    call.exchange(_request("t"), timeout=5.0)
-    assert len(windows) == n
+    for name in ("t", "u"):                     # (the wait before "t" was asked already; the one before "u" is not)
+        call.exchange(_request(name), timeout=5.0)
+    assert len(asked) == 5 and windows == [0.004] * 3
 
 
 def test_quiet_spin_polls_on_cuda_while_quiet_unless_the_environment_says(monkeypatch):

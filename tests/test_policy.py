@@ -461,3 +461,43 @@ def test_a_request_joining_where_no_tree_fits_starts_plain_for_life(tiny_llama, 
         assert [_tokens(r) for r in burst] == [reference] * 3
         assert sched.admitted_plain == 3
         assert all(not r.speculative and r.stats.drafts == 0 and not r.on_drafter for r in burst)
+
+
+def test_no_tree_fits_counts_the_sessions_that_decode_at_once_and_gates_chains(tiny_llama, tiny_drafter):
+    """The batch a request joins is at most the orchestrator's --max-sessions: with one session at
+    a time a burst of 3 drafts (each runs alone: 4 nodes fit a tree), however long the queue. A
+    chain joining a batch where no tick drafts (3 requests sharing 4 nodes) starts plain too; alone
+    it drafts. Every text is the target's own."""
+    from dflash_grpc.v1 import common_pb2, draft_pb2
+    from orchestrator.scheduler import Request
+    from tests.conftest import draft_in_process, orchestrator_in_process, target_in_process
+
+    def request(name, tree, speculative=True):
+        return Request(session_id=name, prompt=[5, 6, 7, 8], max_tokens=12, sampling=common_pb2.SamplingParams(),
+                       tree=tree, speculative=speculative)
+
+    tree, chain = draft_pb2.TreeParams(budget=6, top_k=2), draft_pb2.TreeParams(budget=0, max_depth=3)
+    with target_in_process(tiny_llama.path, max_sessions=4, max_context=512) as tport, \
+            draft_in_process(tiny_drafter, tiny_llama.path, max_sessions=4, max_context=512) as (_, dport):
+        with orchestrator_in_process(tiny_llama.path, tport, dport, max_sessions=1, step_nodes=4) as (servicer, _):
+            sched = servicer.scheduler
+            plain = request("plain", tree, speculative=False)
+            sched.submit(plain)
+            reference = _tokens(plain)
+            sched._slot_wait_until = time.monotonic() + 0.5   # the burst queues whole
+            burst = [request(f"one-{i}", tree) for i in range(3)]
+            for r in burst:
+                sched.submit(r)
+            assert [_tokens(r) for r in burst] == [reference] * 3
+            assert sched.admitted_plain == 0 and all(r.speculative and r.stats.drafts > 0 for r in burst)
+        with orchestrator_in_process(tiny_llama.path, tport, dport, max_sessions=4, step_nodes=4) as (servicer, _):
+            sched = servicer.scheduler
+            alone = request("chain-alone", chain)
+            sched.submit(alone)
+            assert _tokens(alone) == reference and alone.speculative and alone.stats.drafts > 0
+            sched._slot_wait_until = time.monotonic() + 0.5
+            burst = [request(f"chain-{i}", chain) for i in range(3)]
+            for r in burst:
+                sched.submit(r)
+            assert [_tokens(r) for r in burst] == [reference] * 3
+            assert sched.admitted_plain == 3 and not any(r.speculative for r in burst)

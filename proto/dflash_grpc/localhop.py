@@ -535,7 +535,8 @@ class HopServer:
         def requests() -> Iterator:
             nonlocal poller
             while True:
-                spin = SPIN_S if self.spin is None else self.spin()
+                fn = self.spin   # (read once: another thread may set it)
+                spin = SPIN_S if fn is None else fn()
                 if spin > 0:   # the next request, polled for before blocking (SPIN_S, or self.spin)
                     if poller is None:
                         poller = select.poll()
