@@ -640,6 +640,22 @@ class BatchedEngine:
             groups.append(cur)
         return groups
 
+    @staticmethod
+    def _fill_rows(v: dict[str, np.ndarray], group: list) -> None:
+        """Write a step's trees (``group``: ``(idx, session, tokens, parents, depth, bits)`` per
+        batch row) into a runner's host views ``v`` (:meth:`StepLayout.host_views`): each row's
+        nodes, node count, slot, committed length and sampling fields
+        (:attr:`PoolSession.sampling_row`); rows past ``len(group)`` and nodes past a row's count
+        are :meth:`StepLayout.fill_padding`'s."""
+        for r, (_, s, tokens, parents, depth, bits) in enumerate(group):
+            n = len(tokens)
+            v["tokens"][r, :n] = tokens
+            v["parents"][r, :n] = parents
+            v["depth"][r, :n] = depth
+            v["ancestors"][r, :n] = bits
+            v["n_nodes"][r], v["slots"][r], v["lengths"][r] = n, s.slot, s.length
+            v["seeds"][r], v["top_k"][r], v["inv_temperature"][r], v["top_p"][r] = s.sampling_row
+
     def _fill_sampling(self, v: dict[str, np.ndarray], r: int, s: PoolSession) -> None:
         v["seeds"][r], v["top_k"][r], v["inv_temperature"][r], v["top_p"][r] = s.sampling_row
 
@@ -664,14 +680,9 @@ class BatchedEngine:
         wants_features = False   # some session of the step has feature layers (and the engine taps): its live rows' features come back
         ring = self.ring
         ringed: list[int] = []   # batch rows whose rows go to the feature ring
-        for r, (_, s, tokens, parents, depth, bits) in enumerate(group):
-            n = len(tokens)
-            v["tokens"][r, :n] = tokens
-            v["parents"][r, :n] = parents
-            v["depth"][r, :n] = depth
-            v["ancestors"][r, :n] = bits
-            v["n_nodes"][r], v["slots"][r], v["lengths"][r] = n, s.slot, s.length
-            v["seeds"][r], v["top_k"][r], v["inv_temperature"][r], v["top_p"][r] = s.sampling_row
+        self._fill_rows(v, group)
+        for r, item in enumerate(group):
+            s = item[1]
             if s.ring and ring is not None:
                 ringed.append(r)
             else:

@@ -1,6 +1,6 @@
 """The target's step inputs written per row, with each session's sampling fields computed every
 step (before: a float32 division and the seed's bits per row) and kept on the session (after:
-``PoolSession.sampling_row``), session 28. Runner-shaped host views (``StepLayout.host_views``),
+``PoolSession.sampling_row``, written by ``BatchedEngine._fill_rows``), session 28. Runner-shaped host views (``StepLayout.host_views``),
 8-node trees, 1 / 8 / 64 rows; us per item, median of 7 repeats of 300 steps, on this machine.
 
     python benchmarks/cpu-host-per-item/run28-tree-shapes/fill_bench.py
@@ -17,36 +17,19 @@ import numpy as np
 
 sys.path[:0] = [".", "proto"]
 
-from target_service.batched_engine import PoolSession  # noqa: E402
+from target_service.batched_engine import BatchedEngine, PoolSession  # noqa: E402
 from target_service.engine import Sampling  # noqa: E402
 from target_service.pooled import StepLayout  # noqa: E402
 
 
-def before(v, group) -> None:
-    """The per-row writes of 8685e65's ``_step`` (its ``_fill_sampling`` inlined)."""
-    for r, (_, s, tokens, parents, depth, bits) in enumerate(group):
-        n = len(tokens)
-        v["tokens"][r, :n] = tokens
-        v["parents"][r, :n] = parents
-        v["depth"][r, :n] = depth
-        v["ancestors"][r, :n] = bits
-        v["n_nodes"][r], v["slots"][r], v["lengths"][r] = n, s.slot, s.length
-        v["seeds"][r] = s.seed_bits
-        v["top_k"][r] = s.sampling.top_k
-        v["inv_temperature"][r] = s.inv_temperature
-        v["top_p"][r] = s.sampling.top_p if s.sampling.temperature > 0 else 0.0
+class Uncached(PoolSession):
+    """A session whose sampling fields are computed at every read, as 8685e65's ``_step`` did
+    for every row of every step (its ``_fill_sampling``: ``seed_bits``, ``inv_temperature``)."""
 
-
-def after(v, group) -> None:
-    """This tree's ``_step`` writes."""
-    for r, (_, s, tokens, parents, depth, bits) in enumerate(group):
-        n = len(tokens)
-        v["tokens"][r, :n] = tokens
-        v["parents"][r, :n] = parents
-        v["depth"][r, :n] = depth
-        v["ancestors"][r, :n] = bits
-        v["n_nodes"][r], v["slots"][r], v["lengths"][r] = n, s.slot, s.length
-        v["seeds"][r], v["top_k"][r], v["inv_temperature"][r], v["top_p"][r] = s.sampling_row
+    @property
+    def sampling_row(self):
+        sp = self.sampling
+        return self.seed_bits, sp.top_k, self.inv_temperature, sp.top_p if sp.temperature > 0 else 0.0
 
 
 def main() -> None:
@@ -59,18 +42,19 @@ def main() -> None:
         for _ in range(2):
             buf = np.zeros(lay.size, dtype=np.int64)
             views.append(lay.host_views(buf))
-        group = [(i, PoolSession(f"s{i}", i, Sampling(temperature=0.7, seed=i), [], length=100 + i),
-                  [rng.randrange(1000) for _ in range(8)], list(parents), depth, bits) for i in range(b)]
-        before(views[0], group)
-        after(views[1], group)
+        trees = [([rng.randrange(1000) for _ in range(8)], list(parents), depth, bits) for _ in range(b)]
+        groups = [[(i, kind(f"s{i}", i, Sampling(temperature=0.7, seed=i), [], length=100 + i), *trees[i])
+                   for i in range(b)] for kind in (Uncached, PoolSession)]
+        for v, group in zip(views, groups):
+            BatchedEngine._fill_rows(v, group)
         assert all(np.array_equal(views[0][k], views[1][k]) for k in views[0]), "the two fills differ"
         out = []
-        for fn in (before, after):
+        for group in groups:
             runs = []
             for _ in range(7):
                 t0 = time.perf_counter()
                 for _ in range(300):
-                    fn(views[0], group)
+                    BatchedEngine._fill_rows(views[0], group)
                 runs.append((time.perf_counter() - t0) / 300 / b * 1e6)
             out.append(statistics.median(runs))
         print(f"{b:4d}  {out[0]:14.2f}  {out[1]:13.2f}")
