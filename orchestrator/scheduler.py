@@ -855,8 +855,8 @@ class Scheduler:
                     req.speculative = False   # no tree fits its share of a tick's nodes: plain for life
                     self.admitted_plain += 1
                     if self.admitted_plain == 1:
-                        log.info("requests start plainly: at this batch no tree fits a request's share of the "
-                                 "verify nodes per tick (--step-nodes)",
+                        log.info("requests start plainly: no tree of theirs fits their share of the verify nodes "
+                                 "per tick (--step-nodes) at the batch they join",
                                  extra={"step_nodes": self.step_nodes, "active": len(self._active), "queued": waiting})
                 if req.speculative and self.policy is not None:
                     # plain for life where plain ticks are expected faster at the batch it joins

@@ -159,6 +159,21 @@ def test_quiet_is_a_light_load_without_prefills():
         assert loop.quiet(1)
     finally:
         loop.stop()
+    engine = GuardedEngine(step_s=0.2)                                # a step the loop thread is busy with
+    loop = StepLoop(engine, name="quiet-queued")
+    try:
+        loop.inline = False
+        engine.sessions["a"] = engine.sessions["b"] = 0
+        first = loop.submit_batch([("a", [1], [-1])])
+        deadline = time.monotonic() + 5
+        while not engine.threads and time.monotonic() < deadline:    # the first step has begun
+            time.sleep(0.001)
+        second = loop.submit_batch([("b", [1], [-1])])               # queued behind it
+        assert not loop.quiet(64)
+        first.result(timeout=5), second.result(timeout=5)
+        assert loop.quiet(64)
+    finally:
+        loop.stop()
 
 
 def test_the_engine_never_runs_on_two_threads_at_once():
