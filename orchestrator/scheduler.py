@@ -115,9 +115,11 @@ STALE_IDS = 4096
 #: failing every time it is retried
 RESYNC_BYTES = 32 << 20
 
-#: Most requests in a tick for which the scheduler's exchanges poll the same-host hop before
-#: blocking (:meth:`Scheduler.hop_spin`); ``DFLASH_HOP_SPIN_BATCH`` sets another, for measuring.
 def _spin_batch() -> int:
+    """``DFLASH_HOP_SPIN_BATCH`` as an int (2 where unset or empty).
+
+    Raises:
+        ValueError: a value that is not an integer."""
     env = os.environ.get("DFLASH_HOP_SPIN_BATCH") or "2"
     try:
         return int(env)
@@ -125,6 +127,8 @@ def _spin_batch() -> int:
         raise ValueError(f"DFLASH_HOP_SPIN_BATCH must be an integer (requests), got {env!r}") from None
 
 
+#: Most requests in a tick for which the scheduler's exchanges poll the same-host hop before
+#: blocking (:meth:`Scheduler.hop_spin`); ``DFLASH_HOP_SPIN_BATCH`` sets another, for measuring.
 SPIN_BATCH = _spin_batch()
 
 #: a recompute that failed with one of these is tried again later (:meth:`Scheduler._collect_refeatures`)

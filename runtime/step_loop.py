@@ -142,9 +142,10 @@ class StepLoop:
 
     def quiet(self, most_items: int) -> bool:
         """Whether nothing waits for the loop (no prefill in progress, nothing queued, the loop
-        thread not waiting for the engine) and its last batched step had at most ``most_items`` items: a light load, where a hop thread may
-        poll for the next request without keeping prefill chunks from the GIL
-        (:func:`dflash_grpc.localhop.quiet_spin`). Read without the lock: a hint."""
+        thread not waiting for the engine) and its last batched step had at most ``most_items``
+        items: a light load, where a hop thread may poll for the next request without keeping
+        prefill chunks from the GIL (:func:`dflash_grpc.localhop.quiet_spin`). Read without the
+        lock: a hint."""
         return not self._prefills and not self._loop_waits and self._q.empty() and self.last_items <= most_items
 
     def submit_batch(self, items: list, owner: Owner | None = None) -> Future:

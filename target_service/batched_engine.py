@@ -654,9 +654,12 @@ class BatchedEngine:
             v["depth"][r, :n] = depth
             v["ancestors"][r, :n] = bits
             v["n_nodes"][r], v["slots"][r], v["lengths"][r] = n, s.slot, s.length
-            v["seeds"][r], v["top_k"][r], v["inv_temperature"][r], v["top_p"][r] = s.sampling_row
+            BatchedEngine._fill_sampling(v, r, s)
 
-    def _fill_sampling(self, v: dict[str, np.ndarray], r: int, s: PoolSession) -> None:
+    @staticmethod
+    def _fill_sampling(v: dict[str, np.ndarray], r: int, s: PoolSession) -> None:
+        """Row ``r``'s sampling fields of a step's host views ``v``: ``s``'s
+        :attr:`PoolSession.sampling_row`."""
         v["seeds"][r], v["top_k"][r], v["inv_temperature"][r], v["top_p"][r] = s.sampling_row
 
     def _session_features(self, f: torch.Tensor, s: PoolSession) -> torch.Tensor:

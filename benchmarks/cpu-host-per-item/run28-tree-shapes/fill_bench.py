@@ -1,7 +1,7 @@
 """The target's step inputs written per row, with each session's sampling fields computed every
 step (before: a float32 division and the seed's bits per row) and kept on the session (after:
-``PoolSession.sampling_row``, written by ``BatchedEngine._fill_rows``), session 28. Runner-shaped host views (``StepLayout.host_views``),
-8-node trees, 1 / 8 / 64 rows; us per item, median of 7 repeats of 300 steps, on this machine.
+``PoolSession.sampling_row``, written by ``BatchedEngine._fill_rows``), session 28.
+Runner-shaped host views (``StepLayout.host_views``), 8-node trees, 1 / 8 / 64 rows; us per item, median of 7 repeats of 300 steps, on this machine.
 
     python benchmarks/cpu-host-per-item/run28-tree-shapes/fill_bench.py
 """
@@ -26,10 +26,7 @@ class Uncached(PoolSession):
     """A session whose sampling fields are computed at every read, as 8685e65's ``_step`` did
     for every row of every step (its ``_fill_sampling``: ``seed_bits``, ``inv_temperature``)."""
 
-    @property
-    def sampling_row(self):
-        sp = self.sampling
-        return self.seed_bits, sp.top_k, self.inv_temperature, sp.top_p if sp.temperature > 0 else 0.0
+    sampling_row = property(PoolSession.sampling_row.func)   # (the same body, not kept)
 
 
 def main() -> None:
