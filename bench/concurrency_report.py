@@ -114,8 +114,8 @@ def markdown(sweep: dict[str, Any], llama: dict[int, float], reference: dict[str
             + ("" if proj is None else
                f" {_f(s and s.get('tau'), '{:.2f}')} | {_f(ref_tau.get(row['streams']), '{:.2f}')} | "
                f"{_f(proj.get(row['streams']))} | {_x(proj.get(row['streams']), ll)} | {_x(proj.get(row['streams']), agg(a))} |"))
-    ticks, ttft = tick_table(sweep), ttft_table(sweep)
-    return "\n".join(lines) + "".join("\n\n" + t for t in (ttft, ticks) if t)
+    ticks, ttft, counted = tick_table(sweep), ttft_table(sweep), counters_table(sweep)
+    return "\n".join(lines) + "".join("\n\n" + t for t in (ttft, ticks, counted) if t)
 
 
 def ttft_table(sweep: dict[str, Any]) -> str:
@@ -169,6 +169,32 @@ def tick_table(sweep: dict[str, Any]) -> str:
                       "| mode | streams | tau | tick | Propose (draft step / device) | Verify (target step / device) | "
                       "orchestrator | host us per item: draft / target / orchestrator |",
                       "|---|---|---|---|---|---|---|---|"] + lines)
+
+
+#: the scheduler counters :func:`counters_table` shows, by column heading
+COUNTER_COLUMNS = (("ticks", "ticks"), ("draft_fallbacks", "fallbacks"), ("refeatures", "recomputed"),
+                   ("drafter_sessions_given_up", "given up"), ("admitted_plain", "started plain"),
+                   ("demoted", "demoted"), ("no_drafter_slot", "no drafter slot"),
+                   ("draft_deadline_misses", "deadline misses"))
+
+
+def counters_table(sweep: dict[str, Any]) -> str:
+    """What the orchestrator's scheduler counted over each level (markdown; ``bench.serving``'s
+    ``scheduler``: the change of ``SchedulerStatus``'s counters from the level's start to its end):
+    ticks, drafter fallbacks, drafter sessions recomputed and given up, requests started plainly
+    for life, demoted, Propose items without a drafter slot, missed Propose deadlines. Empty when
+    the sweep recorded none (older JSON, or a server whose Info failed)."""
+    lines = []
+    for mode, levels in sweep.get("modes", {}).items():
+        for r in levels:
+            c = r.get("scheduler")
+            if c:
+                lines.append(f"| {mode} | {r['concurrency']} | " + " | ".join(f"{c.get(k, 0):,}" for k, _ in COUNTER_COLUMNS) + " |")
+    if not lines:
+        return ""
+    return "\n".join(["What the scheduler counted over each level (its Info before and after):", "",
+                      "| mode | streams | " + " | ".join(h for _, h in COUNTER_COLUMNS) + " |",
+                      "|---|---|" + "---|" * len(COUNTER_COLUMNS)] + lines)
 
 
 def write_png(sweep: dict[str, Any], llama: dict[int, float], path: str, title: str = "") -> None:

@@ -351,7 +351,9 @@ def run_concurrency(address: str, prompts: Sequence[str], levels: Sequence[int],
         verify forward, from the requests' final statistics: ``tick`` (decode time), the Propose and
         Verify exchanges as the orchestrator saw them, the services' step time and device time for
         them, and ``orchestrator`` = tick less both exchanges; None when no forward was reported),
-        errors, first_error]}}``. A failed request counts as an error of its level (e.g.
+        errors, first_error, scheduler (the change of the orchestrator's scheduler counters over the
+        level, ``SchedulerStatus.COUNTERS``: ticks, fallbacks, recomputed and given-up drafter
+        sessions, requests started plainly, ...; None where its Info failed)]}}``. A failed request counts as an error of its level (e.g.
         RESOURCE_EXHAUSTED past the server's session slots) and adds no tokens.
     """
     if not prompts:
@@ -364,8 +366,24 @@ def run_concurrency(address: str, prompts: Sequence[str], levels: Sequence[int],
         for n in levels:
             if progress:
                 progress(name, n)
-            rows.append(_run_level(address, prompts, n, requests_per_stream, request, timeout, reference))
+            before = _scheduler_counters(address, timeout)
+            row = _run_level(address, prompts, n, requests_per_stream, request, timeout, reference)
+            after = _scheduler_counters(address, timeout)
+            row["scheduler"] = None if before is None or after is None else {k: after[k] - before[k] for k in after}
+            rows.append(row)
     return out
+
+
+def _scheduler_counters(address: str, timeout: float | None) -> dict[str, int] | None:
+    """The orchestrator's scheduler counters now (``SchedulerStatus.COUNTERS`` from its Info), or
+    None where Info fails (an older server, a server without a scheduler: the level is not judged
+    by them)."""
+    try:
+        with Client(address, timeout=timeout) as c:
+            s = c.info().scheduler
+    except DFlashError:
+        return None
+    return {k: getattr(s, k) for k in type(s).COUNTERS}
 
 
 def format_concurrency(result: dict[str, Any]) -> str:

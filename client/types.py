@@ -18,7 +18,7 @@ import numbers
 import operator
 from collections.abc import Iterable, Mapping
 from dataclasses import KW_ONLY, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from dflash_grpc.v1 import common_pb2, generation_pb2
 
@@ -277,6 +277,20 @@ class SchedulerStatus:
     draft_fallbacks: int = 0
     #: feature rows the drafter read from the target's feature ring, not through the orchestrator
     ring_rows: int = 0
+    #: counters since the orchestrator started (proto comments): drafter sessions recomputed and
+    #: given up, requests started plainly and demoted, items without a drafter slot, missed
+    #: Propose deadlines
+    refeatures: int = 0
+    drafter_sessions_given_up: int = 0
+    admitted_plain: int = 0
+    demoted: int = 0
+    no_drafter_slot: int = 0
+    draft_deadline_misses: int = 0
+
+    #: the fields that count since start (:func:`bench.serving.run_concurrency` reports their change per level)
+    COUNTERS: ClassVar[tuple[str, ...]] = ("ticks", "draft_fallbacks", "ring_rows", "refeatures",
+                                           "drafter_sessions_given_up", "admitted_plain", "demoted",
+                                           "no_drafter_slot", "draft_deadline_misses")
 
     @classmethod
     def from_proto(cls, msg: generation_pb2.SchedulerStatus) -> SchedulerStatus:

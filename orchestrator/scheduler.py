@@ -438,9 +438,14 @@ class Scheduler:
         #: when to draft (orchestrator.policy): measured per batch bucket, or None: whenever a drafter is up
         self.policy: DraftPolicy | None = DraftPolicy() if draft_policy == "measured" else None
         self.demoted = 0   # requests that started drafting and decode plainly for the rest of their lives (_demote)
-        #: requests that asked for speculation and start plainly for life because no tree fits their
-        #: share of ``step_nodes`` at the batch they join (:meth:`_fits_a_draft`; the ``always`` policy)
+        #: requests that asked for speculation and start plainly for life: no tree fits their share
+        #: of ``step_nodes`` at the batch they join (:meth:`_fits_a_draft`; the ``always`` policy), or
+        #: the measured policy expects plain ticks faster there (``DraftPolicy.admit``)
         self.admitted_plain = 0
+        #: drafter sessions given up, to be re-created from rows the target recomputes (:meth:`_give_up_rows`)
+        self.given_up = 0
+        #: Propose items not sent because every drafter slot was held (the request decoded plainly that tick)
+        self.no_drafter_slot = 0
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
         self._thread.start()
 
@@ -500,7 +505,9 @@ class Scheduler:
             active_sessions=held, queued_requests=queued, max_sessions=self.max_sessions, max_queue=self.max_queue,
             ticks=self.ticks, mean_batch=self.batched_items / self.ticks if self.ticks else 0.0,
             tree_budget_now=self.budget_now, drafting=self.drafting, draft_fallbacks=self.fallbacks,
-            ring_rows=self.ring_rows_sent)
+            ring_rows=self.ring_rows_sent, refeatures=self.refeatures, drafter_sessions_given_up=self.given_up,
+            admitted_plain=self.admitted_plain, demoted=self.demoted, no_drafter_slot=self.no_drafter_slot,
+            draft_deadline_misses=self.deadline_misses)
 
     def drain(self, timeout: float, release_timeout: float = 5.0) -> bool:
         """Graceful shutdown (``--shutdown-timeout``): admit nothing new (:meth:`submit` raises
@@ -868,6 +875,7 @@ class Scheduler:
                     probe = self.policy.expected(joining) == PLAIN
                     if self.policy.admit(joining) == PLAIN:
                         req.speculative = False
+                        self.admitted_plain += 1
                     else:
                         req.probe = probe   # drafting kept measured at that size: never demoted
                 if req.speculative:
@@ -1003,6 +1011,7 @@ class Scheduler:
     def _give_up_rows(self, req: Request) -> None:
         """``req``'s drafter session is given up: re-created later from rows the target
         recomputes (:meth:`_lose_rows`)."""
+        self.given_up += 1
         if req.on_drafter:
             self._new_draft_session(req, drop=True)
         else:
@@ -1355,6 +1364,7 @@ class Scheduler:
                 continue
             if not r.on_drafter:
                 if room <= 0:
+                    self.no_drafter_slot += 1
                     continue  # no drafter slot free: this request decodes plainly this tick
                 room -= 1
             # the rows it lacks: [rows_from, L), from 0 for a new or re-created session (history

@@ -47,6 +47,11 @@ def test_parse_and_table(tmp_path):
         in text.splitlines()   # host per item: (2.00 - 1.00) / 4, (4.00 - 2.50) / 4, 2.00 / 4 ms
     assert "| 1 | 3.00 / 4.25 | 9.50 / 12.00 |" in text.splitlines()
     assert "| 4 |" not in text.split("Time to first token")[1].split("Where a tick went")[0]   # no TTFT there
+    assert "What the scheduler counted" not in text   # no counters recorded: no table
+    ticked["modes"]["spec"][1]["scheduler"] = {"ticks": 40, "refeatures": 3, "drafter_sessions_given_up": 5,
+                                               "admitted_plain": 1200}
+    counted = markdown(ticked, {}).split("What the scheduler counted")[1].splitlines()
+    assert "| spec | 4 | 40 | 0 | 3 | 5 | 1,200 | 0 | 0 | 0 |" in counted and len([x for x in counted if x.startswith("| spec")]) == 1
 
 
 def test_cli_writes_table_and_png(tmp_path):

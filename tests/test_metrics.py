@@ -304,10 +304,12 @@ def test_render_frame():
 
 
 class _FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
-    """Generates 5 tokens per request; GetStats grows by 10 tokens per call; Info has a scheduler."""
+    """Generates 5 tokens per request; GetStats grows by 10 tokens per call; Info has a scheduler
+    whose ``refeatures`` and ``admitted_plain`` counters grow by 1 and 2 per Info call."""
 
     def __init__(self):
         self.calls = 0
+        self.infos = 0
         self.lock = threading.Lock()
         self.requests: list[generation_pb2.GenerateRequest] = []
 
@@ -333,10 +335,14 @@ class _FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
                                               accepted_per_position=[3, 1], mean_acceptance_length=1.8)
 
     def Info(self, request, context):
+        with self.lock:
+            self.infos += 1
+            n = self.infos
         return generation_pb2.ServiceInfo(
             target=common_pb2.ModelInfo(model_name="smol"), version="1",
             scheduler=generation_pb2.SchedulerStatus(active_sessions=2, queued_requests=1, max_sessions=4, max_queue=8,
-                                                     ticks=9, mean_batch=1.5, tree_budget_now=8, drafting=True))
+                                                     ticks=9, mean_batch=1.5, tree_budget_now=8, drafting=True,
+                                                     refeatures=n, admitted_plain=2 * n))
 
 
 @pytest.fixture(scope="module")
@@ -347,8 +353,10 @@ def fake():
 def test_info_scheduler(fake):
     with Client(fake.address) as c:
         info = c.info()
-    assert info.scheduler == SchedulerStatus(active_sessions=2, queued_requests=1, max_sessions=4, max_queue=8, ticks=9,
-                                             mean_batch=1.5, tree_budget_now=8, drafting=True, draft_fallbacks=0)
+    n = info.scheduler.refeatures
+    assert n >= 1 and info.scheduler == SchedulerStatus(
+        active_sessions=2, queued_requests=1, max_sessions=4, max_queue=8, ticks=9, mean_batch=1.5, tree_budget_now=8,
+        drafting=True, draft_fallbacks=0, refeatures=n, admitted_plain=2 * n)
     assert "scheduler: 2/4 sessions, 1/8 queued" in info.format()
     json.dumps(info.to_dict())
 
@@ -407,6 +415,11 @@ def test_run_concurrency(fake, monkeypatch):
     spec = [r for r in fake.requests if r.speculative.enabled]
     assert len(spec) == 8 and {r.prompt for r in fake.requests} == {"p0", "p1"}
     json.dumps(res)
+    # the scheduler's counters over each level: its Info before and after (one call each)
+    for rows in res["modes"].values():
+        for r in rows:
+            assert r["scheduler"]["refeatures"] == 1 and r["scheduler"]["admitted_plain"] == 2
+            assert r["scheduler"]["ticks"] == 0 and set(r["scheduler"]) == set(SchedulerStatus.COUNTERS)
     table = format_concurrency(res)
     assert "spec" in table and "streams" in table and "TTFT p50" in table
     # more streams than a client process runs: spread over client processes, the same accounting

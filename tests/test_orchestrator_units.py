@@ -246,6 +246,7 @@ def test_kept_rows_are_exactly_those_the_drafter_lacks():
 
     rng = random.Random(7)
     sched = Scheduler(Target(), NoDraft(), max_sessions=2)
+    gave_up_total = 0
     try:
         for limit, lost_p, sent_p in ((1 << 30, 0.0, 0.6), (1 << 30, 0.1, 0.6), (40, 0.0, 0.15)):
             sched.history_bytes = limit
@@ -290,6 +291,9 @@ def test_kept_rows_are_exactly_those_the_drafter_lacks():
                 if limit < 1 << 20 and req.rows_from:
                     assert req.history_bytes <= limit
             assert (gave_up > 0) == (limit < 1 << 20)
+            gave_up_total += gave_up
+            # counted as given up (SchedulerStatus); a loss on the drafter's side is not a give-up
+            assert sched.given_up == gave_up_total == sched.status().drafter_sessions_given_up
     finally:
         sched.stop(timeout=1.0, release_timeout=0.1)
 

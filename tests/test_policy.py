@@ -459,8 +459,40 @@ def test_a_request_joining_where_no_tree_fits_starts_plain_for_life(tiny_llama, 
         for r in burst:
             sched.submit(r)
         assert [_tokens(r) for r in burst] == [reference] * 3
-        assert sched.admitted_plain == 3
+        assert sched.admitted_plain == 3 == sched.status().admitted_plain
         assert all(not r.speculative and r.stats.drafts == 0 and not r.on_drafter for r in burst)
+        assert sched.status().no_drafter_slot == 0
+
+
+def test_requests_beyond_the_drafters_slots_decode_plainly_that_tick_and_are_counted(tiny_llama, tiny_drafter):
+    """A drafter of one session under an orchestrator of three: in a tick of three drafting
+    requests two get no drafter slot and decode plainly that tick (``no_drafter_slot`` counts
+    each such item, as ``SchedulerStatus`` reports); the one that holds the slot drafts. Every
+    text is the target's own."""
+    from dflash_grpc.v1 import common_pb2, draft_pb2
+    from orchestrator.scheduler import Request
+    from tests.conftest import draft_in_process, orchestrator_in_process, target_in_process
+
+    def request(name, speculative=True):
+        return Request(session_id=name, prompt=[5, 6, 7, 8], max_tokens=12, sampling=common_pb2.SamplingParams(),
+                       tree=draft_pb2.TreeParams(budget=6, top_k=2), speculative=speculative)
+
+    with target_in_process(tiny_llama.path, max_sessions=3, max_context=512) as tport, \
+            draft_in_process(tiny_drafter, tiny_llama.path, max_sessions=1, max_context=512) as (_, dport), \
+            orchestrator_in_process(tiny_llama.path, tport, dport, max_sessions=3) as (servicer, _):
+        sched = servicer.scheduler
+        plain = request("plain", speculative=False)
+        sched.submit(plain)
+        reference = _tokens(plain)
+        assert sched.no_drafter_slot == 0
+        sched._slot_wait_until = time.monotonic() + 0.5   # hold admissions: the three start together
+        burst = [request(f"burst-{i}") for i in range(3)]
+        for r in burst:
+            sched.submit(r)
+        assert [_tokens(r) for r in burst] == [reference] * 3
+        drafted = [r.stats.drafts > 0 for r in burst]
+        assert any(drafted) and not all(drafted)
+        assert sched.no_drafter_slot > 0 and sched.status().no_drafter_slot == sched.no_drafter_slot
 
 
 def test_no_tree_fits_counts_the_sessions_that_decode_at_once_and_gates_chains(tiny_llama, tiny_drafter):

@@ -162,7 +162,7 @@ class ServiceInfo(_message.Message):
     def __init__(self, target: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., drafter: _Optional[_Union[DrafterStatus, _Mapping]] = ..., version: _Optional[str] = ..., scheduler: _Optional[_Union[SchedulerStatus, _Mapping]] = ...) -> None: ...
 
 class SchedulerStatus(_message.Message):
-    __slots__ = ("active_sessions", "queued_requests", "max_sessions", "max_queue", "ticks", "mean_batch", "tree_budget_now", "drafting", "draft_fallbacks", "ring_rows")
+    __slots__ = ("active_sessions", "queued_requests", "max_sessions", "max_queue", "ticks", "mean_batch", "tree_budget_now", "drafting", "draft_fallbacks", "ring_rows", "refeatures", "drafter_sessions_given_up", "admitted_plain", "demoted", "no_drafter_slot", "draft_deadline_misses")
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,12 @@ class SchedulerStatus(_message.Message):
     DRAFTING_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     RING_ROWS_FIELD_NUMBER: _ClassVar[int]
+    REFEATURES_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_SESSIONS_GIVEN_UP_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_PLAIN_FIELD_NUMBER: _ClassVar[int]
+    DEMOTED_FIELD_NUMBER: _ClassVar[int]
+    NO_DRAFTER_SLOT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_DEADLINE_MISSES_FIELD_NUMBER: _ClassVar[int]
     active_sessions: int
     queued_requests: int
     max_sessions: int
@@ -183,7 +189,13 @@ class SchedulerStatus(_message.Message):
     drafting: bool
     draft_fallbacks: int
     ring_rows: int
-    def __init__(self, active_sessions: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_queue: _Optional[int] = ..., ticks: _Optional[int] = ..., mean_batch: _Optional[float] = ..., tree_budget_now: _Optional[int] = ..., drafting: _Optional[bool] = ..., draft_fallbacks: _Optional[int] = ..., ring_rows: _Optional[int] = ...) -> None: ...
+    refeatures: int
+    drafter_sessions_given_up: int
+    admitted_plain: int
+    demoted: int
+    no_drafter_slot: int
+    draft_deadline_misses: int
+    def __init__(self, active_sessions: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_queue: _Optional[int] = ..., ticks: _Optional[int] = ..., mean_batch: _Optional[float] = ..., tree_budget_now: _Optional[int] = ..., drafting: _Optional[bool] = ..., draft_fallbacks: _Optional[int] = ..., ring_rows: _Optional[int] = ..., refeatures: _Optional[int] = ..., drafter_sessions_given_up: _Optional[int] = ..., admitted_plain: _Optional[int] = ..., demoted: _Optional[int] = ..., no_drafter_slot: _Optional[int] = ..., draft_deadline_misses: _Optional[int] = ...) -> None: ...
 
 class DrafterStatus(_message.Message):
     __slots__ = ("available", "compatible", "address", "model", "detail")
