@@ -270,3 +270,42 @@ def test_target_killed_under_load(serve, refs):
                 assert time.monotonic() < deadline, serve.output()[-2000:]
                 time.sleep(1.0)
         assert res.token_ids == refs[1][1][:8]
+
+
+# ------------------------------------------------------------------------------------------------ the heap
+
+
+def test_gc_pauses_counts_each_generation_and_logs_long_ones(caplog):
+    """serving.GcPauses, the gc.callbacks hook freeze_heap installs: per generation the collections
+    and the longest pause; a pause of at least GC_PAUSE_LOG_S is logged (info, with its
+    generation and milliseconds), a shorter one is not; a stop without a start is ignored."""
+    import logging
+
+    from dflash_grpc import serving
+
+    now = [0.0]
+    pauses = serving.GcPauses("draft", clock=lambda: now[0])
+    caplog.set_level(logging.INFO, logger="dflash_grpc.gc")
+    for gen, took in ((0, 0.0001), (2, 0.05), (2, 0.02), (1, serving.GC_PAUSE_LOG_S / 2)):
+        pauses("start", {"generation": gen})
+        now[0] += took
+        pauses("stop", {"generation": gen, "collected": 7})
+    pauses("stop", {"generation": 0, "collected": 0})   # (no start: not counted)
+    assert pauses.count == [1, 1, 2]
+    assert pauses.longest_s == [pytest.approx(0.0001), pytest.approx(serving.GC_PAUSE_LOG_S / 2), pytest.approx(0.05)]
+    logged = [(r.service, r.generation, r.ms) for r in caplog.records if r.name == "dflash_grpc.gc"]
+    assert logged == [("draft", 2, 50.0), ("draft", 2, 20.0)]
+
+
+def test_freeze_heap_freezes_once_started_and_can_be_turned_off():
+    """serving.freeze_heap (called by serve_forever before a service serves): every object alive
+    is moved to the permanent generation and the pause watch is installed once; with
+    DFLASH_GC_FREEZE=0 nothing is frozen, and the pauses are still watched. Run in a child
+    process: freezing is process-wide."""
+    code = ("import gc; from dflash_grpc import serving as s; r = s.freeze_heap(); s.freeze_heap(); "
+            "print(r, gc.get_freeze_count() > 0, gc.callbacks.count(s.gc_pauses) if s.gc_pauses else 0)")
+    for env, want in (({}, "True True 1"), ({"DFLASH_GC_FREEZE": "0"}, "False False 1")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, **env})
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip() == want

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import gc
 import hmac
 import json
 import logging
@@ -127,6 +128,72 @@ def tune_malloc() -> bool:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3   # <malloc.h>
     return bool(mallopt(m_mmap_threshold, MALLOC_MMAP_THRESHOLD)) and bool(mallopt(m_trim_threshold, MALLOC_TRIM_THRESHOLD))
+
+
+#: A garbage collection at least this long is logged (info) by :func:`freeze_heap`'s watch, seconds.
+GC_PAUSE_LOG_S = 0.01
+
+
+class GcPauses:
+    """The cyclic garbage collector's pauses in this process, as ``gc.callbacks`` reports them:
+    per generation (0, 1, 2) the collections and the longest, in seconds; each collection of at
+    least :data:`GC_PAUSE_LOG_S` is logged (info: the service's ``name``, generation, milliseconds,
+    objects collected). ``clock`` is the time source (seconds; :func:`time.perf_counter`)."""
+
+    def __init__(self, name: str = "", clock: Callable[[], float] = time.perf_counter):
+        self.name = name
+        self.clock = clock
+        self.count = [0, 0, 0]
+        self.longest_s = [0.0, 0.0, 0.0]
+        self._start: float | None = None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        """The ``gc.callbacks`` hook: ``phase`` "start" or "stop", ``info`` its ``generation`` and
+        ``collected``."""
+        if phase == "start":
+            self._start = self.clock()
+            return
+        if self._start is None:
+            return
+        took, self._start = self.clock() - self._start, None
+        gen = min(int(info.get("generation", 2)), 2)
+        self.count[gen] += 1
+        self.longest_s[gen] = max(self.longest_s[gen], took)
+        if took >= GC_PAUSE_LOG_S:
+            logging.getLogger("dflash_grpc.gc").info(
+                "garbage collection paused this process", extra={"service": self.name, "generation": gen,
+                                                                "ms": round(took * 1e3, 2),
+                                                                "collected": info.get("collected", 0)})
+
+
+#: this process's :class:`GcPauses` once :func:`freeze_heap` has run
+gc_pauses: GcPauses | None = None
+
+
+def freeze_heap(name: str = "") -> bool:
+    """Move every object alive now (the loaded modules, the model, the captured graphs' Python
+    side) into the collector's permanent generation (``gc.freeze``), so that no later collection
+    walks them, and watch the collector's pauses (:class:`GcPauses` of service ``name``, kept in
+    :data:`gc_pauses`).
+
+    Why: a full (generation 2) collection walks every tracked object, and a service's startup
+    leaves a few hundred thousand (torch, triton, grpc, protobuf, the model): 70 ms a collection
+    on this repo's CPU box after the imports alone. Under load some young objects of the ticks
+    survive into generation 2, and now and then a full collection runs in the middle of a step. At
+    128 streams on an H200 a Propose missed its 50 ms deadline in most runs, which re-created every
+    drafter session (``benchmarks/gpu/concurrency/run29-128``); such a pause is that long. vLLM
+    freezes its heap after capturing its graphs for the same reason. Called once by :func:`serve_forever`, after a service's start and
+    before it serves; ``DFLASH_GC_FREEZE=0`` leaves the heap as it is (for measuring; the pauses
+    are still watched). Returns whether it froze."""
+    global gc_pauses
+    if gc_pauses is None:
+        gc_pauses = GcPauses(name)
+        gc.callbacks.append(gc_pauses)
+    if os.environ.get("DFLASH_GC_FREEZE", "1") == "0":
+        return False
+    gc.collect()
+    gc.freeze()
+    return True
 
 
 #: Worker threads :func:`make_server` keeps for unary calls on top of ``max_workers``.
@@ -619,12 +686,13 @@ def _wait(done: Callable[[], bool], deadline: float, poll: float = 0.02) -> bool
 
 def serve_forever(server: grpc.Server, health_servicer: health.HealthServicer, name: str, port: int, *,
                   shutdown_timeout: float = 5.0, drain: Callable[[float], Any] | None = None) -> None:
-    """Print ``READY <name> port=<port>``, block until SIGINT/SIGTERM, then
+    """Freeze the heap (:func:`freeze_heap`), print ``READY <name> port=<port>``, block until SIGINT/SIGTERM, then
     :func:`graceful_stop` (``shutdown_timeout`` seconds for the streams in flight, ``drain``).
     A second signal during the shutdown changes nothing."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    freeze_heap(name)   # what start-up built is never walked by a collection again
     logging.getLogger(name).info("serving", extra={"port": port})
     # The parent (`dflash-grpc serve`) reads this line to learn the bound port.
     print(f"READY {name} port={port}", flush=True)
