@@ -179,10 +179,14 @@ def freeze_heap(name: str = "") -> bool:
     Why: a full (generation 2) collection walks every tracked object, and a service's startup
     leaves a few hundred thousand (torch, triton, grpc, protobuf, the model): 70 ms a collection
     on this repo's CPU box after the imports alone. Under load some young objects of the ticks
-    survive into generation 2, and now and then a full collection runs in the middle of a step. At
-    128 streams on an H200 a Propose missed its 50 ms deadline in most runs, which re-created every
-    drafter session (``benchmarks/gpu/concurrency/run29-128``); such a pause is that long. vLLM
-    freezes its heap after capturing its graphs for the same reason. Called once by :func:`serve_forever`, after a service's start and
+    survive into generation 2, and now and then a full collection runs in the middle of a step:
+    140-224 ms in the draft and target services and 38-58 ms in the orchestrator on an H200 host.
+    At 128 streams one such pause in the draft service made a Propose miss its 50 ms deadline in
+    most runs, which re-created every drafter session and left speculation at 0.6x plain decoding
+    for the level (``benchmarks/gpu/concurrency/run29-128``, ``run29-gc``). With the heap frozen no
+    draft or target collection reached 10 ms while serving, the orchestrator's longest was 14 ms,
+    and no deadline was missed (``run29-gc``). vLLM freezes its heap after capturing its graphs
+    for the same reason. Called once by :func:`serve_forever`, after a service's start and
     before it serves; ``DFLASH_GC_FREEZE=0`` leaves the heap as it is (for measuring; the pauses
     are still watched). Returns whether it froze."""
     global gc_pauses
