@@ -182,19 +182,30 @@ def counters_table(sweep: dict[str, Any]) -> str:
     """What the orchestrator's scheduler counted over each level (markdown; ``bench.serving``'s
     ``scheduler``: the change of ``SchedulerStatus``'s counters from the level's start to its end):
     ticks, drafter fallbacks, drafter sessions recomputed and given up, requests started plainly
-    for life, demoted, Propose items without a drafter slot, missed Propose deadlines. Empty when
-    the sweep recorded none (older JSON, or a server whose Info failed)."""
+    for life, demoted, Propose items without a drafter slot, missed Propose deadlines; then the
+    orchestrator's own part of a tick, milliseconds per tick: its scheduler thread's loop less the
+    exchanges, wall clock and that thread's CPU time (a CPU share well under 1 is waiting: for the
+    GIL, for a core). Empty when the sweep recorded none (older JSON, or a server whose Info
+    failed)."""
     lines = []
     for mode, levels in sweep.get("modes", {}).items():
         for r in levels:
             c = r.get("scheduler")
             if c:
-                lines.append(f"| {mode} | {r['concurrency']} | " + " | ".join(f"{c.get(k, 0):,}" for k, _ in COUNTER_COLUMNS) + " |")
+                ticks = c.get("ticks", 0)
+                part = "- | -"
+                if ticks and "tick_seconds" in c:
+                    wall = (c["tick_seconds"] - c["exchange_seconds"]) / ticks * 1e3
+                    cpu = (c["tick_cpu_seconds"] - c["exchange_cpu_seconds"]) / ticks * 1e3
+                    part = f"{wall:.2f} | {cpu:.2f}"
+                lines.append(f"| {mode} | {r['concurrency']} | " + " | ".join(f"{c.get(k, 0):,}" for k, _ in COUNTER_COLUMNS)
+                             + f" | {part} |")
     if not lines:
         return ""
-    return "\n".join(["What the scheduler counted over each level (its Info before and after):", "",
-                      "| mode | streams | " + " | ".join(h for _, h in COUNTER_COLUMNS) + " |",
-                      "|---|---|" + "---|" * len(COUNTER_COLUMNS)] + lines)
+    return "\n".join(["What the scheduler counted over each level (its Info before and after), and its own part of "
+                      "a tick in ms (its loop less the exchanges: wall, its thread's CPU):", "",
+                      "| mode | streams | " + " | ".join(h for _, h in COUNTER_COLUMNS) + " | own ms / tick | own CPU ms / tick |",
+                      "|---|---|" + "---|" * (len(COUNTER_COLUMNS) + 2)] + lines)
 
 
 def write_png(sweep: dict[str, Any], llama: dict[int, float], path: str, title: str = "") -> None:

@@ -286,11 +286,18 @@ class SchedulerStatus:
     demoted: int = 0
     no_drafter_slot: int = 0
     draft_deadline_misses: int = 0
+    #: seconds of the scheduler's loop iterations that ticked, wall and CPU, and of their exchanges
+    #: (proto comments): wall less exchanges is the orchestrator's own part of the ticks
+    tick_seconds: float = 0.0
+    tick_cpu_seconds: float = 0.0
+    exchange_seconds: float = 0.0
+    exchange_cpu_seconds: float = 0.0
 
     #: the fields that count since start (:func:`bench.serving.run_concurrency` reports their change per level)
     COUNTERS: ClassVar[tuple[str, ...]] = ("ticks", "draft_fallbacks", "ring_rows", "refeatures",
                                            "drafter_sessions_given_up", "admitted_plain", "demoted",
-                                           "no_drafter_slot", "draft_deadline_misses")
+                                           "no_drafter_slot", "draft_deadline_misses", "tick_seconds",
+                                           "tick_cpu_seconds", "exchange_seconds", "exchange_cpu_seconds")
 
     @classmethod
     def from_proto(cls, msg: generation_pb2.SchedulerStatus) -> SchedulerStatus:

@@ -446,6 +446,9 @@ class Scheduler:
         self.given_up = 0
         #: Propose items not sent because every drafter slot was held (the request decoded plainly that tick)
         self.no_drafter_slot = 0
+        #: seconds of the loop iterations that ticked (wall, this thread's CPU) and of their
+        #: exchanges (:meth:`_exchange`): SchedulerStatus.tick_seconds ...
+        self.tick_s = self.tick_cpu_s = self.exchange_s = self.exchange_cpu_s = 0.0
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
         self._thread.start()
 
@@ -507,7 +510,8 @@ class Scheduler:
             tree_budget_now=self.budget_now, drafting=self.drafting, draft_fallbacks=self.fallbacks,
             ring_rows=self.ring_rows_sent, refeatures=self.refeatures, drafter_sessions_given_up=self.given_up,
             admitted_plain=self.admitted_plain, demoted=self.demoted, no_drafter_slot=self.no_drafter_slot,
-            draft_deadline_misses=self.deadline_misses)
+            draft_deadline_misses=self.deadline_misses, tick_seconds=self.tick_s, tick_cpu_seconds=self.tick_cpu_s,
+            exchange_seconds=self.exchange_s, exchange_cpu_seconds=self.exchange_cpu_s)
 
     def drain(self, timeout: float, release_timeout: float = 5.0) -> bool:
         """Graceful shutdown (``--shutdown-timeout``): admit nothing new (:meth:`submit` raises
@@ -637,8 +641,10 @@ class Scheduler:
                 req.flush_at = until
 
     def _run(self) -> None:
+        wall, cpu = time.perf_counter, time.thread_time
         while not self._stop.is_set():
             try:
+                w0, c0 = wall(), cpu()
                 self._drop_closed()
                 if self._refeaturing:
                     self._collect_refeatures()
@@ -654,6 +660,8 @@ class Scheduler:
                     self._wake.clear()
                     continue
                 self._tick(batch)
+                self.tick_s += wall() - w0
+                self.tick_cpu_s += cpu() - c0
             except Exception as e:  # noqa: BLE001 - a bug here must not hang every client
                 log.exception("scheduler tick failed")
                 for r in self._active:
@@ -1173,7 +1181,7 @@ class Scheduler:
             if self._verify is None:
                 self._verify = self.target.verify_stream(None)
             self._verify.spin_s = self.hop_spin(len(batch))
-            reply = self._verify.exchange(request, self.step_timeout, self._flush_events)
+            reply = self._exchange(self._verify, request, self.step_timeout)
             try:
                 refused, accepted, bonus, lengths, feats = verify_columns(reply, len(batch))
             except ColumnsError as e:   # as a reply that does not decode: the stream is over (_verify_failed)
@@ -1243,6 +1251,18 @@ class Scheduler:
             self.policy.observe(len(batch), BARE, emitted, tick_s)   # what a request started plainly pays
         metrics.observe_tick(len(batch), draft_s, verify_s, tick_s - draft_s - verify_s)
         self._adapt_hold(len(batch), tick_s)
+
+    def _exchange(self, call: StreamCall, request, timeout: float | None):
+        """``call.exchange(request, timeout)``, handing the tokens emitted so far to their streams
+        once the request is sent (:meth:`_flush_events`), with its wall and CPU seconds on this
+        thread counted (``exchange_s``, ``exchange_cpu_s``: the orchestrator's own part of a tick
+        is the rest)."""
+        w0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return call.exchange(request, timeout, self._flush_events)
+        finally:
+            self.exchange_s += time.perf_counter() - w0
+            self.exchange_cpu_s += time.thread_time() - c0
 
     def _demote(self, batch: list[Request]) -> list[str]:
         """The requests of ``batch`` that may draft, probes aside, decode plainly for the rest of
@@ -1408,7 +1428,7 @@ class Scheduler:
             request = items.request(as_columns, as_columns and isinstance(self._propose, (LocalHopCall, DirectStreamCall)))
             t0 = time.perf_counter()
             self._propose.spin_s = self.hop_spin(len(batch))
-            reply = self._propose.exchange(request, timeout, self._flush_events)
+            reply = self._exchange(self._propose, request, timeout)
             checked = None
             if columnar and len(who) == len(batch) and reply.HasField("trees") and not reply.refused:
                 checked = self._trees.check(reply.trees, [r.root for r in batch], [d for _, d in who], width_cap)

@@ -493,6 +493,12 @@ def test_requests_beyond_the_drafters_slots_decode_plainly_that_tick_and_are_cou
         drafted = [r.stats.drafts > 0 for r in burst]
         assert any(drafted) and not all(drafted)
         assert sched.no_drafter_slot > 0 and sched.status().no_drafter_slot == sched.no_drafter_slot
+        # the scheduler's own part of its ticks: its loop's seconds hold the exchanges' (read once
+        # the last tick's accounting is done: the loop idles)
+        deadline = time.monotonic() + 5
+        while (st := sched.status()).tick_seconds < st.exchange_seconds and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert st.tick_seconds >= st.exchange_seconds > 0 and st.tick_cpu_seconds >= st.exchange_cpu_seconds > 0
 
 
 def test_no_tree_fits_counts_the_sessions_that_decode_at_once_and_gates_chains(tiny_llama, tiny_drafter):
