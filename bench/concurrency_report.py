@@ -186,7 +186,8 @@ def counters_table(sweep: dict[str, Any]) -> str:
     orchestrator's own part of a tick, milliseconds per tick: its scheduler thread's loop less the
     exchanges, wall clock and that thread's CPU time (a CPU share well under 1 is waiting: for the
     GIL, for a core). Empty when the sweep recorded none (older JSON, or a server whose Info
-    failed)."""
+    failed); then the milliseconds per tick the Verify and Propose items waited in the target's and
+    the drafter's queues before their steps (the replies' ``queue_s``)."""
     lines = []
     for mode, levels in sweep.get("modes", {}).items():
         for r in levels:
@@ -198,14 +199,20 @@ def counters_table(sweep: dict[str, Any]) -> str:
                     wall = (c["tick_seconds"] - c["exchange_seconds"]) / ticks * 1e3
                     cpu = (c["tick_cpu_seconds"] - c["exchange_cpu_seconds"]) / ticks * 1e3
                     part = f"{wall:.2f} | {cpu:.2f}"
+                queued = "- | -"
+                if ticks and "verify_queue_seconds" in c:
+                    queued = (f"{c['verify_queue_seconds'] / ticks * 1e3:.2f} | "
+                              f"{c['propose_queue_seconds'] / ticks * 1e3:.2f}")
                 lines.append(f"| {mode} | {r['concurrency']} | " + " | ".join(f"{c.get(k, 0):,}" for k, _ in COUNTER_COLUMNS)
-                             + f" | {part} |")
+                             + f" | {part} | {queued} |")
     if not lines:
         return ""
-    return "\n".join(["What the scheduler counted over each level (its Info before and after), and its own part of "
-                      "a tick in ms (its loop less the exchanges: wall, its thread's CPU):", "",
-                      "| mode | streams | " + " | ".join(h for _, h in COUNTER_COLUMNS) + " | own ms / tick | own CPU ms / tick |",
-                      "|---|---|" + "---|" * (len(COUNTER_COLUMNS) + 2)] + lines)
+    return "\n".join(["What the scheduler counted over each level (its Info before and after), its own part of "
+                      "a tick in ms (its loop less the exchanges: wall, its thread's CPU), and the ms per tick its "
+                      "Verify and Propose items waited in the services' queues:", "",
+                      "| mode | streams | " + " | ".join(h for _, h in COUNTER_COLUMNS)
+                      + " | own ms / tick | own CPU ms / tick | Verify queue ms / tick | Propose queue ms / tick |",
+                      "|---|---|" + "---|" * (len(COUNTER_COLUMNS) + 4)] + lines)
 
 
 def write_png(sweep: dict[str, Any], llama: dict[int, float], path: str, title: str = "") -> None:

@@ -292,12 +292,16 @@ class SchedulerStatus:
     tick_cpu_seconds: float = 0.0
     exchange_seconds: float = 0.0
     exchange_cpu_seconds: float = 0.0
+    #: seconds the ticks' Verify / Propose items waited in the services' queues before their steps
+    verify_queue_seconds: float = 0.0
+    propose_queue_seconds: float = 0.0
 
     #: the fields that count since start (:func:`bench.serving.run_concurrency` reports their change per level)
     COUNTERS: ClassVar[tuple[str, ...]] = ("ticks", "draft_fallbacks", "ring_rows", "refeatures",
                                            "drafter_sessions_given_up", "admitted_plain", "demoted",
                                            "no_drafter_slot", "draft_deadline_misses", "tick_seconds",
-                                           "tick_cpu_seconds", "exchange_seconds", "exchange_cpu_seconds")
+                                           "tick_cpu_seconds", "exchange_seconds", "exchange_cpu_seconds",
+                                           "verify_queue_seconds", "propose_queue_seconds")
 
     @classmethod
     def from_proto(cls, msg: generation_pb2.SchedulerStatus) -> SchedulerStatus:

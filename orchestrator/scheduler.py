@@ -449,6 +449,8 @@ class Scheduler:
         #: seconds of the loop iterations that ticked (wall, this thread's CPU) and of their
         #: exchanges (:meth:`_exchange`): SchedulerStatus.tick_seconds ...
         self.tick_s = self.tick_cpu_s = self.exchange_s = self.exchange_cpu_s = 0.0
+        #: seconds the ticks' items waited in the target's / the drafter's queues (replies' queue_s)
+        self.verify_queue_s = self.propose_queue_s = 0.0
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
         self._thread.start()
 
@@ -511,7 +513,8 @@ class Scheduler:
             ring_rows=self.ring_rows_sent, refeatures=self.refeatures, drafter_sessions_given_up=self.given_up,
             admitted_plain=self.admitted_plain, demoted=self.demoted, no_drafter_slot=self.no_drafter_slot,
             draft_deadline_misses=self.deadline_misses, tick_seconds=self.tick_s, tick_cpu_seconds=self.tick_cpu_s,
-            exchange_seconds=self.exchange_s, exchange_cpu_seconds=self.exchange_cpu_s)
+            exchange_seconds=self.exchange_s, exchange_cpu_seconds=self.exchange_cpu_s,
+            verify_queue_seconds=self.verify_queue_s, propose_queue_seconds=self.propose_queue_s)
 
     def drain(self, timeout: float, release_timeout: float = 5.0) -> bool:
         """Graceful shutdown (``--shutdown-timeout``): admit nothing new (:meth:`submit` raises
@@ -1196,6 +1199,7 @@ class Scheduler:
             self._verify.close()
             self._verify = None
         compute_s, device_s = reply.compute_s, reply.device_s
+        self.verify_queue_s += reply.queue_s
         steps = []   # (draft nodes, depth, accepted) of each verified item: the metrics, once per tick
         emitted = 0
         now = time.monotonic()
@@ -1447,6 +1451,7 @@ class Scheduler:
         if not extra_rows:
             self.deadline.observe(draft_s, len(who))
         compute_s, device_s = reply.compute_s, reply.device_s
+        self.propose_queue_s += reply.queue_s
         if checked is not None:
             sent = self._sent
             for r in batch:

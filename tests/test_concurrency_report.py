@@ -51,12 +51,14 @@ def test_parse_and_table(tmp_path):
     ticked["modes"]["spec"][1]["scheduler"] = {"ticks": 40, "refeatures": 3, "drafter_sessions_given_up": 5,
                                                "admitted_plain": 1200}
     counted = markdown(ticked, {}).split("What the scheduler counted")[1].splitlines()
-    assert "| spec | 4 | 40 | 0 | 3 | 5 | 1,200 | 0 | 0 | 0 | - | - |" in counted   # (an older JSON: no seconds)
+    assert "| spec | 4 | 40 | 0 | 3 | 5 | 1,200 | 0 | 0 | 0 | - | - | - | - |" in counted   # (an older JSON: no seconds)
     assert len([x for x in counted if x.startswith("| spec")]) == 1
     ticked["modes"]["spec"][1]["scheduler"].update(tick_seconds=0.5, exchange_seconds=0.42, tick_cpu_seconds=0.2,
-                                                   exchange_cpu_seconds=0.16)
+                                                   exchange_cpu_seconds=0.16, verify_queue_seconds=0.01,
+                                                   propose_queue_seconds=0.002)
     counted = markdown(ticked, {}).split("What the scheduler counted")[1].splitlines()
-    assert "| spec | 4 | 40 | 0 | 3 | 5 | 1,200 | 0 | 0 | 0 | 2.00 | 1.00 |" in counted   # (0.5 - 0.42) / 40 s, (0.2 - 0.16) / 40
+    # (0.5 - 0.42) / 40 s, (0.2 - 0.16) / 40, 0.01 / 40, 0.002 / 40
+    assert "| spec | 4 | 40 | 0 | 3 | 5 | 1,200 | 0 | 0 | 0 | 2.00 | 1.00 | 0.25 | 0.05 |" in counted
 
 
 def test_cli_writes_table_and_png(tmp_path):

@@ -499,6 +499,8 @@ def test_requests_beyond_the_drafters_slots_decode_plainly_that_tick_and_are_cou
         while (st := sched.status()).tick_seconds < st.exchange_seconds and time.monotonic() < deadline:
             time.sleep(0.01)
         assert st.tick_seconds >= st.exchange_seconds > 0 and st.tick_cpu_seconds >= st.exchange_cpu_seconds > 0
+        # the replies' queue seconds, summed: some, and within the exchanges that carried them
+        assert 0 < st.verify_queue_seconds + st.propose_queue_seconds < st.exchange_seconds
 
 
 def test_no_tree_fits_counts_the_sessions_that_decode_at_once_and_gates_chains(tiny_llama, tiny_drafter):

@@ -162,7 +162,7 @@ class ServiceInfo(_message.Message):
     def __init__(self, target: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., drafter: _Optional[_Union[DrafterStatus, _Mapping]] = ..., version: _Optional[str] = ..., scheduler: _Optional[_Union[SchedulerStatus, _Mapping]] = ...) -> None: ...
 
 class SchedulerStatus(_message.Message):
-    __slots__ = ("active_sessions", "queued_requests", "max_sessions", "max_queue", "ticks", "mean_batch", "tree_budget_now", "drafting", "draft_fallbacks", "ring_rows", "refeatures", "drafter_sessions_given_up", "admitted_plain", "demoted", "no_drafter_slot", "draft_deadline_misses", "tick_seconds", "tick_cpu_seconds", "exchange_seconds", "exchange_cpu_seconds")
+    __slots__ = ("active_sessions", "queued_requests", "max_sessions", "max_queue", "ticks", "mean_batch", "tree_budget_now", "drafting", "draft_fallbacks", "ring_rows", "refeatures", "drafter_sessions_given_up", "admitted_plain", "demoted", "no_drafter_slot", "draft_deadline_misses", "tick_seconds", "tick_cpu_seconds", "exchange_seconds", "exchange_cpu_seconds", "verify_queue_seconds", "propose_queue_seconds")
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +183,8 @@ class SchedulerStatus(_message.Message):
     TICK_CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXCHANGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXCHANGE_CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     active_sessions: int
     queued_requests: int
     max_sessions: int
@@ -203,7 +205,9 @@ class SchedulerStatus(_message.Message):
     tick_cpu_seconds: float
     exchange_seconds: float
     exchange_cpu_seconds: float
-    def __init__(self, active_sessions: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_queue: _Optional[int] = ..., ticks: _Optional[int] = ..., mean_batch: _Optional[float] = ..., tree_budget_now: _Optional[int] = ..., drafting: _Optional[bool] = ..., draft_fallbacks: _Optional[int] = ..., ring_rows: _Optional[int] = ..., refeatures: _Optional[int] = ..., drafter_sessions_given_up: _Optional[int] = ..., admitted_plain: _Optional[int] = ..., demoted: _Optional[int] = ..., no_drafter_slot: _Optional[int] = ..., draft_deadline_misses: _Optional[int] = ..., tick_seconds: _Optional[float] = ..., tick_cpu_seconds: _Optional[float] = ..., exchange_seconds: _Optional[float] = ..., exchange_cpu_seconds: _Optional[float] = ...) -> None: ...
+    verify_queue_seconds: float
+    propose_queue_seconds: float
+    def __init__(self, active_sessions: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_queue: _Optional[int] = ..., ticks: _Optional[int] = ..., mean_batch: _Optional[float] = ..., tree_budget_now: _Optional[int] = ..., drafting: _Optional[bool] = ..., draft_fallbacks: _Optional[int] = ..., ring_rows: _Optional[int] = ..., refeatures: _Optional[int] = ..., drafter_sessions_given_up: _Optional[int] = ..., admitted_plain: _Optional[int] = ..., demoted: _Optional[int] = ..., no_drafter_slot: _Optional[int] = ..., draft_deadline_misses: _Optional[int] = ..., tick_seconds: _Optional[float] = ..., tick_cpu_seconds: _Optional[float] = ..., exchange_seconds: _Optional[float] = ..., exchange_cpu_seconds: _Optional[float] = ..., verify_queue_seconds: _Optional[float] = ..., propose_queue_seconds: _Optional[float] = ...) -> None: ...
 
 class DrafterStatus(_message.Message):
     __slots__ = ("available", "compatible", "address", "model", "detail")
