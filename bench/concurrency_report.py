@@ -185,8 +185,8 @@ def counters_table(sweep: dict[str, Any]) -> str:
     for life, demoted, Propose items without a drafter slot, missed Propose deadlines; then the
     orchestrator's own part of a tick, milliseconds per tick: its scheduler thread's loop less the
     exchanges, wall clock and that thread's CPU time (a CPU share well under 1 is waiting: for the
-    GIL, for a core). Empty when the sweep recorded none (older JSON, or a server whose Info
-    failed); then the milliseconds per tick the Verify and Propose items waited in the target's and
+    GIL, for a core). Empty when the sweep recorded none (older JSON, or a server that did not
+    report them); then the milliseconds per tick the Verify and Propose items waited in the target's and
     the drafter's queues before their steps (the replies' ``queue_s``)."""
     lines = []
     for mode, levels in sweep.get("modes", {}).items():

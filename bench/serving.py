@@ -353,7 +353,8 @@ def run_concurrency(address: str, prompts: Sequence[str], levels: Sequence[int],
         them, and ``orchestrator`` = tick less both exchanges; None when no forward was reported),
         errors, first_error, scheduler (the change of the orchestrator's scheduler counters over the
         level, ``SchedulerStatus.COUNTERS``: ticks, fallbacks, recomputed and given-up drafter
-        sessions, requests started plainly, ...; None where its Info failed)]}}``. A failed request counts as an error of its level (e.g.
+        sessions, requests started plainly, ...; None where its Info failed, the server does not
+        report them, or it restarted during the level)]}}``. A failed request counts as an error of its level (e.g.
         RESOURCE_EXHAUSTED past the server's session slots) and adds no tokens.
     """
     if not prompts:
@@ -368,22 +369,32 @@ def run_concurrency(address: str, prompts: Sequence[str], levels: Sequence[int],
                 progress(name, n)
             before = _scheduler_counters(address, timeout)
             row = _run_level(address, prompts, n, requests_per_stream, request, timeout, reference)
-            after = _scheduler_counters(address, timeout)
-            row["scheduler"] = None if before is None or after is None else {k: after[k] - before[k] for k in after}
+            row["scheduler"] = _counted(before, _scheduler_counters(address, timeout))
             rows.append(row)
     return out
 
 
-def _scheduler_counters(address: str, timeout: float | None) -> dict[str, int] | None:
+def _scheduler_counters(address: str, timeout: float | None) -> dict[str, float] | None:
     """The orchestrator's scheduler counters now (``SchedulerStatus.COUNTERS`` from its Info), or
-    None where Info fails (an older server, a server without a scheduler: the level is not judged
-    by them)."""
+    None where Info fails."""
     try:
         with Client(address, timeout=timeout) as c:
             s = c.info().scheduler
     except DFlashError:
         return None
     return {k: getattr(s, k) for k in type(s).COUNTERS}
+
+
+def _counted(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    """What the scheduler counted between two :func:`_scheduler_counters` readings, or None where
+    they say nothing: a reading failed, the server does not report the counters (it ticked but
+    counts no tick seconds: an older orchestrator, or none with a scheduler), or it restarted
+    in between (a counter went down)."""
+    if before is None or after is None or (after["ticks"] and not after["tick_seconds"]):
+        return None
+    if any(after[k] < before[k] for k in after):
+        return None
+    return {k: after[k] - before[k] for k in after}
 
 
 def format_concurrency(result: dict[str, Any]) -> str:

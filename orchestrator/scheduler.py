@@ -662,9 +662,11 @@ class Scheduler:
                     self._wake.wait(0.05 if self._prefilling or self._queue else 1.0)
                     self._wake.clear()
                     continue
-                self._tick(batch)
-                self.tick_s += wall() - w0
-                self.tick_cpu_s += cpu() - c0
+                try:
+                    self._tick(batch)
+                finally:   # (a tick that raised too: its exchanges are counted, so is it)
+                    self.tick_s += wall() - w0
+                    self.tick_cpu_s += cpu() - c0
             except Exception as e:  # noqa: BLE001 - a bug here must not hang every client
                 log.exception("scheduler tick failed")
                 for r in self._active:
@@ -1259,14 +1261,26 @@ class Scheduler:
     def _exchange(self, call: StreamCall, request, timeout: float | None):
         """``call.exchange(request, timeout)``, handing the tokens emitted so far to their streams
         once the request is sent (:meth:`_flush_events`), with its wall and CPU seconds on this
-        thread counted (``exchange_s``, ``exchange_cpu_s``: the orchestrator's own part of a tick
-        is the rest)."""
-        w0, c0 = time.perf_counter(), time.thread_time()
+        thread counted (``exchange_s``, ``exchange_cpu_s``) less the hand-over's, which is the
+        orchestrator's own work done while it waits: its own part of a tick is the loop's
+        seconds less these."""
+        wall, cpu = time.perf_counter, time.thread_time
+        handed = [0.0, 0.0]
+
+        def sent() -> None:
+            w, c = wall(), cpu()
+            try:
+                self._flush_events()
+            finally:
+                handed[0] += wall() - w
+                handed[1] += cpu() - c
+
+        w0, c0 = wall(), cpu()
         try:
-            return call.exchange(request, timeout, self._flush_events)
+            return call.exchange(request, timeout, sent)
         finally:
-            self.exchange_s += time.perf_counter() - w0
-            self.exchange_cpu_s += time.thread_time() - c0
+            self.exchange_s += wall() - w0 - handed[0]
+            self.exchange_cpu_s += cpu() - c0 - handed[1]
 
     def _demote(self, batch: list[Request]) -> list[str]:
         """The requests of ``batch`` that may draft, probes aside, decode plainly for the rest of

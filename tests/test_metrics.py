@@ -305,7 +305,8 @@ def test_render_frame():
 
 class _FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
     """Generates 5 tokens per request; GetStats grows by 10 tokens per call; Info has a scheduler
-    whose ``refeatures`` and ``admitted_plain`` counters grow by 1 and 2 per Info call."""
+    whose ``refeatures`` and ``admitted_plain`` counters grow by 1 and 2 per Info call (and its
+    ``tick_seconds`` by 0.5: a server that reports its counters)."""
 
     def __init__(self):
         self.calls = 0
@@ -342,7 +343,7 @@ class _FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
             target=common_pb2.ModelInfo(model_name="smol"), version="1",
             scheduler=generation_pb2.SchedulerStatus(active_sessions=2, queued_requests=1, max_sessions=4, max_queue=8,
                                                      ticks=9, mean_batch=1.5, tree_budget_now=8, drafting=True,
-                                                     refeatures=n, admitted_plain=2 * n))
+                                                     refeatures=n, admitted_plain=2 * n, tick_seconds=0.5 * n))
 
 
 @pytest.fixture(scope="module")
@@ -356,7 +357,7 @@ def test_info_scheduler(fake):
     n = info.scheduler.refeatures
     assert n >= 1 and info.scheduler == SchedulerStatus(
         active_sessions=2, queued_requests=1, max_sessions=4, max_queue=8, ticks=9, mean_batch=1.5, tree_budget_now=8,
-        drafting=True, draft_fallbacks=0, refeatures=n, admitted_plain=2 * n)
+        drafting=True, draft_fallbacks=0, refeatures=n, admitted_plain=2 * n, tick_seconds=0.5 * n)
     assert "scheduler: 2/4 sessions, 1/8 queued" in info.format()
     json.dumps(info.to_dict())
 
@@ -420,6 +421,16 @@ def test_run_concurrency(fake, monkeypatch):
         for r in rows:
             assert r["scheduler"]["refeatures"] == 1 and r["scheduler"]["admitted_plain"] == 2
             assert r["scheduler"]["ticks"] == 0 and set(r["scheduler"]) == set(SchedulerStatus.COUNTERS)
+    # nothing is made of readings that say nothing: one failed, a server that does not report the
+    # counters (it ticked, no tick seconds: zeros by proto3's defaults), a restart in between
+    from bench.serving import _counted
+
+    now = {k: 0.0 for k in SchedulerStatus.COUNTERS}
+    later = dict(now, ticks=40, tick_seconds=0.2, refeatures=3)
+    assert _counted(now, later) == dict(now, ticks=40, tick_seconds=0.2, refeatures=3)
+    assert _counted(None, later) is None and _counted(now, None) is None
+    assert _counted(now, dict(later, tick_seconds=0.0)) is None
+    assert _counted(later, dict(later, ticks=5, tick_seconds=0.01)) is None
     table = format_concurrency(res)
     assert "spec" in table and "streams" in table and "TTFT p50" in table
     # more streams than a client process runs: spread over client processes, the same accounting

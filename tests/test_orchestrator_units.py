@@ -955,3 +955,43 @@ def test_a_hop_prefill_the_scheduler_stops_waiting_for_is_cancelled_and_released
         futures[0].result(5)
     assert e.value.code() == grpc.StatusCode.CANCELLED
     assert "s1" in Target.stub.Release.released
+
+
+def test_exchange_seconds_leave_out_the_hand_over_and_count_a_failed_exchange():
+    """Scheduler._exchange counts an exchange's wall and CPU seconds (SchedulerStatus
+    exchange_seconds ...) without the hand-over of tokens it runs once the request is sent
+    (_flush_events: the orchestrator's own work), and counts an exchange that raised too."""
+    from dflash_grpc.v1 import common_pb2
+    from orchestrator.scheduler import Scheduler
+
+    class Target:
+        def info(self):
+            return common_pb2.ModelInfo(device="cpu", max_sessions=4)
+
+    class NoDraft:
+        address = None
+
+    class Call:
+        def __init__(self, fail):
+            self.fail = fail
+
+        def exchange(self, request, timeout, on_sent):
+            on_sent()
+            time.sleep(0.05)   # (the peer's answer)
+            if self.fail:
+                raise RuntimeError("stream broke")
+            return "reply"
+
+    sched = Scheduler(Target(), NoDraft(), max_sessions=2)
+    try:
+        # a long hand-over on this thread (the scheduler's own idle loop forces flushes: left quick)
+        sched._flush_events = lambda force=False: None if force else time.sleep(0.2)
+        assert sched._exchange(Call(False), None, 1.0) == "reply"
+        first = sched.exchange_s
+        assert 0.05 <= first < 0.2   # the answer's wait, not the hand-over's
+        with pytest.raises(RuntimeError):
+            sched._exchange(Call(True), None, 1.0)
+        assert 0.1 <= sched.exchange_s < 0.4 and sched.exchange_s - first >= 0.05
+        assert sched.status().exchange_seconds == sched.exchange_s
+    finally:
+        sched.stop(timeout=1.0, release_timeout=0.1)

@@ -316,6 +316,7 @@ def test_a_burst_is_judged_as_the_batch_it_makes(tiny_llama, tiny_drafter):
             sched.submit(r)
         outs = [_tokens(r) for r in reqs]
         assert policy.admissions == {DRAFT: 0, PLAIN: 3}
+        assert sched.admitted_plain == 3 == sched.status().admitted_plain   # (counted as the always policy's are)
         assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 12
 
 

@@ -286,15 +286,21 @@ def test_gc_pauses_counts_each_generation_and_logs_long_ones(caplog):
     now = [0.0]
     pauses = serving.GcPauses("draft", clock=lambda: now[0])
     caplog.set_level(logging.INFO, logger="dflash_grpc.gc")
-    for gen, took in ((0, 0.0001), (2, 0.05), (2, 0.02), (1, serving.GC_PAUSE_LOG_S / 2)):
+    for gen, took in ((0, 0.0001), (2, serving.GC_PAUSE_WARN_S), (2, 0.02), (1, serving.GC_PAUSE_LOG_S / 2)):
         pauses("start", {"generation": gen})
         now[0] += took
         pauses("stop", {"generation": gen, "collected": 7})
     pauses("stop", {"generation": 0, "collected": 0})   # (no start: not counted)
     assert pauses.count == [1, 1, 2]
     assert pauses.longest_s == [pytest.approx(0.0001), pytest.approx(serving.GC_PAUSE_LOG_S / 2), pytest.approx(0.05)]
-    logged = [(r.service, r.generation, r.ms) for r in caplog.records if r.name == "dflash_grpc.gc"]
-    assert logged == [("draft", 2, 50.0), ("draft", 2, 20.0)]
+    logged = [(r.levelname, r.service, r.generation, r.ms) for r in caplog.records if r.name == "dflash_grpc.gc"]
+    assert logged == [("WARNING", "draft", 2, serving.GC_PAUSE_WARN_S * 1e3), ("INFO", "draft", 2, 20.0)]
+    # a hook that cannot log (the interpreter shutting down) does not raise
+    pauses._log = None
+    pauses("start", {"generation": 2})
+    now[0] += 1.0
+    pauses("stop", {"generation": 2, "collected": 0})
+    assert pauses.count[2] == 3
 
 
 def test_freeze_heap_freezes_once_started_and_can_be_turned_off():
@@ -304,7 +310,7 @@ def test_freeze_heap_freezes_once_started_and_can_be_turned_off():
     process: freezing is process-wide."""
     code = ("import gc; from dflash_grpc import serving as s; r = s.freeze_heap(); s.freeze_heap(); "
             "print(r, gc.get_freeze_count() > 0, gc.callbacks.count(s.gc_pauses) if s.gc_pauses else 0)")
-    for env, want in (({}, "True True 1"), ({"DFLASH_GC_FREEZE": "0"}, "False False 1")):
+    for env, want in (({"DFLASH_GC_FREEZE": "1"}, "True True 1"), ({"DFLASH_GC_FREEZE": "0"}, "False False 1")):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                              env={**os.environ, **env})
         assert out.returncode == 0, out.stderr[-2000:]

@@ -130,15 +130,21 @@ def tune_malloc() -> bool:
     return bool(mallopt(m_mmap_threshold, MALLOC_MMAP_THRESHOLD)) and bool(mallopt(m_trim_threshold, MALLOC_TRIM_THRESHOLD))
 
 
-#: A garbage collection at least this long is logged (info) by :func:`freeze_heap`'s watch, seconds.
+#: A garbage collection at least this long is logged by :func:`freeze_heap`'s watch (info), seconds ...
 GC_PAUSE_LOG_S = 0.01
+#: ... and at least this long, as a warning: the Propose deadline's floor (``--draft-deadline-min-ms``),
+#: which a pause of the draft service this long can make a Propose miss
+GC_PAUSE_WARN_S = 0.05
 
 
 class GcPauses:
     """The cyclic garbage collector's pauses in this process, as ``gc.callbacks`` reports them:
-    per generation (0, 1, 2) the collections and the longest, in seconds; each collection of at
-    least :data:`GC_PAUSE_LOG_S` is logged (info: the service's ``name``, generation, milliseconds,
-    objects collected). ``clock`` is the time source (seconds; :func:`time.perf_counter`)."""
+    per generation (0, 1, 2) the collections and the longest, in seconds (a pause is the
+    collection's wall time: other threads may run while finalisers release the GIL); each
+    collection of at least :data:`GC_PAUSE_LOG_S` is logged, at info, or as a warning from
+    :data:`GC_PAUSE_WARN_S` (the service's ``name``, generation, milliseconds, objects collected).
+    ``clock`` is the time source (seconds; :func:`time.perf_counter`). The hook never raises (it
+    may run while the interpreter shuts down)."""
 
     def __init__(self, name: str = "", clock: Callable[[], float] = time.perf_counter):
         self.name = name
@@ -146,6 +152,7 @@ class GcPauses:
         self.count = [0, 0, 0]
         self.longest_s = [0.0, 0.0, 0.0]
         self._start: float | None = None
+        self._log = logging.getLogger("dflash_grpc.gc")
 
     def __call__(self, phase: str, info: dict) -> None:
         """The ``gc.callbacks`` hook: ``phase`` "start" or "stop", ``info`` its ``generation`` and
@@ -155,15 +162,18 @@ class GcPauses:
             return
         if self._start is None:
             return
-        took, self._start = self.clock() - self._start, None
-        gen = min(int(info.get("generation", 2)), 2)
-        self.count[gen] += 1
-        self.longest_s[gen] = max(self.longest_s[gen], took)
-        if took >= GC_PAUSE_LOG_S:
-            logging.getLogger("dflash_grpc.gc").info(
-                "garbage collection paused this process", extra={"service": self.name, "generation": gen,
-                                                                "ms": round(took * 1e3, 2),
-                                                                "collected": info.get("collected", 0)})
+        try:
+            took, self._start = self.clock() - self._start, None
+            gen = min(int(info.get("generation", 2)), 2)
+            self.count[gen] += 1
+            self.longest_s[gen] = max(self.longest_s[gen], took)
+            if took >= GC_PAUSE_LOG_S:
+                self._log.log(logging.WARNING if took >= GC_PAUSE_WARN_S else logging.INFO,
+                              "garbage collection paused this process",
+                              extra={"service": self.name, "generation": gen, "ms": round(took * 1e3, 2),
+                                     "collected": info.get("collected", 0)})
+        except Exception:  # noqa: BLE001 - a collector hook must not raise (logging may be gone at exit)
+            pass
 
 
 #: this process's :class:`GcPauses` once :func:`freeze_heap` has run
@@ -171,10 +181,11 @@ gc_pauses: GcPauses | None = None
 
 
 def freeze_heap(name: str = "") -> bool:
-    """Move every object alive now (the loaded modules, the model, the captured graphs' Python
-    side) into the collector's permanent generation (``gc.freeze``), so that no later collection
-    walks them, and watch the collector's pauses (:class:`GcPauses` of service ``name``, kept in
-    :data:`gc_pauses`).
+    """Collect once, then move every object alive (the loaded modules, the model, the captured
+    graphs' Python side) into the collector's permanent generation (``gc.freeze``), so that no
+    later collection walks them; then watch the collector's pauses (:class:`GcPauses` of service
+    ``name``, kept in :data:`gc_pauses`, removed at exit). Objects frozen here that later become
+    cyclic garbage are never collected: start-up's objects live as long as the service anyway.
 
     Why: a full (generation 2) collection walks every tracked object, and a service's startup
     leaves a few hundred thousand (torch, triton, grpc, protobuf, the model): 70 ms a collection
@@ -185,19 +196,22 @@ def freeze_heap(name: str = "") -> bool:
     most runs, which re-created every drafter session and left speculation at 0.6x plain decoding
     for the level (``benchmarks/gpu/concurrency/run29-128``, ``run29-gc``). With the heap frozen no
     draft or target collection reached 10 ms while serving, the orchestrator's longest was 14 ms,
-    and no deadline was missed (``run29-gc``). vLLM freezes its heap after capturing its graphs
-    for the same reason. Called once by :func:`serve_forever`, after a service's start and
-    before it serves; ``DFLASH_GC_FREEZE=0`` leaves the heap as it is (for measuring; the pauses
-    are still watched). Returns whether it froze."""
+    and no deadline was missed (``run29-gc``, where the watch also logged the start-up collection
+    this function makes; it no longer watches that one). vLLM freezes its heap after capturing its
+    graphs for the same reason. Called once by :func:`serve_forever`, when a service has started
+    and before it prints ``READY`` (its server already answers by then);
+    ``DFLASH_GC_FREEZE=0`` leaves the heap as it is (for measuring; the pauses are still
+    watched). Returns whether it froze."""
     global gc_pauses
+    froze = os.environ.get("DFLASH_GC_FREEZE", "1") != "0"
+    if froze:
+        gc.collect()
+        gc.freeze()
     if gc_pauses is None:
         gc_pauses = GcPauses(name)
         gc.callbacks.append(gc_pauses)
-    if os.environ.get("DFLASH_GC_FREEZE", "1") == "0":
-        return False
-    gc.collect()
-    gc.freeze()
-    return True
+        atexit.register(lambda hook=gc_pauses: hook in gc.callbacks and gc.callbacks.remove(hook))
+    return froze
 
 
 #: Worker threads :func:`make_server` keeps for unary calls on top of ``max_workers``.
