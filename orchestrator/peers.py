@@ -758,14 +758,19 @@ class HopFuture:
 class DraftDeadline:
     """How long one Propose exchange may take before the drafter counts as failed.
 
-    ``timeout = clamp(factor x expected, min_s, max_s) + extra_rows x row_s``, at most ``cap_s``,
-    where ``expected`` is the exponential moving average (weight ``alpha``) of the round trips
+    ``timeout = max(clamp(factor x expected, min_s, max_s), min(held_rows x row_s, max_s)) +
+    extra_rows x row_s``, at most ``cap_s``, where ``expected`` is the exponential moving average (weight ``alpha``) of the round trips
     of successful steady exchanges, scaled up by ``items / (their mean items)`` when an exchange
     carries more items than they did (the reference engine's step grows with the batch; the
     batched one barely does, so this only errs long). Before any measurement ``expected`` is
     unknown and the clamp gives ``max_s``. ``extra_rows`` are feature rows beyond a step's worth
     (new or re-created drafter sessions: a prompt or recomputed rows), each allowed ``row_s``
-    more, as those exchanges take longer than a step and are not measured.
+    more, as those exchanges take longer than a step and are not measured. ``held_rows`` are the
+    rows the drafter already holds for the exchange's sessions: a miss re-creates every one of
+    them from rows the target recomputes (docs/ARCHITECTURE.md, "Drafter deadlines and circuit
+    breaker"), so the deadline waits as long as that recovery would take at ``row_s`` a row (up to
+    ``max_s``) before it calls the drafter failed: under load a pause shorter than the recovery
+    no longer sets it off.
 
     Args:
         factor: deadline in measured round trips; 0 turns the deadline off (``cap_s`` only).
@@ -783,15 +788,16 @@ class DraftDeadline:
         self.step_s: float | None = None  # moving average of steady round trips, seconds
         self.items = 1.0                  # moving average of their items
 
-    def timeout(self, items: int = 1, extra_rows: int = 0) -> float | None:
-        """Seconds the next exchange of ``items`` items carrying ``extra_rows`` extra feature rows
-        may take (None: no limit)."""
+    def timeout(self, items: int = 1, extra_rows: int = 0, held_rows: int = 0) -> float | None:
+        """Seconds the next exchange of ``items`` items carrying ``extra_rows`` extra feature rows,
+        for sessions holding ``held_rows`` rows on the drafter, may take (None: no limit)."""
         if self.factor <= 0:
             return self.cap_s
         if self.step_s is None:
             t = self.max_s
         else:
             t = min(self.max_s, max(self.min_s, self.factor * self.step_s * max(1.0, items / self.items)))
+        t = max(t, min(self.max_s, held_rows * self.row_s))   # (never a recovery dearer than the wait)
         t += extra_rows * self.row_s
         return t if self.cap_s is None else min(t, self.cap_s)
 

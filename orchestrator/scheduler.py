@@ -1370,6 +1370,7 @@ class Scheduler:
         extra_rows = 0  # feature rows beyond a step's worth (new or re-created sessions)
         resync_rows = 0  # those of re-created sessions being re-created now (a drafter restart, a refused item)
         extra_bytes = 0  # their bytes (RESYNC_BYTES)
+        held_rows = 0   # rows the drafter holds for the asked sessions (a miss recomputes them all)
         max_context, n, step_nodes = self.info.max_context, len(batch), self.step_nodes
         shares: dict[tuple[int, int], int] = {}   # adaptive_budget of this tick, by (want, min_nodes)
         tree_nodes: dict[int, int] = {}   # (the same, for a tree of each budget: read per item)
@@ -1405,6 +1406,8 @@ class Scheduler:
                     self.no_drafter_slot += 1
                     continue  # no drafter slot free: this request decodes plainly this tick
                 room -= 1
+            else:
+                held_rows += r.rows_from   # (the rows it was last sent up to)
             # the rows it lacks: [rows_from, L), from 0 for a new or re-created session (history
             # entries are never empty: _keep; one entry, the common case, is sent as is)
             history = r.history
@@ -1432,7 +1435,7 @@ class Scheduler:
         if not who:
             return {}, 0.0, unmeasured
         as_columns = len(who) >= COLUMNS_FROM and COLUMNAR in drafter.model.features
-        timeout = self.deadline.timeout(len(who), extra_rows)
+        timeout = self.deadline.timeout(len(who), extra_rows, held_rows)
         if timeout is not None:
             metrics.set_draft_deadline(timeout)
         t0 = time.perf_counter()

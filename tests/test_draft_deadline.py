@@ -65,6 +65,22 @@ def test_deadline_grows_with_more_items_and_extra_rows_and_is_capped():
     assert off.timeout(3, 100) == 120.0                 # factor 0: no drafter deadline but the cap
 
 
+def test_deadline_waits_as_long_as_a_miss_would_cost_to_recover_up_to_the_maximum():
+    """A miss re-creates every asked session from recomputed rows: the deadline is at least the
+    rows the drafter holds for them at the row allowance, never past the maximum; extra rows
+    come on top, the cap bounds all."""
+    d = DraftDeadline(factor=4, min_s=0.05, max_s=0.5, row_s=50e-6, cap_s=2.0)
+    d.observe(0.006, items=64)
+    assert d.timeout(64) == pytest.approx(0.05)                         # the floor: 4 x 6 ms < 50 ms
+    assert d.timeout(64, held_rows=300) == pytest.approx(0.05)          # one stream's context: 15 ms
+    assert d.timeout(64, held_rows=4000) == pytest.approx(0.2)          # 4,000 rows at 50 us
+    assert d.timeout(64, held_rows=64 * 300) == pytest.approx(0.5)      # 64 sessions: up to the maximum
+    assert d.timeout(64, extra_rows=1000, held_rows=4000) == pytest.approx(0.25)
+    assert d.timeout(64, extra_rows=10**6, held_rows=4000) == 2.0       # the cap
+    off = DraftDeadline(factor=0, min_s=0.05, max_s=0.5, row_s=50e-6, cap_s=120.0)
+    assert off.timeout(64, held_rows=10**6) == 120.0                   # no deadline: the cap alone
+
+
 def test_deadline_maximum_and_row_allowance_follow_the_drafter_device():
     from orchestrator.config import OrchestratorConfig as C
 
