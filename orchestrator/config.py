@@ -119,7 +119,9 @@ class OrchestratorConfig:
         0.0, "most Propose deadline (ms), and the deadline before a round trip is measured "
         f"(0: {DRAFT_DEADLINE_MS_CUDA:g} for a CUDA drafter, {DRAFT_DEADLINE_MS_CPU:g} for a CPU one)")
     draft_deadline_row_us: float = setting(
-        0.0, "more Propose deadline per feature row of a new or recreated drafter session (a prompt or recomputed rows) "
+        0.0, "more Propose deadline per feature row of a new or recreated drafter session (a prompt or recomputed rows), "
+        "and the least deadline per row the drafter holds for the asked sessions (a miss recomputes them all; at most "
+        "--draft-deadline-ms) "
         f"(us; 0: {DRAFT_ROW_US_CUDA:g} for a CUDA drafter, {DRAFT_ROW_US_CPU:g} for a CPU one)")
     stream_interval_ms: float = setting(
         0.0, "most milliseconds a request's tokens wait to be streamed: tokens of the ticks within this interval go "
