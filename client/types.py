@@ -355,6 +355,11 @@ class ServiceInfo:
             lines.append(f"scheduler: {s.active_sessions}/{s.max_sessions} sessions, {s.queued_requests}/{s.max_queue} queued, "
                          f"{s.ticks} ticks, mean batch {s.mean_batch:.2f}, tree budget {s.tree_budget_now}, "
                          f"drafting {'yes' if s.drafting else 'no'}, fallbacks {s.draft_fallbacks}")
+            counted = [(s.draft_deadline_misses, "Propose deadlines missed"), (s.refeatures, "drafter sessions recomputed"),
+                       (s.drafter_sessions_given_up, "given up"), (s.admitted_plain, "requests started plainly"),
+                       (s.demoted, "demoted"), (s.no_drafter_slot, "items without a drafter slot")]
+            if any(n for n, _ in counted):
+                lines.append("           since start: " + ", ".join(f"{n} {what}" for n, what in counted if n))
         return "\n".join(lines)
 
 

@@ -13,7 +13,7 @@ from dflash_grpc.service_metrics import StepLoopCollector, pool_usage
 from dflash_grpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from client import AcceptanceStats, Client, SchedulerStatus
+from client import AcceptanceStats, Client, SchedulerStatus, ServiceInfo
 from bench.serving import format_concurrency, parse_levels, run_concurrency, write_png
 from client.cli import main
 from client.watch import render_frame, tokens_per_second
@@ -359,6 +359,9 @@ def test_info_scheduler(fake):
         active_sessions=2, queued_requests=1, max_sessions=4, max_queue=8, ticks=9, mean_batch=1.5, tree_budget_now=8,
         drafting=True, draft_fallbacks=0, refeatures=n, admitted_plain=2 * n, tick_seconds=0.5 * n)
     assert "scheduler: 2/4 sessions, 1/8 queued" in info.format()
+    # the counters since start that are not 0, on a line of their own
+    assert f"since start: {n} drafter sessions recomputed, {2 * n} requests started plainly" in info.format()
+    assert "since start" not in ServiceInfo(target=info.target, drafter=info.drafter).format()
     json.dumps(info.to_dict())
 
 
