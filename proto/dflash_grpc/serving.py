@@ -188,9 +188,10 @@ def freeze_heap(name: str = "") -> bool:
     cyclic garbage are never collected: start-up's objects live as long as the service anyway.
 
     Why: a full (generation 2) collection walks every tracked object, and a service's startup
-    leaves a few hundred thousand (torch, triton, grpc, protobuf, the model): 70 ms a collection
-    on this repo's CPU box after the imports alone. Under load some young objects of the ticks
-    survive into generation 2, and now and then a full collection runs in the middle of a step:
+    leaves a few hundred thousand (torch, triton, grpc, protobuf, the model): 63-99 ms a
+    collection on this repo's CPU box after the imports alone (193,000 objects;
+    ``benchmarks/cpu-gc``). Under load some young objects of the ticks survive into generation
+    2, and now and then a full collection runs in the middle of a step:
     140-224 ms in the draft and target services and 38-58 ms in the orchestrator on an H200 host.
     At 128 streams one such pause in the draft service made a Propose miss its 50 ms deadline in
     most runs, which re-created every drafter session and left speculation at 0.6x plain decoding
